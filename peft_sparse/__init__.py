@@ -1,0 +1,25 @@
+"""peft_sparse: sparse, composable fine-tuning as first-class PEFT methods.
+
+Importing this package registers every method with PEFT, so ``get_peft_model``,
+``PeftModel.from_pretrained`` and ``PeftConfig.from_pretrained`` work for them as for LoRA.
+"""
+
+from . import registry
+from .core.compose import convert_config, load_sparse_adapter, merge_sparse_adapters
+from .core.config import SparseConfig
+from .core.layer import SparseLayer
+from .methods.sft import SparseFTConfig, SparseFTModel
+
+registry.register("sft", SparseFTConfig, SparseFTModel)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SparseConfig",
+    "SparseFTConfig",
+    "SparseFTModel",
+    "SparseLayer",
+    "convert_config",
+    "load_sparse_adapter",
+    "merge_sparse_adapters",
+]

@@ -1,0 +1,1 @@
+"""The one sparse core every method stands on: budget, autograd, layer, tuner, composition."""

@@ -1,0 +1,196 @@
+"""Fields shared by every sparse method: targeting, budget, seed and the dtype of the values."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Optional, Union
+
+import torch
+from peft.config import PeftConfig
+
+VALUES_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+def dtype_name(dtype: Union[str, torch.dtype]) -> str:
+    if isinstance(dtype, torch.dtype):
+        for name, value in VALUES_DTYPES.items():
+            if value == dtype:
+                return name
+        raise ValueError(f"values_dtype={dtype} is not supported; use one of {sorted(VALUES_DTYPES)}")
+    name = str(dtype).removeprefix("torch.")
+    if name not in VALUES_DTYPES:
+        raise ValueError(f"values_dtype={dtype!r} is not supported; use one of {sorted(VALUES_DTYPES)}")
+    return name
+
+
+@dataclass
+class SparseConfig(PeftConfig):
+    """Base configuration of a sparse delta :math:`\\theta' = \\theta + \\mathrm{scatter}(\\eta, \\phi)`.
+
+    Exactly one of ``density`` and ``num_tunable_weights`` sets the budget. It is split over the
+    targeted tensors in proportion to their size (the same density everywhere) and the exact
+    per-module counts are recorded in ``tunable_weights_per_module`` when the adapter is created, so a
+    saved config rebuilds tensors of identical shapes.
+    """
+
+    # PEFT's target matching reads this attribute; sparse methods target modules, never bare parameters.
+    target_parameters = None
+
+    target_modules: Optional[Union[list[str], str]] = field(
+        default=None,
+        metadata={
+            "help": (
+                "Names of the modules to adapt, as in LoRA: a list matched exactly or as a suffix "
+                "(e.g. ['q_proj', 'v_proj']), a regex string, or 'all-linear'. None uses PEFT's LoRA "
+                "defaults for the architecture."
+            )
+        },
+    )
+    exclude_modules: Optional[Union[list[str], str]] = field(
+        default=None, metadata={"help": "Module names or a regex to leave out, as in LoRA."}
+    )
+    layers_to_transform: Optional[Union[list[int], int]] = field(
+        default=None, metadata={"help": "Only adapt these layer indices, as in LoRA."}
+    )
+    layers_pattern: Optional[Union[list[str], str]] = field(
+        default=None,
+        metadata={"help": "Name of the layer list used with layers_to_transform (e.g. 'layers'), as in LoRA."},
+    )
+    modules_to_save: Optional[list[str]] = field(
+        default=None,
+        metadata={"help": "Modules trained densely and saved with the adapter (e.g. a new classifier head)."},
+    )
+    density: Optional[float] = field(
+        default=None,
+        metadata={"help": "Fraction of the targeted weights that are tunable, in (0, 1]. Exclusive with num_tunable_weights."},
+    )
+    num_tunable_weights: Optional[int] = field(
+        default=None,
+        metadata={"help": "Exact total number of tunable weights over all targeted modules. Exclusive with density."},
+    )
+    init: Union[str, Callable] = field(
+        default="random",
+        metadata={
+            "help": (
+                "How the initial indices are chosen. 'external' marks indices that only a saved adapter file "
+                "provides (a callable importance function, a composition, a lottery-ticket selection); such a "
+                "config needs its adapter weights loaded before use. Other choices depend on the method."
+            )
+        },
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of the initial index selection (per module, order-independent)."})
+    values_dtype: str = field(
+        default="float32",
+        metadata={"help": "dtype of the trainable values φ: float32 (default), bfloat16, float16 or float64."},
+    )
+    tunable_weights_per_module: Optional[dict[str, int]] = field(
+        default=None,
+        metadata={
+            "help": (
+                "Exact number of tunable weights per adapted module, filled in when the adapter is created and "
+                "saved with it so that a reload rebuilds identical shapes. Leave unset when creating an adapter."
+            )
+        },
+    )
+
+    #: string choices of ``init`` besides "external"; whether a callable importance function is accepted
+    init_choices: ClassVar[tuple[str, ...]] = ("random",)
+    init_accepts_callable: ClassVar[bool] = False
+
+    module_shapes: Optional[dict[str, list[int]]] = field(
+        default=None,
+        metadata={
+            "help": (
+                "Logical (out_features, in_features) of every adapted module, recorded with the counts so that an "
+                "adapter file is checked against the model it is loaded into. Leave unset when creating an adapter."
+            )
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.values_dtype = dtype_name(self.values_dtype)
+        if callable(self.init):
+            if not self.init_accepts_callable:
+                raise ValueError(f"{type(self).__name__} does not accept a callable init, got init={self.init!r}")
+        elif self.init not in (*self.init_choices, "external"):
+            raise ValueError(f"init must be one of {[*self.init_choices, 'external']}, got init={self.init!r}")
+        if isinstance(self.target_modules, list):
+            self.target_modules = set(self.target_modules)
+        if isinstance(self.exclude_modules, list):
+            self.exclude_modules = set(self.exclude_modules)
+        if (self.density is None) == (self.num_tunable_weights is None):
+            raise ValueError(
+                "give exactly one of density and num_tunable_weights, got "
+                f"density={self.density!r} and num_tunable_weights={self.num_tunable_weights!r}"
+            )
+        if self.density is not None:
+            if isinstance(self.density, bool) or not isinstance(self.density, (int, float)):
+                raise ValueError(f"density must be a number in (0, 1], got density={self.density!r}")
+            if not 0.0 < float(self.density) <= 1.0:
+                raise ValueError(f"density must be in (0, 1], got density={self.density!r}")
+            self.density = float(self.density)
+        if self.num_tunable_weights is not None:
+            if isinstance(self.num_tunable_weights, bool) or not isinstance(self.num_tunable_weights, int):
+                raise ValueError(
+                    f"num_tunable_weights must be a positive integer, got num_tunable_weights={self.num_tunable_weights!r}"
+                )
+            if self.num_tunable_weights <= 0:
+                raise ValueError(
+                    f"num_tunable_weights must be a positive integer, got num_tunable_weights={self.num_tunable_weights!r}"
+                )
+        if self.layers_pattern and self.layers_to_transform is None:
+            raise ValueError(
+                f"layers_pattern={self.layers_pattern!r} is only used together with layers_to_transform, which is None"
+            )
+        if self.tunable_weights_per_module is not None:
+            for name, count in self.tunable_weights_per_module.items():
+                if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                    raise ValueError(
+                        f"tunable_weights_per_module[{name!r}]={count!r} must be a non-negative integer"
+                    )
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got seed={self.seed!r}")
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        if callable(self.init):  # a function is not serialized: the saved indices stand for it
+            out["init"] = "external"
+        return out
+
+    @property
+    def torch_values_dtype(self) -> torch.dtype:
+        return VALUES_DTYPES[self.values_dtype]
+
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        """Granularity of selection; (1, 1) means unstructured. Methods with blocks override the field."""
+        return (1, 1)
+
+    def sparse_fields(self) -> dict:
+        """The fields every sparse config shares, e.g. to re-express an adapter as another sparse type."""
+        names = [
+            "target_modules", "exclude_modules", "layers_to_transform", "layers_pattern", "modules_to_save",
+            "seed", "values_dtype", "tunable_weights_per_module", "module_shapes", "base_model_name_or_path", "revision",
+            "task_type", "inference_mode",
+        ]  # fmt: skip
+        out = {n: getattr(self, n) for n in names}
+        out["num_tunable_weights"] = sum(self.tunable_weights_per_module.values()) if self.tunable_weights_per_module else self.num_tunable_weights
+        out["density"] = None if out["num_tunable_weights"] is not None else self.density
+        return out
+
+
+def read_adapter_config(adapter_dir: Union[str, os.PathLike]) -> dict:
+    """The raw ``adapter_config.json`` of a saved adapter, with a clear error when it is missing."""
+    path = os.path.join(adapter_dir, "adapter_config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{adapter_dir!s} holds no adapter_config.json; is it an adapter directory?")
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,142 @@
+r"""Autograd for a linear layer with sparse deltas:
+
+.. math::
+    Y = X\,\big(W + \textstyle\sum_a \mathrm{scatter}(\eta_a, \phi_a)\big)^\top + b
+    \qquad \text{(thesis Eq. 7.2, 7.8)}
+
+``W`` is the frozen base weight in its logical (out, in) layout (dequantized for 4-bit layers).
+The merged weight exists only transiently: forward builds it, uses it and drops it; backward
+builds it again for ∂L/∂X. What is saved for backward is X, the indices and the values — never a
+tensor of W's size (the frozen base weight is looked up again through ``weight_fn``, not saved).
+
+∂L/∂φ_j = ((∂L/∂Y)ᵀ X)[η_j] (Eq. 7.4 / E.5). It is computed by :func:`kernels.value_gradient`
+(dense GEMM + gather, or SDDMM, chosen per layer) unless a *dense-gradient consumer* is armed on
+the layer: then dW is formed once, handed to the consumer (e.g. SpIEL-AG candidate statistics) and
+the value gradients are gathered from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Callable, Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from . import kernels
+
+
+class GradientHooks(Protocol):
+    """What the autograd function needs from the layer beyond tensors (implemented by ``SparseLayer``)."""
+
+    dense_grad_consumer: Optional[Callable[[object, torch.Tensor], None]]
+    dense_grad_count: int
+    value_grad_method: str
+
+
+def compose_weight(
+    weight: torch.Tensor, indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], dtype: torch.dtype, owned: bool
+) -> torch.Tensor:
+    """W + Σ scatter(η_a, φ_a) as a fresh contiguous (out, in) tensor of ``dtype``."""
+    merged = weight.to(dtype=dtype, memory_format=torch.contiguous_format, copy=not owned)
+    if not merged.is_contiguous():  # an owned but strided tensor
+        merged = merged.contiguous()
+    flat = merged.view(-1)
+    for idx, val in zip(indices, values):
+        flat.index_add_(0, idx, val.to(dtype))
+    return merged
+
+
+def _compute_dtype(x: torch.Tensor, weight_dtype: torch.dtype) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return weight_dtype
+
+
+class SparseDeltaLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, weight_fn, owned, hooks, n_adapters, *indices_and_values):
+        indices = indices_and_values[:n_adapters]
+        values = indices_and_values[n_adapters:]
+        weight = weight_fn()  # (out, in), frozen
+        dtype = _compute_dtype(x, weight.dtype)
+        merged = compose_weight(weight, indices, values, dtype, owned)  # transient (out, in)
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.linear(x.to(dtype), merged, None if bias is None else bias.to(dtype))  # (..., out)
+        del merged, weight
+        ctx.weight_fn, ctx.owned, ctx.hooks, ctx.n_adapters, ctx.dtype = weight_fn, owned, hooks, n_adapters, dtype
+        ctx.out_features, ctx.in_features = y.shape[-1], x.shape[-1]
+        ctx.save_for_backward(x, *indices, *values)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, *rest = ctx.saved_tensors
+        n = ctx.n_adapters
+        indices, values = rest[:n], rest[n:]
+        need_x, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_values = ctx.needs_input_grad[6 + n :]
+        dtype = ctx.dtype
+        g2 = grad_out.reshape(-1, ctx.out_features).to(dtype)  # (tokens, out)
+
+        grad_x = None
+        if need_x:
+            merged = compose_weight(ctx.weight_fn(), indices, values, dtype, ctx.owned)  # recomputed, transient
+            grad_x = g2.mm(merged).view(*x.shape[:-1], ctx.in_features).to(x.dtype)  # (..., in)
+            del merged
+
+        value_grads = [None] * n
+        if any(need_values):
+            x2 = x.reshape(-1, ctx.in_features).to(dtype)  # (tokens, in)
+            hooks = ctx.hooks
+            consumer = hooks.dense_grad_consumer if hooks is not None else None
+            if consumer is not None:
+                dW = kernels.dense_weight_gradient(g2, x2)  # (out, in), freed on return
+                hooks.dense_grad_count += 1
+                consumer(hooks, dW)
+                flat = dW.view(-1)
+                for a in range(n):
+                    if need_values[a]:
+                        value_grads[a] = flat[indices[a].long()].to(values[a].dtype)
+                del dW, flat
+            else:
+                method = hooks.value_grad_method if hooks is not None else "auto"
+                for a in range(n):
+                    if need_values[a]:
+                        value_grads[a] = kernels.value_gradient(
+                            g2, x2, indices[a], ctx.out_features, ctx.in_features, method
+                        ).to(values[a].dtype)
+
+        grad_bias = g2.sum(0).to(grad_out.dtype) if need_bias else None
+        return (grad_x, grad_bias, None, None, None, None, *([None] * n), *value_grads)
+
+
+def sparse_delta_linear(
+    x: torch.Tensor,
+    weight_fn: Callable[[], torch.Tensor],
+    bias: Optional[torch.Tensor],
+    indices: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    hooks: Optional[GradientHooks] = None,
+    owned: bool = False,
+) -> torch.Tensor:
+    """Y = X (W + Σ scatter(η_a, φ_a))ᵀ + b with a memory-lean backward.
+
+    ``weight_fn()`` returns the frozen logical (out, in) weight; ``owned=True`` says it returns a
+    fresh tensor (e.g. a dequantized copy) that may be modified in place.
+    """
+    return SparseDeltaLinear.apply(x, bias, weight_fn, owned, hooks, len(indices), *indices, *values)
+
+
+def sparse_delta_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    indices: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+) -> torch.Tensor:
+    """Plain-autograd version (keeps the merged weight for backward); used when W itself is trained."""
+    flat = weight.reshape(-1)
+    for idx, val in zip(indices, values):
+        flat = flat.index_add(0, idx, val.to(weight.dtype))
+    return F.linear(x.to(weight.dtype), flat.view_as(weight), bias)

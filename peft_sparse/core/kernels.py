@@ -1,0 +1,104 @@
+"""Value gradient of a sparse delta: ∂L/∂φ_j = (∂L/∂Y)ᵀ·X at (r_j, c_j) (thesis App. E.4, Eq. E.5).
+
+Two ways to get it, chosen per call by :func:`value_gradient`:
+
+* ``"dense"`` — form dW = (∂L/∂Y)ᵀ X with one GEMM, gather the active entries, free dW. Cheap when
+  the GEMM is efficient and the layer is small; transiently allocates one (out, in) tensor.
+* ``"sddmm"`` — a sampled dense-dense product: one dot product over tokens per active index, never
+  forming dW. :func:`sddmm_reference` is the portable torch version (chunked so its scratch memory is
+  bounded); a GPU kernel registers itself in ``SDDMM_KERNELS`` for its device type and takes over.
+
+The dense path is also the *seam* for gradient-estimation windows: when a consumer is armed on a
+layer, the layer calls :func:`dense_weight_gradient` itself and hands the dense dW to the consumer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+# device type → callable(grad_out2d, x2d, rows, cols) -> (nnz,) float32
+SDDMM_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
+
+# bytes of scratch memory the reference SDDMM may use per chunk
+_REFERENCE_CHUNK_BYTES = 64 * 2**20
+
+
+def dense_weight_gradient(grad_out2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+    """dW = (∂L/∂Y)ᵀ X in the logical (out, in) layout. grad_out2d: (tokens, out), x2d: (tokens, in)."""
+    return grad_out2d.t().mm(x2d)  # (out, in)
+
+
+def rows_cols(indices: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column of flat row-major indices into an (out, in) matrix."""
+    idx = indices.long()
+    return idx // in_features, idx % in_features
+
+
+def sddmm_reference(grad_out2d: torch.Tensor, x2d: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Σ_t grad_out2d[t, rows[j]] · x2d[t, cols[j]] for every j, accumulated in float32."""
+    tokens = grad_out2d.shape[0]
+    nnz = rows.numel()
+    out = torch.empty(nnz, dtype=torch.float32, device=grad_out2d.device)
+    chunk = max(1, _REFERENCE_CHUNK_BYTES // max(1, 8 * tokens))
+    g = grad_out2d.float()
+    x = x2d.float()
+    for start in range(0, nnz, chunk):
+        r = rows[start : start + chunk]
+        c = cols[start : start + chunk]
+        # (tokens, chunk) · (tokens, chunk) → (chunk,)
+        out[start : start + chunk] = (g.index_select(1, r) * x.index_select(1, c)).sum(0)
+    return out
+
+
+def sddmm(grad_out2d: torch.Tensor, x2d: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    kernel = SDDMM_KERNELS.get(grad_out2d.device.type)
+    if kernel is not None:
+        return kernel(grad_out2d, x2d, rows, cols)
+    return sddmm_reference(grad_out2d, x2d, rows, cols)
+
+
+class CostModel:
+    """Chooses ``"dense"`` or ``"sddmm"`` for a layer from its shape, token count and number of indices.
+
+    Times are modelled as ``flops / rate``: the dense path costs one GEMM of tokens·out·in
+    multiply-adds plus a gather; the SDDMM path costs tokens·nnz multiply-adds at a much lower rate
+    (no tensor-core reuse). ``sddmm_relative_rate`` is the SDDMM rate as a fraction of the GEMM
+    rate, measured per device (``benchmarks/``); the CPU value comes from the torch reference.
+    """
+
+    def __init__(self, sddmm_relative_rate: Optional[dict[str, float]] = None):
+        self.sddmm_relative_rate = {"cpu": 0.02, "cuda": 0.1}
+        if sddmm_relative_rate:
+            self.sddmm_relative_rate.update(sddmm_relative_rate)
+
+    def choose(self, device: torch.device, tokens: int, out_features: int, in_features: int, nnz: int) -> str:
+        rate = self.sddmm_relative_rate.get(device.type, 0.0)
+        if device.type not in SDDMM_KERNELS and device.type != "cpu":
+            rate = min(rate, self.sddmm_relative_rate["cpu"])
+        dense_cost = tokens * out_features * in_features
+        sddmm_cost = tokens * nnz / max(rate, 1e-12)
+        return "sddmm" if sddmm_cost < dense_cost else "dense"
+
+
+COST_MODEL = CostModel()
+
+
+def value_gradient(
+    grad_out2d: torch.Tensor,
+    x2d: torch.Tensor,
+    indices: torch.Tensor,
+    out_features: int,
+    in_features: int,
+    method: str = "auto",
+) -> torch.Tensor:
+    """∂L/∂φ for flat indices into the (out, in) matrix, float32, without keeping any W-sized tensor."""
+    if method == "auto":
+        method = COST_MODEL.choose(grad_out2d.device, grad_out2d.shape[0], out_features, in_features, indices.numel())
+    if method == "dense":
+        return dense_weight_gradient(grad_out2d, x2d).view(-1)[indices.long()].float()
+    if method == "sddmm":
+        rows, cols = rows_cols(indices, in_features)
+        return sddmm(grad_out2d, x2d, rows, cols)
+    raise ValueError(f"value-gradient method={method!r} is not one of 'auto', 'dense', 'sddmm'")

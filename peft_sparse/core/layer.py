@@ -1,0 +1,308 @@
+"""``SparseLayer``: one PEFT tuner layer for every sparse method and every supported base layer.
+
+Per adapter it holds
+
+* ``sparse_indices[name]`` — persistent buffer of flat, sorted, row-major indices into the
+  **logical (out_features, in_features) matrix**, int32 when the matrix has fewer than 2³¹ elements;
+* ``sparse_values[name]`` — the trainable values φ (a Parameter, float32 unless configured);
+* ``sparse_ages[name]`` — only for dynamic methods (SpIEL): optimizer step at which each index was
+  last grown, int32.
+
+The storage layout of the base layer never leaks into the indices: GPT-2 ``Conv1D`` stores
+(in, out) and bitsandbytes ``Linear4bit`` stores packed nf4 data, and both are translated here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import torch
+from peft.tuners._buffer_dict import BufferDict
+from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
+from peft.utils import resolve_quantization_backend
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from .functional import compose_weight, sparse_delta_linear, sparse_delta_linear_reference
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def is_bnb_4bit(module: nn.Module) -> bool:
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return False
+    return isinstance(module, bnb.nn.Linear4bit)
+
+
+def supported_base_layer(module: nn.Module) -> bool:
+    return isinstance(module, (nn.Linear, Conv1D)) or is_bnb_4bit(module)
+
+
+def logical_shape(module: nn.Module) -> tuple[int, int]:
+    """(out_features, in_features) of a supported base layer."""
+    if isinstance(module, Conv1D):
+        return module.nf, module.nx
+    return module.out_features, module.in_features
+
+
+def storage_positions(base: nn.Module, indices: torch.Tensor) -> torch.Tensor:
+    """Flat positions in the stored float weight of logical (out, in) flat indices (Conv1D stores the transpose)."""
+    idx = indices.long()
+    if isinstance(base, Conv1D):
+        out_features, in_features = logical_shape(base)
+        return (idx % in_features) * out_features + idx // in_features
+    return idx
+
+
+class _BareLayer:
+    """Adapter-less stand-in so quantization backends can requantize a plain base module."""
+
+    def __init__(self, module: nn.Module):
+        self._module = module
+
+    def get_base_layer(self) -> nn.Module:
+        return self._module
+
+
+def add_delta_to_base(
+    layer, indices: torch.Tensor, values: torch.Tensor, scale: float, *, safe: bool = False, what: str = "delta"
+) -> Optional[torch.Tensor]:
+    """θ ← θ + scale·scatter(η, φ) in the storage of ``layer`` (a SparseLayer or a bare supported module).
+
+    Float weights are updated in place at the affected positions only; the previous values there are
+    returned so the caller can restore them exactly. 4-bit weights are dequantized, updated and
+    requantized through PEFT's quantization backend (returns None).
+    """
+    base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
+    values = values.detach()
+    backend = resolve_quantization_backend(base)
+    if backend is not None:
+        if not backend.supports_merge:
+            raise TypeError(f"{backend.backend_name} layers cannot be merged")
+        weight = backend.get_base_weight(base)  # (out, in), fresh
+        weight.view(-1).index_add_(0, indices, (scale * values.float()).to(weight.dtype))
+        if safe and not torch.isfinite(weight).all():
+            raise ValueError(f"NaNs detected in the merged weights. The {what} seems to be broken")
+        backend.set_base_weight(layer if hasattr(layer, "get_base_layer") else _BareLayer(base), weight)
+        return None
+    idx = storage_positions(base, indices)
+    flat = base.weight.data.view(-1)
+    before = flat[idx]
+    after = (before.float() + scale * values.float()).to(flat.dtype)
+    if safe and not torch.isfinite(after).all():
+        raise ValueError(f"NaNs detected in the merged weights. The {what} seems to be broken")
+    flat[idx] = after
+    return before
+
+
+class SparseLayer(BaseTunerLayer):
+    adapter_layer_names = ("sparse_values",)
+    other_param_names = ("sparse_indices", "sparse_ages")
+
+    def __init__(self, base_layer: nn.Module, module_name: str) -> None:
+        self.base_layer = base_layer
+        self.module_name = module_name
+        self.sparse_values = nn.ParameterDict({})
+        self.sparse_indices = BufferDict(persistent=True)
+        self.sparse_ages = BufferDict(persistent=True)
+        self.values_dtype: dict[str, torch.dtype] = {}
+        self._disable_adapters = False
+        self.merged_adapters: list[str] = []
+        # base values at an adapter's positions before it was merged: unmerge restores them exactly
+        self._merge_backup: dict[str, torch.Tensor] = {}
+        # adapters whose indices are placeholders until a saved adapter is loaded over them
+        self._indices_pending: set[str] = set()
+        # seams of the autograd function (see functional.GradientHooks)
+        self.dense_grad_consumer = None
+        self.dense_grad_count = 0
+        self.value_grad_method = "auto"
+
+        base = self.get_base_layer()
+        self.quantization_backend = resolve_quantization_backend(base)
+        self.fan_in_fan_out = isinstance(base, Conv1D)
+        self.out_features, self.in_features = logical_shape(base)
+
+    # ----------------------------------------------------------------------------------- weights
+    @property
+    def numel(self) -> int:
+        return self.out_features * self.in_features
+
+    def logical_weight(self) -> torch.Tensor:
+        """The frozen base weight as an (out, in) tensor: a view for Linear/Conv1D, a dequantized copy for 4-bit."""
+        base = self.get_base_layer()
+        if self.quantization_backend is not None:
+            weight = self.quantization_backend.get_base_weight(base)
+            compute_dtype = getattr(base, "compute_dtype", None) or weight.dtype
+            return weight.to(compute_dtype)
+        weight = base.weight
+        return weight.t() if self.fan_in_fan_out else weight
+
+    def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
+        """The dense (out, in) delta scatter(η, φ) of one adapter, in the values' dtype."""
+        values = self.sparse_values[adapter_name]
+        delta = torch.zeros(self.numel, dtype=values.dtype, device=values.device)
+        delta.index_add_(0, self.sparse_indices[adapter_name], values.detach())
+        return delta.view(self.out_features, self.in_features)
+
+    # ----------------------------------------------------------------------------------- adapters
+    def update_layer(
+        self,
+        adapter_name: str,
+        indices: torch.Tensor,
+        values_dtype: torch.dtype,
+        inference_mode: bool = False,
+        with_ages: bool = False,
+        indices_pending: bool = False,
+    ) -> None:
+        """Add an adapter with the given sorted flat indices and zero values."""
+        device = self._base_device()
+        indices = indices.to(device=device, dtype=index_dtype(self.numel))
+        self.sparse_indices[adapter_name] = indices
+        self.sparse_values[adapter_name] = nn.Parameter(
+            torch.zeros(indices.numel(), dtype=values_dtype, device=device)
+        )
+        self.values_dtype[adapter_name] = values_dtype
+        if with_ages:
+            self.sparse_ages[adapter_name] = torch.zeros(indices.numel(), dtype=torch.int32, device=device)
+        if indices_pending:
+            self._indices_pending.add(adapter_name)
+        self.set_adapter(self.active_adapters, inference_mode=inference_mode)
+
+    def _base_device(self) -> torch.device:
+        base = self.get_base_layer()
+        return base.weight.device
+
+    def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device: Optional[torch.device] = None) -> None:
+        # Unlike PEFT's default, never cast: values keep their configured dtype, indices their integer dtype.
+        target = device if device is not None else self._base_device()
+        if target.type == "meta":
+            return
+        for name in self.adapter_layer_names + self.other_param_names:
+            container = getattr(self, name)
+            if adapter_name in container and container[adapter_name].device != target:
+                if container[adapter_name].device.type == "meta":
+                    continue
+                container[adapter_name] = container[adapter_name].to(target)
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        super().delete_adapter(adapter_name)
+        self.values_dtype.pop(adapter_name, None)
+        self._indices_pending.discard(adapter_name)
+
+    # ----------------------------------------------------------------------------------- merge
+    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+        adapter_names = check_adapters_to_merge(self, adapter_names)
+        for name in adapter_names:
+            if name in self.sparse_values:
+                self._check_ready(name)
+                self.add_scaled_delta(name, 1.0, safe=safe_merge, keep_backup=True)
+                self.merged_adapters.append(name)
+
+    def unmerge(self) -> None:
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.")
+            return
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            if name not in self.sparse_values:
+                continue
+            backup = self._merge_backup.pop(name, None)
+            if backup is not None:  # float weights: restore the exact pre-merge values
+                base = self.get_base_layer()
+                base.weight.data.view(-1)[storage_positions(base, self.sparse_indices[name])] = backup
+            else:
+                self.add_scaled_delta(name, -1.0)
+
+    def add_scaled_delta(self, adapter_name: str, scale: float, safe: bool = False, keep_backup: bool = False) -> None:
+        """θ ← θ + scale·scatter(η, φ) in the base layer's own storage (requantized for 4-bit)."""
+        backup = add_delta_to_base(
+            self,
+            self.sparse_indices[adapter_name],
+            self.sparse_values[adapter_name].detach(),
+            scale,
+            safe=safe,
+            what=f"adapter {adapter_name}",
+        )
+        if keep_backup and backup is not None:
+            self._merge_backup[adapter_name] = backup
+
+    # ----------------------------------------------------------------------------------- forward
+    def _check_ready(self, adapter_name: str) -> None:
+        if adapter_name in self._indices_pending:
+            raise RuntimeError(
+                f"{self.module_name}: adapter {adapter_name!r} has placeholder indices (its config has "
+                "init='external', i.e. indices that only a saved adapter file provides). Load the adapter "
+                "weights with PeftModel.from_pretrained or peft_sparse.load_sparse_adapter."
+            )
+        values = self.sparse_values[adapter_name]
+        wanted = self.values_dtype[adapter_name]
+        if values.dtype != wanted and values.device.type != "meta":
+            # Something outside PEFT's adapter API re-cast the values (TRL casts the trainable parameters of
+            # quantized models to bfloat16). Restore the configured dtype when that loses nothing, else refuse.
+            if torch.count_nonzero(values) == 0:
+                warnings.warn(
+                    f"{self.module_name}: values of adapter {adapter_name!r} were cast to {values.dtype} outside "
+                    f"peft_sparse; restored the configured values_dtype {wanted} (they were all zero, nothing lost)."
+                )
+                values.data = values.data.to(wanted)
+            else:
+                raise RuntimeError(
+                    f"{self.module_name}: values of adapter {adapter_name!r} were cast to {values.dtype} outside "
+                    f"peft_sparse but the adapter's values_dtype is {wanted}; precision may already be lost. "
+                    f"Set values_dtype='{str(values.dtype).removeprefix('torch.')}' in the config, or stop the cast."
+                )
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        if self.merged:
+            return self.base_layer(x, *args, **kwargs)
+        active = [a for a in self.active_adapters if a in self.sparse_values]
+        if not active:
+            return self.base_layer(x, *args, **kwargs)
+        for name in active:
+            self._check_ready(name)
+        base = self.get_base_layer()
+        indices = [self.sparse_indices[a] for a in active]
+        values = [self.sparse_values[a] for a in active]
+        if self.quantization_backend is None and base.weight.requires_grad:
+            # the base weight itself is being trained: let autograd keep what it needs
+            return sparse_delta_linear_reference(x, self.logical_weight(), base.bias, indices, values)
+        y = sparse_delta_linear(
+            x, self.logical_weight, base.bias, indices, values, hooks=self, owned=self.quantization_backend is not None
+        )
+        return y.to(x.dtype) if self.quantization_backend is not None else y
+
+    def merged_weight(self, adapter_names: Optional[list[str]] = None) -> torch.Tensor:
+        """W + Σ scatter(η, φ) over the given (default: active) adapters, as a new (out, in) tensor."""
+        names = adapter_names if adapter_names is not None else [a for a in self.active_adapters if a in self.sparse_values]
+        weight = self.logical_weight()
+        return compose_weight(
+            weight,
+            [self.sparse_indices[a] for a in names],
+            [self.sparse_values[a].detach() for a in names],
+            weight.dtype,
+            owned=self.quantization_backend is not None,
+        )
+
+    def __repr__(self) -> str:
+        return "sparse." + super().__repr__()
+
+
+class SparseLinear(nn.Module, SparseLayer):
+    """Sparse adapter around ``nn.Linear``, GPT-2 ``Conv1D`` or bitsandbytes ``Linear4bit``."""
+
+    def __init__(self, base_layer: nn.Module, module_name: str) -> None:
+        super().__init__()
+        SparseLayer.__init__(self, base_layer, module_name)
+
+    # nn.Module comes first in the MRO (as in PEFT's layers), so point at the shared implementations
+    forward = SparseLayer.forward
+    __repr__ = SparseLayer.__repr__

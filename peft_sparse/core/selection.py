@@ -1,0 +1,86 @@
+"""Index selection primitives shared by the methods' policies (initial masks, top-k by importance)."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+
+def module_generator(seed: int, module_name: str) -> torch.Generator:
+    """A CPU generator seeded by (seed, module name): selections don't depend on module order."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(module_name.encode())) % 2**63)
+
+
+def random_indices(numel: int, count: int, generator: torch.Generator) -> torch.Tensor:
+    """``count`` distinct uniformly random indices in [0, numel), sorted, int64 (CPU).
+
+    Memory is O(count) at low density (rejection by de-duplication), O(numel) only above 25%.
+    """
+    if count > numel:
+        raise ValueError(f"cannot choose {count} distinct indices out of {numel}")
+    if count == 0:
+        return torch.empty(0, dtype=torch.long)
+    if 4 * count >= numel:
+        return torch.randperm(numel, generator=generator)[:count].sort().values
+    pool = torch.empty(0, dtype=torch.long)
+    while pool.numel() < count:
+        draw = torch.randint(0, numel, (count + count // 8 + 16,), generator=generator)
+        pool = torch.unique(torch.cat([pool, draw]))
+    keep = torch.randperm(pool.numel(), generator=generator)[:count]
+    return pool[keep].sort().values
+
+
+def top_indices(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Flat positions of the ``count`` largest scores, ties broken by lowest position; sorted ascending."""
+    flat = scores.reshape(-1)
+    if count > flat.numel():
+        raise ValueError(f"cannot choose {count} indices out of {flat.numel()} scores")
+    if not torch.isfinite(flat).all():
+        raise ValueError("importance scores contain NaN or infinite values")
+    order = torch.sort(flat, descending=True, stable=True).indices[:count]
+    return order.sort().values
+
+
+def check_sparse_tensors(
+    where: str,
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    numel: int,
+    *,
+    expected_count: int | None = None,
+    index_dtype: torch.dtype | None = None,
+    values_dtype: torch.dtype | None = None,
+) -> None:
+    """Raise a ValueError naming ``where`` unless (indices, values) is a valid sparse delta of a tensor of ``numel``."""
+    if indices.dim() != 1 or values.dim() != 1:
+        raise ValueError(
+            f"{where}: indices and values must be 1-D, got shapes {tuple(indices.shape)} and {tuple(values.shape)}"
+        )
+    if indices.numel() != values.numel():
+        raise ValueError(f"{where}: {indices.numel()} indices but {values.numel()} values")
+    if expected_count is not None and indices.numel() != expected_count:
+        raise ValueError(f"{where}: the file holds {indices.numel()} indices but the config expects {expected_count}")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{where}: indices have dtype {indices.dtype}, expected an integer dtype (int32/int64)")
+    if index_dtype is not None and indices.dtype != index_dtype:
+        raise ValueError(f"{where}: indices have dtype {indices.dtype}, expected {index_dtype}")
+    if values_dtype is not None and values.dtype != values_dtype:
+        raise ValueError(f"{where}: values have dtype {values.dtype}, expected {values_dtype} (the config's values_dtype)")
+    if not values.dtype.is_floating_point:
+        raise ValueError(f"{where}: values have dtype {values.dtype}, expected a floating-point dtype")
+    if indices.numel() == 0 or indices.device.type == "meta":
+        return
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo < 0 or hi >= numel:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"{where}: index {bad} is outside the tensor of {numel} elements")
+    if indices.numel() > 1:
+        steps = indices[1:].long() - indices[:-1].long()
+        if (steps <= 0).any():
+            at = int(torch.nonzero(steps <= 0)[0])
+            kind = "duplicate" if int(steps[at]) == 0 else "unsorted"
+            raise ValueError(
+                f"{where}: indices must be sorted and unique, found {kind} indices "
+                f"{int(indices[at])}, {int(indices[at + 1])} at positions {at}, {at + 1}"
+            )

@@ -1,0 +1,224 @@
+"""``SparseTuner``: the PEFT ``BaseTuner`` shared by every sparse method.
+
+It plans the budget over the matched modules, wraps each in a :class:`SparseLinear`, asks the
+method's policy for the initial indices, keeps ``values_dtype`` as configured, validates adapter
+files on load and composes adapters (``add_weighted_adapter``). A method subclasses it with a
+``prefix`` and an ``initial_indices`` policy; nothing else differs between methods here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from abc import abstractmethod
+from typing import Optional
+
+import torch
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, _maybe_include_all_linear_layers, check_target_module_exists
+from peft.tuners.tuners_utils import _ExcludedModule
+from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+from torch import nn
+
+from .budget import split_budget, total_budget
+from .config import SparseConfig
+from .layer import SparseLayer, SparseLinear, index_dtype, logical_shape, supported_base_layer
+from .selection import check_sparse_tensors
+
+
+def _display_name(key: str) -> str:
+    return key.removeprefix("base_model.model.")
+
+
+class SparseTuner(BaseTuner):
+    tuner_layer_cls = SparseLayer
+    target_module_mapping = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+    #: methods whose indices change during training keep per-index ages (SpIEL)
+    dynamic: bool = False
+
+    # ------------------------------------------------------------------------------- the policy
+    @abstractmethod
+    def initial_indices(self, config: SparseConfig, layer: SparseLayer, module_name: str, count: int) -> torch.Tensor:
+        """Sorted flat indices (CPU int64) into ``layer``'s logical (out, in) matrix."""
+
+    # ------------------------------------------------------------------------------- injection
+    def _matched_modules(self, config: SparseConfig, model: nn.Module) -> dict[str, nn.Module]:
+        """The modules this adapter will wrap, in model order (same rules as PEFT's injection loop)."""
+        existing = [key + "." for key, module in model.named_modules() if isinstance(module, BaseTunerLayer)]
+        matched = {}
+        for key, module in model.named_modules():
+            if not key or any(key.startswith(prefix) for prefix in existing):
+                continue
+            result = check_target_module_exists(config, key)
+            if result and not isinstance(result, _ExcludedModule):
+                matched[key] = module
+        return matched
+
+    def _prepare_model(self, peft_config: SparseConfig, model: nn.Module) -> None:
+        """Fix the exact number of tunable weights of every matched module before any is wrapped."""
+        _maybe_include_all_linear_layers(peft_config, model)
+        matched = self._matched_modules(peft_config, model)
+        sizes, shapes = {}, {}
+        for key, module in matched.items():
+            base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
+            if not supported_base_layer(base):
+                raise TypeError(
+                    f"target module {key!r} is a {type(base).__name__}, which sparse adapters don't support; "
+                    "supported are torch.nn.Linear, transformers Conv1D and bitsandbytes Linear4bit"
+                )
+            out_features, in_features = logical_shape(base)
+            sizes[key] = out_features * in_features
+            shapes[key] = [out_features, in_features]
+        if not matched:
+            return  # PEFT raises its own "target modules not found" error
+        counts = peft_config.tunable_weights_per_module
+        if counts is None:
+            unit = peft_config.block_shape[0] * peft_config.block_shape[1]
+            budget = total_budget(sum(sizes.values()), peft_config.density, peft_config.num_tunable_weights, unit)
+            peft_config.tunable_weights_per_module = split_budget(sizes, budget, unit)
+            peft_config.module_shapes = shapes
+            return
+        for key, shape in (peft_config.module_shapes or {}).items():
+            if key in shapes and list(shape) != shapes[key]:
+                raise ValueError(
+                    f"{key}: the adapter was made for a {tuple(shape)} matrix but the model's is {tuple(shapes[key])}"
+                )
+        if set(counts) != set(sizes):
+            missing, extra = sorted(set(sizes) - set(counts)), sorted(set(counts) - set(sizes))
+            raise ValueError(
+                "tunable_weights_per_module does not match the targeted modules: "
+                f"targeted but without a count: {missing}; counted but not targeted: {extra}"
+            )
+        for key, count in counts.items():
+            if count > sizes[key]:
+                raise ValueError(
+                    f"tunable_weights_per_module[{key!r}]={count} exceeds the module's {sizes[key]} weights"
+                )
+        if peft_config.num_tunable_weights is not None and sum(counts.values()) != peft_config.num_tunable_weights:
+            raise ValueError(
+                f"tunable_weights_per_module sums to {sum(counts.values())} but "
+                f"num_tunable_weights={peft_config.num_tunable_weights}"
+            )
+
+    def _create_and_replace(self, peft_config, adapter_name, target, target_name, parent, current_key, **kwargs):
+        count = peft_config.tunable_weights_per_module[current_key]
+        if isinstance(target, SparseLayer):
+            layer = target
+        else:
+            layer = SparseLinear(target, module_name=current_key)
+        external = peft_config.init == "external"
+        if external:  # placeholders until the adapter file is loaded (see SparseLayer._check_ready)
+            indices = torch.arange(count, dtype=torch.long)
+        else:
+            indices = self.initial_indices(peft_config, layer, current_key, count)
+        layer.update_layer(
+            adapter_name,
+            indices,
+            peft_config.torch_values_dtype,
+            inference_mode=peft_config.inference_mode,
+            with_ages=self.dynamic,
+            indices_pending=external,
+        )
+        if layer is not target:
+            if adapter_name not in self.active_adapters:
+                layer.requires_grad_(False)
+            self._replace_module(parent, target_name, layer, target)
+
+    def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
+        # PEFT would upcast float16/bfloat16 adapter weights to float32; the values keep values_dtype instead.
+        for layer in self.model.modules():
+            if isinstance(layer, SparseLayer) and adapter_name in layer.sparse_values:
+                param = layer.sparse_values[adapter_name]
+                wanted = layer.values_dtype[adapter_name]
+                if param.dtype != wanted:
+                    layer.sparse_values[adapter_name] = nn.Parameter(param.data.to(wanted), requires_grad=param.requires_grad)
+
+    # ------------------------------------------------------------------------------- loading
+    @classmethod
+    def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
+        state_dict = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
+        for name, layer in model.named_modules():
+            if not isinstance(layer, SparseLayer) or adapter_name not in layer.sparse_values:
+                continue
+            where = _display_name(name)
+            idx_key, val_key = f"{name}.sparse_indices.{adapter_name}", f"{name}.sparse_values.{adapter_name}"
+            if idx_key not in state_dict or val_key not in state_dict:
+                raise ValueError(f"{where}: the adapter file holds no indices/values for this module")
+            indices, values = state_dict[idx_key], state_dict[val_key]
+            check_sparse_tensors(
+                where,
+                indices,
+                values,
+                layer.numel,
+                expected_count=layer.sparse_values[adapter_name].numel(),
+                index_dtype=index_dtype(layer.numel),
+                values_dtype=layer.values_dtype[adapter_name],
+            )
+            age_key = f"{name}.sparse_ages.{adapter_name}"
+            if adapter_name in layer.sparse_ages and age_key in state_dict:
+                ages = state_dict[age_key]
+                if ages.dtype != torch.int32 or ages.shape != indices.shape:
+                    raise ValueError(
+                        f"{where}: ages must be int32 of shape {tuple(indices.shape)}, got {ages.dtype} {tuple(ages.shape)}"
+                    )
+            layer._indices_pending.discard(adapter_name)
+        return state_dict
+
+    # ------------------------------------------------------------------------------- composition
+    def add_weighted_adapter(self, adapters: list[str], weights: list[float], adapter_name: str) -> None:
+        """New adapter δ = Σ wᵢ·δᵢ: on each module the union of the indices, with the weighted values summed.
+
+        Its config is the first adapter's, with ``init='external'`` and the union's exact counts; it is
+        saved and loaded like any other adapter. Merging it (``merge_and_unload(adapter_names=[name])``)
+        gives θ + Σ wᵢ·δᵢ.
+        """
+        if not adapters:
+            raise ValueError("adapters must name at least one adapter")
+        if len(weights) != len(adapters):
+            raise ValueError(f"got {len(adapters)} adapters but {len(weights)} weights")
+        for name in adapters:
+            if name not in self.peft_config:
+                raise ValueError(f"adapter {name!r} does not exist; existing adapters: {sorted(self.peft_config)}")
+            if self.peft_config[name].modules_to_save:
+                raise ValueError(
+                    f"adapter {name!r} has modules_to_save={self.peft_config[name].modules_to_save}; dense modules "
+                    "cannot be combined into a sparse adapter"
+                )
+        if adapter_name in self.peft_config:
+            raise ValueError(f"adapter {adapter_name!r} already exists")
+
+        composed: dict[str, tuple[SparseLayer, torch.Tensor, torch.Tensor]] = {}
+        for layer in self.model.modules():
+            if not isinstance(layer, SparseLayer):
+                continue
+            present = [(a, w) for a, w in zip(adapters, weights) if a in layer.sparse_values]
+            if not present:
+                continue
+            idx = torch.cat([layer.sparse_indices[a].long() for a, _ in present])
+            val = torch.cat([float(w) * layer.sparse_values[a].detach().double() for a, w in present])
+            union, inverse = torch.unique(idx, sorted=True, return_inverse=True)
+            summed = torch.zeros(union.numel(), dtype=torch.float64, device=val.device).index_add_(0, inverse, val)
+            composed[layer.module_name] = (layer, union, summed)
+
+        first = self.peft_config[adapters[0]]
+        counts = {name: int(union.numel()) for name, (_, union, _) in composed.items()}
+        config = dataclasses.replace(
+            first,
+            init="external",
+            target_modules="|".join(re.escape(n) for n in counts),  # exactly these modules
+            exclude_modules=None,
+            layers_to_transform=None,
+            layers_pattern=None,
+            modules_to_save=None,
+            density=None,
+            num_tunable_weights=sum(counts.values()),
+            tunable_weights_per_module=counts,
+            inference_mode=True,
+        )
+        self.peft_config[adapter_name] = config
+        self.inject_adapter(self.model, adapter_name)
+        for layer, union, summed in composed.values():
+            layer.sparse_indices[adapter_name] = union.to(index_dtype(layer.numel))
+            values = layer.sparse_values[adapter_name]
+            values.data = summed.to(device=values.device, dtype=values.dtype)
+            layer._indices_pending.discard(adapter_name)
+        self.set_adapter(self.active_adapters, inference_mode=True)

@@ -1,0 +1,1 @@
+"""One module per method: its config and its selection policy."""
