@@ -50,6 +50,20 @@ def logical_shape(module: nn.Module) -> tuple[int, int]:
     return module.out_features, module.in_features
 
 
+def standard_4bit_layout(base: nn.Module) -> None:
+    """Undo bitsandbytes' CPU inference repacking (AVX512-BF16 layout) so dequantization reads the weight right.
+
+    bitsandbytes repacks a Linear4bit weight in place the first time the *base* layer runs on CPU in
+    eval mode without gradients; ``dequantize_4bit`` does not understand that layout.
+    """
+    weight = getattr(base, "weight", None)
+    state = getattr(weight, "quant_state", None)
+    if state is not None and getattr(state, "packing_format_for_cpu", False):
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+        weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, state)
+
+
 def storage_positions(base: nn.Module, indices: torch.Tensor) -> torch.Tensor:
     """Flat positions in the stored float weight of logical (out, in) flat indices (Conv1D stores the transpose)."""
     idx = indices.long()
@@ -84,6 +98,7 @@ def add_delta_to_base(
     if backend is not None:
         if not backend.supports_merge:
             raise TypeError(f"{backend.backend_name} layers cannot be merged")
+        standard_4bit_layout(base)
         weight = backend.get_base_weight(base)  # (out, in), fresh
         weight.view(-1).index_add_(0, indices, (scale * values.float()).to(weight.dtype))
         if safe and not torch.isfinite(weight).all():
@@ -136,6 +151,7 @@ class SparseLayer(BaseTunerLayer):
         """The frozen base weight as an (out, in) tensor: a view for Linear/Conv1D, a dequantized copy for 4-bit."""
         base = self.get_base_layer()
         if self.quantization_backend is not None:
+            standard_4bit_layout(base)
             weight = self.quantization_backend.get_base_weight(base)
             compute_dtype = getattr(base, "compute_dtype", None) or weight.dtype
             return weight.to(compute_dtype)

@@ -29,6 +29,35 @@ def _display_name(key: str) -> str:
     return key.removeprefix("base_model.model.")
 
 
+def _layer_index(config: SparseConfig, key: str) -> Optional[int]:
+    """Index of the transformer layer ``key`` lies in (PEFT's rule: the first numbered segment)."""
+    patterns = config.layers_pattern
+    if not patterns:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+    else:
+        match = None
+        for pattern in [patterns] if isinstance(patterns, str) else patterns:
+            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
+            if match:
+                break
+    return int(match["idx"]) if match else None
+
+
+def target_matches(config: SparseConfig, key: str):
+    """PEFT's matching, plus ``layers_to_transform`` applied to exact-name matches too.
+
+    PEFT checks the layer index only for suffix matches, so after ``'all-linear'`` expands into full
+    module names it would silently ignore ``layers_to_transform``.
+    """
+    result = check_target_module_exists(config, key)
+    if result and not isinstance(result, _ExcludedModule) and config.layers_to_transform is not None:
+        wanted = config.layers_to_transform
+        wanted = [wanted] if isinstance(wanted, int) else wanted
+        if _layer_index(config, key) not in wanted:
+            return False
+    return result
+
+
 class SparseTuner(BaseTuner):
     tuner_layer_cls = SparseLayer
     target_module_mapping = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
@@ -41,6 +70,10 @@ class SparseTuner(BaseTuner):
         """Sorted flat indices (CPU int64) into ``layer``'s logical (out, in) matrix."""
 
     # ------------------------------------------------------------------------------- injection
+    @staticmethod
+    def _check_target_module_exists(peft_config, key):
+        return target_matches(peft_config, key)
+
     def _matched_modules(self, config: SparseConfig, model: nn.Module) -> dict[str, nn.Module]:
         """The modules this adapter will wrap, in model order (same rules as PEFT's injection loop)."""
         existing = [key + "." for key, module in model.named_modules() if isinstance(module, BaseTunerLayer)]
@@ -48,7 +81,7 @@ class SparseTuner(BaseTuner):
         for key, module in model.named_modules():
             if not key or any(key.startswith(prefix) for prefix in existing):
                 continue
-            result = check_target_module_exists(config, key)
+            result = target_matches(config, key)
             if result and not isinstance(result, _ExcludedModule):
                 matched[key] = module
         return matched

@@ -1,0 +1,66 @@
+"""Tiny random models built from configs, and helpers shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+from peft_sparse import SparseLayer
+
+
+def tiny_llama(seed: int = 0, dtype=torch.float32, hidden_size: int = 32, intermediate_size: int = 48):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=97, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def tiny_gpt2(seed: int = 0):
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=97, bos_token_id=0, eos_token_id=0, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config).eval()
+
+
+def tiny_bert(seed: int = 0):
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return BertForSequenceClassification(config).eval()
+
+
+# name → (builder, target_modules, output accessor)
+MODELS = {
+    "llama": (tiny_llama, "all-linear", lambda out: out.logits),
+    "gpt2": (tiny_gpt2, ["c_attn", "c_proj", "c_fc"], lambda out: out.logits),
+    "bert": (tiny_bert, ["query", "key", "value", "dense"], lambda out: out.logits),
+}
+
+
+def inputs(seed: int = 1, batch: int = 2, length: int = 7):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 97, (batch, length), generator=g)
+
+
+def randomize_values(model, adapter_name: str = "default", seed: int = 0, scale: float = 0.5):
+    """Non-identity adapter: give every value of the adapter a random non-zero number."""
+    g = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, SparseLayer) and adapter_name in module.sparse_values:
+            values = module.sparse_values[adapter_name]
+            with torch.no_grad():
+                values.copy_((torch.rand(values.shape, generator=g) + 0.5) * scale * torch.sign(torch.randn(values.shape, generator=g)))
+
+
+def sparse_layers(model):
+    return [m for m in model.modules() if isinstance(m, SparseLayer)]

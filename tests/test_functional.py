@@ -1,0 +1,150 @@
+"""The autograd core: gradients against autograd of a dense masked delta, memory contract, seams."""
+
+import pytest
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from peft_sparse.core import kernels
+from peft_sparse.core.functional import sparse_delta_linear
+from peft_sparse.core.layer import SparseLinear
+from peft_sparse.core.selection import random_indices
+
+
+def _dense_reference(x, weight, bias, indices, values):
+    """y = x (W + Σ scatter)ᵀ + b built from a dense masked delta with plain autograd."""
+    delta = torch.zeros(weight.numel(), dtype=weight.dtype)
+    for idx, val in zip(indices, values):
+        delta = delta.index_add(0, idx.long(), val.to(weight.dtype))
+    return torch.nn.functional.linear(x, weight + delta.view_as(weight), bias)
+
+
+def _problem(dtype=torch.float64, out_features=7, in_features=5, counts=(6, 4), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, dtype=dtype, generator=g)
+    bias = torch.randn(out_features, dtype=dtype, generator=g, requires_grad=True)
+    x = torch.randn(2, 3, in_features, dtype=dtype, generator=g, requires_grad=True)
+    indices = [random_indices(weight.numel(), c, g).to(torch.int32) for c in counts]
+    values = [torch.randn(c, dtype=dtype, generator=g, requires_grad=True) for c in counts]
+    return x, weight, bias, indices, values
+
+
+class _Hooks:
+    def __init__(self, method="auto", consumer=None):
+        self.value_grad_method = method
+        self.dense_grad_consumer = consumer
+        self.dense_grad_count = 0
+
+
+@pytest.mark.parametrize("method", ["dense", "sddmm"])
+def test_gradcheck_float64(method):
+    x, weight, bias, indices, values = _problem()
+    hooks = _Hooks(method)
+
+    def fn(x, bias, v0, v1):
+        return sparse_delta_linear(x, lambda: weight, bias, indices, [v0, v1], hooks=hooks)
+
+    assert torch.autograd.gradcheck(fn, (x, bias, *values))
+
+
+@pytest.mark.parametrize("method", ["dense", "sddmm", "auto"])
+def test_matches_dense_masked_delta(method):
+    x, weight, bias, indices, values = _problem(dtype=torch.float32, out_features=33, in_features=17, counts=(40, 25))
+    y = sparse_delta_linear(x, lambda: weight, bias, indices, values, hooks=_Hooks(method))
+    grad = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, bias, *values), grad)
+    xr, br = x.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+    vr = [v.detach().clone().requires_grad_() for v in values]
+    yr = _dense_reference(xr, weight, br, indices, vr)
+    want = torch.autograd.grad(yr, (xr, br, *vr), grad)
+    torch.testing.assert_close(y, yr)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # the value gradient is the dense weight gradient gathered at the indices (Eq. 7.4)
+    dW = grad.reshape(-1, 33).t().mm(x.detach().reshape(-1, 17))
+    for idx, g in zip(indices, got[2:]):
+        torch.testing.assert_close(g, dW.view(-1)[idx.long()], rtol=1e-5, atol=1e-5)
+
+
+def test_nothing_weight_sized_is_saved_and_base_gets_no_grad():
+    torch.manual_seed(0)
+    base = nn.Linear(24, 40)
+    base.weight.requires_grad_(False)
+    base.bias.requires_grad_(False)
+    layer = SparseLinear(base, "probe")
+    layer.update_layer("default", random_indices(base.weight.numel(), 30, torch.Generator().manual_seed(0)), torch.float32)
+    with torch.no_grad():
+        layer.sparse_values["default"].normal_()
+    x = torch.randn(3, 5, 24, requires_grad=True)  # 3*5*24 = 360 elements, W has 960
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = layer(x)
+    assert saved, "the hook saw nothing: the test would pass vacuously"
+    assert all(t.numel() != base.weight.numel() for t in saved), [t.shape for t in saved]
+    assert max(t.numel() for t in saved) == x.numel()
+    y.square().sum().backward()
+    assert base.weight.grad is None and base.bias.grad is None
+    assert layer.sparse_values["default"].grad is not None and x.grad is not None
+
+
+def test_dense_gradient_seam_fires_only_when_armed():
+    torch.manual_seed(0)
+    base = nn.Linear(12, 9).requires_grad_(False)
+    layer = SparseLinear(base, "probe")
+    layer.update_layer("default", random_indices(base.weight.numel(), 10, torch.Generator().manual_seed(1)), torch.float32)
+    x = torch.randn(4, 12)
+    layer(x).sum().backward()
+    assert layer.dense_grad_count == 0
+    received = []
+    layer.dense_grad_consumer = lambda hooks, dW: received.append(dW.clone())
+    y = layer(x)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    assert layer.dense_grad_count == 1 and len(received) == 1
+    torch.testing.assert_close(received[0], grad.t().mm(x))
+    layer.dense_grad_consumer = None
+    layer(x).sum().backward()
+    assert layer.dense_grad_count == 1
+
+
+def test_conv1d_uses_logical_out_in_indices():
+    torch.manual_seed(0)
+    conv = Conv1D(nf=6, nx=4).requires_grad_(False)  # stores (in=4, out=6)
+    linear = nn.Linear(4, 6).requires_grad_(False)
+    with torch.no_grad():
+        linear.weight.copy_(conv.weight.t())
+        linear.bias.copy_(conv.bias)
+    indices = torch.tensor([0, 5, 13, 23])  # rows 0,1,3,5 of the (6, 4) matrix
+    a, b = SparseLinear(conv, "conv"), SparseLinear(linear, "linear")
+    for layer in (a, b):
+        layer.update_layer("default", indices, torch.float32)
+        with torch.no_grad():
+            layer.sparse_values["default"].copy_(torch.tensor([1.0, -2.0, 3.0, 0.5]))
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(a(x), b(x))
+    torch.testing.assert_close(a.get_delta_weight("default"), b.get_delta_weight("default"))
+    assert a.get_delta_weight("default")[1, 1] == -2.0
+    a.merge()
+    torch.testing.assert_close(a.get_base_layer().weight.t(), b.merged_weight())
+
+
+def test_sddmm_reference_chunks(monkeypatch):
+    monkeypatch.setattr(kernels, "_REFERENCE_CHUNK_BYTES", 64)
+    g = torch.Generator().manual_seed(0)
+    go, x = torch.randn(9, 5, generator=g), torch.randn(9, 4, generator=g)
+    idx = torch.arange(20)
+    got = kernels.value_gradient(go, x, idx, 5, 4, method="sddmm")
+    torch.testing.assert_close(got, go.t().mm(x).view(-1))
+    with pytest.raises(ValueError, match="method='bogus'"):
+        kernels.value_gradient(go, x, idx, 5, 4, method="bogus")
+
+
+def test_autocast_bfloat16_cpu():
+    x, weight, bias, indices, values = _problem(dtype=torch.float32, out_features=16, in_features=8, counts=(10,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = sparse_delta_linear(x, lambda: weight, bias, indices, values, hooks=_Hooks())
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert values[0].grad.dtype == torch.float32
+    ref = _dense_reference(x.detach(), weight, bias.detach(), indices, [v.detach() for v in values])
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=5e-2)

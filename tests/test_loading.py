@@ -1,0 +1,122 @@
+"""Adapter files that don't fit the base model are refused with the module and the value named."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from peft import PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
+
+from peft_sparse import SparseFTConfig
+
+from .models import randomize_values, tiny_gpt2, tiny_llama
+
+KEY = "base_model.model.model.layers.0.self_attn.q_proj.sparse_indices"
+VKEY = "base_model.model.model.layers.0.self_attn.q_proj.sparse_values"
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules=["q_proj", "v_proj"], density=0.1))
+    randomize_values(model)
+    model.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _corrupt(path, edit):
+    file = path / "adapter_model.safetensors"
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file)
+
+
+def _load(path):
+    return PeftModel.from_pretrained(tiny_llama(), path)
+
+
+def test_index_out_of_range(saved):
+    def edit(t):
+        t[KEY][-1] = 32 * 32
+    _corrupt(saved, edit)
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj: index 1024 is outside the tensor of 1024"):
+        _load(saved)
+
+
+def test_unsorted_indices(saved):
+    def edit(t):
+        t[KEY][[0, 1]] = t[KEY][[1, 0]]
+    _corrupt(saved, edit)
+    with pytest.raises(ValueError, match="q_proj: indices must be sorted and unique, found unsorted"):
+        _load(saved)
+
+
+def test_duplicate_indices(saved):
+    def edit(t):
+        t[KEY][1] = t[KEY][0]
+    _corrupt(saved, edit)
+    with pytest.raises(ValueError, match="found duplicate indices"):
+        _load(saved)
+
+
+def test_wrong_index_dtype(saved):
+    def edit(t):
+        t[KEY] = t[KEY].long()
+    _corrupt(saved, edit)
+    with pytest.raises(ValueError, match="q_proj: indices have dtype torch.int64, expected torch.int32"):
+        _load(saved)
+
+
+def test_wrong_values_dtype(saved):
+    def edit(t):
+        t[VKEY] = t[VKEY].to(torch.bfloat16)
+    _corrupt(saved, edit)
+    with pytest.raises(ValueError, match="q_proj: values have dtype torch.bfloat16, expected torch.float32"):
+        _load(saved)
+
+
+def test_wrong_number_of_values(saved):
+    def edit(t):
+        t[KEY], t[VKEY] = t[KEY][:-1].contiguous(), t[VKEY][:-1].contiguous()
+    _corrupt(saved, edit)
+    with pytest.raises(ValueError, match="q_proj: the file holds 102 indices but the config expects 103"):
+        _load(saved)
+
+
+def test_missing_module_in_file(saved):
+    def edit(t):
+        del t[KEY], t[VKEY]
+    _corrupt(saved, edit)
+    with pytest.raises(ValueError, match="q_proj: the adapter file holds no indices/values"):
+        _load(saved)
+
+
+def test_adapter_of_another_model_shape(saved):
+    config = json.loads((saved / "adapter_config.json").read_text())
+    config["module_shapes"]["model.layers.0.self_attn.q_proj"] = [64, 32]
+    (saved / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"q_proj: the adapter was made for a \(64, 32\) matrix but the model's is \(32, 32\)"):
+        _load(saved)
+
+
+def test_adapter_for_other_modules(saved):
+    with pytest.raises(ValueError, match=r"not found in the base model"):
+        PeftModel.from_pretrained(tiny_gpt2(), saved)
+    deeper = tiny_llama()
+    deeper.model.layers.append(type(deeper.model.layers[0])(deeper.config, layer_idx=2))
+    with pytest.raises(ValueError, match=r"targeted but without a count: \['model.layers.2.self_attn.q_proj'"):
+        PeftModel.from_pretrained(deeper, saved)
+
+
+def test_loading_without_import_gives_peft_error(saved):
+    code = (
+        "from peft import PeftModel\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "m = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,"
+        " num_attention_heads=4, num_key_value_heads=2))\n"
+        f"PeftModel.from_pretrained(m, {str(saved)!r})\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "KeyError: 'SFT'" in result.stderr

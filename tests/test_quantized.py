@@ -1,0 +1,94 @@
+"""bitsandbytes Linear4bit (nf4, double quantization) under the sparse core, on CPU."""
+
+import pytest
+import torch
+from peft import PeftModel, get_peft_model
+
+from peft_sparse import SparseFTConfig
+from peft_sparse.core.layer import standard_4bit_layout
+
+from .models import inputs, randomize_values, sparse_layers, tiny_llama
+
+bnb = pytest.importorskip("bitsandbytes")
+
+
+@pytest.fixture(scope="module")
+def quantized_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    # bitsandbytes' CPU 4-bit matmul needs in_features to be a multiple of its 64-element blocks
+    tiny_llama(hidden_size=64, intermediate_size=128).save_pretrained(path)
+    return path
+
+
+def _quantized(path):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32
+    )
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, device_map="cpu").eval()
+
+
+def _dequantized_reference(model):
+    """The same model with every adapted Linear4bit replaced by W_deq + scatter(η, φ) in float."""
+    weights = {}
+    for layer in sparse_layers(model):
+        weights[layer.module_name] = layer.merged_weight()
+    return weights
+
+
+def test_forward_and_value_gradients_match_dequantized_dense_reference(quantized_dir):
+    model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules="all-linear", density=0.1))
+    randomize_values(model, scale=0.05)
+    layer = sparse_layers(model)[0]
+    assert isinstance(layer.get_base_layer(), bnb.nn.Linear4bit)
+    assert int(layer.sparse_indices["default"].max()) < layer.out_features * layer.in_features
+    x = torch.randn(3, 4, layer.in_features, requires_grad=True)
+    y = layer(x)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    w = layer.logical_weight().detach()  # dequantized (out, in)
+    values = layer.sparse_values["default"].detach().clone().requires_grad_()
+    idx = layer.sparse_indices["default"].long()
+    xr = x.detach().clone().requires_grad_()
+    yr = torch.nn.functional.linear(xr, w.reshape(-1).index_add(0, idx, values).view_as(w), layer.get_base_layer().bias)
+    yr.backward(grad)
+    torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.sparse_values["default"].grad, values.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_nothing_weight_sized_saved_for_backward(quantized_dir):
+    model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules=["gate_proj"], density=0.1))
+    layer = sparse_layers(model)[0]
+    x = torch.randn(5, layer.in_features, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = layer(x)
+    assert saved and all(t.numel() != layer.out_features * layer.in_features for t in saved)
+    y.sum().backward()
+
+
+def test_save_load_and_merge(quantized_dir, tmp_path):
+    model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules="all-linear", density=0.1))
+    randomize_values(model, scale=0.05)
+    x = inputs()
+    with torch.no_grad():
+        out = model(x).logits
+        base_out = _quantized(quantized_dir)(x).logits
+    assert not torch.allclose(out, base_out)
+    model.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(_quantized(quantized_dir), tmp_path)
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, out)
+    want = _dequantized_reference(loaded)
+    merged = loaded.merge_and_unload()
+    with torch.no_grad():
+        merged_out = merged(x).logits
+    # requantization is lossy: the merged model is much closer to the adapter than to the base
+    assert (merged_out - out).abs().mean() < 0.25 * (base_out - out).abs().mean()
+    for name, w in want.items():
+        module = merged.get_submodule(name)
+        standard_4bit_layout(module)  # bitsandbytes repacked it for its CPU kernel during merged(x)
+        deq = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+        assert (deq - w).abs().max() < 0.1
