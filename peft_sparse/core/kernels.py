@@ -69,7 +69,7 @@ class CostModel:
     """
 
     def __init__(self, sddmm_relative_rate: Optional[dict[str, float]] = None):
-        self.sddmm_relative_rate = {"cpu": 0.02, "cuda": 0.1}
+        self.sddmm_relative_rate = {"cpu": 0.0015, "cuda": 0.1}
         if sddmm_relative_rate:
             self.sddmm_relative_rate.update(sddmm_relative_rate)
 

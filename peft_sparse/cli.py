@@ -1,0 +1,106 @@
+"""``peft-sparse`` command: train a recipe, merge adapters into a model, inspect an adapter."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import yaml
+
+
+def _parse_override(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--set expects section.key=value, got {text!r}")
+    return key, yaml.safe_load(value)
+
+
+def cmd_train(args) -> int:
+    from .recipe import load_recipe, run_recipe
+
+    recipe = load_recipe(args.recipe, overrides=dict(args.set or []))
+    run_recipe(recipe)
+    return 0
+
+
+def cmd_merge(args) -> int:
+    from .assets import load_model_and_tokenizer
+    from .core.compose import merge_sparse_adapters
+
+    model, tokenizer = load_model_and_tokenizer(args.base, gguf_file=args.gguf_file, dtype=args.dtype)
+    merge_sparse_adapters(model, args.adapter, args.weights)
+    model.save_pretrained(args.output)
+    tokenizer.save_pretrained(args.output)
+    print(f"merged {len(args.adapter)} adapter(s) into {args.base}; saved to {args.output}")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from .core.compose import adapter_file_summary
+
+    summary = adapter_file_summary(args.adapter_dir)
+    tensors = summary.pop("tensors")
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        n = summary["num_tunable_weights"]
+        total = sum(m["shape"][0] * m["shape"][1] for m in summary["modules"].values() if m["shape"])
+        print(f"method: {summary['peft_type']}")
+        print(f"base model: {summary['base_model']}")
+        print(f"tunable weights: {n:,} in {len(summary['modules'])} modules (density {n / total:.4%} of targeted)")
+        size = summary["file_bytes"]
+        print(f"file: adapter_model.safetensors, {size:,} bytes ({size / max(1, n):.2f} bytes per tunable weight)")
+        print(f"\n{'module':<56}{'count':>10}{'density':>10}")
+        for name, m in summary["modules"].items():
+            density = f"{m['density']:.4%}" if m["density"] is not None else "?"
+            print(f"{name:<56}{m['count']:>10,}{density:>10}")
+    if args.age_histogram:
+        from .plots import age_histogram
+
+        path = age_histogram(tensors, args.age_histogram)
+        print(f"\nage histogram written to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="peft-sparse", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="fine-tune with a YAML recipe (TRL SFTTrainer + a sparse PEFT method)")
+    train.add_argument("recipe", help="path of the YAML recipe")
+    train.add_argument("--set", action="append", type=_parse_override, metavar="SECTION.KEY=VALUE",
+                       help="override a recipe entry, e.g. --set training.max_steps=10")  # fmt: skip
+    train.set_defaults(func=cmd_train)
+
+    merge = sub.add_parser("merge", help="merge sparse adapters into a base model: θ + Σ wᵢ·δᵢ")
+    merge.add_argument("--base", required=True, help="built-in model name or local model directory")
+    merge.add_argument("--gguf-file", default=None)
+    merge.add_argument("--dtype", default="float32")
+    merge.add_argument("--adapter", required=True, action="append", help="adapter directory (repeatable)")
+    merge.add_argument("--weights", type=float, nargs="+", default=None, help="one weight per adapter (default 1)")
+    merge.add_argument("--output", required=True, help="directory for the merged model")
+    merge.set_defaults(func=cmd_merge)
+
+    inspect = sub.add_parser("inspect", help="method, per-module counts and densities, file size of an adapter")
+    inspect.add_argument("adapter_dir")
+    inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
+    inspect.add_argument("--age-histogram", metavar="PNG", default=None,
+                         help="write the histogram of per-index ages (dynamic methods) to this PNG")  # fmt: skip
+    inspect.set_defaults(func=cmd_inspect)
+    return parser
+
+
+def main(argv=None) -> int:
+    import peft_sparse  # noqa: F401  (registers the sparse PEFT types)
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"peft-sparse {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

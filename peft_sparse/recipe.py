@@ -1,0 +1,205 @@
+"""YAML recipes: one file says which model, which sparse method, which data and which TRL settings.
+
+::
+
+    model:      {source: smollm2-135m-instruct, dtype: float32}
+    method:     {peft_type: SPIEL, target_modules: all-linear, density: 0.01, ...}   # any sparse PEFT config
+    data:       {train: data/skills_train.jsonl, eval: data/skills_test.jsonl}      # relative to the recipe
+    training:   {output_dir: ..., max_steps: ..., learning_rate: ...}             # trl.SFTConfig fields
+    evaluation: {max_new_tokens: 8, batch_size: 16}                               # exact match before/after
+
+:func:`load_recipe` builds every object the recipe names (so a typo fails before any training) and
+:func:`run_recipe` wires them: TRL ``SFTTrainer`` + the method's callbacks, evaluation before and
+after, adapter saved to ``<output_dir>/adapter``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+SECTIONS = {"model", "method", "data", "training", "evaluation"}
+MODEL_KEYS = {"source", "gguf_file", "dtype"}
+DATA_KEYS = {"train", "eval"}
+EVAL_KEYS = {"max_new_tokens", "batch_size", "show"}
+
+
+@dataclass
+class Recipe:
+    path: Optional[Path]
+    model: dict
+    peft_config: Any
+    data: dict
+    training_args: Any
+    evaluation: dict = field(default_factory=dict)
+
+
+def _check_keys(section: str, got: dict, allowed: set[str]) -> None:
+    unknown = sorted(set(got) - allowed)
+    if unknown:
+        raise ValueError(f"recipe section {section!r} has unknown keys {unknown}; allowed: {sorted(allowed)}")
+
+
+def build_peft_config(method: dict):
+    """A sparse PEFT config from a mapping with ``peft_type`` and that config's fields."""
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    from .core.config import SparseConfig
+
+    method = dict(method)
+    peft_type = method.pop("peft_type", None)
+    config_cls = PEFT_TYPE_TO_CONFIG_MAPPING.get(str(peft_type).upper()) if peft_type else None
+    if config_cls is None or not issubclass(config_cls, SparseConfig):
+        sparse = sorted(k for k, v in PEFT_TYPE_TO_CONFIG_MAPPING.items() if issubclass(v, SparseConfig))
+        raise ValueError(f"recipe method.peft_type={peft_type!r} is not a sparse method; choose one of {sparse}")
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(method) - names)
+    if unknown:
+        raise ValueError(f"recipe method has fields {unknown} that {config_cls.__name__} does not have")
+    return config_cls(**method)
+
+
+def build_training_args(training: dict):
+    from trl import SFTConfig
+
+    names = {f.name for f in dataclasses.fields(SFTConfig)}
+    unknown = sorted(set(training) - names)
+    if unknown:
+        raise ValueError(f"recipe training has fields {unknown} that trl.SFTConfig does not have")
+    return SFTConfig(**training)
+
+
+def load_recipe(path_or_mapping, overrides: Optional[dict] = None) -> Recipe:
+    """Parse and validate a recipe; ``overrides`` maps 'section.key' to a value (e.g. from the CLI)."""
+    if isinstance(path_or_mapping, (str, os.PathLike)):
+        path = Path(path_or_mapping)
+        raw = yaml.safe_load(path.read_text())
+    else:
+        path, raw = None, dict(path_or_mapping)
+    if not isinstance(raw, dict):
+        raise ValueError(f"recipe {path} must be a mapping with sections {sorted(SECTIONS)}")
+    _check_keys("top level", raw, SECTIONS)
+    raw = {k: dict(raw.get(k) or {}) for k in SECTIONS}
+    for dotted, value in (overrides or {}).items():
+        section, _, key = dotted.partition(".")
+        if section not in SECTIONS or not key:
+            raise ValueError(f"override {dotted!r} must look like 'section.key' with section in {sorted(SECTIONS)}")
+        raw[section][key] = value
+    _check_keys("model", raw["model"], MODEL_KEYS)
+    _check_keys("data", raw["data"], DATA_KEYS)
+    _check_keys("evaluation", raw["evaluation"], EVAL_KEYS)
+    if "source" not in raw["model"]:
+        raise ValueError("recipe model.source is required (a built-in model name or a local directory)")
+    base = path.parent if path is not None else Path.cwd()
+    data = {}
+    for split, rel in raw["data"].items():
+        p = Path(rel) if os.path.isabs(rel) else base / rel
+        if not p.is_file():
+            raise ValueError(f"recipe data.{split}={rel!r} does not exist (looked at {p})")
+        data[split] = p
+    if "train" not in data:
+        raise ValueError("recipe data.train is required")
+    return Recipe(
+        path=path,
+        model=raw["model"],
+        peft_config=build_peft_config(raw["method"]),
+        data=data,
+        training_args=build_training_args(raw["training"]),
+        evaluation=raw["evaluation"],
+    )
+
+
+def read_jsonl(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def method_callbacks(peft_config) -> list:
+    """Trainer callbacks a method needs (dynamic methods drive their scheduler from Trainer events)."""
+    factory = getattr(peft_config, "trainer_callbacks", None)
+    return list(factory()) if factory else []
+
+
+def _first_line(text: str) -> str:
+    return text.strip().split("\n")[0][:40]
+
+
+def print_comparison(before: Optional[dict], after: dict, show: int = 6) -> None:
+    """Per-skill exact match before and after training, and a few held-out replies."""
+    print("\n=== held-out exact match ===")
+    print(f"{'skill':<14}{'before':>8}{'after':>8}")
+    for skill, acc in after["per_skill"].items():
+        old = f"{before['per_skill'][skill]:.0%}" if before else "-"
+        print(f"{skill:<14}{old:>8}{acc:>8.0%}")
+    old = f"{before['accuracy']:.0%}" if before else "-"
+    print(f"{'overall':<14}{old:>8}{after['accuracy']:>8.0%}   ({after['correct']}/{after['total']} items)")
+    items = after["items"]
+    picks = range(0, len(items), max(1, len(items) // max(1, show)))
+    if show:
+        print("\nexamples: prompt / before → after (expected)")
+    for i in list(picks)[:show]:
+        was = _first_line(before["items"][i]["reply"]) if before else ""
+        print(f"  {items[i]['prompt']}\n    {was!r} → {_first_line(items[i]['reply'])!r}  ({items[i]['answer']!r})")
+
+
+def run_recipe(recipe: Recipe) -> dict:
+    """Train the recipe's sparse method with TRL's SFTTrainer; evaluate before and after; save the adapter."""
+    import torch
+    from datasets import Dataset
+    from trl import SFTTrainer
+
+    from .assets import load_model_and_tokenizer
+    from .evaluation import exact_match
+
+    started = time.time()
+    model, tokenizer = load_model_and_tokenizer(**recipe.model)
+    train_rows = read_jsonl(recipe.data["train"])
+    eval_rows = read_jsonl(recipe.data["eval"]) if "eval" in recipe.data else []
+    columns = ("prompt", "completion")
+    train = Dataset.from_list([{k: r[k] for k in columns} for r in train_rows])
+    ev = recipe.evaluation
+    eval_kwargs = {"max_new_tokens": ev.get("max_new_tokens", 8), "batch_size": ev.get("batch_size", 16)}
+
+    before = exact_match(model, tokenizer, eval_rows, **eval_kwargs) if eval_rows else None
+    if before:
+        print(f"before training: {before['accuracy']:.1%} exact match on {before['total']} held-out items")
+
+    trainer = SFTTrainer(
+        model=model,
+        args=recipe.training_args,
+        train_dataset=train,
+        processing_class=tokenizer,
+        peft_config=recipe.peft_config,
+        callbacks=method_callbacks(recipe.peft_config),
+    )
+    trainer.model.print_trainable_parameters()
+    train_result = trainer.train()
+    adapter_dir = Path(recipe.training_args.output_dir) / "adapter"
+    trainer.model.save_pretrained(adapter_dir)
+    tokenizer.save_pretrained(adapter_dir)
+
+    after = exact_match(trainer.model, tokenizer, eval_rows, **eval_kwargs) if eval_rows else None
+    if after:
+        print_comparison(before, after, ev.get("show", 6))
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    summary = {
+        "adapter_dir": str(adapter_dir),
+        "train_loss_first": losses[0] if losses else None,
+        "train_loss_last": losses[-1] if losses else None,
+        "train_runtime_s": train_result.metrics.get("train_runtime"),
+        "total_runtime_s": time.time() - started,
+        "before": None if before is None else {k: before[k] for k in ("accuracy", "per_skill")},
+        "after": None if after is None else {k: after[k] for k in ("accuracy", "per_skill")},
+        "torch_threads": torch.get_num_threads(),
+    }
+    with open(Path(recipe.training_args.output_dir) / "summary.json", "w") as f:
+        json.dump(summary, f, indent=2)
+    print(f"\nadapter saved to {adapter_dir}; total time {summary['total_runtime_s']:.0f} s")
+    return summary
