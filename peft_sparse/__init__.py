@@ -9,8 +9,13 @@ from .core.compose import convert_config, load_sparse_adapter, merge_sparse_adap
 from .core.config import SparseConfig
 from .core.layer import SparseLayer
 from .methods.sft import SparseFTConfig, SparseFTModel
+from .methods.spiel import SpIELConfig, SpIELModel, SpIELScheduler
+from .optim import SM3
 
 registry.register("sft", SparseFTConfig, SparseFTModel)
+registry.register("spiel", SpIELConfig, SpIELModel)
+
+from .callbacks import SpIELCallback  # noqa: E402  (needs transformers, imported after registration)
 
 __version__ = "0.1.0"
 
@@ -19,6 +24,11 @@ __all__ = [
     "SparseFTConfig",
     "SparseFTModel",
     "SparseLayer",
+    "SM3",
+    "SpIELCallback",
+    "SpIELConfig",
+    "SpIELModel",
+    "SpIELScheduler",
     "convert_config",
     "load_sparse_adapter",
     "merge_sparse_adapters",

@@ -15,6 +15,7 @@ The storage layout of the base layer never leaks into the indices: GPT-2 ``Conv1
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -25,6 +26,23 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from .functional import compose_weight, sparse_delta_linear, sparse_delta_linear_reference
+
+
+# id(values Parameter) → (weakref to it, weakref to its layer, adapter name): lets optimizers (SM3)
+# find a values tensor's indices and dense shape from the parameter alone. Only weak references are
+# held (tensors compare elementwise, so a WeakKeyDictionary cannot key them).
+_VALUES_OWNER: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
+
+
+def sparse_owner(values: torch.Tensor) -> Optional[tuple["SparseLayer", str]]:
+    """(layer, adapter_name) of a sparse values Parameter, or None for any other tensor."""
+    entry = _VALUES_OWNER.get(id(values))
+    if entry is None or entry[0]() is not values:
+        return None
+    layer = entry[1]()
+    if layer is None or layer.sparse_values.get(entry[2]) is not values:
+        return None
+    return layer, entry[2]
 
 
 def index_dtype(numel: int) -> torch.dtype:
@@ -183,11 +201,18 @@ class SparseLayer(BaseTunerLayer):
             torch.zeros(indices.numel(), dtype=values_dtype, device=device)
         )
         self.values_dtype[adapter_name] = values_dtype
+        self._register_values(adapter_name)
         if with_ages:
             self.sparse_ages[adapter_name] = torch.zeros(indices.numel(), dtype=torch.int32, device=device)
         if indices_pending:
             self._indices_pending.add(adapter_name)
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
+
+    def _register_values(self, adapter_name: str) -> None:
+        values = self.sparse_values[adapter_name]
+        for key in [k for k, v in _VALUES_OWNER.items() if v[0]() is None]:
+            del _VALUES_OWNER[key]  # forget parameters that no longer exist
+        _VALUES_OWNER[id(values)] = (weakref.ref(values), weakref.ref(self), adapter_name)
 
     def _base_device(self) -> torch.device:
         base = self.get_base_layer()
@@ -204,6 +229,8 @@ class SparseLayer(BaseTunerLayer):
                 if container[adapter_name].device.type == "meta":
                     continue
                 container[adapter_name] = container[adapter_name].to(target)
+        if adapter_name in self.sparse_values:
+            self._register_values(adapter_name)
 
     def delete_adapter(self, adapter_name: str) -> None:
         super().delete_adapter(adapter_name)
@@ -256,6 +283,8 @@ class SparseLayer(BaseTunerLayer):
                 "weights with PeftModel.from_pretrained or peft_sparse.load_sparse_adapter."
             )
         values = self.sparse_values[adapter_name]
+        if sparse_owner(values) is None:  # replaced since creation (e.g. an assign-load)
+            self._register_values(adapter_name)
         wanted = self.values_dtype[adapter_name]
         if values.dtype != wanted and values.device.type != "meta":
             # Something outside PEFT's adapter API re-cast the values (TRL casts the trainable parameters of

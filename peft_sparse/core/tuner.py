@@ -164,6 +164,7 @@ class SparseTuner(BaseTuner):
                 wanted = layer.values_dtype[adapter_name]
                 if param.dtype != wanted:
                     layer.sparse_values[adapter_name] = nn.Parameter(param.data.to(wanted), requires_grad=param.requires_grad)
+                    layer._register_values(adapter_name)
 
     # ------------------------------------------------------------------------------- loading
     @classmethod

@@ -1,0 +1,519 @@
+r"""SpIEL: sparse fine-tuning whose indices η move during training (thesis ch. 7, Algorithms 2–3).
+
+Notation (as in §7.4.3, not as in the algorithms' pseudocode): every **S** optimizer steps
+(``reselection_steps``) each tensor i *drops* k(i, t) of its d_φ(i) active weights and *grows*
+k(i, t) new ones. The first reselection, at t = γ, replaces all of them (Eq. 7.6); k then decays
+(linear Eq. 7.6 or cosine Eq. E.1, see :mod:`peft_sparse.schedules.reselection`).
+
+* **DROP** — the k active weights with the smallest |φ| (§7.3.1 text; ties → lowest flat index).
+* **GROW, AG** (accumulated gradient, Alg. 2) — over the γ steps ending at a reselection (the
+  *gradient-estimation window*) the dense gradient of each targeted matrix is formed transiently.
+  On the window's first micro-batch the top-K_i positions by |∂L/∂θ| become *candidates*
+  (K_i = ⌈candidate_ratio · d_φ(i)⌉); from then on only their gradients are kept: per optimizer
+  step their sum g (the gradient Adam sees), accumulated as Σg and Σg² over the window (Eq. 7.5).
+  Grow the k eligible candidates (not active after the drop — a just-dropped index may regrow)
+  with the largest |ĝ| = |Σg|/γ. If fewer than k are eligible, drop only as many as can be grown.
+* **GROW, MA** (momentum approximation, Alg. 3) — the k inactive positions with the largest
+  √⁴(R_i·C_j) (Eq. 7.7) from SM3's row/column accumulators, ranked chunk by chunk so no dense
+  (out, in) score matrix exists.
+
+Grown weights start at φ = 0 with age t; the optimizer keeps the same Parameter objects and its
+state is re-gathered and seeded by :mod:`peft_sparse.optim.surgery`. Persistent memory is O(d_φ):
+candidate statistics exist only during windows, the dense gradient only inside a backward pass.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+import torch
+import torch.distributed as dist
+from peft.utils import PeftType
+from safetensors.torch import load_file, save_file
+
+from ..core.config import SparseConfig
+from ..core.layer import SparseLayer, index_dtype
+from ..core.selection import module_generator, random_indices
+from ..core.tuner import SparseTuner
+from ..optim.sm3 import SM3
+from ..optim.surgery import check_supported, reindex_optimizer_state, unwrap_optimizer
+from ..schedules.reselection import in_estimation_window, is_reselection_step, replacement_count
+
+
+@dataclass
+class SpIELConfig(SparseConfig):
+    """Configuration of SpIEL (PEFT type ``"SPIEL"``); train it with :class:`SpIELCallback` or :class:`SpIELScheduler`.
+
+    The paper's settings (thesis §7.4.3, Table 7.1, Llama-2): S=20, ξ=0.2, γ=5, K_i=d_φ(i); AdamW with
+    lr 1e-4 and decoupled weight decay λ=30 for AG (7b and 13b); SM3 with lr 1e-3 and λ=0.3 (7b) or
+    lr 4e-4 and λ=0 (13b) for MA. λ is the optimizer's ``weight_decay``.
+    """
+
+    growth: str = field(default="ag", metadata={"help": "'ag' (accumulated gradients, Alg. 2) or 'ma' (SM3 momentum approximation, Alg. 3)."})
+    reselection_steps: int = field(default=20, metadata={"help": "S: optimizer steps between reselections."})
+    initial_reselection_rate: float = field(default=0.2, metadata={"help": "ξ in (0, 1]: fraction of d_φ(i) replaced at t=γ+S, decaying to 0 at T."})
+    gradient_estimation_steps: int = field(default=5, metadata={"help": "γ: optimizer steps in an AG gradient-estimation window (0 < γ < S); the first reselection is at t=γ."})
+    candidate_ratio: float = field(default=1.0, metadata={"help": "K_i = ceil(candidate_ratio·d_φ(i)) growth candidates per tensor (AG), ≥ 1."})
+    schedule: str = field(default="linear", metadata={"help": "'linear' (Eq. 7.6) or 'cosine' (Eq. E.1) decay of k(t)."})
+    init: str = field(default="random", metadata={"help": "'random' (the paper's initial η) or 'external' (indices from a saved adapter)."})
+
+    init_choices: ClassVar[tuple[str, ...]] = ("random",)
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.peft_type = PeftType.SPIEL
+        if self.growth not in ("ag", "ma"):
+            raise ValueError(f"growth must be 'ag' or 'ma', got growth={self.growth!r}")
+        for name in ("reselection_steps", "gradient_estimation_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {name}={value!r}")
+        if self.gradient_estimation_steps >= self.reselection_steps:
+            raise ValueError(
+                f"gradient_estimation_steps must be smaller than reselection_steps, got "
+                f"gradient_estimation_steps={self.gradient_estimation_steps} and reselection_steps={self.reselection_steps}"
+            )
+        if not 0.0 < self.initial_reselection_rate <= 1.0:
+            raise ValueError(f"initial_reselection_rate must be in (0, 1], got initial_reselection_rate={self.initial_reselection_rate!r}")
+        if not self.candidate_ratio >= 1.0:
+            raise ValueError(f"candidate_ratio must be >= 1, got candidate_ratio={self.candidate_ratio!r}")
+        if self.schedule not in ("linear", "cosine"):
+            raise ValueError(f"schedule must be 'linear' or 'cosine', got schedule={self.schedule!r}")
+
+    def trainer_callbacks(self) -> list:
+        """Callbacks a Trainer needs to train this adapter."""
+        from ..callbacks import SpIELCallback
+
+        return [SpIELCallback()]
+
+
+class SpIELModel(SparseTuner):
+    """PEFT tuner of :class:`SpIELConfig`: random initial indices, per-index ages, and a guard that
+    warns when the adapter trains with nobody reselecting its indices."""
+
+    prefix: str = "spiel_"
+    dynamic: bool = True
+    _scheduler_ref = None
+    _unscheduled_forwards = 0
+    _warned_unscheduled = False
+
+    def initial_indices(self, config: SpIELConfig, layer: SparseLayer, module_name: str, count: int) -> torch.Tensor:
+        return random_indices(layer.numel, count, module_generator(config.seed, module_name))
+
+    def forward(self, *args, **kwargs):
+        if self.training and torch.is_grad_enabled() and (self._scheduler_ref is None or self._scheduler_ref() is None):
+            self._unscheduled_forwards += 1
+            first = min(
+                (c.gradient_estimation_steps for c in self.peft_config.values() if isinstance(c, SpIELConfig)), default=None
+            )
+            if first is not None and self._unscheduled_forwards > first and not self._warned_unscheduled:
+                self._warned_unscheduled = True
+                warnings.warn(
+                    f"SpIEL adapter trained for {self._unscheduled_forwards} forward passes, past its first reselection "
+                    f"step ({first}), with no SpIELScheduler attached: its indices never change and it is silently "
+                    "a random fixed mask. Pass callbacks=[peft_sparse.SpIELCallback()] to the Trainer, or call "
+                    "SpIELScheduler(model, optimizer, total_steps).step() after each optimizer step.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        return super().forward(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------- selection
+def top_k_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Element numbers of the k largest ``scores``, ordered by (score desc, element number asc).
+
+    Ties go to the lowest element number: callers pass scores in ascending flat-index order, so this
+    is the "ties break by lowest flat index" rule. Uses a top-k threshold, not a full sort.
+    """
+    n = scores.numel()
+    k = min(k, n)
+    if k <= 0:
+        return torch.empty(0, dtype=torch.long, device=scores.device)
+    if torch.isnan(scores).any():
+        raise ValueError("growth/drop scores contain NaN (a NaN gradient or value?)")
+    if k < n:
+        kth = torch.topk(scores, k, sorted=False).values.min()
+        above = torch.nonzero(scores > kth).squeeze(1)
+        ties = torch.nonzero(scores == kth).squeeze(1)[: k - above.numel()]
+        chosen = torch.cat([above, ties]).sort().values
+    else:
+        chosen = torch.arange(n, device=scores.device)
+    return chosen[torch.sort(scores[chosen], descending=True, stable=True).indices]
+
+
+def drop_order(values: torch.Tensor) -> torch.Tensor:
+    """Slots in DROP order: smallest |φ| first, ties → lowest flat index (slots are index-sorted)."""
+    return torch.sort(values.detach().abs().float(), stable=True).indices
+
+
+@dataclass
+class Reselection:
+    """Result of one drop/grow on one tensor (all tensors on the values' device).
+
+    ``source[j]`` is the old slot now at new slot j, or −1 for a grown slot; ``grown_from[j]`` is the
+    row of the growth statistics a grown slot came from (−1 for kept slots).
+    """
+
+    indices: torch.Tensor
+    source: torch.Tensor
+    grown_from: torch.Tensor
+    dropped: int
+    shortfall: int = 0
+
+
+def _merge(indices: torch.Tensor, keep: torch.Tensor, grown_idx: torch.Tensor, grown_rows: torch.Tensor) -> Reselection:
+    kept_slots = torch.nonzero(keep).squeeze(1)
+    all_idx = torch.cat([indices.long()[kept_slots], grown_idx.long()])
+    new_idx, order = torch.sort(all_idx)
+    minus = torch.full_like(grown_idx, -1, dtype=torch.long)
+    source = torch.cat([kept_slots, minus])[order]
+    grown_from = torch.cat([torch.full_like(kept_slots, -1), grown_rows.long()])[order]
+    return Reselection(new_idx, source, grown_from, dropped=int((~keep).sum()))
+
+
+def reselect_ag(values: torch.Tensor, indices: torch.Tensor, k: int, candidates: torch.Tensor, score: torch.Tensor) -> Reselection:
+    """DROP the k smallest |φ|, GROW the k eligible candidates with the largest ``score`` (= |ĝ|).
+
+    ``candidates`` are ascending flat indices. If fewer than k candidates are eligible, drop only as
+    many as can be grown (the largest k' ≤ k with k' eligible), and report the shortfall.
+    """
+    d = indices.numel()
+    order = drop_order(values)
+    wanted = k = min(k, d)
+    while True:
+        keep = torch.ones(d, dtype=torch.bool, device=indices.device)
+        keep[order[:k]] = False
+        eligible = ~torch.isin(candidates.long(), indices.long()[keep])
+        n_eligible = int(eligible.sum())
+        if n_eligible >= k:
+            break
+        k = n_eligible
+    rows = torch.nonzero(eligible).squeeze(1)
+    chosen = rows[top_k_positions(score[rows], k)]  # rows ascending ⇔ candidates ascending
+    result = _merge(indices, keep, candidates[chosen], chosen)
+    result.shortfall = wanted - k
+    return result
+
+
+def top_k_row_col_products(
+    row_acc: torch.Tensor, col_acc: torch.Tensor, excluded: torch.Tensor, k: int, chunk_elements: int = 1 << 22
+) -> torch.Tensor:
+    """Ascending flat indices of the k largest R_i·C_j over positions not in ``excluded`` (ties → lowest index).
+
+    Works through row chunks of at most ``chunk_elements`` scores; never forms the (out, in) matrix.
+    """
+    out_features, in_features = row_acc.numel(), col_acc.numel()
+    excluded = excluded.long()
+    rows_per_chunk = max(1, chunk_elements // in_features)
+    best_score = torch.empty(0, dtype=torch.float64, device=row_acc.device)
+    best_index = torch.empty(0, dtype=torch.long, device=row_acc.device)
+    for r0 in range(0, out_features, rows_per_chunk):
+        r1 = min(out_features, r0 + rows_per_chunk)
+        scores = (row_acc[r0:r1, None].double() * col_acc[None, :].double()).reshape(-1)  # (chunk,)
+        base = r0 * in_features
+        lo, hi = torch.searchsorted(excluded, torch.tensor([base, r1 * in_features], device=excluded.device))
+        scores[excluded[lo:hi] - base] = -math.inf
+        top = top_k_positions(scores, k)
+        top = top[torch.isfinite(scores[top])]
+        # merge with the best so far: order by (score desc, index asc)
+        cand_index = torch.cat([best_index, top + base])
+        cand_score = torch.cat([best_score, scores[top]])
+        by_index = torch.argsort(cand_index)
+        keep = top_k_positions(cand_score[by_index], k)
+        best_index, best_score = cand_index[by_index][keep], cand_score[by_index][keep]
+    return best_index.sort().values
+
+
+def reselect_ma(values: torch.Tensor, indices: torch.Tensor, k: int, row_acc: torch.Tensor, col_acc: torch.Tensor) -> Reselection:
+    """DROP the k smallest |φ|, GROW the k positions outside the kept set with the largest R_i·C_j."""
+    d = indices.numel()
+    k = min(k, d)
+    keep = torch.ones(d, dtype=torch.bool, device=indices.device)
+    keep[drop_order(values)[:k]] = False
+    grown = top_k_row_col_products(row_acc, col_acc, indices.long()[keep], k)
+    result = _merge(indices, keep, grown, torch.full_like(grown, -1))
+    result.shortfall = k - grown.numel()
+    return result
+
+
+# ------------------------------------------------------------------------------------------- scheduler
+class _WindowStatistics:
+    """Growth candidates of one tensor and their gradient sums over an estimation window (AG)."""
+
+    def __init__(self, num_candidates: int):
+        self.num_candidates = num_candidates
+        self.candidates: Optional[torch.Tensor] = None  # ascending flat indices
+        self.step_sum: Optional[torch.Tensor] = None  # Σ over this step's micro-batches
+        self.grad_sum: Optional[torch.Tensor] = None  # Σ_steps g
+        self.grad_sq_sum: Optional[torch.Tensor] = None  # Σ_steps g²
+
+    def __call__(self, layer: SparseLayer, dense_grad: torch.Tensor) -> None:
+        flat = dense_grad.reshape(-1)
+        if self.candidates is None:  # first micro-batch of the window: pick the candidates
+            if _distributed():
+                flat = flat.clone()
+                dist.all_reduce(flat)  # identical candidates on every rank
+            chosen = top_k_positions(flat.abs(), self.num_candidates).sort().values
+            self.candidates = chosen.to(index_dtype(flat.numel()))
+            zeros = torch.zeros(chosen.numel(), dtype=torch.float32, device=flat.device)
+            self.step_sum, self.grad_sum, self.grad_sq_sum = zeros, zeros.clone(), zeros.clone()
+            if _distributed():
+                flat = dense_grad.reshape(-1)
+        self.step_sum += flat[self.candidates.long()].float()
+
+    def end_step(self) -> None:
+        if self.candidates is None:
+            return
+        self.grad_sum += self.step_sum
+        self.grad_sq_sum += self.step_sum * self.step_sum
+        self.step_sum.zero_()
+
+    def tensors(self) -> dict:
+        if self.candidates is None:
+            return {}
+        return {"candidates": self.candidates, "step_sum": self.step_sum, "grad_sum": self.grad_sum, "grad_sq_sum": self.grad_sq_sum}
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _find_spiel_adapter(model, adapter_name: Optional[str]):
+    inner = model
+    while not hasattr(inner, "peft_config") and hasattr(inner, "module"):
+        inner = inner.module  # DDP and similar wrappers
+    configs = getattr(inner, "peft_config", {}) or {}
+    spiel = {name: c for name, c in configs.items() if isinstance(c, SpIELConfig)}
+    if not spiel:
+        raise ValueError("SpIELScheduler needs a model with a SpIEL adapter (get_peft_model(model, SpIELConfig(...))); found none")
+    if adapter_name is None:
+        active = getattr(inner, "active_adapters", None) or list(spiel)
+        active = [a for a in active if a in spiel]
+        if len(active) != 1:
+            raise ValueError(f"SpIELScheduler: pass adapter_name; active SpIEL adapters are {active or sorted(spiel)}")
+        adapter_name = active[0]
+    if adapter_name not in spiel:
+        raise ValueError(f"SpIELScheduler: adapter_name={adapter_name!r} is not a SpIEL adapter; SpIEL adapters: {sorted(spiel)}")
+    tuner = getattr(inner, "base_model", inner)
+    return inner, tuner, adapter_name, spiel[adapter_name]
+
+
+class SpIELScheduler:
+    """Drives SpIEL's reselections from optimizer steps; works with any training loop.
+
+    Call :meth:`step` once after every optimizer step (t = 1 … ``total_steps``). It arms the dense-
+    gradient seam of the adapted layers for the backward passes of estimation-window steps (AG),
+    reselects at t = γ, γ+S, … and edits values, indices, ages and optimizer state in place. The
+    optimizer must hold the adapter's values: ``torch.optim.AdamW``/``Adam`` (not amsgrad) or
+    :class:`peft_sparse.SM3` for AG, :class:`peft_sparse.SM3` for MA.
+    """
+
+    def __init__(self, model, optimizer, total_steps: int, adapter_name: Optional[str] = None):
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0:
+            raise ValueError(f"total_steps must be a positive integer, got total_steps={total_steps!r}")
+        self.model, tuner, self.adapter_name, self.config = _find_spiel_adapter(model, adapter_name)
+        self.total_steps = total_steps
+        self.optimizer = check_supported(optimizer)
+        if self.config.growth == "ma" and not isinstance(self.optimizer, SM3):
+            raise TypeError(
+                f"SpIEL-MA (growth='ma') ranks growth by SM3's accumulators and needs peft_sparse.SM3, "
+                f"got optimizer {type(self.optimizer).__name__}"
+            )
+        self.layers = [m for m in self.model.modules() if isinstance(m, SparseLayer) and self.adapter_name in m.sparse_values]
+        held = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        missing = [m.module_name for m in self.layers if id(m.sparse_values[self.adapter_name]) not in held]
+        if missing:
+            raise ValueError(f"the optimizer does not hold the SpIEL values of {missing[:3]}{'…' if len(missing) > 3 else ''}")
+        self.t = 0
+        self.steps_in_window = 0
+        self.statistics: dict[str, _WindowStatistics] = {}
+        self.last_statistics: dict = {}
+        if isinstance(tuner, SpIELModel):
+            tuner._scheduler_ref = weakref.ref(self)
+        self._arm_if_window(1)
+
+    # -- windows
+    @property
+    def uses_windows(self) -> bool:
+        return self.config.growth == "ag"
+
+    def _in_window(self, t: int) -> bool:
+        c = self.config
+        return self.uses_windows and in_estimation_window(t, c.reselection_steps, c.gradient_estimation_steps, self.total_steps)
+
+    def _arm_if_window(self, next_t: int) -> None:
+        if self._in_window(next_t) and not self.statistics:
+            for layer in self.layers:
+                d = layer.sparse_values[self.adapter_name].numel()
+                stats = _WindowStatistics(min(layer.numel, math.ceil(self.config.candidate_ratio * d)))
+                self.statistics[layer.module_name] = stats
+                layer.dense_grad_consumer = stats
+            self.steps_in_window = 0
+
+    def _disarm(self) -> None:
+        for layer in self.layers:
+            layer.dense_grad_consumer = None
+        self.statistics = {}
+        self.steps_in_window = 0
+
+    def close(self) -> None:
+        """Stop feeding statistics (e.g. at the end of training)."""
+        self._disarm()
+
+    # -- the loop
+    def step(self) -> dict:
+        """Advance to the next optimizer step; returns reselection statistics when one happened."""
+        self.t += 1
+        t, c = self.t, self.config
+        if self.statistics:
+            self._end_window_step()
+        self.last_statistics = {}
+        if is_reselection_step(t, c.reselection_steps, c.gradient_estimation_steps, self.total_steps):
+            self.last_statistics = self._reselect(t)
+            self._disarm()
+        self._arm_if_window(t + 1)
+        return self.last_statistics
+
+    def _end_window_step(self) -> None:
+        if _distributed():
+            live = [s for s in self.statistics.values() if s.candidates is not None]
+            if live:
+                flat = torch.cat([s.step_sum for s in live])
+                dist.all_reduce(flat)
+                flat /= dist.get_world_size()
+                for s, part in zip(live, flat.split([s.step_sum.numel() for s in live])):
+                    s.step_sum.copy_(part)
+        for stats in self.statistics.values():
+            stats.end_step()
+        self.steps_in_window += 1
+
+    @torch.no_grad()
+    def _reselect(self, t: int) -> dict:
+        c, name = self.config, self.adapter_name
+        replaced = dropped_age = kept_age = total = shortfall = 0
+        changed = 0
+        for layer in self.layers:
+            values, indices, ages = layer.sparse_values[name], layer.sparse_indices[name], layer.sparse_ages[name]
+            d = values.numel()
+            total += d
+            k = replacement_count(t, self.total_steps, d, c.initial_reselection_rate, c.schedule, c.gradient_estimation_steps)
+            if k == 0 or d == 0:
+                continue
+            grad_mean = grad_sq_mean = None
+            if c.growth == "ag":
+                stats = self.statistics.get(layer.module_name)
+                if stats is None or stats.candidates is None:
+                    warnings.warn(f"SpIEL: {layer.module_name} got no gradient in the estimation window; not reselected")
+                    continue
+                n = max(1, self.steps_in_window)
+                mean = stats.grad_sum / n
+                result = reselect_ag(values, indices, k, stats.candidates, mean.abs())
+                grown = result.grown_from >= 0
+                grad_mean = mean[result.grown_from[grown]]
+                grad_sq_mean = (stats.grad_sq_sum / n)[result.grown_from[grown]]
+            else:
+                state = self.optimizer.state.get(values)
+                if not state:
+                    warnings.warn(f"SpIEL-MA: {layer.module_name} has no SM3 state yet; not reselected")
+                    continue
+                result = reselect_ma(values, indices, k, state["row_accumulator"], state["col_accumulator"])
+            old_indices = indices.clone()
+            source = result.source
+            grown = source < 0
+            kept_ages = ages[source.clamp(min=0)][~grown]
+            dropped_mask = torch.ones(d, dtype=torch.bool, device=values.device)
+            dropped_mask[source[~grown]] = False
+            dropped_age += int((t - ages[dropped_mask].long()).sum())
+            new_values = values[source.clamp(min=0)]
+            new_values[grown] = 0
+            values.copy_(new_values)
+            new_ages = ages[source.clamp(min=0)]
+            new_ages[grown] = t
+            ages.copy_(new_ages)
+            indices.copy_(result.indices.to(indices.dtype))
+            reindex_optimizer_state(self.optimizer, values, source, grad_mean, grad_sq_mean)
+            replaced += int(grown.sum())
+            shortfall += result.shortfall
+            kept_age += int((t - kept_ages.long()).sum())
+            changed += int((~torch.isin(indices, old_indices)).sum())
+        out = {
+            "spiel/step": t,
+            "spiel/replaced": replaced,
+            "spiel/fraction_changed": changed / max(1, total),
+            "spiel/mean_age_dropped": dropped_age / max(1, replaced),
+            "spiel/mean_age_kept": kept_age / max(1, total - replaced),
+        }
+        if shortfall:
+            out["spiel/shortfall"] = shortfall
+            warnings.warn(f"SpIEL step {t}: {shortfall} fewer weights replaced than scheduled (not enough eligible candidates)")
+        return out
+
+    # -- state
+    def state_dict(self) -> dict:
+        return {
+            "t": self.t,
+            "total_steps": self.total_steps,
+            "adapter_name": self.adapter_name,
+            "steps_in_window": self.steps_in_window,
+            "armed": bool(self.statistics),
+            "statistics": {name: s.tensors() for name, s in self.statistics.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["adapter_name"] != self.adapter_name:
+            raise ValueError(f"scheduler state is for adapter {state['adapter_name']!r}, not {self.adapter_name!r}")
+        if state["total_steps"] != self.total_steps:
+            raise ValueError(
+                f"scheduler state was made with total_steps={state['total_steps']}, this scheduler has "
+                f"total_steps={self.total_steps}; k(t) would differ"
+            )
+        self._disarm()
+        self.t = int(state["t"])
+        devices = {m.module_name: m.sparse_values[self.adapter_name].device for m in self.layers}
+        if state["armed"]:
+            self._arm_if_window(self.t + 1)
+            if not self.statistics:
+                raise ValueError(f"scheduler state says a window is open after step {self.t}, but none is scheduled there")
+            for name, tensors in state["statistics"].items():
+                if name not in self.statistics:
+                    raise ValueError(f"scheduler state has statistics for unknown module {name!r}")
+                stats = self.statistics[name]
+                if tensors:
+                    device = devices[name]
+                    stats.candidates = tensors["candidates"].to(device, copy=True)
+                    stats.step_sum = tensors["step_sum"].to(device, copy=True)
+                    stats.grad_sum = tensors["grad_sum"].to(device, copy=True)
+                    stats.grad_sq_sum = tensors["grad_sq_sum"].to(device, copy=True)
+            self.steps_in_window = int(state["steps_in_window"])
+
+    def save(self, directory: str) -> None:
+        """Write the state as ``spiel_scheduler.json`` + ``spiel_scheduler.safetensors`` (no pickle)."""
+        state = self.state_dict()
+        tensors = {f"{m}::{k}": v.contiguous() for m, ts in state.pop("statistics").items() for k, v in ts.items()}
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "spiel_scheduler.json"), "w") as f:
+            json.dump(state, f)
+        save_file(tensors, os.path.join(directory, "spiel_scheduler.safetensors"))
+
+    def load(self, directory: str) -> None:
+        path = os.path.join(directory, "spiel_scheduler.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{directory} holds no spiel_scheduler.json; cannot resume SpIEL exactly")
+        with open(path) as f:
+            state = json.load(f)
+        statistics: dict = {}
+        for key, value in load_file(os.path.join(directory, "spiel_scheduler.safetensors")).items():
+            module, _, name = key.partition("::")
+            statistics.setdefault(module, {})[name] = value
+        if state["armed"]:
+            for layer in self.layers:
+                statistics.setdefault(layer.module_name, {})
+        state["statistics"] = statistics
+        self.load_state_dict(state)

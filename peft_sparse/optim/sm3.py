@@ -1,0 +1,107 @@
+r"""SM3-II (Anil et al., 2019) over sparse values, with row and column accumulators of the full shape.
+
+For the values φ of a sparse adapter on an (out, in) matrix, with φ_j at row r_j and column c_j:
+
+.. math::
+    \nu_j = \min(R_{r_j}, C_{c_j}) + g_j^2, \qquad
+    R_i \leftarrow \max(R_i, \max_{j: r_j = i} \nu_j), \quad C_k \leftarrow \max(C_k, \max_{j: c_j = k} \nu_j),
+    \qquad \phi_j \leftarrow \phi_j - \mathrm{lr}\, g_j / \sqrt{\nu_j}
+
+The accumulators R (out) and C (in) cover the *whole* matrix, not only the active entries, so they
+survive SpIEL reselections unchanged and give SpIEL-MA its growth score √⁴(R_i·C_k) (thesis Eq. 7.7).
+Memory: out + in floats per matrix (plus d_φ with momentum), against Adam's 2·d_φ.
+
+Dense parameters (e.g. ``modules_to_save``) get the same SM3-II with one accumulator per row and
+column (2-D; higher ranks are viewed as (first dim, rest)) or a plain Adagrad accumulator (1-D).
+Weight decay is decoupled (AdamW-style): φ ← φ·(1 − lr·λ).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.kernels import rows_cols
+from ..core.layer import sparse_owner
+
+
+class SM3(torch.optim.Optimizer):
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, eps: float = 1e-30, weight_decay: float = 0.0):
+        if not lr > 0.0:
+            raise ValueError(f"SM3: lr must be positive, got lr={lr}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"SM3: momentum must be in [0, 1), got momentum={momentum}")
+        if not eps >= 0.0:
+            raise ValueError(f"SM3: eps must be non-negative, got eps={eps}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"SM3: weight_decay must be non-negative, got weight_decay={weight_decay}")
+        super().__init__(params, dict(lr=lr, momentum=momentum, eps=eps, weight_decay=weight_decay))
+
+    @staticmethod
+    def sparse_layout(param: torch.Tensor):
+        """(rows, cols, out_features, in_features) of a sparse values parameter, or None for a dense one."""
+        owner = sparse_owner(param)
+        if owner is None:
+            return None
+        layer, adapter = owner
+        rows, cols = rows_cols(layer.sparse_indices[adapter], layer.in_features)
+        return rows, cols, layer.out_features, layer.in_features
+
+    def _init_state(self, param, state, layout, momentum: float):
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        acc_dtype = torch.float32 if param.dtype in (torch.float16, torch.bfloat16) else param.dtype
+        if layout is not None:
+            _, _, out_features, in_features = layout
+            state["row_accumulator"] = torch.zeros(out_features, dtype=acc_dtype, device=param.device)
+            state["col_accumulator"] = torch.zeros(in_features, dtype=acc_dtype, device=param.device)
+        elif param.dim() >= 2:
+            state["row_accumulator"] = torch.zeros(param.shape[0], dtype=acc_dtype, device=param.device)
+            state["col_accumulator"] = torch.zeros(param[0].numel(), dtype=acc_dtype, device=param.device)
+        else:
+            state["accumulator"] = torch.zeros_like(param, dtype=acc_dtype)
+        if momentum > 0:
+            state["momentum_buffer"] = torch.zeros_like(param, dtype=acc_dtype)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, momentum, eps, wd = group["lr"], group["momentum"], group["eps"], group["weight_decay"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.grad.is_sparse:
+                    raise RuntimeError("SM3 does not take torch sparse gradients; sparse values have dense grads")
+                state = self.state[param]
+                layout = self.sparse_layout(param)
+                if not state:
+                    self._init_state(param, state, layout, momentum)
+                state["step"] += 1
+                acc_dtype = (state.get("accumulator") if "accumulator" in state else state["row_accumulator"]).dtype
+                grad = param.grad.to(acc_dtype)
+                if layout is not None:
+                    rows, cols, _, _ = layout
+                    row_acc, col_acc = state["row_accumulator"], state["col_accumulator"]
+                    nu = torch.minimum(row_acc[rows], col_acc[cols]).add_(grad * grad)  # (d_φ,)
+                    row_acc.scatter_reduce_(0, rows, nu, reduce="amax", include_self=True)
+                    col_acc.scatter_reduce_(0, cols, nu, reduce="amax", include_self=True)
+                elif "accumulator" in state:
+                    nu = state["accumulator"].add_(grad * grad)
+                else:
+                    row_acc, col_acc = state["row_accumulator"], state["col_accumulator"]
+                    g2 = grad.reshape(row_acc.numel(), col_acc.numel())
+                    nu = torch.minimum(row_acc[:, None], col_acc[None, :]).add_(g2 * g2)  # (rows, cols)
+                    torch.maximum(row_acc, nu.amax(dim=1), out=row_acc)
+                    torch.maximum(col_acc, nu.amax(dim=0), out=col_acc)
+                    nu = nu.view_as(grad)
+                update = grad / nu.add(eps).sqrt()
+                if momentum > 0:
+                    buf = state["momentum_buffer"]
+                    buf.mul_(momentum).add_(update, alpha=1 - momentum)
+                    update = buf
+                if wd:
+                    param.mul_(1 - lr * wd)
+                param.add_(update.to(param.dtype), alpha=-lr)
+        return loss

@@ -1,0 +1,29 @@
+"""Plots (``pip install peft-sparse[plot]``)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def age_histogram(tensors: dict, path: str, bins: int = 50) -> str:
+    """Histogram of the step at which each active index was last grown (thesis Fig. 7.4) as a PNG."""
+    ages = [t.long() for k, t in tensors.items() if k.endswith(".sparse_ages")]
+    if not ages:
+        raise ValueError("the adapter holds no per-index ages (only dynamic methods such as SpIEL keep them)")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError("age histograms need matplotlib: pip install 'peft-sparse[plot]'") from exc
+    values = torch.cat(ages).numpy()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.hist(values, bins=bins, color="#4472c4")
+    ax.set_xlabel("optimizer step at which the index was last grown (0 = initial)")
+    ax.set_ylabel("number of tunable weights")
+    ax.set_title(f"SpIEL index ages ({values.size:,} weights)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

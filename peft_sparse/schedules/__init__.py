@@ -1,0 +1,1 @@
+"""Schedules: SpIEL's reselection count k(t)."""

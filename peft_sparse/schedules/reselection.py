@@ -1,0 +1,53 @@
+"""When SpIEL reselects and how many indices it replaces: k(i, t) (thesis Eq. 7.6 and E.1).
+
+Optimizer steps are counted t = 1 … T. Reselections happen at t = γ, γ+S, γ+2S, … (t < T), so the
+first one comes right after the first gradient-estimation window instead of after S steps; it
+replaces every index (Eq. 7.6, first case). Later ones replace
+
+* linear (Eq. 7.6):  k(i, t) = ⌊ξ · (T − t)/T · d_φ(i)⌋
+* cosine (Eq. E.1):  k(i, t) = ⌊ξ/2 · (1 + cos(π t / T)) · d_φ(i)⌋
+
+A SpIEL-AG estimation window is the γ steps ending at a reselection: steps t_r − γ + 1 … t_r.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+
+def is_reselection_step(t: int, reselection_steps: int, gradient_estimation_steps: int, total_steps: int) -> bool:
+    return t >= gradient_estimation_steps and t < total_steps and (t - gradient_estimation_steps) % reselection_steps == 0
+
+
+def first_reselection_step(gradient_estimation_steps: int) -> int:
+    return gradient_estimation_steps
+
+
+def in_estimation_window(t: int, reselection_steps: int, gradient_estimation_steps: int, total_steps: int) -> bool:
+    """Whether the backward passes of optimizer step t feed the window of an upcoming reselection."""
+    if t < 1:
+        return False
+    # the next reselection at or after t
+    if t <= gradient_estimation_steps:
+        next_reselection = gradient_estimation_steps
+    else:
+        n = math.ceil((t - gradient_estimation_steps) / reselection_steps)
+        next_reselection = gradient_estimation_steps + n * reselection_steps
+    return next_reselection < total_steps and next_reselection - gradient_estimation_steps < t
+
+
+def replacement_count(
+    t: int, total_steps: int, d_phi: int, initial_reselection_rate: float, schedule: str, gradient_estimation_steps: int
+) -> int:
+    """k(i, t): how many of the d_φ(i) indices of one tensor to replace at reselection step t."""
+    if t == first_reselection_step(gradient_estimation_steps):
+        return d_phi
+    if schedule == "linear":
+        # exact rational arithmetic on ξ as written, so e.g. ξ=0.3 gives ⌊0.3·…⌋ and not ⌊0.2999…·…⌋
+        k = math.floor(Fraction(repr(float(initial_reselection_rate))) * (total_steps - t) * d_phi / total_steps)
+    elif schedule == "cosine":
+        k = math.floor(initial_reselection_rate / 2 * (1 + math.cos(math.pi * t / total_steps)) * d_phi)
+    else:
+        raise ValueError(f"schedule={schedule!r} is not one of 'linear', 'cosine'")
+    return max(0, min(d_phi, k))
