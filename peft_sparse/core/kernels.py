@@ -36,14 +36,20 @@ def rows_cols(indices: torch.Tensor, in_features: int) -> tuple[torch.Tensor, to
     return idx // in_features, idx % in_features
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half types and float32, float64 for float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def sddmm_reference(grad_out2d: torch.Tensor, x2d: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """Σ_t grad_out2d[t, rows[j]] · x2d[t, cols[j]] for every j, accumulated in float32."""
+    """Σ_t grad_out2d[t, rows[j]] · x2d[t, cols[j]] for every j, accumulated in float32 (float64 for float64)."""
     tokens = grad_out2d.shape[0]
     nnz = rows.numel()
-    out = torch.empty(nnz, dtype=torch.float32, device=grad_out2d.device)
-    chunk = max(1, _REFERENCE_CHUNK_BYTES // max(1, 8 * tokens))
-    g = grad_out2d.float()
-    x = x2d.float()
+    acc = accumulation_dtype(grad_out2d.dtype)
+    out = torch.empty(nnz, dtype=acc, device=grad_out2d.device)
+    chunk = max(1, _REFERENCE_CHUNK_BYTES // max(1, 2 * acc.itemsize * tokens))
+    g = grad_out2d.to(acc)
+    x = x2d.to(acc)
     for start in range(0, nnz, chunk):
         r = rows[start : start + chunk]
         c = cols[start : start + chunk]
@@ -93,11 +99,11 @@ def value_gradient(
     in_features: int,
     method: str = "auto",
 ) -> torch.Tensor:
-    """∂L/∂φ for flat indices into the (out, in) matrix, float32, without keeping any W-sized tensor."""
+    """∂L/∂φ for flat indices into the (out, in) matrix (float32, or float64 for float64 inputs)."""
     if method == "auto":
         method = COST_MODEL.choose(grad_out2d.device, grad_out2d.shape[0], out_features, in_features, indices.numel())
     if method == "dense":
-        return dense_weight_gradient(grad_out2d, x2d).view(-1)[indices.long()].float()
+        return dense_weight_gradient(grad_out2d, x2d).view(-1)[indices.long()].to(accumulation_dtype(grad_out2d.dtype))
     if method == "sddmm":
         rows, cols = rows_cols(indices, in_features)
         return sddmm(grad_out2d, x2d, rows, cols)

@@ -154,6 +154,8 @@ class SparseLayer(BaseTunerLayer):
         self.dense_grad_consumer = None
         self.dense_grad_count = 0
         self.value_grad_method = "auto"
+        # called with the layer on every training forward pass (dynamic methods watch for a missing scheduler)
+        self.training_observer = None
 
         base = self.get_base_layer()
         self.quantization_backend = resolve_quantization_backend(base)
@@ -314,6 +316,8 @@ class SparseLayer(BaseTunerLayer):
             return self.base_layer(x, *args, **kwargs)
         for name in active:
             self._check_ready(name)
+        if self.training_observer is not None and self.training and torch.is_grad_enabled():
+            self.training_observer(self)
         base = self.get_base_layer()
         indices = [self.sparse_indices[a] for a in active]
         values = [self.sparse_values[a] for a in active]

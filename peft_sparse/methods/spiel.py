@@ -93,36 +93,58 @@ class SpIELConfig(SparseConfig):
         return [SpIELCallback()]
 
 
+class _UnscheduledTrainingGuard:
+    """Warns once when a SpIEL adapter trains past its first reselection step with no scheduler.
+
+    Without a scheduler nothing ever reselects, and SpIEL silently degrades to a random fixed mask.
+    Counts training forward passes of one layer (≥ optimizer steps, so the warning is never late).
+    """
+
+    def __init__(self):
+        self.scheduler = None  # weakref to the attached SpIELScheduler
+        self.first_reselection = None
+        self._counted_layer = None
+        self.forwards = 0
+        self.warned = False
+
+    def __call__(self, layer) -> None:
+        if self.warned or (self.scheduler is not None and self.scheduler() is not None):
+            return
+        if self._counted_layer is None or self._counted_layer() is None:
+            self._counted_layer = weakref.ref(layer)
+        if self._counted_layer() is not layer:
+            return
+        self.forwards += 1
+        if self.first_reselection is not None and self.forwards > self.first_reselection:
+            self.warned = True
+            warnings.warn(
+                f"SpIEL adapter trained for {self.forwards} forward passes, past its first reselection step "
+                f"({self.first_reselection}), with no SpIELScheduler attached: its indices never change and it is "
+                "silently a random fixed mask. Pass callbacks=[peft_sparse.SpIELCallback()] to the Trainer, or call "
+                "SpIELScheduler(model, optimizer, total_steps).step() after each optimizer step.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+
 class SpIELModel(SparseTuner):
     """PEFT tuner of :class:`SpIELConfig`: random initial indices, per-index ages, and a guard that
     warns when the adapter trains with nobody reselecting its indices."""
 
     prefix: str = "spiel_"
     dynamic: bool = True
-    _scheduler_ref = None
-    _unscheduled_forwards = 0
-    _warned_unscheduled = False
 
     def initial_indices(self, config: SpIELConfig, layer: SparseLayer, module_name: str, count: int) -> torch.Tensor:
         return random_indices(layer.numel, count, module_generator(config.seed, module_name))
 
-    def forward(self, *args, **kwargs):
-        if self.training and torch.is_grad_enabled() and (self._scheduler_ref is None or self._scheduler_ref() is None):
-            self._unscheduled_forwards += 1
-            first = min(
-                (c.gradient_estimation_steps for c in self.peft_config.values() if isinstance(c, SpIELConfig)), default=None
-            )
-            if first is not None and self._unscheduled_forwards > first and not self._warned_unscheduled:
-                self._warned_unscheduled = True
-                warnings.warn(
-                    f"SpIEL adapter trained for {self._unscheduled_forwards} forward passes, past its first reselection "
-                    f"step ({first}), with no SpIELScheduler attached: its indices never change and it is silently "
-                    "a random fixed mask. Pass callbacks=[peft_sparse.SpIELCallback()] to the Trainer, or call "
-                    "SpIELScheduler(model, optimizer, total_steps).step() after each optimizer step.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-        return super().forward(*args, **kwargs)
+    def _create_and_replace(self, peft_config, adapter_name, target, target_name, parent, current_key, **kwargs):
+        super()._create_and_replace(peft_config, adapter_name, target, target_name, parent, current_key, **kwargs)
+        if "_guard" not in self.__dict__:
+            self.__dict__["_guard"] = _UnscheduledTrainingGuard()
+        guard = self.__dict__["_guard"]
+        first = peft_config.gradient_estimation_steps
+        guard.first_reselection = first if guard.first_reselection is None else min(guard.first_reselection, first)
+        self.model.get_submodule(current_key).training_observer = guard
 
 
 # ------------------------------------------------------------------------------------------- selection
@@ -247,8 +269,9 @@ def reselect_ma(values: torch.Tensor, indices: torch.Tensor, k: int, row_acc: to
 class _WindowStatistics:
     """Growth candidates of one tensor and their gradient sums over an estimation window (AG)."""
 
-    def __init__(self, num_candidates: int):
+    def __init__(self, num_candidates: int, dtype: torch.dtype = torch.float32):
         self.num_candidates = num_candidates
+        self.dtype = dtype  # float32, or float64 over float64 values
         self.candidates: Optional[torch.Tensor] = None  # ascending flat indices
         self.step_sum: Optional[torch.Tensor] = None  # Σ over this step's micro-batches
         self.grad_sum: Optional[torch.Tensor] = None  # Σ_steps g
@@ -262,11 +285,11 @@ class _WindowStatistics:
                 dist.all_reduce(flat)  # identical candidates on every rank
             chosen = top_k_positions(flat.abs(), self.num_candidates).sort().values
             self.candidates = chosen.to(index_dtype(flat.numel()))
-            zeros = torch.zeros(chosen.numel(), dtype=torch.float32, device=flat.device)
+            zeros = torch.zeros(chosen.numel(), dtype=self.dtype, device=flat.device)
             self.step_sum, self.grad_sum, self.grad_sq_sum = zeros, zeros.clone(), zeros.clone()
             if _distributed():
                 flat = dense_grad.reshape(-1)
-        self.step_sum += flat[self.candidates.long()].float()
+        self.step_sum += flat[self.candidates.long()].to(self.dtype)
 
     def end_step(self) -> None:
         if self.candidates is None:
@@ -335,8 +358,9 @@ class SpIELScheduler:
         self.steps_in_window = 0
         self.statistics: dict[str, _WindowStatistics] = {}
         self.last_statistics: dict = {}
-        if isinstance(tuner, SpIELModel):
-            tuner._scheduler_ref = weakref.ref(self)
+        guard = tuner.__dict__.get("_guard") if isinstance(tuner, SpIELModel) else None
+        if guard is not None:
+            guard.scheduler = weakref.ref(self)
         self._arm_if_window(1)
 
     # -- windows
@@ -351,8 +375,9 @@ class SpIELScheduler:
     def _arm_if_window(self, next_t: int) -> None:
         if self._in_window(next_t) and not self.statistics:
             for layer in self.layers:
-                d = layer.sparse_values[self.adapter_name].numel()
-                stats = _WindowStatistics(min(layer.numel, math.ceil(self.config.candidate_ratio * d)))
+                values = layer.sparse_values[self.adapter_name]
+                dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
+                stats = _WindowStatistics(min(layer.numel, math.ceil(self.config.candidate_ratio * values.numel())), dtype)
                 self.statistics[layer.module_name] = stats
                 layer.dense_grad_consumer = stats
             self.steps_in_window = 0

@@ -1,0 +1,119 @@
+"""SpIEL drop/grow as pure functions on hand-built tensors, with exact expected indices."""
+
+import math
+
+import pytest
+import torch
+
+from peft_sparse.methods.spiel import reselect_ag, reselect_ma, top_k_positions, top_k_row_col_products
+from peft_sparse.schedules.reselection import in_estimation_window, is_reselection_step, replacement_count
+
+
+def t(*xs, dtype=torch.float32):
+    return torch.tensor(xs, dtype=dtype)
+
+
+def test_drop_smallest_magnitude_and_grow_largest_mean_gradient():
+    indices = t(2, 5, 9, 14, dtype=torch.int32)
+    values = t(0.5, -0.1, 0.3, -0.05)  # smallest |φ|: 14 (0.05) then 5 (0.1)
+    candidates = t(0, 5, 7, 9, 11, dtype=torch.int32)
+    score = t(0.2, 0.9, 0.8, 5.0, 0.1)  # 9 is active and kept, 5 is just dropped
+    r = reselect_ag(values, indices, 2, candidates, score)
+    # eligible: 0, 5 (just dropped: may regrow), 7, 11 → top-2 by score: 5 (0.9), 7 (0.8)
+    assert r.indices.tolist() == [2, 5, 7, 9]
+    assert r.source.tolist() == [0, -1, -1, 2]  # 5 regrew: a new slot (value restarts at 0)
+    assert r.grown_from.tolist() == [-1, 1, 2, -1]
+    assert r.dropped == 2 and r.shortfall == 0
+
+
+def test_ties_break_by_lowest_flat_index():
+    indices = t(1, 3, 4, 8, dtype=torch.int32)
+    values = t(0.2, 0.2, 0.7, 0.2)  # three-way tie for the two smallest: drop 1 and 3, keep 8
+    candidates = t(0, 2, 6, 10, 12, dtype=torch.int32)
+    score = t(0.5, 0.9, 0.9, 0.9, 0.5)  # tie among 2, 6, 10 → grow 2 and 6
+    r = reselect_ag(values, indices, 2, candidates, score)
+    assert r.indices.tolist() == [2, 4, 6, 8]
+    assert top_k_positions(t(1.0, 3.0, 3.0, 2.0, 3.0), 2).tolist() == [1, 2]
+    assert top_k_positions(t(1.0, 3.0, 3.0, 2.0, 3.0), 4).tolist() == [1, 2, 4, 3]
+
+
+def test_regrowth_of_a_dropped_index():
+    indices = t(3, 6, dtype=torch.int32)
+    values = t(0.01, 0.9)
+    candidates = t(3, 4, dtype=torch.int32)
+    score = t(2.0, 1.0)
+    r = reselect_ag(values, indices, 1, candidates, score)
+    assert r.indices.tolist() == [3, 6]
+    assert r.source.tolist() == [-1, 1]  # index 3 came back as a new slot
+
+
+def test_fewer_eligible_candidates_drops_only_what_can_be_grown():
+    indices = t(1, 2, 3, 4, dtype=torch.int32)
+    values = t(0.1, 0.2, 0.3, 0.4)
+    candidates = t(2, 3, 4, 9, dtype=torch.int32)  # only 9 is inactive
+    score = t(1.0, 1.0, 1.0, 1.0)
+    r = reselect_ag(values, indices, 3, candidates, score)
+    # k=3 would drop 1,2,3 → eligible 2,3,9 (3) ✓?  the largest k' with eligible ≥ k' is 3
+    assert r.shortfall == 0 and r.indices.tolist() == [2, 3, 4, 9]
+    candidates = t(4, 9, dtype=torch.int32)
+    r = reselect_ag(values, indices, 3, candidates, t(1.0, 2.0))
+    # k=3: keep {4}, eligible {9} (1 < 3) → k=1: drop {1}, keep {2,3,4}, eligible {9} ✓
+    assert r.indices.tolist() == [2, 3, 4, 9] and r.shortfall == 2 and r.dropped == 1
+
+
+def test_first_reselection_replaces_everything():
+    indices = t(0, 1, 2, dtype=torch.int32)
+    values = torch.zeros(3)
+    candidates = t(0, 5, 6, 7, dtype=torch.int32)
+    r = reselect_ag(values, indices, 3, candidates, t(0.1, 0.3, 0.2, 0.4))
+    assert r.indices.tolist() == [5, 6, 7] and (r.source == -1).all()
+
+
+def test_ma_grows_largest_row_column_products_outside_kept_set():
+    # 3×4 matrix; R·C scores: row 1 col 3 is the best (6·5=30), then (1,0)=18 and (2,3)=20
+    row_acc, col_acc = t(1.0, 6.0, 4.0), t(3.0, 1.0, 0.5, 5.0)
+    indices = t(0, 7, 11, dtype=torch.int32)  # (0,0), (1,3), (2,3)
+    values = t(0.05, 0.9, 0.8)  # drop index 0
+    r = reselect_ma(values, indices, 1, row_acc, col_acc)
+    # kept {7, 11}; best outside: (1,0)=18 → flat 4
+    assert r.indices.tolist() == [4, 7, 11]
+    assert r.source.tolist() == [-1, 1, 2]
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 7, 1 << 22])
+def test_chunked_row_col_top_k_equals_brute_force(chunk):
+    g = torch.Generator().manual_seed(0)
+    row_acc = torch.randint(0, 4, (13,), generator=g).float()  # many ties on purpose
+    col_acc = torch.randint(0, 4, (11,), generator=g).float()
+    excluded = torch.randperm(143, generator=g)[:30].sort().values
+    want_scores = (row_acc[:, None] * col_acc[None, :]).reshape(-1)
+    mask = torch.ones(143, dtype=torch.bool)
+    mask[excluded] = False
+    pos = torch.nonzero(mask).squeeze(1)
+    want = pos[torch.sort(want_scores[pos], descending=True, stable=True).indices[:17]].sort().values
+    got = top_k_row_col_products(row_acc, col_acc, excluded, 17, chunk_elements=chunk)
+    assert got.tolist() == want.tolist()
+
+
+def test_linear_and_cosine_schedules():
+    T, d, xi, gamma = 100, 1000, 0.2, 5
+    assert replacement_count(5, T, d, xi, "linear", gamma) == d  # first reselection: everything
+    assert replacement_count(25, T, d, xi, "linear", gamma) == 150  # ⌊0.2·75/100·1000⌋
+    assert replacement_count(45, T, d, xi, "linear", gamma) == 110
+    assert replacement_count(25, T, 7, 0.3, "linear", gamma) == 1  # ⌊0.3·0.75·7⌋ = ⌊1.575⌋
+    assert replacement_count(50, 100, 10, 0.3, "linear", gamma) == 1  # exactly 1.5 → 1
+    assert replacement_count(50, 100, 20, 0.3, "linear", gamma) == 3  # exactly 3.0, not 2.999…
+    assert replacement_count(25, T, d, xi, "cosine", gamma) == math.floor(0.1 * (1 + math.cos(math.pi / 4)) * d)
+    assert replacement_count(25, T, d, xi, "cosine", gamma) == 170
+    assert replacement_count(99, T, d, xi, "cosine", gamma) == 0
+    with pytest.raises(ValueError, match="schedule='step'"):
+        replacement_count(25, T, d, xi, "step", gamma)
+
+
+def test_reselection_steps_and_windows():
+    S, gamma, T = 10, 3, 35
+    steps = [s for s in range(1, T + 1) if is_reselection_step(s, S, gamma, T)]
+    assert steps == [3, 13, 23, 33]
+    window = [s for s in range(1, T + 1) if in_estimation_window(s, S, gamma, T)]
+    assert window == [1, 2, 3, 11, 12, 13, 21, 22, 23, 31, 32, 33]
+    assert [s for s in range(1, 34) if in_estimation_window(s, S, gamma, 33)] == [1, 2, 3, 11, 12, 13, 21, 22, 23]

@@ -1,0 +1,293 @@
+"""SpIEL in training loops: optimizer surgery, SM3, windows, accumulation, learning, errors."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import get_peft_model
+
+from peft_sparse import SM3, SpIELConfig, SpIELScheduler, SparseLayer
+from peft_sparse.optim.surgery import reindex_optimizer_state
+from peft_sparse.schedules.reselection import in_estimation_window, is_reselection_step
+
+from .models import sparse_layers, tiny_llama
+
+
+def _spiel(growth="ag", dtype=torch.float32, **kwargs):
+    base = dict(target_modules="all-linear", density=0.05, growth=growth, reselection_steps=6, gradient_estimation_steps=2)
+    base.update(kwargs)
+    return get_peft_model(tiny_llama(dtype=dtype), SpIELConfig(**base))
+
+
+def _optimizer(model, growth, lr=1e-2):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0) if growth == "ag" else SM3(params, lr=lr)
+
+
+def _batch(seed=0, n=8, length=12):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 97, (n, length), generator=g)
+
+
+def _loss(model, x, total_tokens=None):
+    """Token-summed next-token loss divided by the tokens of the whole (accumulated) batch."""
+    logits = model(x).logits[:, :-1]
+    target = x[:, 1:]
+    total = total_tokens or target.numel()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum") / total
+
+
+# ------------------------------------------------------------------------------------------- optimizer state
+def test_stock_adamw_seeding_recovers_window_moments_and_next_update():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = torch.optim.AdamW([p], lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+    for _ in range(3):
+        p.grad = torch.randn(4)
+        opt.step()
+    before = opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone()
+    g_hat, s_hat = torch.tensor([0.5, -0.2]), torch.tensor([0.3, 0.1])
+    source = torch.tensor([2, -1, 0, -1])
+    with torch.no_grad():
+        p.copy_(torch.where(source >= 0, p[source.clamp(min=0)], torch.zeros(4)))
+    reindex_optimizer_state(opt, p, source, g_hat, s_hat)
+    m, v = opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]
+    t = 3
+    # Adam's bias correction now yields exactly ĝ and ŝ for the grown slots
+    torch.testing.assert_close(m[[1, 3]] / (1 - 0.9**t), g_hat)
+    torch.testing.assert_close(v[[1, 3]] / (1 - 0.99**t), s_hat)
+    torch.testing.assert_close(m[[0, 2]], before[0][[2, 0]])
+    torch.testing.assert_close(v[[0, 2]], before[1][[2, 0]])
+    # and the next stock step is the one implied by the seeded moments
+    g_next = torch.tensor([0.1, 0.4, -0.3, 0.2])
+    p_before = p.detach().clone()
+    m_exp = 0.9 * m + 0.1 * g_next
+    v_exp = 0.99 * v + 0.01 * g_next**2
+    step = 0.1 * (m_exp / (1 - 0.9**4)) / ((v_exp / (1 - 0.99**4)).sqrt() + 1e-8)
+    p.grad = g_next
+    opt.step()
+    torch.testing.assert_close(p.detach(), p_before - step)
+
+
+def test_amsgrad_and_unknown_optimizers_are_refused():
+    model = _spiel()
+    params = [p for p in model.parameters() if p.requires_grad]
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        SpIELScheduler(model, torch.optim.AdamW(params, amsgrad=True), total_steps=10)
+    with pytest.raises(TypeError, match="optimizer Adagrad cannot follow a reselection"):
+        SpIELScheduler(model, torch.optim.Adagrad(params), total_steps=10)
+    with pytest.raises(TypeError, match="needs peft_sparse.SM3, got optimizer AdamW"):
+        SpIELScheduler(_spiel("ma"), torch.optim.AdamW([p for p in _spiel("ma").parameters() if p.requires_grad]), 10)
+
+
+def test_sm3_equals_dense_sm3_restricted_to_the_active_set():
+    torch.manual_seed(0)
+    model = _spiel("ma")
+    layer = sparse_layers(model)[0]
+    values = layer.sparse_values["default"]
+    opt = SM3([values], lr=0.05, momentum=0.5, weight_decay=0.1)
+    out, inn = layer.out_features, layer.in_features
+    idx = layer.sparse_indices["default"].long()
+    dense = torch.zeros(out * inn)
+    row, col, mom = torch.zeros(out), torch.zeros(inn), torch.zeros(out * inn)
+    for step in range(4):
+        g = torch.randn(values.numel())
+        values.grad = g.clone()
+        opt.step()
+        # plain dense SM3-II on the whole matrix, gradient zero outside the active set
+        G = torch.zeros(out * inn)
+        G[idx] = g
+        G = G.view(out, inn)
+        nu = torch.minimum(row[:, None], col[None, :]) + G * G
+        row, col = torch.maximum(row, nu.amax(1)), torch.maximum(col, nu.amax(0))
+        update = (G / (nu + 1e-30).sqrt()).reshape(-1)
+        mom = 0.5 * mom + 0.5 * update
+        dense = dense * (1 - 0.05 * 0.1) - 0.05 * mom
+    torch.testing.assert_close(values.detach(), dense[idx], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(opt.state[values]["row_accumulator"], row)
+    torch.testing.assert_close(opt.state[values]["col_accumulator"], col)
+
+
+# ------------------------------------------------------------------------------------------- windows
+def test_dense_gradient_seam_fires_only_on_window_micro_batches():
+    S, gamma, T, accumulation = 6, 2, 15, 2
+    model = _spiel(reselection_steps=S, gradient_estimation_steps=gamma)
+    opt = _optimizer(model, "ag")
+    scheduler = SpIELScheduler(model, opt, total_steps=T)
+    layers = sparse_layers(model)
+    model.train()
+    fired = []
+    for step in range(1, T + 1):
+        for micro in range(accumulation):
+            before = layers[0].dense_grad_count
+            _loss(model, _batch(step * 10 + micro)).backward()
+            fired.append(layers[0].dense_grad_count - before)
+            assert all(l.dense_grad_count == layers[0].dense_grad_count for l in layers)
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+    expected = [int(in_estimation_window(s, S, gamma, T)) for s in range(1, T + 1) for _ in range(accumulation)]
+    assert fired == expected and sum(expected) == 2 * accumulation * 3  # windows end at 2, 8, 14
+    assert all(l.dense_grad_consumer is None for l in layers)
+
+
+def test_spiel_ma_never_forms_the_dense_gradient():
+    model = _spiel("ma")
+    opt = _optimizer(model, "ma")
+    scheduler = SpIELScheduler(model, opt, total_steps=12)
+    model.train()
+    for step in range(12):
+        _loss(model, _batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+    assert all(l.dense_grad_count == 0 for l in sparse_layers(model))
+    assert all((l.sparse_ages["default"] > 0).any() for l in sparse_layers(model))
+
+
+@pytest.mark.parametrize("growth", ["ag", "ma"])
+def test_learns_and_indices_change_exactly_when_scheduled(growth):
+    S, gamma, T = 8, 3, 40
+    # lm_head too: with only the blocks adapted, the frozen RMSNorm scale and output head cap the logits
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    model = _spiel(growth, density=0.2, reselection_steps=S, gradient_estimation_steps=gamma, target_modules=targets)
+    opt = _optimizer(model, growth, lr=3e-2 if growth == "ag" else 0.3)
+    scheduler = SpIELScheduler(model, opt, total_steps=T)
+    x = _batch(0, n=4, length=10)
+    model.train()
+    losses, changed_at = [], []
+    for step in range(1, T + 1):
+        loss = _loss(model, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        before = [l.sparse_indices["default"].clone() for l in sparse_layers(model)]
+        scheduler.step()
+        losses.append(loss.item())
+        if any(not torch.equal(b, l.sparse_indices["default"]) for b, l in zip(before, sparse_layers(model))):
+            changed_at.append(step)
+    assert changed_at == [s for s in range(1, T + 1) if is_reselection_step(s, S, gamma, T)] == [3, 11, 19, 27, 35]
+    assert losses[-1] < 0.25 * losses[0], losses
+    for layer in sparse_layers(model):
+        idx = layer.sparse_indices["default"]
+        assert idx.dtype == torch.int32 and bool((idx[1:] > idx[:-1]).all())
+        assert layer.sparse_ages["default"].dtype == torch.int32
+        assert set(layer.sparse_ages["default"].unique().tolist()) <= {3, 11, 19, 27, 35}
+
+
+def test_optimizer_keeps_the_same_parameters_and_state_objects():
+    model = _spiel()
+    opt = _optimizer(model, "ag")
+    scheduler = SpIELScheduler(model, opt, total_steps=10)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    model.train()
+    for step in range(3):
+        _loss(model, _batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 1:
+            states = {id(p): (opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]) for p in params}
+        scheduler.step()
+    assert [p for g in opt.param_groups for p in g["params"]] == params
+    assert all(l.sparse_values["default"] is p for l, p in zip(sparse_layers(model), params))
+    assert all(opt.state[p]["exp_avg"] is states[id(p)][0] for p in params)
+
+
+# ------------------------------------------------------------------------------------------- accumulation
+def test_accumulating_two_micro_batches_selects_like_one_concatenated_batch():
+    S, gamma, T = 4, 2, 9
+    results = []
+    for accumulation in (1, 2):
+        model = _spiel(dtype=torch.float64, density=0.05, reselection_steps=S, gradient_estimation_steps=gamma,
+                       candidate_ratio=1000.0, values_dtype="float64")  # fmt: skip
+        opt = _optimizer(model, "ag", lr=1e-2)
+        scheduler = SpIELScheduler(model, opt, total_steps=T)
+        model.train()
+        for step in range(T):
+            x = _batch(step, n=8)
+            tokens = x[:, 1:].numel()
+            for part in x.chunk(accumulation):
+                _loss(model, part, total_tokens=tokens).backward()
+            opt.step()
+            opt.zero_grad()
+            scheduler.step()
+        results.append([(l.sparse_indices["default"].clone(), l.sparse_values["default"].detach().clone()) for l in sparse_layers(model)])
+    for (i1, v1), (i2, v2) in zip(*results):
+        assert torch.equal(i1, i2)
+        torch.testing.assert_close(v1, v2, rtol=1e-9, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------- errors and guard
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"growth": "rigl"}, "growth='rigl'"),
+        ({"reselection_steps": 0}, "reselection_steps=0"),
+        ({"gradient_estimation_steps": 0}, "gradient_estimation_steps=0"),
+        ({"gradient_estimation_steps": 20, "reselection_steps": 20}, "gradient_estimation_steps=20 and reselection_steps=20"),
+        ({"initial_reselection_rate": 0.0}, "initial_reselection_rate=0.0"),
+        ({"initial_reselection_rate": 1.5}, "initial_reselection_rate=1.5"),
+        ({"candidate_ratio": 0.5}, "candidate_ratio=0.5"),
+        ({"schedule": "step"}, "schedule='step'"),
+        ({"init": "magnitude"}, "init='magnitude'"),
+    ],
+)
+def test_bad_spiel_config(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SpIELConfig(target_modules="all-linear", density=0.1, **kwargs)
+
+
+def test_bad_scheduler_arguments():
+    model = _spiel()
+    opt = _optimizer(model, "ag")
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match=f"total_steps={bad}"):
+            SpIELScheduler(model, opt, total_steps=bad)
+    from peft_sparse import SparseFTConfig
+
+    sft = get_peft_model(tiny_llama(), SparseFTConfig(target_modules="all-linear", density=0.1))
+    with pytest.raises(ValueError, match="needs a model with a SpIEL adapter"):
+        SpIELScheduler(sft, torch.optim.AdamW([p for p in sft.parameters() if p.requires_grad]), total_steps=10)
+    with pytest.raises(ValueError, match="does not hold the SpIEL values"):
+        SpIELScheduler(model, torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]), total_steps=10)
+
+
+def test_training_without_a_scheduler_warns_once():
+    model = _spiel(gradient_estimation_steps=2)
+    model.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(6):
+            _loss(model, _batch(step)).backward()
+    hits = [w for w in caught if "no SpIELScheduler attached" in str(w.message)]
+    assert len(hits) == 1
+    model2 = _spiel(gradient_estimation_steps=2)
+    scheduler = SpIELScheduler(model2, _optimizer(model2, "ag"), total_steps=20)  # noqa: F841
+    model2.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(6):
+            _loss(model2, _batch(step)).backward()
+    assert not [w for w in caught if "no SpIELScheduler attached" in str(w.message)]
+
+
+def test_state_dict_round_trip_inside_a_window():
+    model = _spiel(reselection_steps=6, gradient_estimation_steps=3)
+    opt = _optimizer(model, "ag")
+    scheduler = SpIELScheduler(model, opt, total_steps=20)
+    model.train()
+    for step in range(2):
+        _loss(model, _batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+    state = scheduler.state_dict()
+    assert state["armed"] and state["t"] == 2 and state["steps_in_window"] == 2
+    other = SpIELScheduler(model, opt, total_steps=20)
+    other.load_state_dict(state)
+    for name, stats in scheduler.statistics.items():
+        for key, value in stats.tensors().items():
+            assert torch.equal(other.statistics[name].tensors()[key], value)
+    with pytest.raises(ValueError, match="total_steps=20"):
+        SpIELScheduler(model, opt, total_steps=30).load_state_dict(state)
