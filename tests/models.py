@@ -64,3 +64,14 @@ def randomize_values(model, adapter_name: str = "default", seed: int = 0, scale:
 
 def sparse_layers(model):
     return [m for m in model.modules() if isinstance(m, SparseLayer)]
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over the tiny models' 97 ids ("t0" … "t96"), built in memory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(97)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t1", eos_token="t2")

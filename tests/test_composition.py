@@ -113,3 +113,36 @@ def test_bad_composition_requests():
         model.add_weighted_adapter(["a", "zzz"], [1.0, 1.0], "x")
     with pytest.raises(ValueError, match="adapter 'a' already exists"):
         model.add_weighted_adapter(["a", "b"], [1.0, 1.0], "a")
+
+
+def test_adapters_of_different_sparse_methods_load_side_by_side_as_sft(tmp_path):
+    from peft_sparse import SpIELConfig
+
+    spiel = get_peft_model(tiny_llama(), SpIELConfig(target_modules="all-linear", density=0.1, growth="ma"))
+    randomize_values(spiel, seed=4)
+    for layer in sparse_layers(spiel):
+        layer.sparse_ages["default"].fill_(7)
+    spiel.save_pretrained(tmp_path / "spiel")
+    sft = get_peft_model(tiny_llama(), SparseFTConfig(target_modules=["q_proj", "v_proj"], density=0.3, seed=9))
+    randomize_values(sft, seed=5)
+    sft.save_pretrained(tmp_path / "sft")
+    x = inputs()
+    want_spiel, want_sft = _logits(spiel, x), _logits(sft, x)
+
+    model = load_sparse_adapter(tiny_llama(), tmp_path / "sft", adapter_name="task")
+    model = load_sparse_adapter(model, tmp_path / "spiel", adapter_name="lang")
+    assert {type(c).__name__ for c in model.peft_config.values()} == {"SparseFTConfig"}
+    assert not any("lang" in layer.sparse_ages for layer in sparse_layers(model))
+    model.set_adapter("lang", inference_mode=True)
+    assert torch.equal(_logits(model, x), want_spiel)
+    model.set_adapter("task", inference_mode=True)
+    assert torch.equal(_logits(model, x), want_sft)
+    # language + task composed by addition equals merging both deltas
+    model.add_weighted_adapter(["lang", "task"], [1.0, 1.0], "both")
+    model.set_adapter("both", inference_mode=True)
+    composed = _logits(model, x)
+    merged = merge_sparse_adapters(tiny_llama(), [tmp_path / "spiel", tmp_path / "sft"])
+    torch.testing.assert_close(_logits(merged, x), composed, rtol=1e-5, atol=1e-5)
+
+    as_spiel = load_sparse_adapter(tiny_llama(), tmp_path / "spiel", as_type="SPIEL")
+    assert all(torch.equal(l.sparse_ages["default"], torch.full_like(l.sparse_ages["default"], 7)) for l in sparse_layers(as_spiel))

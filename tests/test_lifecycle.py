@@ -14,26 +14,28 @@ import torch
 from peft import PeftConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
-from peft_sparse import SparseFTConfig
+from peft_sparse import SparseFTConfig, SpIELConfig
 
 from .models import MODELS, inputs, randomize_values, sparse_layers
 
-# (row id, model, config kwargs, tolerance for merged-vs-unmerged outputs)
+# (row id, model, config class, config kwargs, tolerance for merged-vs-unmerged outputs)
 CASES = [
-    ("llama-random", "llama", {"density": 0.1}, 1e-5),
-    ("llama-magnitude-exact", "llama", {"num_tunable_weights": 777, "init": "magnitude"}, 1e-5),
-    ("llama-bf16-values", "llama", {"density": 0.05, "values_dtype": "bfloat16"}, 1e-5),
-    ("gpt2-conv1d", "gpt2", {"density": 0.1}, 1e-5),
-    ("bert-seqcls", "bert", {"density": 0.1, "modules_to_save": ["classifier"]}, 1e-5),
+    ("llama-random", "llama", SparseFTConfig, {"density": 0.1}, 1e-5),
+    ("llama-magnitude-exact", "llama", SparseFTConfig, {"num_tunable_weights": 777, "init": "magnitude"}, 1e-5),
+    ("llama-bf16-values", "llama", SparseFTConfig, {"density": 0.05, "values_dtype": "bfloat16"}, 1e-5),
+    ("gpt2-conv1d", "gpt2", SparseFTConfig, {"density": 0.1}, 1e-5),
+    ("bert-seqcls", "bert", SparseFTConfig, {"density": 0.1, "modules_to_save": ["classifier"]}, 1e-5),
+    ("llama-spiel-ag", "llama", SpIELConfig, {"density": 0.1}, 1e-5),
+    ("gpt2-spiel-ma", "gpt2", SpIELConfig, {"density": 0.1, "growth": "ma"}, 1e-5),
 ]
 IDS = [c[0] for c in CASES]
 
 
 def _make(case, adapter_name="default", seed=0):
-    _, model_name, kwargs, tol = case
+    _, model_name, config_cls, kwargs, tol = case
     builder, targets, logits = MODELS[model_name]
     base = builder()
-    config = SparseFTConfig(target_modules=targets, **kwargs)
+    config = config_cls(target_modules=targets, **kwargs)
     model = get_peft_model(base, config, adapter_name=adapter_name)
     randomize_values(model, adapter_name, seed=seed)
     return model, builder, logits, tol
@@ -60,7 +62,7 @@ def test_save_load_roundtrip_is_bit_exact(case, tmp_path):
             assert torch.equal(a.sparse_indices["default"], b.sparse_indices["default"])
             assert a.sparse_values["default"].dtype == b.sparse_values["default"].dtype
     config = PeftConfig.from_pretrained(tmp_path)
-    assert isinstance(config, SparseFTConfig)
+    assert type(config) is case[2]
     assert config.tunable_weights_per_module == model.peft_config["default"].tunable_weights_per_module
 
 
@@ -77,7 +79,7 @@ def test_saved_config_rebuilds_the_same_model(case, tmp_path):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_indices_layout_and_dtypes(case):
     model, *_ = _make(case)
-    dtype = torch.bfloat16 if case[2].get("values_dtype") == "bfloat16" else torch.float32
+    dtype = torch.bfloat16 if case[3].get("values_dtype") == "bfloat16" else torch.float32
     for layer in sparse_layers(model):
         idx = layer.sparse_indices["default"]
         assert idx.dtype == torch.int32
@@ -129,8 +131,8 @@ def test_disable_set_and_delete_adapters(case):
         torch.testing.assert_close(_out(model, logits, x), base_out)
     assert torch.equal(_out(model, logits, x), out_a)
 
-    _, model_name, kwargs, _ = case
-    model.add_adapter("other", SparseFTConfig(target_modules=MODELS[model_name][1], **{**kwargs, "seed": 7}))
+    _, model_name, config_cls, kwargs, _ = case
+    model.add_adapter("other", config_cls(target_modules=MODELS[model_name][1], **{**kwargs, "seed": 7}))
     randomize_values(model, "other", seed=3)
     model.set_adapter("other")
     out_b = _out(model, logits, x)
@@ -161,16 +163,18 @@ def test_print_trainable_parameters_counts_the_budget(case):
     assert f"trainable params: {trainable:,}" in buffer.getvalue()
 
 
-def test_files_are_safetensors_and_json_only(tmp_path):
-    model, *_ = _make(CASES[0])
+@pytest.mark.parametrize("case, peft_type, bytes_per_weight", [(CASES[0], "SFT", 8), (CASES[5], "SPIEL", 12)], ids=["sft", "spiel"])
+def test_files_are_safetensors_and_json_only(case, peft_type, bytes_per_weight, tmp_path):
+    model, *_ = _make(case)
     model.save_pretrained(tmp_path)
     raw = json.loads((tmp_path / "adapter_config.json").read_text())
-    assert raw["peft_type"] == "SFT"
+    assert raw["peft_type"] == peft_type
     tensors = load_file(tmp_path / "adapter_model.safetensors")
     count = sum(raw["tunable_weights_per_module"].values())
     assert sum(t.numel() for k, t in tensors.items() if k.endswith("sparse_values")) == count
     payload = sum(t.numel() * t.element_size() for t in tensors.values())
-    assert payload == 8 * count  # 4 bytes of int32 index + 4 bytes of float32 value per tunable weight
+    # 4-byte int32 index + 4-byte float32 value per tunable weight, + a 4-byte int32 age for SpIEL
+    assert payload == bytes_per_weight * count
     assert not any(name.endswith((".bin", ".pt", ".pkl")) for name in os.listdir(tmp_path))
 
 

@@ -81,3 +81,60 @@ def test_sft_through_trl_learns_saves_loads_and_merges(smollm2, tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "method: SFT" in out.stdout and "model.layers.29.mlp.down_proj" in out.stdout
+
+
+def test_spiel_ag_through_trl_with_gradient_accumulation(smollm2, tmp_path):
+    from peft_sparse import SpIELCallback, SpIELConfig
+
+    model, tokenizer = smollm2
+    rows = read_jsonl(ROOT / "recipes/data/skills_train.jsonl")[:64]
+    probe = _batch(tokenizer, rows[:8])
+    with torch.no_grad():
+        loss_before = model(**probe).loss.item()
+    args = SFTConfig(
+        output_dir=str(tmp_path / "run"), max_steps=8, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        learning_rate=3e-3, max_length=96, logging_steps=1, bf16=False, save_strategy="no", report_to="none",
+        use_cpu=True, seed=0,
+    )  # fmt: skip
+    train = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in rows])
+    config = SpIELConfig(target_modules="all-linear", density=0.01, reselection_steps=4, gradient_estimation_steps=2)
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=train, processing_class=tokenizer, peft_config=config,
+        callbacks=[SpIELCallback()],
+    )  # fmt: skip
+    layers = [m for m in trainer.model.modules() if isinstance(m, SparseLayer)]
+    initial = [l.sparse_indices["default"].clone() for l in layers]
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "spiel/replaced" in h]
+    assert [h["step"] for h in logged] == [2, 6]
+    assert logged[0]["spiel/replaced"] == sum(l.sparse_values["default"].numel() for l in layers)
+    assert all(not torch.equal(a, l.sparse_indices["default"]) for a, l in zip(initial, layers))
+    assert all(l.dense_grad_count == 2 * 2 * 2 for l in layers)  # 2 windows × γ=2 steps × 2 micro-batches
+    peft_model = trainer.model.eval()
+    with torch.no_grad():
+        loss_after = peft_model(**probe).loss.item()
+        logits = peft_model(**probe).logits
+    assert loss_after < 0.7 * loss_before, (loss_before, loss_after)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    fresh, _ = load_model_and_tokenizer("smollm2-135m-instruct")
+    loaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(**probe).logits, logits)
+
+
+def test_cli_train_then_merge(tmp_path):
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "peft_sparse.cli", "train", str(ROOT / "recipes/smollm2_spiel.yaml"),
+        "--set", "training.max_steps=4", "--set", f"training.output_dir={out}", "--set", "evaluation.max_new_tokens=4",
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "held-out exact match" in result.stdout and "overall" in result.stdout
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    merged = tmp_path / "merged"
+    cmd = [sys.executable, "-m", "peft_sparse.cli", "merge", "--base", "smollm2-135m-instruct",
+           "--adapter", str(out / "adapter"), "--output", str(merged)]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (merged / "config.json").is_file() and any(merged.glob("*.safetensors"))

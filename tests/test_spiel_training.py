@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from peft import get_peft_model
 
 from peft_sparse import SM3, SpIELConfig, SpIELScheduler, SparseLayer
-from peft_sparse.optim.surgery import reindex_optimizer_state
+from peft_sparse.optim.surgery import reindex_optimizer_state, seed_optimizer_state
 from peft_sparse.schedules.reselection import in_estimation_window, is_reselection_step
 
 from .models import sparse_layers, tiny_llama
@@ -51,7 +51,9 @@ def test_stock_adamw_seeding_recovers_window_moments_and_next_update():
     source = torch.tensor([2, -1, 0, -1])
     with torch.no_grad():
         p.copy_(torch.where(source >= 0, p[source.clamp(min=0)], torch.zeros(4)))
-    reindex_optimizer_state(opt, p, source, g_hat, s_hat)
+    reindex_optimizer_state(opt, p, source)
+    assert (opt.state[p]["exp_avg"][[1, 3]] == 0).all()
+    seed_optimizer_state(opt, p, torch.tensor([1, 3]), g_hat, s_hat)
     m, v = opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]
     t = 3
     # Adam's bias correction now yields exactly ĝ and ŝ for the grown slots
@@ -291,3 +293,40 @@ def test_state_dict_round_trip_inside_a_window():
             assert torch.equal(other.statistics[name].tensors()[key], value)
     with pytest.raises(ValueError, match="total_steps=20"):
         SpIELScheduler(model, opt, total_steps=30).load_state_dict(state)
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.05])
+def test_seeds_are_written_at_the_next_step_in_the_units_the_optimizer_sees(max_norm):
+    """Grown slots' Adam moments: ĝ·(1−β₁ᵗ), ŝ·(1−β₂ᵗ), times the next step's clip factor (c, c²)."""
+    S, gamma, T = 6, 2, 12
+    model = _spiel(reselection_steps=S, gradient_estimation_steps=gamma)
+    opt = _optimizer(model, "ag")
+    scheduler = SpIELScheduler(model, opt, total_steps=T)
+    params = [l.sparse_values["default"] for l in sparse_layers(model)]
+    model.train()
+    for step in range(1, gamma + 2):
+        _loss(model, _batch(step)).backward()
+        if step == gamma + 1:
+            raw = torch.sqrt(sum(p.grad.square().sum() for p in params))
+            pending = dict(scheduler.seeding.pending)
+            assert pending, "the reselection left no seeds"
+            moments = {id(p): (opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone()) for p in params}
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if step == gamma + 1:
+            seen = torch.sqrt(sum(p.grad.square().sum() for p in params))
+            grads = {id(p): p.grad.clone() for p in params}
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+    c = float(seen / raw)
+    assert (c == 1.0) if max_norm is None else (c < 0.5)
+    assert scheduler.seeding.last_factor == pytest.approx(c, rel=1e-6)
+    t = gamma  # Adam's step count when the seeds were written
+    for p in params:
+        slots, g_hat, s_hat = pending[id(p)]
+        m = 0.9 * (c * g_hat * (1 - 0.9**t)) + 0.1 * grads[id(p)][slots]
+        v = 0.999 * (c * c * s_hat * (1 - 0.999**t)) + 0.001 * grads[id(p)][slots] ** 2
+        torch.testing.assert_close(opt.state[p]["exp_avg"][slots], m, rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(opt.state[p]["exp_avg_sq"][slots], v, rtol=1e-5, atol=1e-12)
+        assert (moments[id(p)][0][slots] == 0).all()  # zero between the reselection and the next step

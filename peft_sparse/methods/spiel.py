@@ -42,7 +42,7 @@ from ..core.layer import SparseLayer, index_dtype
 from ..core.selection import module_generator, random_indices
 from ..core.tuner import SparseTuner
 from ..optim.sm3 import SM3
-from ..optim.surgery import check_supported, reindex_optimizer_state, unwrap_optimizer
+from ..optim.surgery import check_supported, reindex_optimizer_state, seed_optimizer_state
 from ..schedules.reselection import in_estimation_window, is_reselection_step, replacement_count
 
 
@@ -304,6 +304,56 @@ class _WindowStatistics:
         return {"candidates": self.candidates, "step_sum": self.step_sum, "grad_sum": self.grad_sum, "grad_sq_sum": self.grad_sq_sum}
 
 
+class DeferredSeeding:
+    """Seeds the optimizer moments of grown slots at the *next* optimizer step, in that step's gradient units.
+
+    The window statistics ĝ, ŝ come from raw backward gradients, but the training loop may rescale
+    gradients before the optimizer sees them: the Trainer clips the global norm to ``max_grad_norm``
+    and fp16 training removes a loss scale. Right after a reselection the values sit exactly where
+    the gradient is largest, so clipping shrinks the next gradients far more than those of the window;
+    raw-scale seeds would then outweigh the gradients Adam actually receives for dozens of steps
+    and drive the new weights too far. So the seeds are written just before the next optimizer step
+    (a step pre-hook), scaled by that step's factor c = ‖g_seen‖/‖g_raw‖ over the adapter's values:
+    ‖g_raw‖ is read by post-accumulate hooks after each backward, ‖g_seen‖ when the step starts.
+    Without rescaling c is exactly 1 and the seeds are exactly ĝ·(1−β₁ᵗ) and ŝ·(1−β₂ᵗ).
+    """
+
+    def __init__(self, optimizer, params: list):
+        self.optimizer = optimizer
+        self.params = params
+        # id(param) → (grown slots, ĝ, ŝ) waiting for the next step
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.raw: dict[int, torch.Tensor] = {}
+        self.last_factor: Optional[float] = None
+        self._handles = [p.register_post_accumulate_grad_hook(self._after_backward) for p in params]
+        self._handles.append(optimizer.register_step_pre_hook(self._before_step))
+
+    def _after_backward(self, param) -> None:
+        if self.pending and param.grad is not None:
+            self.raw[id(param)] = param.grad.detach().float().square().sum()
+
+    def factor(self) -> float:
+        raw = float(sum(self.raw.values())) if self.raw else 0.0
+        seen = float(sum(p.grad.detach().float().square().sum() for p in self.params if id(p) in self.raw and p.grad is not None))
+        return 1.0 if raw == seen or raw == 0.0 else math.sqrt(seen / raw)
+
+    @torch.no_grad()
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        if not self.pending:
+            return
+        c = self.factor()
+        for param in self.params:
+            entry = self.pending.get(id(param))
+            if entry is not None:
+                slots, grad_mean, grad_sq_mean = entry
+                seed_optimizer_state(self.optimizer, param, slots, grad_mean * c, grad_sq_mean * (c * c))
+        self.pending, self.raw, self.last_factor = {}, {}, c
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -357,6 +407,7 @@ class SpIELScheduler:
         self.t = 0
         self.steps_in_window = 0
         self.statistics: dict[str, _WindowStatistics] = {}
+        self.seeding = DeferredSeeding(self.optimizer, [m.sparse_values[self.adapter_name] for m in self.layers]) if self.uses_windows else None
         self.last_statistics: dict = {}
         guard = tuner.__dict__.get("_guard") if isinstance(tuner, SpIELModel) else None
         if guard is not None:
@@ -389,8 +440,11 @@ class SpIELScheduler:
         self.steps_in_window = 0
 
     def close(self) -> None:
-        """Stop feeding statistics (e.g. at the end of training)."""
+        """Stop feeding statistics and remove the hooks (e.g. at the end of training)."""
         self._disarm()
+        if self.seeding is not None:
+            self.seeding.pending = {}
+            self.seeding.remove()
 
     # -- the loop
     def step(self) -> dict:
@@ -463,7 +517,9 @@ class SpIELScheduler:
             new_ages[grown] = t
             ages.copy_(new_ages)
             indices.copy_(result.indices.to(indices.dtype))
-            reindex_optimizer_state(self.optimizer, values, source, grad_mean, grad_sq_mean)
+            reindex_optimizer_state(self.optimizer, values, source)
+            if grad_mean is not None:
+                self.seeding.pending[id(values)] = (torch.nonzero(grown).squeeze(1), grad_mean, grad_sq_mean)
             replaced += int(grown.sum())
             shortfall += result.shortfall
             kept_age += int((t - kept_ages.long()).sum())
@@ -482,6 +538,9 @@ class SpIELScheduler:
 
     # -- state
     def state_dict(self) -> dict:
+        """Step, window statistics and seeds still waiting for the next optimizer step (tensors by module)."""
+        by_layer = {id(m.sparse_values[self.adapter_name]): m.module_name for m in self.layers}
+        pending = self.seeding.pending if self.seeding is not None else {}
         return {
             "t": self.t,
             "total_steps": self.total_steps,
@@ -489,6 +548,9 @@ class SpIELScheduler:
             "steps_in_window": self.steps_in_window,
             "armed": bool(self.statistics),
             "statistics": {name: s.tensors() for name, s in self.statistics.items()},
+            "pending_seeds": {
+                by_layer[key]: {"slots": slots, "grad_mean": g, "grad_sq_mean": s2} for key, (slots, g, s2) in pending.items()
+            },
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -501,27 +563,46 @@ class SpIELScheduler:
             )
         self._disarm()
         self.t = int(state["t"])
-        devices = {m.module_name: m.sparse_values[self.adapter_name].device for m in self.layers}
+        layers = {m.module_name: m for m in self.layers}
+        for name in list(state["statistics"]) + list(state.get("pending_seeds", {})):
+            if name not in layers:
+                raise ValueError(f"scheduler state refers to module {name!r}, which holds no {self.adapter_name!r} adapter")
+
+        def device_of(name):
+            return layers[name].sparse_values[self.adapter_name].device
+
         if state["armed"]:
             self._arm_if_window(self.t + 1)
             if not self.statistics:
                 raise ValueError(f"scheduler state says a window is open after step {self.t}, but none is scheduled there")
             for name, tensors in state["statistics"].items():
-                if name not in self.statistics:
-                    raise ValueError(f"scheduler state has statistics for unknown module {name!r}")
                 stats = self.statistics[name]
                 if tensors:
-                    device = devices[name]
-                    stats.candidates = tensors["candidates"].to(device, copy=True)
-                    stats.step_sum = tensors["step_sum"].to(device, copy=True)
-                    stats.grad_sum = tensors["grad_sum"].to(device, copy=True)
-                    stats.grad_sq_sum = tensors["grad_sq_sum"].to(device, copy=True)
+                    stats.candidates = tensors["candidates"].to(device_of(name), copy=True)
+                    stats.step_sum = tensors["step_sum"].to(device_of(name), copy=True)
+                    stats.grad_sum = tensors["grad_sum"].to(device_of(name), copy=True)
+                    stats.grad_sq_sum = tensors["grad_sq_sum"].to(device_of(name), copy=True)
             self.steps_in_window = int(state["steps_in_window"])
+        if self.seeding is not None:
+            self.seeding.pending = {
+                id(layers[name].sparse_values[self.adapter_name]): tuple(
+                    t[k].to(device_of(name), copy=True) for k in ("slots", "grad_mean", "grad_sq_mean")
+                )
+                for name, t in state.get("pending_seeds", {}).items()
+            }
+
+    _TENSOR_GROUPS = ("statistics", "pending_seeds")
 
     def save(self, directory: str) -> None:
         """Write the state as ``spiel_scheduler.json`` + ``spiel_scheduler.safetensors`` (no pickle)."""
         state = self.state_dict()
-        tensors = {f"{m}::{k}": v.contiguous() for m, ts in state.pop("statistics").items() for k, v in ts.items()}
+        tensors = {
+            f"{group}::{module}::{key}": value.contiguous()
+            for group in self._TENSOR_GROUPS
+            for module, entries in state.pop(group).items()
+            for key, value in entries.items()
+        }
+        state["modules_with_statistics"] = sorted(self.statistics)
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, "spiel_scheduler.json"), "w") as f:
             json.dump(state, f)
@@ -533,12 +614,11 @@ class SpIELScheduler:
             raise FileNotFoundError(f"{directory} holds no spiel_scheduler.json; cannot resume SpIEL exactly")
         with open(path) as f:
             state = json.load(f)
-        statistics: dict = {}
+        groups: dict = {g: {} for g in self._TENSOR_GROUPS}
+        for module in state.pop("modules_with_statistics", []):
+            groups["statistics"][module] = {}
         for key, value in load_file(os.path.join(directory, "spiel_scheduler.safetensors")).items():
-            module, _, name = key.partition("::")
-            statistics.setdefault(module, {})[name] = value
-        if state["armed"]:
-            for layer in self.layers:
-                statistics.setdefault(layer.module_name, {})
-        state["statistics"] = statistics
+            group, module, name = key.split("::")
+            groups[group].setdefault(module, {})[name] = value
+        state.update(groups)
         self.load_state_dict(state)

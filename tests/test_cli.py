@@ -1,0 +1,53 @@
+"""The peft-sparse command on tiny adapters (the real-model run of train/merge is in the slow tier)."""
+
+import json
+
+import pytest
+import torch
+from peft import get_peft_model
+
+from peft_sparse import SparseFTConfig, SpIELConfig
+from peft_sparse.cli import main
+
+from .models import randomize_values, sparse_layers, tiny_llama
+
+
+@pytest.fixture
+def spiel_dir(tmp_path):
+    model = get_peft_model(tiny_llama(), SpIELConfig(target_modules="all-linear", density=0.1))
+    randomize_values(model)
+    for i, layer in enumerate(sparse_layers(model)):
+        layer.sparse_ages["default"].copy_(torch.arange(layer.sparse_ages["default"].numel(), dtype=torch.int32) % (i + 2))
+    model.save_pretrained(tmp_path / "spiel")
+    return tmp_path / "spiel"
+
+
+def test_inspect_reports_method_counts_density_and_size(spiel_dir, capsys):
+    assert main(["inspect", str(spiel_dir)]) == 0
+    out = capsys.readouterr().out
+    config = json.loads((spiel_dir / "adapter_config.json").read_text())
+    total = sum(config["tunable_weights_per_module"].values())
+    assert "method: SPIEL" in out
+    assert f"tunable weights: {total:,} in 14 modules" in out
+    assert "model.layers.1.mlp.down_proj" in out and "10.0000%" in out
+    size = (spiel_dir / "adapter_model.safetensors").stat().st_size
+    assert f"{size:,} bytes" in out
+    assert main(["inspect", str(spiel_dir), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["num_tunable_weights"] == total and summary["file_bytes"] == size
+    assert summary["modules"]["model.layers.0.self_attn.q_proj"]["density"] == pytest.approx(0.1, abs=0.002)
+
+
+def test_inspect_writes_the_age_histogram(spiel_dir, tmp_path):
+    png = tmp_path / "ages.png"
+    assert main(["inspect", str(spiel_dir), "--age-histogram", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 2000
+
+
+def test_inspect_errors_are_clear(tmp_path, capsys):
+    model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules="all-linear", density=0.1))
+    model.save_pretrained(tmp_path / "sft")
+    assert main(["inspect", str(tmp_path / "sft"), "--age-histogram", str(tmp_path / "x.png")]) == 2
+    assert "holds no per-index ages" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "nowhere")]) == 2
+    assert "holds no adapter_config.json" in capsys.readouterr().err
