@@ -162,3 +162,20 @@ def test_trl_sft_trainer_with_accumulation(tmp_path):
     layers = [m for m in trainer.model.modules() if isinstance(m, SparseLayer)]
     assert all(l.sparse_values["default"].dtype == torch.float32 for l in layers)
     assert any((l.sparse_ages["default"] == 7).any() for l in layers)
+
+
+def test_trainer_spiel_ma_with_sm3_selected_through_optimizer_cls_and_kwargs(tmp_path):
+    from peft_sparse import SM3
+
+    base = tiny_llama()
+    model = get_peft_model(
+        base, SpIELConfig(target_modules="all-linear", density=0.1, growth="ma", reselection_steps=S, gradient_estimation_steps=GAMMA)
+    )
+    trainer = Trainer(
+        model=model, args=_args(tmp_path, 8), train_dataset=_dataset(), callbacks=[SpIELCallback()],
+        optimizer_cls_and_kwargs=(SM3, {"lr": 0.05, "weight_decay": 0.3}),
+    )  # fmt: skip
+    trainer.train()
+    assert isinstance(_spiel_callback(trainer).scheduler.optimizer, SM3)
+    assert [h["step"] for h in trainer.state.log_history if "spiel/replaced" in h] == [2, 7]
+    assert all(l.dense_grad_count == 0 for l in model.modules() if isinstance(l, SparseLayer))
