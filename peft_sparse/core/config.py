@@ -104,6 +104,16 @@ class SparseConfig(PeftConfig):
     init_choices: ClassVar[tuple[str, ...]] = ("random",)
     init_accepts_callable: ClassVar[bool] = False
 
+    block_shape: tuple[int, int] = field(
+        default=(1, 1),
+        metadata={
+            "help": (
+                "Granularity of the selection: (1, 1) selects single weights (unstructured); e.g. (16, 16), (32, 32) "
+                "or (1, 64) select, drop and grow whole blocks, which must tile every targeted matrix. Budgets are "
+                "rounded to whole blocks. On GPU the value gradient of block adapters is a block-sparse product."
+            )
+        },
+    )
     module_shapes: Optional[dict[str, list[int]]] = field(
         default=None,
         metadata={
@@ -156,6 +166,14 @@ class SparseConfig(PeftConfig):
                     raise ValueError(
                         f"tunable_weights_per_module[{name!r}]={count!r} must be a non-negative integer"
                     )
+        shape = self.block_shape
+        if (
+            not isinstance(shape, (tuple, list))
+            or len(shape) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in shape)
+        ):
+            raise ValueError(f"block_shape must be two positive integers (rows, cols), got block_shape={shape!r}")
+        self.block_shape = tuple(shape)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got seed={self.seed!r}")
 
@@ -169,16 +187,11 @@ class SparseConfig(PeftConfig):
     def torch_values_dtype(self) -> torch.dtype:
         return VALUES_DTYPES[self.values_dtype]
 
-    @property
-    def block_shape(self) -> tuple[int, int]:
-        """Granularity of selection; (1, 1) means unstructured. Methods with blocks override the field."""
-        return (1, 1)
-
     def sparse_fields(self) -> dict:
         """The fields every sparse config shares, e.g. to re-express an adapter as another sparse type."""
         names = [
             "target_modules", "exclude_modules", "layers_to_transform", "layers_pattern", "modules_to_save",
-            "seed", "values_dtype", "tunable_weights_per_module", "module_shapes", "base_model_name_or_path", "revision",
+            "seed", "values_dtype", "tunable_weights_per_module", "module_shapes", "block_shape", "base_model_name_or_path", "revision",
             "task_type", "inference_mode",
         ]  # fmt: skip
         out = {n: getattr(self, n) for n in names}

@@ -55,7 +55,7 @@ def _compute_dtype(x: torch.Tensor, weight_dtype: torch.dtype) -> torch.dtype:
 
 class SparseDeltaLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, bias, weight_fn, owned, hooks, n_adapters, *indices_and_values):
+    def forward(ctx, x, bias, weight_fn, owned, hooks, blocks, n_adapters, *indices_and_values):
         indices = indices_and_values[:n_adapters]
         values = indices_and_values[n_adapters:]
         weight = weight_fn()  # (out, in), frozen
@@ -65,6 +65,7 @@ class SparseDeltaLinear(torch.autograd.Function):
             y = F.linear(x.to(dtype), merged, None if bias is None else bias.to(dtype))  # (..., out)
         del merged, weight
         ctx.weight_fn, ctx.owned, ctx.hooks, ctx.n_adapters, ctx.dtype = weight_fn, owned, hooks, n_adapters, dtype
+        ctx.blocks = blocks
         ctx.out_features, ctx.in_features = y.shape[-1], x.shape[-1]
         ctx.save_for_backward(x, *indices, *values)
         return y
@@ -75,7 +76,7 @@ class SparseDeltaLinear(torch.autograd.Function):
         n = ctx.n_adapters
         indices, values = rest[:n], rest[n:]
         need_x, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_values = ctx.needs_input_grad[6 + n :]
+        need_values = ctx.needs_input_grad[7 + n :]
         dtype = ctx.dtype
         g2 = grad_out.reshape(-1, ctx.out_features).to(dtype)  # (tokens, out)
 
@@ -102,13 +103,20 @@ class SparseDeltaLinear(torch.autograd.Function):
             else:
                 method = hooks.value_grad_method if hooks is not None else "auto"
                 for a in range(n):
-                    if need_values[a]:
-                        value_grads[a] = kernels.value_gradient(
-                            g2, x2, indices[a], ctx.out_features, ctx.in_features, method
-                        ).to(values[a].dtype)
+                    if not need_values[a]:
+                        continue
+                    block = ctx.blocks[a] if ctx.blocks else None
+                    if block is not None and method != "dense":
+                        rows, cols, slots, (bh, bw) = block
+                        tiles = kernels.block_sddmm(g2, x2, rows, cols, bh, bw)  # (blocks, bh, bw)
+                        grad = torch.empty(values[a].numel(), dtype=tiles.dtype, device=tiles.device)
+                        grad[slots] = tiles.reshape(-1)
+                    else:
+                        grad = kernels.value_gradient(g2, x2, indices[a], ctx.out_features, ctx.in_features, method)
+                    value_grads[a] = grad.to(values[a].dtype)
 
         grad_bias = g2.sum(0).to(grad_out.dtype) if need_bias else None
-        return (grad_x, grad_bias, None, None, None, None, *([None] * n), *value_grads)
+        return (grad_x, grad_bias, None, None, None, None, None, *([None] * n), *value_grads)
 
 
 def sparse_delta_linear(
@@ -119,13 +127,16 @@ def sparse_delta_linear(
     values: Sequence[torch.Tensor],
     hooks: Optional[GradientHooks] = None,
     owned: bool = False,
+    blocks: Optional[Sequence] = None,
 ) -> torch.Tensor:
     """Y = X (W + Σ scatter(η_a, φ_a))ᵀ + b with a memory-lean backward.
 
     ``weight_fn()`` returns the frozen logical (out, in) weight; ``owned=True`` says it returns a
-    fresh tensor (e.g. a dequantized copy) that may be modified in place.
+    fresh tensor (e.g. a dequantized copy) that may be modified in place. ``blocks[a]`` is the block
+    metadata of adapter a (see ``SparseLayer.block_metadata``) or None: block adapters get their
+    value gradient from a block-sparse product.
     """
-    return SparseDeltaLinear.apply(x, bias, weight_fn, owned, hooks, len(indices), *indices, *values)
+    return SparseDeltaLinear.apply(x, bias, weight_fn, owned, hooks, blocks, len(indices), *indices, *values)
 
 
 def sparse_delta_linear_reference(

@@ -20,6 +20,23 @@ import torch
 
 # device type → callable(grad_out2d, x2d, rows, cols) -> (nnz,) float32
 SDDMM_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
+# device type → callable(grad_out2d, x2d, block_rows, block_cols, bh, bw) -> (nblocks, bh, bw) float32
+BLOCK_SDDMM_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
+_GPU_KERNELS_TRIED = False
+
+
+def _load_gpu_kernels() -> None:
+    """Register the Triton kernels for CUDA the first time a CUDA tensor asks (no import cost on CPU)."""
+    global _GPU_KERNELS_TRIED
+    if _GPU_KERNELS_TRIED:
+        return
+    _GPU_KERNELS_TRIED = True
+    try:
+        from . import triton_kernels
+    except ImportError:  # no Triton: the torch references serve
+        return
+    SDDMM_KERNELS.setdefault("cuda", triton_kernels.sddmm)
+    BLOCK_SDDMM_KERNELS.setdefault("cuda", triton_kernels.block_sddmm)
 
 # bytes of scratch memory the reference SDDMM may use per chunk
 _REFERENCE_CHUNK_BYTES = 64 * 2**20
@@ -59,10 +76,40 @@ def sddmm_reference(grad_out2d: torch.Tensor, x2d: torch.Tensor, rows: torch.Ten
 
 
 def sddmm(grad_out2d: torch.Tensor, x2d: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    if grad_out2d.device.type == "cuda":
+        _load_gpu_kernels()
     kernel = SDDMM_KERNELS.get(grad_out2d.device.type)
     if kernel is not None:
         return kernel(grad_out2d, x2d, rows, cols)
     return sddmm_reference(grad_out2d, x2d, rows, cols)
+
+
+def block_sddmm_reference(
+    grad_out2d: torch.Tensor, x2d: torch.Tensor, block_rows: torch.Tensor, block_cols: torch.Tensor, bh: int, bw: int
+) -> torch.Tensor:
+    """dW tiles (nblocks, bh, bw) of the given blocks, chunked over blocks, accumulated in float32 (float64 for float64)."""
+    acc = accumulation_dtype(grad_out2d.dtype)
+    tokens = grad_out2d.shape[0]
+    g = grad_out2d.to(acc).view(tokens, -1, bh)  # (tokens, out/bh, bh)
+    x = x2d.to(acc).view(tokens, -1, bw)  # (tokens, in/bw, bw)
+    n = block_rows.numel()
+    out = torch.empty(n, bh, bw, dtype=acc, device=grad_out2d.device)
+    chunk = max(1, _REFERENCE_CHUNK_BYTES // max(1, acc.itemsize * tokens * (bh + bw)))
+    for start in range(0, n, chunk):
+        gb = g.index_select(1, block_rows[start : start + chunk].long())  # (tokens, chunk, bh)
+        xb = x.index_select(1, block_cols[start : start + chunk].long())  # (tokens, chunk, bw)
+        out[start : start + chunk] = torch.einsum("tbi,tbj->bij", gb, xb)
+    return out
+
+
+def block_sddmm(grad_out2d, x2d, block_rows, block_cols, bh: int, bw: int) -> torch.Tensor:
+    if grad_out2d.device.type == "cuda":
+        _load_gpu_kernels()
+    kernel = BLOCK_SDDMM_KERNELS.get(grad_out2d.device.type)
+    pow2 = all(v & (v - 1) == 0 for v in (bh, bw))
+    if kernel is not None and pow2 and (bh == 1 or min(bh, bw) >= 16):
+        return kernel(grad_out2d, x2d, block_rows, block_cols, bh, bw)
+    return block_sddmm_reference(grad_out2d, x2d, block_rows, block_cols, bh, bw)
 
 
 class CostModel:

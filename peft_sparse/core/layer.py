@@ -144,6 +144,8 @@ class SparseLayer(BaseTunerLayer):
         self.sparse_indices = BufferDict(persistent=True)
         self.sparse_ages = BufferDict(persistent=True)
         self.values_dtype: dict[str, torch.dtype] = {}
+        self.block_shape: dict[str, tuple[int, int]] = {}
+        self._block_metadata: dict[str, tuple] = {}
         self._disable_adapters = False
         self.merged_adapters: list[str] = []
         # base values at an adapter's positions before it was merged: unmerge restores them exactly
@@ -194,6 +196,7 @@ class SparseLayer(BaseTunerLayer):
         inference_mode: bool = False,
         with_ages: bool = False,
         indices_pending: bool = False,
+        block_shape: tuple[int, int] = (1, 1),
     ) -> None:
         """Add an adapter with the given sorted flat indices and zero values."""
         device = self._base_device()
@@ -203,6 +206,7 @@ class SparseLayer(BaseTunerLayer):
             torch.zeros(indices.numel(), dtype=values_dtype, device=device)
         )
         self.values_dtype[adapter_name] = values_dtype
+        self.block_shape[adapter_name] = tuple(block_shape)
         self._register_values(adapter_name)
         if with_ages:
             self.sparse_ages[adapter_name] = torch.zeros(indices.numel(), dtype=torch.int32, device=device)
@@ -237,7 +241,37 @@ class SparseLayer(BaseTunerLayer):
     def delete_adapter(self, adapter_name: str) -> None:
         super().delete_adapter(adapter_name)
         self.values_dtype.pop(adapter_name, None)
+        self.block_shape.pop(adapter_name, None)
+        self._block_metadata.pop(adapter_name, None)
         self._indices_pending.discard(adapter_name)
+
+    def block_metadata(self, adapter_name: str):
+        """For a block adapter: (block rows, block cols, slots) with ``slots[b·bh·bw + i·bw + j]`` the values
+        slot of element (i, j) of the b-th block (blocks in ascending order); None when unstructured.
+
+        Cached until the indices change (their version counter moves on every in-place edit)."""
+        bh, bw = self.block_shape.get(adapter_name, (1, 1))
+        if bh * bw == 1:
+            return None
+        indices = self.sparse_indices[adapter_name]
+        key = (indices.data_ptr(), indices._version, indices.numel())
+        cached = self._block_metadata.get(adapter_name)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        from .selection import BlockGrid
+
+        grid = BlockGrid(self.out_features, self.in_features, (bh, bw))
+        blocks = torch.unique(grid.block_of(indices))
+        if blocks.numel() * bh * bw != indices.numel():
+            raise ValueError(f"{self.module_name}: indices of adapter {adapter_name!r} are not whole {(bh, bw)} blocks")
+        br, bc = blocks // grid.cols, blocks % grid.cols
+        i = torch.arange(bh, device=indices.device)
+        j = torch.arange(bw, device=indices.device)
+        block_major = ((br * bh)[:, None, None] + i[None, :, None]) * self.in_features + (bc * bw)[:, None, None] + j[None, None, :]
+        slots = torch.searchsorted(indices.long(), block_major.reshape(-1))
+        meta = (br.to(torch.int32), bc.to(torch.int32), slots, (bh, bw))
+        self._block_metadata[adapter_name] = (key, meta)
+        return meta
 
     # ----------------------------------------------------------------------------------- merge
     def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
@@ -324,9 +358,11 @@ class SparseLayer(BaseTunerLayer):
         if self.quantization_backend is None and base.weight.requires_grad:
             # the base weight itself is being trained: let autograd keep what it needs
             return sparse_delta_linear_reference(x, self.logical_weight(), base.bias, indices, values)
+        blocks = [self.block_metadata(a) for a in active]
         y = sparse_delta_linear(
-            x, self.logical_weight, base.bias, indices, values, hooks=self, owned=self.quantization_backend is not None
-        )
+            x, self.logical_weight, base.bias, indices, values, hooks=self,
+            owned=self.quantization_backend is not None, blocks=blocks,
+        )  # fmt: skip
         return y.to(x.dtype) if self.quantization_backend is not None else y
 
     def merged_weight(self, adapter_names: Optional[list[str]] = None) -> torch.Tensor:

@@ -84,3 +84,67 @@ def check_sparse_tensors(
                 f"{where}: indices must be sorted and unique, found {kind} indices "
                 f"{int(indices[at])}, {int(indices[at + 1])} at positions {at}, {at + 1}"
             )
+
+
+class BlockGrid:
+    """The (out/bh) × (in/bw) grid of (bh, bw) blocks of an (out, in) matrix; (1, 1) is unstructured.
+
+    Selection policies work on *units* — blocks, numbered row-major on the grid — and expand them to
+    the flat element indices that the sparse core stores; with (1, 1) units are elements.
+    """
+
+    def __init__(self, out_features: int, in_features: int, block_shape: tuple[int, int] = (1, 1)):
+        bh, bw = block_shape
+        if out_features % bh or in_features % bw:
+            raise ValueError(f"block_shape={tuple(block_shape)} does not tile a ({out_features}, {in_features}) matrix")
+        self.out_features, self.in_features, self.bh, self.bw = out_features, in_features, bh, bw
+        self.rows, self.cols = out_features // bh, in_features // bw
+        self.numel = self.rows * self.cols
+        self.unit = bh * bw
+
+    @property
+    def unstructured(self) -> bool:
+        return self.unit == 1
+
+    def expand(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Sorted flat element indices of the given blocks."""
+        blocks = blocks.long()
+        if self.unstructured:
+            return blocks.sort().values
+        br, bc = blocks // self.cols, blocks % self.cols
+        i = torch.arange(self.bh, device=blocks.device)
+        j = torch.arange(self.bw, device=blocks.device)
+        rows = (br * self.bh)[:, None, None] + i[None, :, None]
+        cols = (bc * self.bw)[:, None, None] + j[None, None, :]
+        return (rows * self.in_features + cols).reshape(-1).sort().values
+
+    def block_of(self, indices: torch.Tensor) -> torch.Tensor:
+        """Block number of each flat element index."""
+        idx = indices.long()
+        if self.unstructured:
+            return idx
+        rows, cols = idx // self.in_features, idx % self.in_features
+        return (rows // self.bh) * self.cols + cols // self.bw
+
+    def reduce(self, dense: torch.Tensor) -> torch.Tensor:
+        """Per-block sums of an (out, in) tensor, flattened in block order."""
+        if self.unstructured:
+            return dense.reshape(-1)
+        return dense.reshape(self.rows, self.bh, self.cols, self.bw).sum(dim=(1, 3)).reshape(-1)
+
+    def reduce_rows(self, per_row: torch.Tensor) -> torch.Tensor:
+        return per_row if self.bh == 1 else per_row.reshape(self.rows, self.bh).sum(1)
+
+    def reduce_cols(self, per_col: torch.Tensor) -> torch.Tensor:
+        return per_col if self.bw == 1 else per_col.reshape(self.cols, self.bw).sum(1)
+
+    def units(self, indices: torch.Tensor, per_element: torch.Tensor | None = None):
+        """Sorted distinct blocks of ``indices``, and per block the sum of ``per_element`` (if given)."""
+        blocks = self.block_of(indices)
+        if self.unstructured:
+            return blocks, per_element
+        unique, inverse = torch.unique(blocks, sorted=True, return_inverse=True)
+        if per_element is None:
+            return unique, None
+        sums = torch.zeros(unique.numel(), dtype=per_element.dtype, device=per_element.device)
+        return unique, sums.index_add_(0, inverse, per_element)

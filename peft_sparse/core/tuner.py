@@ -22,7 +22,7 @@ from torch import nn
 from .budget import split_budget, total_budget
 from .config import SparseConfig
 from .layer import SparseLayer, SparseLinear, index_dtype, logical_shape, supported_base_layer
-from .selection import check_sparse_tensors
+from .selection import BlockGrid, check_sparse_tensors
 
 
 def _display_name(key: str) -> str:
@@ -67,7 +67,11 @@ class SparseTuner(BaseTuner):
     # ------------------------------------------------------------------------------- the policy
     @abstractmethod
     def initial_indices(self, config: SparseConfig, layer: SparseLayer, module_name: str, count: int) -> torch.Tensor:
-        """Sorted flat indices (CPU int64) into ``layer``'s logical (out, in) matrix."""
+        """Sorted flat indices (CPU int64) into ``layer``'s logical (out, in) matrix (whole blocks)."""
+
+    @staticmethod
+    def grid(config: SparseConfig, layer: SparseLayer) -> BlockGrid:
+        return BlockGrid(layer.out_features, layer.in_features, config.block_shape)
 
     # ------------------------------------------------------------------------------- injection
     @staticmethod
@@ -99,6 +103,12 @@ class SparseTuner(BaseTuner):
                     "supported are torch.nn.Linear, transformers Conv1D and bitsandbytes Linear4bit"
                 )
             out_features, in_features = logical_shape(base)
+            bh, bw = peft_config.block_shape
+            if out_features % bh or in_features % bw:
+                raise ValueError(
+                    f"block_shape={peft_config.block_shape} does not tile target module {key!r} of shape "
+                    f"({out_features}, {in_features})"
+                )
             sizes[key] = out_features * in_features
             shapes[key] = [out_features, in_features]
         if not matched:
@@ -121,7 +131,10 @@ class SparseTuner(BaseTuner):
                 "tunable_weights_per_module does not match the targeted modules: "
                 f"targeted but without a count: {missing}; counted but not targeted: {extra}"
             )
+        unit = peft_config.block_shape[0] * peft_config.block_shape[1]
         for key, count in counts.items():
+            if count % unit:
+                raise ValueError(f"tunable_weights_per_module[{key!r}]={count} is not a whole number of {peft_config.block_shape} blocks")
             if count > sizes[key]:
                 raise ValueError(
                     f"tunable_weights_per_module[{key!r}]={count} exceeds the module's {sizes[key]} weights"
@@ -150,6 +163,7 @@ class SparseTuner(BaseTuner):
             inference_mode=peft_config.inference_mode,
             with_ages=self.dynamic,
             indices_pending=external,
+            block_shape=peft_config.block_shape,
         )
         if layer is not target:
             if adapter_name not in self.active_adapters:

@@ -52,8 +52,9 @@ class SparseFTModel(SparseTuner):
     prefix: str = "sft_"
 
     def initial_indices(self, config: SparseFTConfig, layer: SparseLayer, module_name: str, count: int) -> torch.Tensor:
+        grid = self.grid(config, layer)
         if config.init == "random":
-            return random_indices(layer.numel, count, module_generator(config.seed, module_name))
+            return grid.expand(random_indices(grid.numel, count // grid.unit, module_generator(config.seed, module_name)))
         weight = layer.logical_weight().detach()
         if config.init == "magnitude":
             scores = weight.abs()
@@ -64,4 +65,4 @@ class SparseFTModel(SparseTuner):
                     f"init importance function returned {getattr(scores, 'shape', type(scores))} for {module_name}; "
                     f"expected a tensor of shape {tuple(weight.shape)}"
                 )
-        return top_indices(scores.float().cpu(), count)
+        return grid.expand(top_indices(grid.reduce(scores.float().cpu()), count // grid.unit))

@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 
 from ..core.config import SparseConfig
 from ..core.layer import SparseLayer, index_dtype
-from ..core.selection import module_generator, random_indices
+from ..core.selection import BlockGrid, module_generator, random_indices
 from ..core.tuner import SparseTuner
 from ..optim.sm3 import SM3
 from ..optim.surgery import check_supported, reindex_optimizer_state, seed_optimizer_state
@@ -135,7 +135,8 @@ class SpIELModel(SparseTuner):
     dynamic: bool = True
 
     def initial_indices(self, config: SpIELConfig, layer: SparseLayer, module_name: str, count: int) -> torch.Tensor:
-        return random_indices(layer.numel, count, module_generator(config.seed, module_name))
+        grid = self.grid(config, layer)
+        return grid.expand(random_indices(grid.numel, count // grid.unit, module_generator(config.seed, module_name)))
 
     def _create_and_replace(self, peft_config, adapter_name, target, target_name, parent, current_key, **kwargs):
         super()._create_and_replace(peft_config, adapter_name, target, target_name, parent, current_key, **kwargs)
@@ -170,9 +171,12 @@ def top_k_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
     return chosen[torch.sort(scores[chosen], descending=True, stable=True).indices]
 
 
-def drop_order(values: torch.Tensor) -> torch.Tensor:
-    """Slots in DROP order: smallest |φ| first, ties → lowest flat index (slots are index-sorted)."""
-    return torch.sort(values.detach().abs().float(), stable=True).indices
+UNSTRUCTURED = BlockGrid(1, 1)  # units are single weights (only unit-size-independent methods are used)
+
+
+def drop_order(magnitude: torch.Tensor) -> torch.Tensor:
+    """Units in DROP order: smallest magnitude first, ties → lowest flat index (units are index-sorted)."""
+    return torch.sort(magnitude.float(), stable=True).indices
 
 
 @dataclass
@@ -200,26 +204,44 @@ def _merge(indices: torch.Tensor, keep: torch.Tensor, grown_idx: torch.Tensor, g
     return Reselection(new_idx, source, grown_from, dropped=int((~keep).sum()))
 
 
-def reselect_ag(values: torch.Tensor, indices: torch.Tensor, k: int, candidates: torch.Tensor, score: torch.Tensor) -> Reselection:
-    """DROP the k smallest |φ|, GROW the k eligible candidates with the largest ``score`` (= |ĝ|).
+def _drop(values: torch.Tensor, indices: torch.Tensor, grid: BlockGrid):
+    """Active units, their DROP order (Σ|φ| per unit ascending), and each element's unit number (row)."""
+    units, magnitude = grid.units(indices, values.detach().abs().float())
+    unit_of_element = torch.searchsorted(units, grid.block_of(indices))
+    return units, drop_order(magnitude), unit_of_element
 
-    ``candidates`` are ascending flat indices. If fewer than k candidates are eligible, drop only as
-    many as can be grown (the largest k' ≤ k with k' eligible), and report the shortfall.
+
+def reselect_ag(
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    k: int,
+    candidates: torch.Tensor,
+    score: torch.Tensor,
+    grid: Optional[BlockGrid] = None,
+) -> Reselection:
+    """DROP the k units (weights or blocks) with the smallest Σ|φ|; GROW the k eligible candidate
+    units with the largest Σ ``score`` (score = |ĝ| per candidate weight).
+
+    ``candidates`` are ascending flat indices covering whole units. If fewer than k candidates are
+    eligible, drop only as many as can be grown (the largest k' ≤ k with k' eligible) and report
+    the shortfall (in units).
     """
-    d = indices.numel()
-    order = drop_order(values)
-    wanted = k = min(k, d)
+    grid = grid or UNSTRUCTURED
+    units, order, unit_of_element = _drop(values, indices, grid)
+    cand_units, cand_score = grid.units(candidates, score)
+    wanted = k = min(k, units.numel())
     while True:
-        keep = torch.ones(d, dtype=torch.bool, device=indices.device)
-        keep[order[:k]] = False
-        eligible = ~torch.isin(candidates.long(), indices.long()[keep])
+        kept_units = torch.ones(units.numel(), dtype=torch.bool, device=units.device)
+        kept_units[order[:k]] = False
+        eligible = ~torch.isin(cand_units, units[kept_units])
         n_eligible = int(eligible.sum())
         if n_eligible >= k:
             break
         k = n_eligible
     rows = torch.nonzero(eligible).squeeze(1)
-    chosen = rows[top_k_positions(score[rows], k)]  # rows ascending ⇔ candidates ascending
-    result = _merge(indices, keep, candidates[chosen], chosen)
+    grown_units = cand_units[rows[top_k_positions(cand_score[rows], k)]]  # rows ascending ⇔ units ascending
+    grown = grid.expand(grown_units)
+    result = _merge(indices, kept_units[unit_of_element], grown, torch.searchsorted(candidates.long(), grown))
     result.shortfall = wanted - k
     return result
 
@@ -253,15 +275,27 @@ def top_k_row_col_products(
     return best_index.sort().values
 
 
-def reselect_ma(values: torch.Tensor, indices: torch.Tensor, k: int, row_acc: torch.Tensor, col_acc: torch.Tensor) -> Reselection:
-    """DROP the k smallest |φ|, GROW the k positions outside the kept set with the largest R_i·C_j."""
-    d = indices.numel()
-    k = min(k, d)
-    keep = torch.ones(d, dtype=torch.bool, device=indices.device)
-    keep[drop_order(values)[:k]] = False
-    grown = top_k_row_col_products(row_acc, col_acc, indices.long()[keep], k)
-    result = _merge(indices, keep, grown, torch.full_like(grown, -1))
-    result.shortfall = k - grown.numel()
+def reselect_ma(
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    k: int,
+    row_acc: torch.Tensor,
+    col_acc: torch.Tensor,
+    grid: Optional[BlockGrid] = None,
+) -> Reselection:
+    """DROP the k units with the smallest Σ|φ|; GROW the k units outside the kept set with the largest
+    Σ√⁴(R_i·C_j) (Eq. 7.7) — for a block, (Σ_i R_i^¼)(Σ_j C_j^¼), so blocks rank like weights."""
+    grid = grid or BlockGrid(row_acc.numel(), col_acc.numel())
+    units, order, unit_of_element = _drop(values, indices, grid)
+    k = min(k, units.numel())
+    kept_units = torch.ones(units.numel(), dtype=torch.bool, device=units.device)
+    kept_units[order[:k]] = False
+    row_score = grid.reduce_rows(row_acc.double().pow(0.25))
+    col_score = grid.reduce_cols(col_acc.double().pow(0.25))
+    grown_units = top_k_row_col_products(row_score, col_score, units[kept_units], k)
+    grown = grid.expand(grown_units)
+    result = _merge(indices, kept_units[unit_of_element], grown, torch.full_like(grown, -1))
+    result.shortfall = k - grown_units.numel()
     return result
 
 
@@ -269,8 +303,9 @@ def reselect_ma(values: torch.Tensor, indices: torch.Tensor, k: int, row_acc: to
 class _WindowStatistics:
     """Growth candidates of one tensor and their gradient sums over an estimation window (AG)."""
 
-    def __init__(self, num_candidates: int, dtype: torch.dtype = torch.float32):
-        self.num_candidates = num_candidates
+    def __init__(self, num_candidate_units: int, grid: BlockGrid, dtype: torch.dtype = torch.float32):
+        self.num_candidate_units = num_candidate_units
+        self.grid = grid
         self.dtype = dtype  # float32, or float64 over float64 values
         self.candidates: Optional[torch.Tensor] = None  # ascending flat indices
         self.step_sum: Optional[torch.Tensor] = None  # Σ over this step's micro-batches
@@ -283,7 +318,9 @@ class _WindowStatistics:
             if _distributed():
                 flat = flat.clone()
                 dist.all_reduce(flat)  # identical candidates on every rank
-            chosen = top_k_positions(flat.abs(), self.num_candidates).sort().values
+            unit_scores = self.grid.reduce(flat.abs().view(self.grid.out_features, self.grid.in_features))
+            units = top_k_positions(unit_scores, self.num_candidate_units)
+            chosen = self.grid.expand(units)
             self.candidates = chosen.to(index_dtype(flat.numel()))
             zeros = torch.zeros(chosen.numel(), dtype=self.dtype, device=flat.device)
             self.step_sum, self.grad_sum, self.grad_sq_sum = zeros, zeros.clone(), zeros.clone()
@@ -428,7 +465,9 @@ class SpIELScheduler:
             for layer in self.layers:
                 values = layer.sparse_values[self.adapter_name]
                 dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
-                stats = _WindowStatistics(min(layer.numel, math.ceil(self.config.candidate_ratio * values.numel())), dtype)
+                grid = SparseTuner.grid(self.config, layer)
+                num_units = math.ceil(self.config.candidate_ratio * values.numel() // grid.unit)
+                stats = _WindowStatistics(min(grid.numel, num_units), grid, dtype)
                 self.statistics[layer.module_name] = stats
                 layer.dense_grad_consumer = stats
             self.steps_in_window = 0
@@ -482,7 +521,10 @@ class SpIELScheduler:
             values, indices, ages = layer.sparse_values[name], layer.sparse_indices[name], layer.sparse_ages[name]
             d = values.numel()
             total += d
-            k = replacement_count(t, self.total_steps, d, c.initial_reselection_rate, c.schedule, c.gradient_estimation_steps)
+            grid = SparseTuner.grid(c, layer)
+            k = replacement_count(  # in units: weights, or blocks
+                t, self.total_steps, d // grid.unit, c.initial_reselection_rate, c.schedule, c.gradient_estimation_steps
+            )
             if k == 0 or d == 0:
                 continue
             grad_mean = grad_sq_mean = None
@@ -493,7 +535,7 @@ class SpIELScheduler:
                     continue
                 n = max(1, self.steps_in_window)
                 mean = stats.grad_sum / n
-                result = reselect_ag(values, indices, k, stats.candidates, mean.abs())
+                result = reselect_ag(values, indices, k, stats.candidates, mean.abs(), grid)
                 grown = result.grown_from >= 0
                 grad_mean = mean[result.grown_from[grown]]
                 grad_sq_mean = (stats.grad_sq_sum / n)[result.grown_from[grown]]
@@ -502,7 +544,7 @@ class SpIELScheduler:
                 if not state:
                     warnings.warn(f"SpIEL-MA: {layer.module_name} has no SM3 state yet; not reselected")
                     continue
-                result = reselect_ma(values, indices, k, state["row_accumulator"], state["col_accumulator"])
+                result = reselect_ma(values, indices, k, state["row_accumulator"], state["col_accumulator"], grid)
             old_indices = indices.clone()
             source = result.source
             grown = source < 0
@@ -521,7 +563,7 @@ class SpIELScheduler:
             if grad_mean is not None:
                 self.seeding.pending[id(values)] = (torch.nonzero(grown).squeeze(1), grad_mean, grad_sq_mean)
             replaced += int(grown.sum())
-            shortfall += result.shortfall
+            shortfall += result.shortfall * grid.unit
             kept_age += int((t - kept_ages.long()).sum())
             changed += int((~torch.isin(indices, old_indices)).sum())
         out = {

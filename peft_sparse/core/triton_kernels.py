@@ -1,0 +1,110 @@
+"""Triton kernels for the value gradient ∂L/∂φ without the dense dW (thesis App. E.4).
+
+Both compute entries of dW = Gᵀ·X (G = ∂L/∂Y, (tokens, out); X, (tokens, in)) at given positions:
+
+* :func:`sddmm` — unstructured: one dot product over tokens per index, on CUDA cores. Costs
+  nnz·tokens multiply-adds; G and X are transposed once so each dot product reads two contiguous
+  rows (consecutive sorted indices share a row of Gᵀ, which stays in cache).
+* :func:`block_sddmm` — (bh, bw) blocks: one ``tl.dot`` tile product per block over token chunks,
+  on tensor cores when bh, bw ≥ 16; cost ∝ density. bh = 1 uses a row-vector × tile product.
+
+Shipped as Python source (compiled by Triton at first use); the torch references in
+:mod:`peft_sparse.core.kernels` compute the same values and are what the tests compare against
+(on CPU through Triton's interpreter, ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _sddmm_kernel(GT, XT, ROWS, COLS, OUT, nnz, T, stride_g, stride_x, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < nnz
+    r = tl.load(ROWS + offs, mask=mask, other=0).to(tl.int64)
+    c = tl.load(COLS + offs, mask=mask, other=0).to(tl.int64)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        m = mask[:, None] & (t[None, :] < T)
+        g = tl.load(GT + r[:, None] * stride_g + t[None, :], mask=m, other=0.0)
+        x = tl.load(XT + c[:, None] * stride_x + t[None, :], mask=m, other=0.0)
+        acc += tl.sum(g.to(tl.float32) * x.to(tl.float32), axis=1)
+    tl.store(OUT + offs, acc, mask=mask)
+
+
+def sddmm(grad_out2d: torch.Tensor, x2d: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Σ_t G[t, rows[j]]·X[t, cols[j]] for every j, float32."""
+    tokens = grad_out2d.shape[0]
+    nnz = rows.numel()
+    out = torch.empty(nnz, dtype=torch.float32, device=grad_out2d.device)
+    if nnz == 0 or tokens == 0:
+        return out.zero_()
+    gt = grad_out2d.t().contiguous()  # (out, tokens)
+    xt = x2d.t().contiguous()  # (in, tokens)
+    block_n, block_t = 64, 64
+    grid = (triton.cdiv(nnz, block_n),)
+    _sddmm_kernel[grid](gt, xt, rows, cols, out, nnz, tokens, gt.stride(0), xt.stride(0), BLOCK_N=block_n, BLOCK_T=block_t)
+    return out
+
+
+@triton.jit
+def _block_sddmm_kernel(
+    G, X, BLOCK_ROWS, BLOCK_COLS, OUT, T, stride_g, stride_x, BH: tl.constexpr, BW: tl.constexpr, BLOCK_T: tl.constexpr
+):
+    b = tl.program_id(0)
+    rows = tl.load(BLOCK_ROWS + b).to(tl.int64) * BH + tl.arange(0, BH)
+    cols = tl.load(BLOCK_COLS + b).to(tl.int64) * BW + tl.arange(0, BW)
+    acc = tl.zeros((BH, BW), dtype=tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        tm = t < T
+        gt = tl.load(G + t[None, :] * stride_g + rows[:, None], mask=tm[None, :], other=0.0)  # (BH, BLOCK_T)
+        x = tl.load(X + t[:, None] * stride_x + cols[None, :], mask=tm[:, None], other=0.0)  # (BLOCK_T, BW)
+        acc += tl.dot(gt, x)
+    offs = b * BH * BW + tl.arange(0, BH)[:, None] * BW + tl.arange(0, BW)[None, :]
+    tl.store(OUT + offs, acc)
+
+
+@triton.jit
+def _row_block_sddmm_kernel(G, X, BLOCK_ROWS, BLOCK_COLS, OUT, T, stride_g, stride_x, BW: tl.constexpr, BLOCK_T: tl.constexpr):
+    b = tl.program_id(0)
+    row = tl.load(BLOCK_ROWS + b).to(tl.int64)
+    cols = tl.load(BLOCK_COLS + b).to(tl.int64) * BW + tl.arange(0, BW)
+    acc = tl.zeros((BW,), dtype=tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        tm = t < T
+        g = tl.load(G + t * stride_g + row, mask=tm, other=0.0).to(tl.float32)  # (BLOCK_T,)
+        x = tl.load(X + t[:, None] * stride_x + cols[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+        acc += tl.sum(g[:, None] * x, axis=0)
+    tl.store(OUT + b * BW + tl.arange(0, BW), acc)
+
+
+def block_sddmm(
+    grad_out2d: torch.Tensor, x2d: torch.Tensor, block_rows: torch.Tensor, block_cols: torch.Tensor, bh: int, bw: int
+) -> torch.Tensor:
+    """(nblocks, bh, bw) float32: the dW tiles of the given blocks (block row/column numbers)."""
+    n = block_rows.numel()
+    tokens = grad_out2d.shape[0]
+    out = torch.empty(n, bh, bw, dtype=torch.float32, device=grad_out2d.device)
+    if n == 0 or tokens == 0:
+        return out.zero_()
+    g = grad_out2d.contiguous()
+    x = x2d.contiguous()
+    if bh == 1:
+        _row_block_sddmm_kernel[(n,)](g, x, block_rows, block_cols, out, tokens, g.stride(0), x.stride(0), BW=bw, BLOCK_T=64)
+    elif bh >= 16 and bw >= 16:
+        if g.dtype != x.dtype:
+            x = x.to(g.dtype)
+        block_t = 64 if max(bh, bw) <= 64 else 32
+        _block_sddmm_kernel[(n,)](
+            g, x, block_rows, block_cols, out, tokens, g.stride(0), x.stride(0), BH=bh, BW=bw, BLOCK_T=block_t
+        )
+    else:
+        raise ValueError(f"block_sddmm supports block_shape (1, bw) or (≥16, ≥16), got ({bh}, {bw})")
+    return out

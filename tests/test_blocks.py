@@ -1,0 +1,115 @@
+"""Block-structured selection: exact expected blocks on hand-built tensors, and block adapters end to end."""
+
+import pytest
+import torch
+from peft import PeftModel, get_peft_model
+
+from peft_sparse import SM3, SparseFTConfig, SpIELConfig, SpIELScheduler
+from peft_sparse.core.selection import BlockGrid
+from peft_sparse.methods.spiel import reselect_ag, reselect_ma
+
+from .models import inputs, randomize_values, sparse_layers, tiny_llama
+
+
+def test_block_grid_expand_and_reduce():
+    grid = BlockGrid(4, 6, (2, 3))  # 2×2 grid of 2×3 blocks
+    assert grid.expand(torch.tensor([1])).tolist() == [3, 4, 5, 9, 10, 11]
+    assert grid.expand(torch.tensor([2])).tolist() == [12, 13, 14, 18, 19, 20]
+    assert grid.block_of(torch.tensor([0, 5, 13, 23])).tolist() == [0, 1, 2, 3]
+    dense = torch.arange(24.0).view(4, 6)
+    assert grid.reduce(dense).tolist() == [0 + 1 + 2 + 6 + 7 + 8, 3 + 4 + 5 + 9 + 10 + 11, 12 + 13 + 14 + 18 + 19 + 20, 15 + 16 + 17 + 21 + 22 + 23]
+    with pytest.raises(ValueError, match=r"block_shape=\(3, 3\) does not tile a \(4, 6\) matrix"):
+        BlockGrid(4, 6, (3, 3))
+
+
+def test_block_ag_drops_and_grows_whole_blocks():
+    grid = BlockGrid(4, 4, (2, 2))  # blocks: 0 = rows 0-1 cols 0-1, 1 = rows 0-1 cols 2-3, 2, 3 below
+    indices = grid.expand(torch.tensor([0, 3])).to(torch.int32)  # [0,1,4,5, 10,11,14,15]
+    values = torch.tensor([0.1, 0.1, 0.1, 0.1, 0.5, -0.5, 0.5, 0.5])  # block 0 has Σ|φ| 0.4 < 2.0
+    candidates = grid.expand(torch.tensor([0, 1, 2]))  # [0,1,2,3,4,5,6,7,8,9,12,13]
+    score = torch.zeros(candidates.numel())
+    score[torch.isin(candidates, grid.expand(torch.tensor([1])))] = 0.3  # block 1: Σ 1.2
+    score[torch.isin(candidates, grid.expand(torch.tensor([2])))] = 0.2  # block 2: Σ 0.8
+    r = reselect_ag(values, indices, 1, candidates, score, grid)
+    assert r.indices.tolist() == [2, 3, 6, 7, 10, 11, 14, 15]  # block 0 out, block 1 in
+    assert r.source.tolist() == [-1, -1, -1, -1, 4, 5, 6, 7]
+    assert r.grown_from.tolist() == [2, 3, 6, 7, -1, -1, -1, -1]
+
+
+def test_block_ties_break_by_lowest_block():
+    grid = BlockGrid(4, 4, (2, 2))
+    indices = grid.expand(torch.tensor([0, 1, 3])).to(torch.int32)
+    values = torch.full((12,), 0.25)  # all blocks tie on Σ|φ| → drop block 0
+    candidates = grid.expand(torch.tensor([0, 2]))
+    r = reselect_ag(values, indices, 1, candidates, torch.ones(8), grid)  # 0 (just dropped) ties 2 → regrow 0
+    assert r.indices.tolist() == indices.tolist()
+    assert (r.source[:2] == -1).all()
+
+
+def test_block_ma_scores_are_block_sums_of_fourth_roots():
+    grid = BlockGrid(4, 4, (2, 2))
+    row_acc = torch.tensor([16.0, 16.0, 1.0, 1.0])  # √⁴: 2, 2, 1, 1 → block rows 4, 2
+    col_acc = torch.tensor([1.0, 1.0, 81.0, 0.0])  # √⁴: 1, 1, 3, 0 → block cols 2, 3
+    indices = grid.expand(torch.tensor([1, 2])).to(torch.int32)  # block 1 (score 4·3=12), block 2 (2·2=4)
+    values = torch.tensor([1.0] * 4 + [0.1] * 4)  # drop block 2
+    r = reselect_ma(values, indices, 1, row_acc, col_acc, grid)
+    # outside kept {1}: block 0 = 4·2 = 8, block 2 = 4, block 3 = 2·3 = 6 → grow block 0
+    assert r.indices.tolist() == grid.expand(torch.tensor([0, 1])).tolist()
+
+
+def _block_targets():
+    return ["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # dims divisible by 16
+
+
+@pytest.mark.parametrize("growth", ["ag", "ma"])
+def test_block_spiel_trains_with_whole_blocks_saves_and_loads(growth, tmp_path):
+    config = SpIELConfig(target_modules=_block_targets(), density=0.25, block_shape=(16, 16), growth=growth,
+                         reselection_steps=4, gradient_estimation_steps=2)  # fmt: skip
+    model = get_peft_model(tiny_llama(), config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2) if growth == "ag" else SM3(params, lr=0.1)
+    scheduler = SpIELScheduler(model, opt, total_steps=12)
+    x = inputs(batch=4, length=9)
+    model.train()
+    initial = [l.sparse_indices["default"].clone() for l in sparse_layers(model)]
+    for _ in range(12):
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+    for layer, before in zip(sparse_layers(model), initial):
+        grid = BlockGrid(layer.out_features, layer.in_features, (16, 16))
+        idx = layer.sparse_indices["default"]
+        blocks = torch.unique(grid.block_of(idx))
+        assert torch.equal(grid.expand(blocks), idx.long()), "indices are not whole blocks"
+        assert idx.numel() == before.numel()
+    assert any(not torch.equal(a, l.sparse_indices["default"]) for a, l in zip(initial, sparse_layers(model)))
+    model.eval()
+    with torch.no_grad():
+        out = model(x).logits
+    model.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path)
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, out)
+    assert loaded.peft_config["default"].block_shape == (16, 16)
+
+
+def test_block_value_gradient_matches_dense_reference():
+    config = SparseFTConfig(target_modules=["gate_proj"], density=0.25, block_shape=(16, 16))
+    model = get_peft_model(tiny_llama(), config)
+    randomize_values(model)
+    layer = sparse_layers(model)[0]
+    assert layer.block_metadata("default") is not None
+    x = torch.randn(3, 5, layer.in_features)
+    y = layer(x)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    dW = grad.reshape(-1, layer.out_features).t().mm(x.reshape(-1, layer.in_features))
+    torch.testing.assert_close(layer.sparse_values["default"].grad, dW.view(-1)[layer.sparse_indices["default"].long()])
+
+
+def test_block_shape_errors():
+    with pytest.raises(ValueError, match=r"block_shape=\(0, 4\)"):
+        SpIELConfig(target_modules="all-linear", density=0.1, block_shape=(0, 4))
+    with pytest.raises(ValueError, match=r"block_shape=\(5, 5\) does not tile target module 'model.layers.0.self_attn.q_proj'"):
+        get_peft_model(tiny_llama(), SpIELConfig(target_modules=["q_proj"], density=0.1, block_shape=(5, 5)))
