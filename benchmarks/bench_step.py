@@ -1,0 +1,236 @@
+"""Training-step speed and peak memory of SpIEL against PEFT baselines, one fresh process per variant.
+
+    python benchmarks/bench_step.py --variants floor,lora,spiel-ag,spiel-ma      # a batch, table at the end
+    python benchmarks/bench_step.py --variant spiel-ag                         # one variant (what the batch runs)
+
+Setup (the issue's): Llama architecture with TinyLlama-1.1B shapes (or ``--size llama2-7b``), random
+init, bf16, 8×1024 tokens per step, all 7 linear projection types targeted, trainable budget = LoRA
+r=64 (50.46M for TinyLlama), AdamW (SM3 for SpIEL-MA), median of 10 timed steps after 3 warm-up
+steps. Peak memory is ``torch.cuda.max_memory_allocated()`` over the timed steps. Only
+``lora-ckpt`` uses gradient checkpointing. SpIEL runs S=5, γ=2 over T=13 steps: reselections at
+steps 2, 7 and 12, so the timed steps 4–13 hold two full cycles, windows and reselections included.
+
+Each record is appended as a JSON line to ``benchmarks/results/<date>-<gpu>.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+SIZES = {
+    "tinyllama": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                      num_key_value_heads=4, vocab_size=32000),
+    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000),
+}  # fmt: skip
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+VARIANTS = [
+    "floor", "qfloor", "lora", "lora-ckpt", "qlora", "shira", "supertuning", "full",
+    "spiel-ag", "spiel-ma", "spiel-ag-block", "spiel-ma-block", "qspiel-ag", "qspiel-ma",
+]  # fmt: skip
+BLOCK_SHAPE = (16, 16)
+S, GAMMA = 5, 2
+
+
+def lora_budget(cfg: dict, r: int = 64) -> int:
+    h, i, kv = cfg["hidden_size"], cfg["intermediate_size"], cfg["hidden_size"] // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    per_layer = r * ((h + h) * 2 + (h + kv) * 2 + (h + i) * 3)
+    return per_layer * cfg["num_hidden_layers"]
+
+
+def build_model(size: str, quantized: bool):
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**SIZES[size], max_position_embeddings=4096, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    if not quantized:
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        return model
+    cache = Path(tempfile.gettempdir()) / f"peft-sparse-bench-{size}"
+    if not (cache / "config.json").is_file():
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(cache)
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                           bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+    return AutoModelForCausalLM.from_pretrained(cache, quantization_config=q, dtype=torch.bfloat16, device_map={"": 0})
+
+
+def prepare(variant: str, size: str, total_steps: int):
+    """(model, optimizer or None, per-step hook or None, block_shape) for a variant."""
+    import torch
+    from peft import LoraConfig, ShiraConfig, SupertuningConfig, get_peft_model
+
+    import peft_sparse
+
+    quantized = variant.startswith("q")
+    model = build_model(size, quantized)
+    model.config.use_cache = False
+    budget = lora_budget(SIZES[size])
+    block_shape = None
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if variant in ("floor", "qfloor"):
+        model.enable_input_require_grads()
+        return model, None, None, None, 0
+    if variant == "full":
+        for p in model.parameters():
+            p.requires_grad_(True)
+    elif variant in ("lora", "lora-ckpt", "qlora"):
+        model = get_peft_model(model, LoraConfig(r=64, lora_alpha=16, lora_dropout=0.1, target_modules=TARGETS))
+        if variant == "lora-ckpt":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    elif variant == "shira":
+        model = get_peft_model(model, ShiraConfig(r=64, target_modules=TARGETS))
+    elif variant == "supertuning":
+        targeted = sum(m.weight.numel() for n, m in model.named_modules() if n.split(".")[-1] in TARGETS)
+        model = get_peft_model(model, SupertuningConfig(sparsity=1 - budget / targeted, target_modules=TARGETS))
+    elif "spiel" in variant:
+        growth = "ma" if variant.endswith("-ma") or "-ma-" in variant else "ag"
+        block_shape = BLOCK_SHAPE if variant.endswith("-block") else (1, 1)
+        config = peft_sparse.SpIELConfig(
+            target_modules=TARGETS, num_tunable_weights=budget, growth=growth, reselection_steps=S,
+            gradient_estimation_steps=GAMMA, block_shape=block_shape,
+        )  # fmt: skip
+        model = get_peft_model(model, config)
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    trainable = sum(p.numel() for p in params)
+    if variant.endswith("-ma") or variant.endswith("-ma-block"):
+        optimizer = peft_sparse.SM3(params, lr=1e-3)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    hook = None
+    if "spiel" in variant:
+        scheduler = peft_sparse.SpIELScheduler(model, optimizer, total_steps=total_steps)
+        hook = scheduler.step
+    return model, optimizer, hook, block_shape, trainable
+
+
+def run_one(args) -> dict:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model, optimizer, hook, block_shape, trainable = prepare(args.variant, args.size, args.warmup + args.steps)
+    model.train()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    vocab = SIZES[args.size]["vocab_size"]
+    batches = [torch.randint(0, vocab, (args.bs, args.seq), device="cuda", generator=g) for _ in range(4)]
+    times = []
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        ids = batches[step % len(batches)]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if hook is not None:
+            hook()
+        torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    return {
+        "variant": args.variant,
+        "step_s_median": statistics.median(times),
+        "step_s_mean": statistics.fmean(times),
+        "step_s_all": times,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "gpu": torch.cuda.get_device_name(),
+        "size": args.size,
+        "seq": args.seq,
+        "bs": args.bs,
+        "trainable": trainable,
+        "block_shape": list(block_shape) if block_shape else None,
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+        "batch_id": args.batch_id,
+    }
+
+
+def results_path(gpu: str) -> Path:
+    name = gpu.lower().replace("nvidia", "").strip().replace(" ", "-")
+    return HERE / "results" / f"{datetime.date.today().isoformat()}-{name}.jsonl"
+
+
+def print_table(records: list[dict]) -> None:
+    by = {r["variant"]: r for r in records}
+    floor = by.get("floor")
+    qfloor = by.get("qfloor")
+    lora = by.get("lora")
+    print(f"\n{records[0]['gpu']}, {records[0]['size']}, {records[0]['bs']}×{records[0]['seq']} tokens")
+    print(f"{'variant':<16}{'step s':>9}{'× floor':>9}{'× LoRA':>8}{'peak GiB':>10}{'× floor mem':>12}{'trainable':>13}")
+    for r in records:
+        base = qfloor if r["variant"].startswith("q") and qfloor else floor
+        xf = f"{r['step_s_median'] / base['step_s_median']:.2f}" if base else "-"
+        xm = f"{r['peak_mem_gib'] / base['peak_mem_gib']:.2f}" if base else "-"
+        xl = f"{r['step_s_median'] / lora['step_s_median']:.2f}" if lora else "-"
+        print(f"{r['variant']:<16}{r['step_s_median']:>9.3f}{xf:>9}{xl:>8}{r['peak_mem_gib']:>10.1f}{xm:>12}{r['trainable']:>13,}")
+    print("(q* variants are compared with qfloor)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", choices=VARIANTS)
+    parser.add_argument("--variants", help="comma-separated variants, each run in a fresh process")
+    parser.add_argument("--size", choices=sorted(SIZES), default="tinyllama")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--bs", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch-id", default=None)
+    parser.add_argument("--out", default=None, help="JSONL file (default benchmarks/results/<date>-<gpu>.jsonl)")
+    args = parser.parse_args()
+    if args.variant:
+        record = run_one(args)
+        path = Path(args.out) if args.out else results_path(record["gpu"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(json.dumps({k: v for k, v in record.items() if k != "step_s_all"}))
+        return
+    variants = [v.strip() for v in (args.variants or ",".join(VARIANTS)).split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")
+    batch_id = args.batch_id or datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
+    records = []
+    for v in variants:
+        cmd = [sys.executable, __file__, "--variant", v, "--size", args.size, "--seq", str(args.seq), "--bs", str(args.bs),
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-id", batch_id]  # fmt: skip
+        if args.out:
+            cmd += ["--out", args.out]
+        result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        if result.returncode != 0:
+            print(f"{v}: FAILED\n{result.stderr[-3000:]}", flush=True)
+            continue
+        record = json.loads(result.stdout.strip().splitlines()[-1])
+        records.append(record)
+        print(f"{v}: {record['step_s_median']:.3f} s, {record['peak_mem_gib']:.1f} GiB", flush=True)
+    if records:
+        print_table(records)
+
+
+if __name__ == "__main__":
+    main()

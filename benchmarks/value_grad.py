@@ -1,0 +1,92 @@
+"""Value-gradient paths per layer shape: dense dW + gather vs the Triton SDDMM kernels (GPU).
+
+    python benchmarks/value_grad.py [--tokens 8192] [--size tinyllama]
+
+For each (out, in) of the model's projections and each density, times (median, triton.testing.do_bench):
+``dense`` (one bf16 GEMM dW = Gᵀ·X, then gather), ``sddmm`` (unstructured kernel), and the block
+kernels (16×16, 32×32, 1×64). Checks every kernel against the dense result first. Prints the table
+and the density below which the SDDMM beats the dense path (the crossover), and appends JSON lines
+to benchmarks/results/<date>-<gpu>-value-grad.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from bench_step import SIZES  # noqa: E402
+
+from peft_sparse.core import kernels, triton_kernels  # noqa: E402
+from peft_sparse.core.selection import BlockGrid  # noqa: E402
+
+
+def shapes(size):
+    c = SIZES[size]
+    h, i = c["hidden_size"], c["intermediate_size"]
+    kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
+    return {"q/o (h,h)": (h, h), "k/v (kv,h)": (kv, h), "gate/up (i,h)": (i, h), "down (h,i)": (h, i)}
+
+
+def main():
+    from triton.testing import do_bench
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--size", default="tinyllama")
+    parser.add_argument("--densities", default="0.002,0.005,0.01,0.02,0.052,0.1")
+    args = parser.parse_args()
+    densities = [float(d) for d in args.densities.split(",")]
+    gpu = torch.cuda.get_device_name()
+    out_path = HERE / "results" / f"{datetime.date.today().isoformat()}-{gpu.lower().replace('nvidia', '').strip().replace(' ', '-')}-value-grad.jsonl"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    T = args.tokens
+    print(f"{gpu}, tokens={T}, bf16; times in ms (median)")
+    print(f"{'shape':<16}{'density':>8}{'dense':>9}{'sddmm':>9}{'blk16':>9}{'blk32':>9}{'row64':>9}")
+    records = []
+    for name, (out_f, in_f) in shapes(args.size).items():
+        go = torch.randn(T, out_f, device="cuda", dtype=torch.bfloat16, generator=g)
+        x = torch.randn(T, in_f, device="cuda", dtype=torch.bfloat16, generator=g)
+        dense_ref = go.float().t().mm(x.float())
+        for density in densities:
+            row = {"shape": name, "out": out_f, "in": in_f, "tokens": T, "density": density, "gpu": gpu}
+            nnz = int(density * out_f * in_f)
+            idx = torch.randperm(out_f * in_f, device="cuda", generator=g)[:nnz].sort().values
+            rows, cols = (idx // in_f).to(torch.int32), (idx % in_f).to(torch.int32)
+            got = triton_kernels.sddmm(go, x, rows, cols)
+            torch.testing.assert_close(got, dense_ref.view(-1)[idx], rtol=2e-2, atol=2e-1)
+            row["dense"] = do_bench(lambda: kernels.dense_weight_gradient(go, x).view(-1)[idx].float(), return_mode="median")
+            row["sddmm"] = do_bench(lambda: triton_kernels.sddmm(go, x, rows, cols), return_mode="median")
+            for label, (bh, bw) in {"blk16": (16, 16), "blk32": (32, 32), "row64": (1, 64)}.items():
+                grid = BlockGrid(out_f, in_f, (bh, bw))
+                nb = max(1, nnz // (bh * bw))
+                blocks = torch.randperm(grid.numel, device="cuda", generator=g)[:nb].sort().values
+                br, bc = (blocks // grid.cols).to(torch.int32), (blocks % grid.cols).to(torch.int32)
+                tiles = triton_kernels.block_sddmm(go, x, br, bc, bh, bw)
+                want = dense_ref.view(grid.rows, bh, grid.cols, bw).permute(0, 2, 1, 3)[br.long(), bc.long()]
+                torch.testing.assert_close(tiles, want, rtol=2e-2, atol=2e-1)
+                row[label] = do_bench(lambda: triton_kernels.block_sddmm(go, x, br, bc, bh, bw), return_mode="median")
+            records.append(row)
+            print(f"{name:<16}{density:>8.3f}{row['dense']:>9.3f}{row['sddmm']:>9.3f}{row['blk16']:>9.3f}{row['blk32']:>9.3f}{row['row64']:>9.3f}", flush=True)
+    with open(out_path, "a") as f:
+        for r in records:
+            f.write(json.dumps({**r, "date": datetime.date.today().isoformat()}) + "\n")
+    # crossover: per shape, the largest density at which sddmm beat dense
+    print("\ncrossover (largest measured density where the unstructured SDDMM beats dense dW + gather):")
+    for name in shapes(args.size):
+        wins = [r["density"] for r in records if r["shape"] == name and r["sddmm"] < r["dense"]]
+        print(f"  {name:<16} {max(wins) if wins else 'none (dense always faster)'}")
+    rates = [r["dense"] / r["sddmm"] * r["density"] for r in records]
+    print(f"implied SDDMM rate relative to the GEMM (cost model): median {sorted(rates)[len(rates) // 2]:.4f}")
+
+
+if __name__ == "__main__":
+    main()

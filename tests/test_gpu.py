@@ -1,0 +1,77 @@
+"""On a CUDA device: the compiled Triton paths inside real layers, SpIEL steps, qSpIEL (skipped without a GPU)."""
+
+import pytest
+import torch
+from peft import get_peft_model
+
+from peft_sparse import SM3, SpIELConfig, SpIELScheduler
+from peft_sparse.core import kernels
+
+from .models import sparse_layers, tiny_llama
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("block_shape", [(1, 1), (16, 16), (1, 64)])
+@pytest.mark.parametrize("method", ["auto", "sddmm"])
+def test_cuda_value_gradients_match_dense_reference(block_shape, method):
+    config = SpIELConfig(target_modules=["gate_proj", "down_proj"], density=0.25, block_shape=block_shape)
+    model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128), config).cuda().to(torch.bfloat16)
+    for layer in sparse_layers(model):
+        layer.value_grad_method = method
+        with torch.no_grad():
+            layer.sparse_values["default"].normal_()
+        x = torch.randn(4, 33, layer.in_features, device="cuda", dtype=torch.bfloat16)
+        y = layer(x)
+        grad = torch.randn_like(y)
+        y.backward(grad)
+        dW = grad.float().reshape(-1, layer.out_features).t().mm(x.float().reshape(-1, layer.in_features))
+        want = dW.view(-1)[layer.sparse_indices["default"].long()]
+        got = layer.sparse_values["default"].grad.float()
+        assert torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want) < 2e-2
+
+
+@pytest.mark.parametrize("growth, block_shape", [("ag", (1, 1)), ("ma", (1, 1)), ("ag", (16, 16)), ("ma", (16, 16))])
+def test_spiel_steps_on_cuda(growth, block_shape):
+    config = SpIELConfig(target_modules="all-linear", density=0.1, growth=growth, reselection_steps=3,
+                         gradient_estimation_steps=1, block_shape=block_shape)  # fmt: skip
+    model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128), config).cuda()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2, fused=True) if growth == "ag" else SM3(params, lr=0.1)
+    scheduler = SpIELScheduler(model, opt, total_steps=8)
+    x = torch.randint(0, 97, (4, 16), device="cuda")
+    model.train()
+    losses = []
+    for _ in range(8):
+        loss = model(x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert all((l.sparse_ages["default"] > 0).any() for l in sparse_layers(model))
+
+
+def test_qspiel_on_cuda(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tiny_llama(hidden_size=64, intermediate_size=128).save_pretrained(tmp_path)
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                           bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+    base = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=q, device_map={"": 0})
+    model = get_peft_model(base, SpIELConfig(target_modules="all-linear", density=0.1, reselection_steps=3, gradient_estimation_steps=1))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    scheduler = SpIELScheduler(model, opt, total_steps=6)
+    x = torch.randint(0, 97, (4, 16), device="cuda")
+    model.train()
+    for _ in range(6):
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+    layer = sparse_layers(model)[0]
+    assert layer.sparse_values["default"].dtype == torch.float32
+    assert (layer.sparse_ages["default"] == 4).any()
+    assert "cuda" in kernels.SDDMM_KERNELS
