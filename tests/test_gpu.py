@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("method", ["auto", "sddmm"])
 def test_cuda_value_gradients_match_dense_reference(block_shape, method):
     config = SpIELConfig(target_modules=["gate_proj", "down_proj"], density=0.25, block_shape=block_shape)
-    model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128), config).cuda().to(torch.bfloat16)
+    model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128, dtype=torch.bfloat16), config).cuda()
     for layer in sparse_layers(model):
         layer.value_grad_method = method
         with torch.no_grad():

@@ -80,3 +80,31 @@ def test_block_sddmm_rejects_unsupported_shapes(tk):
     z = torch.zeros(4, 8)
     with pytest.raises(ValueError, match=r"block_shape \(1, bw\) or \(≥16, ≥16\), got \(4, 4\)"):
         tk.block_sddmm(z, z, torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 4, 4)
+
+
+@pytest.mark.parametrize("momentum, weight_decay", [(0.0, 0.0), (0.5, 0.1)])
+def test_fused_sm3_step_matches_torch_sm3(tk, momentum, weight_decay):
+    from peft_sparse import SM3
+
+    g = torch.Generator().manual_seed(3)
+    out_f, in_f, nnz = 12, 20, 70
+    idx = random_indices(out_f * in_f, nnz, g).to(torch.int32).to(_device())
+    values = torch.randn(nnz, generator=g).to(_device())
+    rows, cols = kernels.rows_cols(idx, in_f)
+    row_acc, col_acc = torch.rand(out_f, generator=g).to(_device()), torch.rand(in_f, generator=g).to(_device())
+    mom = torch.randn(nnz, generator=g).to(_device()) if momentum else None
+    grad = torch.randn(nnz, generator=g).to(_device())
+    # the sequential definition
+    nu = torch.minimum(row_acc[rows], col_acc[cols]) + grad * grad
+    want_r = row_acc.scatter_reduce(0, rows, nu, reduce="amax", include_self=True)
+    want_c = col_acc.scatter_reduce(0, cols, nu, reduce="amax", include_self=True)
+    update = grad / (nu + 1e-30).sqrt()
+    if momentum:
+        update = momentum * mom + (1 - momentum) * update
+    want_v = values * (1 - 0.1 * weight_decay) - 0.1 * update
+    v = values.clone()
+    new_r, new_c = tk.sm3_sparse_step(v, grad, idx, in_f, row_acc, col_acc, mom, 0.1, momentum, 1e-30, weight_decay)
+    torch.testing.assert_close(v, want_v, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(new_r, want_r)
+    torch.testing.assert_close(new_c, want_c)
+    assert SM3 is not None

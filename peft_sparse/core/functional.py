@@ -98,7 +98,7 @@ class SparseDeltaLinear(torch.autograd.Function):
                 flat = dW.view(-1)
                 for a in range(n):
                     if need_values[a]:
-                        value_grads[a] = flat[indices[a].long()].to(values[a].dtype)
+                        value_grads[a] = flat[indices[a]].to(values[a].dtype)
                 del dW, flat
             else:
                 method = hooks.value_grad_method if hooks is not None else "auto"

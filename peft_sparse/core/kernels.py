@@ -122,7 +122,10 @@ class CostModel:
     """
 
     def __init__(self, sddmm_relative_rate: Optional[dict[str, float]] = None):
-        self.sddmm_relative_rate = {"cpu": 0.0015, "cuda": 0.1}
+        # measured: benchmarks/value_grad.py. On an H200 at 8192 tokens the Triton SDDMM lost to the
+        # bf16 GEMM + gather at every density from 0.2% to 10% (BENCHMARKS.md); on 2 CPU cores the
+        # torch reference ran 3.4–7.6× slower than the dense path at 1% density.
+        self.sddmm_relative_rate = {"cpu": 0.0015, "cuda": 0.0005}
         if sddmm_relative_rate:
             self.sddmm_relative_rate.update(sddmm_relative_rate)
 
@@ -150,7 +153,7 @@ def value_gradient(
     if method == "auto":
         method = COST_MODEL.choose(grad_out2d.device, grad_out2d.shape[0], out_features, in_features, indices.numel())
     if method == "dense":
-        return dense_weight_gradient(grad_out2d, x2d).view(-1)[indices.long()].to(accumulation_dtype(grad_out2d.dtype))
+        return dense_weight_gradient(grad_out2d, x2d).view(-1)[indices].to(accumulation_dtype(grad_out2d.dtype))
     if method == "sddmm":
         rows, cols = rows_cols(indices, in_features)
         return sddmm(grad_out2d, x2d, rows, cols)

@@ -108,3 +108,44 @@ def block_sddmm(
     else:
         raise ValueError(f"block_sddmm supports block_shape (1, bw) or (≥16, ≥16), got ({bh}, {bw})")
     return out
+
+
+@triton.jit
+def _sm3_sparse_kernel(
+    VALUES, GRAD, IDX, ROW_OLD, COL_OLD, ROW_NEW, COL_NEW, MOM, n, in_features, lr, momentum, eps, decay,
+    HAS_MOMENTUM: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    idx = tl.load(IDX + offs, mask=m, other=0).to(tl.int64)
+    r = idx // in_features
+    c = idx % in_features
+    g = tl.load(GRAD + offs, mask=m, other=0.0).to(tl.float32)
+    nu = tl.minimum(tl.load(ROW_OLD + r, mask=m, other=0.0), tl.load(COL_OLD + c, mask=m, other=0.0)) + g * g
+    tl.atomic_max(ROW_NEW + r, nu, mask=m)
+    tl.atomic_max(COL_NEW + c, nu, mask=m)
+    update = g / tl.sqrt(nu + eps)
+    if HAS_MOMENTUM:
+        buf = tl.load(MOM + offs, mask=m, other=0.0) * momentum + (1 - momentum) * update
+        tl.store(MOM + offs, buf, mask=m)
+        update = buf
+    v = tl.load(VALUES + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(VALUES + offs, (v * decay - lr * update).to(VALUES.dtype.element_ty), mask=m)
+
+
+def sm3_sparse_step(values, grad, indices, in_features, row_acc, col_acc, momentum_buffer, lr, momentum, eps, weight_decay):
+    """One fused SM3-II step over sparse values; returns the new (row, col) accumulators.
+
+    ν is read from the previous accumulators and the max-updates go to copies (atomic max), so no
+    element sees another's update of the same step — the same result as the sequential definition.
+    """
+    n = values.numel()
+    row_new, col_new = row_acc.clone(), col_acc.clone()
+    if n:
+        block = 1024
+        _sm3_sparse_kernel[(triton.cdiv(n, block),)](
+            values, grad, indices, row_acc, col_acc, row_new, col_new,
+            momentum_buffer if momentum_buffer is not None else values, n, in_features, lr, momentum, eps,
+            1.0 - lr * weight_decay, HAS_MOMENTUM=momentum_buffer is not None, BLOCK=block,
+        )  # fmt: skip
+    return row_new, col_new

@@ -153,22 +153,26 @@ def top_k_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Element numbers of the k largest ``scores``, ordered by (score desc, element number asc).
 
     Ties go to the lowest element number: callers pass scores in ascending flat-index order, so this
-    is the "ties break by lowest flat index" rule. Uses a top-k threshold, not a full sort.
+    is the "ties break by lowest flat index" rule. Scores are non-negative (negative values, e.g. a
+    −inf mask, rank below all of them). Each score and its element number are packed into one int64
+    key — non-negative float32 bit patterns order like the floats — so one ``topk`` resolves ties
+    deterministically, with no host synchronisation (it runs inside backward passes).
     """
     n = scores.numel()
     k = min(k, n)
     if k <= 0:
         return torch.empty(0, dtype=torch.long, device=scores.device)
-    if torch.isnan(scores).any():
-        raise ValueError("growth/drop scores contain NaN (a NaN gradient or value?)")
-    if k < n:
-        kth = torch.topk(scores, k, sorted=False).values.min()
-        above = torch.nonzero(scores > kth).squeeze(1)
-        ties = torch.nonzero(scores == kth).squeeze(1)[: k - above.numel()]
-        chosen = torch.cat([above, ties]).sort().values
-    else:
-        chosen = torch.arange(n, device=scores.device)
-    return chosen[torch.sort(scores[chosen], descending=True, stable=True).indices]
+    if n >= 2**32:
+        return torch.sort(scores.reshape(-1), descending=True, stable=True).indices[:k]
+    bits = scores.reshape(-1).float().view(torch.int32).to(torch.int64)
+    low = 0xFFFFFFFF - torch.arange(n, device=scores.device, dtype=torch.int64)  # lower element number → larger key
+    keys = torch.topk((bits << 32) | low, k, sorted=True).values
+    return 0xFFFFFFFF - (keys & 0xFFFFFFFF)
+
+
+def _check_finite(name: str, scores: torch.Tensor) -> None:
+    if not bool(torch.isfinite(scores).all()):
+        raise ValueError(f"{name} contain NaN or infinite values (a NaN gradient or value?)")
 
 
 UNSTRUCTURED = BlockGrid(1, 1)  # units are single weights (only unit-size-independent methods are used)
@@ -227,6 +231,7 @@ def reselect_ag(
     the shortfall (in units).
     """
     grid = grid or UNSTRUCTURED
+    _check_finite("growth scores", score)
     units, order, unit_of_element = _drop(values, indices, grid)
     cand_units, cand_score = grid.units(candidates, score)
     wanted = k = min(k, units.numel())

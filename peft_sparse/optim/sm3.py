@@ -11,7 +11,9 @@ The accumulators R (out) and C (in) cover the *whole* matrix, not only the activ
 survive SpIEL reselections unchanged and give SpIEL-MA its growth score √⁴(R_i·C_k) (thesis Eq. 7.7).
 Memory: out + in floats per matrix (plus d_φ with momentum), against Adam's 2·d_φ.
 
-Dense parameters (e.g. ``modules_to_save``) get the same SM3-II with one accumulator per row and
+On CUDA the sparse step is one fused Triton kernel (accumulators updated with atomic max into
+copies of the previous ones, so the result equals the sequential definition); elsewhere it runs as
+torch operations. Dense parameters (e.g. ``modules_to_save``) get the same SM3-II with one accumulator per row and
 column (2-D; higher ranks are viewed as (first dim, rest)) or a plain Adagrad accumulator (1-D).
 Weight decay is decoupled (AdamW-style): φ ← φ·(1 − lr·λ).
 """
@@ -22,6 +24,20 @@ import torch
 
 from ..core.kernels import rows_cols
 from ..core.layer import sparse_owner
+
+
+_FUSED = []
+
+
+def _fused_kernel():
+    """The fused Triton step for CUDA sparse values (None without Triton)."""
+    if not _FUSED:
+        try:
+            from ..core.triton_kernels import sm3_sparse_step
+        except ImportError:
+            sm3_sparse_step = None
+        _FUSED.append(sm3_sparse_step)
+    return _FUSED[0]
 
 
 class SM3(torch.optim.Optimizer):
@@ -38,19 +54,18 @@ class SM3(torch.optim.Optimizer):
 
     @staticmethod
     def sparse_layout(param: torch.Tensor):
-        """(rows, cols, out_features, in_features) of a sparse values parameter, or None for a dense one."""
+        """(indices, out_features, in_features) of a sparse values parameter, or None for a dense one."""
         owner = sparse_owner(param)
         if owner is None:
             return None
         layer, adapter = owner
-        rows, cols = rows_cols(layer.sparse_indices[adapter], layer.in_features)
-        return rows, cols, layer.out_features, layer.in_features
+        return layer.sparse_indices[adapter], layer.out_features, layer.in_features
 
     def _init_state(self, param, state, layout, momentum: float):
         state["step"] = torch.zeros((), dtype=torch.float32)
         acc_dtype = torch.float32 if param.dtype in (torch.float16, torch.bfloat16) else param.dtype
         if layout is not None:
-            _, _, out_features, in_features = layout
+            _, out_features, in_features = layout
             state["row_accumulator"] = torch.zeros(out_features, dtype=acc_dtype, device=param.device)
             state["col_accumulator"] = torch.zeros(in_features, dtype=acc_dtype, device=param.device)
         elif param.dim() >= 2:
@@ -81,8 +96,16 @@ class SM3(torch.optim.Optimizer):
                 state["step"] += 1
                 acc_dtype = (state.get("accumulator") if "accumulator" in state else state["row_accumulator"]).dtype
                 grad = param.grad.to(acc_dtype)
+                if layout is not None and param.is_cuda and _fused_kernel() is not None:
+                    indices, _, in_features = layout
+                    state["row_accumulator"], state["col_accumulator"] = _fused_kernel()(
+                        param, param.grad, indices, in_features, state["row_accumulator"], state["col_accumulator"],
+                        state.get("momentum_buffer"), lr, momentum, eps, wd,
+                    )  # fmt: skip
+                    continue
                 if layout is not None:
-                    rows, cols, _, _ = layout
+                    indices, _, in_features = layout
+                    rows, cols = rows_cols(indices, in_features)
                     row_acc, col_acc = state["row_accumulator"], state["col_accumulator"]
                     nu = torch.minimum(row_acc[rows], col_acc[cols]).add_(grad * grad)  # (d_φ,)
                     row_acc.scatter_reduce_(0, rows, nu, reduce="amax", include_self=True)

@@ -1,0 +1,53 @@
+"""Where a training step's GPU time goes: top kernels of a variant over 3 steps (after warm-up).
+
+    python benchmarks/profile_step.py spiel-ma [--rows 25]
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_step import SIZES, prepare  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("variant")
+    parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--size", default="tinyllama")
+    args = parser.parse_args()
+    model, optimizer, hook, _, _ = prepare(args.variant, args.size, total_steps=13)
+    model.train()
+    ids = torch.randint(0, SIZES[args.size]["vocab_size"], (8, 1024), device="cuda")
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if hook is not None:
+            hook()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    loss = model(input_ids=ids, labels=ids).loss
+    saved = torch.cuda.memory_allocated() - base
+    loss.backward()
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    print(f"{args.variant}: resident before forward {base / 2**30:.2f} GiB, held by the forward for backward {saved / 2**30:.2f} GiB")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
