@@ -192,3 +192,11 @@ def test_int64_indices_for_huge_matrices():
     layer = SparseLinear(base, "huge")
     layer.update_layer("default", torch.tensor([0, 2**31 + 5]), torch.float32)
     assert layer.sparse_indices["default"].dtype == torch.int64
+
+
+def test_density_budget_rounds_to_whole_blocks():
+    assert total_budget(10_000, 0.1, None, unit=256) == 1024  # 1000 weights → 3.9 blocks → 4 blocks
+    with pytest.raises(ValueError, match="num_tunable_weights=1000 is not a multiple of the block size 256"):
+        total_budget(10_000, None, 1000, unit=256)
+    with pytest.raises(ValueError, match="leaves no whole block of 256 weights"):
+        total_budget(10_000, 0.01, None, unit=256)

@@ -24,15 +24,16 @@ def total_budget(total_weights: int, density: float | None, num_tunable_weights:
                 f"num_tunable_weights={num_tunable_weights} exceeds the {total_weights} weights of the targeted modules"
             )
         budget = num_tunable_weights
-    else:
-        budget = int(density * total_weights + 0.5)
-        if budget < unit:
-            raise ValueError(
-                f"density={density} of the {total_weights} targeted weights leaves {budget} tunable weights; "
-                f"raise density"
-            )
-    if budget % unit:
-        raise ValueError(f"num_tunable_weights={budget} is not a multiple of the block size {unit}")
+        if budget % unit:
+            raise ValueError(f"num_tunable_weights={budget} is not a multiple of the block size {unit}")
+        return budget
+    # density: the nearest whole number of weights (of blocks, when selecting blocks)
+    budget = int(density * total_weights / unit + 0.5) * unit
+    if budget < unit:
+        raise ValueError(
+            f"density={density} of the {total_weights} targeted weights leaves no whole "
+            f"{'weight' if unit == 1 else f'block of {unit} weights'}; raise density"
+        )
     return budget
 
 
