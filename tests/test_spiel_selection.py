@@ -117,3 +117,14 @@ def test_reselection_steps_and_windows():
     window = [s for s in range(1, T + 1) if in_estimation_window(s, S, gamma, T)]
     assert window == [1, 2, 3, 11, 12, 13, 21, 22, 23, 31, 32, 33]
     assert [s for s in range(1, 34) if in_estimation_window(s, S, gamma, 33)] == [1, 2, 3, 11, 12, 13, 21, 22, 23]
+
+
+def test_top_k_set_agrees_with_the_ordered_top_k_including_ties():
+    from peft_sparse.methods.spiel import top_k_set
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        scores = torch.randint(0, 6, (500,), generator=g).to(dtype)  # heavy ties
+        for k in (1, 7, 100, 499, 500):
+            want = top_k_positions(scores.float(), k).sort().values
+            assert top_k_set(scores, k).tolist() == want.tolist()

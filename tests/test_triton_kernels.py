@@ -82,12 +82,11 @@ def test_block_sddmm_rejects_unsupported_shapes(tk):
         tk.block_sddmm(z, z, torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 4, 4)
 
 
-@pytest.mark.parametrize("momentum, weight_decay", [(0.0, 0.0), (0.5, 0.1)])
-def test_fused_sm3_step_matches_torch_sm3(tk, momentum, weight_decay):
+@pytest.mark.parametrize("momentum, weight_decay, out_f, in_f, nnz", [(0.0, 0.0, 12, 20, 70), (0.5, 0.1, 12, 20, 70), (0.0, 0.0, 40, 100, 3000)])
+def test_fused_sm3_step_matches_torch_sm3(tk, momentum, weight_decay, out_f, in_f, nnz):
     from peft_sparse import SM3
 
     g = torch.Generator().manual_seed(3)
-    out_f, in_f, nnz = 12, 20, 70
     idx = random_indices(out_f * in_f, nnz, g).to(torch.int32).to(_device())
     values = torch.randn(nnz, generator=g).to(_device())
     rows, cols = kernels.rows_cols(idx, in_f)

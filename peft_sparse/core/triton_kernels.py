@@ -111,6 +111,12 @@ def block_sddmm(
 
 
 @triton.jit
+def _segment_max(row_a, value_a, row_b, value_b):
+    # combine of a scan over (row, value) runs: restart at a new row
+    return row_b, tl.where(row_a == row_b, tl.maximum(value_a, value_b), value_b)
+
+
+@triton.jit
 def _sm3_sparse_kernel(
     VALUES, GRAD, IDX, ROW_OLD, COL_OLD, ROW_NEW, COL_NEW, MOM, n, in_features, lr, momentum, eps, decay,
     HAS_MOMENTUM: tl.constexpr, BLOCK: tl.constexpr,
@@ -122,7 +128,12 @@ def _sm3_sparse_kernel(
     c = idx % in_features
     g = tl.load(GRAD + offs, mask=m, other=0.0).to(tl.float32)
     nu = tl.minimum(tl.load(ROW_OLD + r, mask=m, other=0.0), tl.load(COL_OLD + c, mask=m, other=0.0)) + g * g
-    tl.atomic_max(ROW_NEW + r, nu, mask=m)
+    # indices are sorted, so a block holds a few runs of one row each: reduce each run with a scan and
+    # issue one atomic per run (its last element) instead of one per element on the same address
+    _, run_max = tl.associative_scan((r, nu), 0, _segment_max)
+    next_idx = tl.load(IDX + offs + 1, mask=offs + 1 < n, other=-1).to(tl.int64)
+    last_of_run = (next_idx // in_features != r) | (tl.arange(0, BLOCK) == BLOCK - 1) | (offs + 1 >= n)
+    tl.atomic_max(ROW_NEW + r, run_max, mask=m & last_of_run)
     tl.atomic_max(COL_NEW + c, nu, mask=m)
     update = g / tl.sqrt(nu + eps)
     if HAS_MOMENTUM:
