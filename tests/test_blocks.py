@@ -94,11 +94,13 @@ def test_block_spiel_trains_with_whole_blocks_saves_and_loads(growth, tmp_path):
     assert loaded.peft_config["default"].block_shape == (16, 16)
 
 
-def test_block_value_gradient_matches_dense_reference():
+@pytest.mark.parametrize("method", ["sddmm", "dense", "auto"])  # sddmm = the block-sparse product for blocks
+def test_block_value_gradient_matches_dense_reference(method):
     config = SparseFTConfig(target_modules=["gate_proj"], density=0.25, block_shape=(16, 16))
     model = get_peft_model(tiny_llama(), config)
     randomize_values(model)
     layer = sparse_layers(model)[0]
+    layer.value_grad_method = method
     assert layer.block_metadata("default") is not None
     x = torch.randn(3, 5, layer.in_features)
     y = layer(x)

@@ -106,6 +106,10 @@ class SparseDeltaLinear(torch.autograd.Function):
                     if not need_values[a]:
                         continue
                     block = ctx.blocks[a] if ctx.blocks else None
+                    if block is not None and method == "auto":
+                        shape = block[3]
+                        if kernels.COST_MODEL.choose_block(g2.device, g2.shape[0], ctx.out_features, ctx.in_features, values[a].numel(), shape) == "dense":
+                            block = None
                     if block is not None and method != "dense":
                         rows, cols, slots, (bh, bw) = block
                         tiles = kernels.block_sddmm(g2, x2, rows, cols, bh, bw)  # (blocks, bh, bw)

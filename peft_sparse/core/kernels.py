@@ -129,6 +129,18 @@ class CostModel:
         if sddmm_relative_rate:
             self.sddmm_relative_rate.update(sddmm_relative_rate)
 
+    # block kernels: a fixed launch/latency cost (in GEMM multiply-add equivalents) plus their MACs at a
+    # fraction of the GEMM rate; measured on an H200 (benchmarks/value_grad.py, BENCHMARKS.md):
+    # 32×32 ran at ~0.16 of the GEMM rate, 16×16 at ~0.056, 1×64 at ~0.02, each after ~0.05 ms.
+    block_relative_rate = {(32, 32): 0.16, (16, 16): 0.056, (1, 64): 0.02}
+    block_overhead = {"cuda": 1.7e10, "cpu": 0.0}
+
+    def choose_block(self, device: torch.device, tokens: int, out_features: int, in_features: int, nnz: int, block_shape) -> str:
+        """``"block"`` (block-sparse product) or ``"dense"`` (GEMM + gather) for a block adapter."""
+        rate = self.block_relative_rate.get(tuple(block_shape), 0.05)
+        block_cost = self.block_overhead.get(device.type, 0.0) + tokens * nnz / rate
+        return "block" if block_cost < tokens * out_features * in_features else "dense"
+
     def choose(self, device: torch.device, tokens: int, out_features: int, in_features: int, nnz: int) -> str:
         rate = self.sddmm_relative_rate.get(device.type, 0.0)
         if device.type not in SDDMM_KERNELS and device.type != "cpu":
