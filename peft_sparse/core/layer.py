@@ -246,31 +246,40 @@ class SparseLayer(BaseTunerLayer):
         self._indices_pending.discard(adapter_name)
 
     def block_metadata(self, adapter_name: str):
-        """For a block adapter: (block rows, block cols, slots) with ``slots[b·bh·bw + i·bw + j]`` the values
-        slot of element (i, j) of the b-th block (blocks in ascending order); None when unstructured.
+        """For a block adapter: (block rows, block cols, slots, block_shape) with ``slots[b·bh·bw + i·bw + j]``
+        the values slot of element (i, j) of the b-th block (blocks ascending); None when unstructured.
 
         Cached until the indices change (their version counter moves on every in-place edit)."""
         bh, bw = self.block_shape.get(adapter_name, (1, 1))
         if bh * bw == 1:
             return None
         indices = self.sparse_indices[adapter_name]
-        key = (indices.data_ptr(), indices._version, indices.numel())
         cached = self._block_metadata.get(adapter_name)
-        if cached is not None and cached[0] == key:
+        if cached is not None and cached[0] == self._indices_key(indices):
             return cached[1]
         from .selection import BlockGrid
 
-        grid = BlockGrid(self.out_features, self.in_features, (bh, bw))
-        blocks = torch.unique(grid.block_of(indices))
+        blocks = torch.unique(BlockGrid(self.out_features, self.in_features, (bh, bw)).block_of(indices))
         if blocks.numel() * bh * bw != indices.numel():
             raise ValueError(f"{self.module_name}: indices of adapter {adapter_name!r} are not whole {(bh, bw)} blocks")
-        br, bc = blocks // grid.cols, blocks % grid.cols
+        return self.set_block_metadata(adapter_name, blocks)
+
+    @staticmethod
+    def _indices_key(indices: torch.Tensor) -> tuple:
+        return (indices.data_ptr(), indices._version, indices.numel())
+
+    def set_block_metadata(self, adapter_name: str, blocks: torch.Tensor):
+        """Cache the block metadata for the (ascending) active block numbers ``blocks``."""
+        bh, bw = self.block_shape[adapter_name]
+        indices = self.sparse_indices[adapter_name]
+        cols = self.in_features // bw
+        br, bc = blocks // cols, blocks % cols
         i = torch.arange(bh, device=indices.device)
         j = torch.arange(bw, device=indices.device)
         block_major = ((br * bh)[:, None, None] + i[None, :, None]) * self.in_features + (bc * bw)[:, None, None] + j[None, None, :]
         slots = torch.searchsorted(indices.long(), block_major.reshape(-1))
         meta = (br.to(torch.int32), bc.to(torch.int32), slots, (bh, bw))
-        self._block_metadata[adapter_name] = (key, meta)
+        self._block_metadata[adapter_name] = (self._indices_key(indices), meta)
         return meta
 
     # ----------------------------------------------------------------------------------- merge

@@ -138,12 +138,17 @@ class BlockGrid:
     def reduce_cols(self, per_col: torch.Tensor) -> torch.Tensor:
         return per_col if self.bw == 1 else per_col.reshape(self.cols, self.bw).sum(1)
 
-    def units(self, indices: torch.Tensor, per_element: torch.Tensor | None = None):
-        """Sorted distinct blocks of ``indices``, and per block the sum of ``per_element`` (if given)."""
+    def units(self, indices: torch.Tensor, per_element: torch.Tensor | None = None, known: torch.Tensor | None = None):
+        """Sorted distinct blocks of ``indices``, and per block the sum of ``per_element`` (if given).
+
+        ``known``: the sorted distinct blocks, when the caller has them (saves a host-synchronising unique)."""
         blocks = self.block_of(indices)
         if self.unstructured:
             return blocks, per_element
-        unique, inverse = torch.unique(blocks, sorted=True, return_inverse=True)
+        if known is not None:
+            unique, inverse = known, torch.searchsorted(known, blocks)
+        else:
+            unique, inverse = torch.unique(blocks, sorted=True, return_inverse=True)
         if per_element is None:
             return unique, None
         sums = torch.zeros(unique.numel(), dtype=per_element.dtype, device=per_element.device)

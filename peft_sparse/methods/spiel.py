@@ -192,11 +192,6 @@ def top_k_set(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.nonzero_static(chosen, size=k).squeeze(1)
 
 
-def _check_finite(name: str, scores: torch.Tensor) -> None:
-    if not bool(torch.isfinite(scores).all()):
-        raise ValueError(f"{name} contain NaN or infinite values (a NaN gradient or value?)")
-
-
 UNSTRUCTURED = BlockGrid(1, 1)  # units are single weights (only unit-size-independent methods are used)
 
 
@@ -218,23 +213,33 @@ class Reselection:
     grown_from: torch.Tensor
     dropped: int
     shortfall: int = 0
+    units: Optional[torch.Tensor] = None  # the active units (blocks) afterwards, ascending
 
 
-def _merge(indices: torch.Tensor, keep: torch.Tensor, grown_idx: torch.Tensor, grown_rows: torch.Tensor) -> Reselection:
-    kept_slots = torch.nonzero(keep).squeeze(1)
+def _merge(
+    indices: torch.Tensor, keep: torch.Tensor, n_kept: int, grown_idx: torch.Tensor, grown_rows: torch.Tensor
+) -> Reselection:
+    kept_slots = torch.nonzero_static(keep, size=n_kept).squeeze(1)  # n_kept is known: no host sync
     all_idx = torch.cat([indices.long()[kept_slots], grown_idx.long()])
     new_idx, order = torch.sort(all_idx)
     minus = torch.full_like(grown_idx, -1, dtype=torch.long)
     source = torch.cat([kept_slots, minus])[order]
     grown_from = torch.cat([torch.full_like(kept_slots, -1), grown_rows.long()])[order]
-    return Reselection(new_idx, source, grown_from, dropped=int((~keep).sum()))
+    return Reselection(new_idx, source, grown_from, dropped=indices.numel() - n_kept)
 
 
-def _drop(values: torch.Tensor, indices: torch.Tensor, grid: BlockGrid):
+def _drop(values: torch.Tensor, indices: torch.Tensor, grid: BlockGrid, units: Optional[torch.Tensor] = None):
     """Active units, their DROP order (Σ|φ| per unit ascending), and each element's unit number (row)."""
-    units, magnitude = grid.units(indices, values.detach().abs().float())
+    units, magnitude = grid.units(indices, values.detach().abs().float(), known=units)
     unit_of_element = torch.searchsorted(units, grid.block_of(indices))
     return units, drop_order(magnitude), unit_of_element
+
+
+def _kept(units: torch.Tensor, order: torch.Tensor, k: int):
+    """Mask of kept units after dropping the first k of ``order``, and the kept unit ids (dropped → −1)."""
+    kept = torch.ones(units.numel(), dtype=torch.bool, device=units.device)
+    kept[order[:k]] = False
+    return kept, torch.where(kept, units, torch.full_like(units, -1))
 
 
 def reselect_ag(
@@ -244,32 +249,37 @@ def reselect_ag(
     candidates: torch.Tensor,
     score: torch.Tensor,
     grid: Optional[BlockGrid] = None,
+    units: Optional[torch.Tensor] = None,
+    candidate_units: Optional[torch.Tensor] = None,
 ) -> Reselection:
     """DROP the k units (weights or blocks) with the smallest Σ|φ|; GROW the k eligible candidate
     units with the largest Σ ``score`` (score = |ĝ| per candidate weight).
 
     ``candidates`` are ascending flat indices covering whole units. If fewer than k candidates are
     eligible, drop only as many as can be grown (the largest k' ≤ k with k' eligible) and report
-    the shortfall (in units).
+    the shortfall (in units). One host synchronisation in the usual case.
     """
     grid = grid or UNSTRUCTURED
-    _check_finite("growth scores", score)
-    units, order, unit_of_element = _drop(values, indices, grid)
-    cand_units, cand_score = grid.units(candidates, score)
+    units, order, unit_of_element = _drop(values, indices, grid, units)
+    cand_units, cand_score = grid.units(candidates, score, known=candidate_units)
     wanted = k = min(k, units.numel())
+    finite = torch.isfinite(score).all()
     while True:
-        kept_units = torch.ones(units.numel(), dtype=torch.bool, device=units.device)
-        kept_units[order[:k]] = False
-        eligible = ~torch.isin(cand_units, units[kept_units])
-        n_eligible = int(eligible.sum())
+        kept, kept_ids = _kept(units, order, k)
+        eligible = ~torch.isin(cand_units, kept_ids)
+        n_eligible, all_finite = torch.stack([eligible.sum(), finite.long()]).tolist()
+        if not all_finite:
+            raise ValueError("growth scores contain NaN or infinite values (a NaN gradient?)")
         if n_eligible >= k:
             break
         k = n_eligible
-    rows = torch.nonzero(eligible).squeeze(1)
+    rows = torch.nonzero_static(eligible, size=n_eligible).squeeze(1)
     grown_units = cand_units[rows[top_k_positions(cand_score[rows], k)]]  # rows ascending ⇔ units ascending
     grown = grid.expand(grown_units)
-    result = _merge(indices, kept_units[unit_of_element], grown, torch.searchsorted(candidates.long(), grown))
+    keep = kept[unit_of_element]
+    result = _merge(indices, keep, (units.numel() - k) * grid.unit, grown, torch.searchsorted(candidates.long(), grown))
     result.shortfall = wanted - k
+    result.units = torch.sort(torch.cat([kept_ids, grown_units])).values[k:]  # −1 entries sort first
     return result
 
 
@@ -279,6 +289,7 @@ def top_k_row_col_products(
     """Ascending flat indices of the k largest R_i·C_j over positions not in ``excluded`` (ties → lowest index).
 
     Works through row chunks of at most ``chunk_elements`` scores; never forms the (out, in) matrix.
+    ``excluded`` may hold −1 entries (ignored). There must be at least k positions outside it.
     """
     out_features, in_features = row_acc.numel(), col_acc.numel()
     excluded = excluded.long()
@@ -288,11 +299,12 @@ def top_k_row_col_products(
     for r0 in range(0, out_features, rows_per_chunk):
         r1 = min(out_features, r0 + rows_per_chunk)
         scores = (row_acc[r0:r1, None].double() * col_acc[None, :].double()).reshape(-1)  # (chunk,)
-        base = r0 * in_features
-        lo, hi = torch.searchsorted(excluded, torch.tensor([base, r1 * in_features], device=excluded.device))
-        scores[excluded[lo:hi] - base] = -math.inf
+        base, size = r0 * in_features, scores.numel()
+        local = excluded - base
+        inside = (local >= 0) & (local < size)
+        # −inf at excluded positions; adding (not assigning) keeps clamped duplicates harmless
+        scores.index_put_((local.clamp(0, size - 1),), torch.where(inside, -math.inf, 0.0).double(), accumulate=True)
         top = top_k_positions(scores, k)
-        top = top[torch.isfinite(scores[top])]
         # merge with the best so far: order by (score desc, index asc)
         cand_index = torch.cat([best_index, top + base])
         cand_score = torch.cat([best_score, scores[top]])
@@ -309,20 +321,20 @@ def reselect_ma(
     row_acc: torch.Tensor,
     col_acc: torch.Tensor,
     grid: Optional[BlockGrid] = None,
+    units: Optional[torch.Tensor] = None,
 ) -> Reselection:
     """DROP the k units with the smallest Σ|φ|; GROW the k units outside the kept set with the largest
     Σ√⁴(R_i·C_j) (Eq. 7.7) — for a block, (Σ_i R_i^¼)(Σ_j C_j^¼), so blocks rank like weights."""
     grid = grid or BlockGrid(row_acc.numel(), col_acc.numel())
-    units, order, unit_of_element = _drop(values, indices, grid)
+    units, order, unit_of_element = _drop(values, indices, grid, units)
     k = min(k, units.numel())
-    kept_units = torch.ones(units.numel(), dtype=torch.bool, device=units.device)
-    kept_units[order[:k]] = False
+    kept, kept_ids = _kept(units, order, k)
     row_score = grid.reduce_rows(row_acc.double().pow(0.25))
     col_score = grid.reduce_cols(col_acc.double().pow(0.25))
-    grown_units = top_k_row_col_products(row_score, col_score, units[kept_units], k)
+    grown_units = top_k_row_col_products(row_score, col_score, kept_ids.sort().values, k)
     grown = grid.expand(grown_units)
-    result = _merge(indices, kept_units[unit_of_element], grown, torch.full_like(grown, -1))
-    result.shortfall = k - grown_units.numel()
+    result = _merge(indices, kept[unit_of_element], (units.numel() - k) * grid.unit, grown, torch.full_like(grown, -1))
+    result.units = torch.sort(torch.cat([kept_ids, grown_units])).values[k:]
     return result
 
 
@@ -335,6 +347,7 @@ class _WindowStatistics:
         self.grid = grid
         self.dtype = dtype  # float32, or float64 over float64 values
         self.candidates: Optional[torch.Tensor] = None  # ascending flat indices
+        self.candidate_units: Optional[torch.Tensor] = None  # ascending blocks (weights when unstructured)
         self.step_sum: Optional[torch.Tensor] = None  # Σ over this step's micro-batches
         self.grad_sum: Optional[torch.Tensor] = None  # Σ_steps g
         self.grad_sq_sum: Optional[torch.Tensor] = None  # Σ_steps g²
@@ -346,7 +359,8 @@ class _WindowStatistics:
                 flat = flat.clone()
                 dist.all_reduce(flat)  # identical candidates on every rank
             unit_scores = self.grid.reduce(flat.abs().view(self.grid.out_features, self.grid.in_features))
-            chosen = self.grid.expand(top_k_set(unit_scores, self.num_candidate_units))
+            self.candidate_units = top_k_set(unit_scores, self.num_candidate_units)
+            chosen = self.grid.expand(self.candidate_units)
             self.candidates = chosen.to(index_dtype(flat.numel()))
             zeros = torch.zeros(chosen.numel(), dtype=self.dtype, device=flat.device)
             self.step_sum, self.grad_sum, self.grad_sq_sum = zeros, zeros.clone(), zeros.clone()
@@ -364,7 +378,10 @@ class _WindowStatistics:
     def tensors(self) -> dict:
         if self.candidates is None:
             return {}
-        return {"candidates": self.candidates, "step_sum": self.step_sum, "grad_sum": self.grad_sum, "grad_sq_sum": self.grad_sq_sum}
+        return {
+            "candidates": self.candidates, "candidate_units": self.candidate_units, "step_sum": self.step_sum,
+            "grad_sum": self.grad_sum, "grad_sq_sum": self.grad_sq_sum,
+        }  # fmt: skip
 
 
 class DeferredSeeding:
@@ -538,11 +555,22 @@ class SpIELScheduler:
             stats.end_step()
         self.steps_in_window += 1
 
+    def _active_units(self, layer: SparseLayer, grid: BlockGrid) -> Optional[torch.Tensor]:
+        """The ascending active blocks of a block adapter, from the layer's cached metadata."""
+        if grid.unit == 1:
+            return None
+        rows, cols, _, _ = layer.block_metadata(self.adapter_name)
+        return rows.long() * grid.cols + cols.long()
+
     @torch.no_grad()
     def _reselect(self, t: int) -> dict:
+        """Drop/grow every tensor, then edit values, ages, indices and optimizer state in place.
+
+        Statistics stay on the device until the end (one host sync for all of them), so the
+        per-layer work queues up without stalls."""
         c, name = self.config, self.adapter_name
-        replaced = dropped_age = kept_age = total = shortfall = 0
-        changed = 0
+        total = replaced = shortfall = 0
+        sums = []  # per layer: [Σ age of dropped, Σ age of kept, indices changed] as device tensors
         for layer in self.layers:
             values, indices, ages = layer.sparse_values[name], layer.sparse_indices[name], layer.sparse_ages[name]
             d = values.numel()
@@ -553,7 +581,6 @@ class SpIELScheduler:
             )
             if k == 0 or d == 0:
                 continue
-            grad_mean = grad_sq_mean = None
             if c.growth == "ag":
                 stats = self.statistics.get(layer.module_name)
                 if stats is None or stats.candidates is None:
@@ -561,37 +588,41 @@ class SpIELScheduler:
                     continue
                 n = max(1, self.steps_in_window)
                 mean = stats.grad_sum / n
-                result = reselect_ag(values, indices, k, stats.candidates, mean.abs(), grid)
-                grown = result.grown_from >= 0
-                grad_mean = mean[result.grown_from[grown]]
-                grad_sq_mean = (stats.grad_sq_sum / n)[result.grown_from[grown]]
+                result = reselect_ag(values, indices, k, stats.candidates, mean.abs(), grid,
+                                     self._active_units(layer, grid), stats.candidate_units if grid.unit > 1 else None)  # fmt: skip
             else:
                 state = self.optimizer.state.get(values)
                 if not state:
                     warnings.warn(f"SpIEL-MA: {layer.module_name} has no SM3 state yet; not reselected")
                     continue
-                result = reselect_ma(values, indices, k, state["row_accumulator"], state["col_accumulator"], grid)
-            old_indices = indices.clone()
+                result = reselect_ma(
+                    values, indices, k, state["row_accumulator"], state["col_accumulator"], grid, self._active_units(layer, grid)
+                )
             source = result.source
             grown = source < 0
-            kept_ages = ages[source.clamp(min=0)][~grown]
-            dropped_mask = torch.ones(d, dtype=torch.bool, device=values.device)
-            dropped_mask[source[~grown]] = False
-            dropped_age += int((t - ages[dropped_mask].long()).sum())
-            new_values = values[source.clamp(min=0)]
-            new_values[grown] = 0
-            values.copy_(new_values)
-            new_ages = ages[source.clamp(min=0)]
+            n_grown = result.dropped
+            gather = source.clamp(min=0)
+            age_before = (t - ages.long()).sum()
+            new_ages = ages[gather]
+            kept_age = torch.where(grown, 0, t - new_ages.long()).sum()
             new_ages[grown] = t
+            new_values = values[gather]
+            new_values[grown] = 0
+            changed = (~torch.isin(result.indices, indices.long())).sum()
+            values.copy_(new_values)
             ages.copy_(new_ages)
             indices.copy_(result.indices.to(indices.dtype))
             reindex_optimizer_state(self.optimizer, values, source)
-            if grad_mean is not None:
-                self.seeding.pending[id(values)] = (torch.nonzero(grown).squeeze(1), grad_mean, grad_sq_mean)
-            replaced += int(grown.sum())
+            if c.growth == "ag":
+                slots = torch.nonzero_static(grown, size=n_grown).squeeze(1)
+                rows = result.grown_from[slots]
+                self.seeding.pending[id(values)] = (slots, mean[rows], (stats.grad_sq_sum / n)[rows])
+            if result.units is not None and grid.unit > 1:
+                layer.set_block_metadata(name, result.units)
+            sums.append(torch.stack([age_before - kept_age, kept_age, changed]))
+            replaced += n_grown
             shortfall += result.shortfall * grid.unit
-            kept_age += int((t - kept_ages.long()).sum())
-            changed += int((~torch.isin(indices, old_indices)).sum())
+        dropped_age, kept_age, changed = torch.stack(sums).sum(0).tolist() if sums else (0, 0, 0)
         out = {
             "spiel/step": t,
             "spiel/replaced": replaced,
@@ -647,6 +678,7 @@ class SpIELScheduler:
                 stats = self.statistics[name]
                 if tensors:
                     stats.candidates = tensors["candidates"].to(device_of(name), copy=True)
+                    stats.candidate_units = tensors["candidate_units"].to(device_of(name), copy=True)
                     stats.step_sum = tensors["step_sum"].to(device_of(name), copy=True)
                     stats.grad_sum = tensors["grad_sum"].to(device_of(name), copy=True)
                     stats.grad_sq_sum = tensors["grad_sq_sum"].to(device_of(name), copy=True)
