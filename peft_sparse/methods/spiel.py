@@ -195,11 +195,6 @@ def top_k_set(scores: torch.Tensor, k: int) -> torch.Tensor:
 UNSTRUCTURED = BlockGrid(1, 1)  # units are single weights (only unit-size-independent methods are used)
 
 
-def drop_order(magnitude: torch.Tensor) -> torch.Tensor:
-    """Units in DROP order: smallest magnitude first, ties → lowest flat index (units are index-sorted)."""
-    return torch.sort(magnitude.float(), stable=True).indices
-
-
 @dataclass
 class Reselection:
     """Result of one drop/grow on one tensor (all tensors on the values' device).
@@ -229,17 +224,25 @@ def _merge(
 
 
 def _drop(values: torch.Tensor, indices: torch.Tensor, grid: BlockGrid, units: Optional[torch.Tensor] = None):
-    """Active units, their DROP order (Σ|φ| per unit ascending), and each element's unit number (row)."""
+    """Active units, their magnitudes Σ|φ|, and each element's unit number (row)."""
     units, magnitude = grid.units(indices, values.detach().abs().float(), known=units)
     unit_of_element = torch.searchsorted(units, grid.block_of(indices))
-    return units, drop_order(magnitude), unit_of_element
+    return units, magnitude, unit_of_element
 
 
-def _kept(units: torch.Tensor, order: torch.Tensor, k: int):
-    """Mask of kept units after dropping the first k of ``order``, and the kept unit ids (dropped → −1)."""
+def _kept(units: torch.Tensor, magnitude: torch.Tensor, k: int):
+    """Mask of the units kept after dropping the k smallest magnitudes (ties → lowest unit), and the
+    kept units in ascending order (a selection, not a sort of all magnitudes)."""
     kept = torch.ones(units.numel(), dtype=torch.bool, device=units.device)
-    kept[order[:k]] = False
-    return kept, torch.where(kept, units, torch.full_like(units, -1))
+    kept[top_k_set(-magnitude, k)] = False
+    return kept, torch.nonzero_static(kept, size=units.numel() - k).squeeze(1)
+
+
+def _membership(size: int, members: torch.Tensor, device) -> torch.Tensor:
+    """A transient boolean mask over ``size`` positions marking ``members`` (O(size) bytes, no sort)."""
+    mask = torch.zeros(size, dtype=torch.bool, device=device)
+    mask[members] = True
+    return mask
 
 
 def reselect_ag(
@@ -260,13 +263,16 @@ def reselect_ag(
     the shortfall (in units). One host synchronisation in the usual case.
     """
     grid = grid or UNSTRUCTURED
-    units, order, unit_of_element = _drop(values, indices, grid, units)
+    units, magnitude, unit_of_element = _drop(values, indices, grid, units)
     cand_units, cand_score = grid.units(candidates, score, known=candidate_units)
     wanted = k = min(k, units.numel())
     finite = torch.isfinite(score).all()
+    # unit ids live in [0, grid.numel); the default unstructured grid has no shape, so size it from the ids
+    space = grid.numel if grid is not UNSTRUCTURED else int(torch.cat([units, cand_units]).max()) + 1
     while True:
-        kept, kept_ids = _kept(units, order, k)
-        eligible = ~torch.isin(cand_units, kept_ids)
+        kept, kept_positions = _kept(units, magnitude, k)
+        kept_ids = units[kept_positions]
+        eligible = ~_membership(space, kept_ids, units.device)[cand_units]
         n_eligible, all_finite = torch.stack([eligible.sum(), finite.long()]).tolist()
         if not all_finite:
             raise ValueError("growth scores contain NaN or infinite values (a NaN gradient?)")
@@ -279,7 +285,7 @@ def reselect_ag(
     keep = kept[unit_of_element]
     result = _merge(indices, keep, (units.numel() - k) * grid.unit, grown, torch.searchsorted(candidates.long(), grown))
     result.shortfall = wanted - k
-    result.units = torch.sort(torch.cat([kept_ids, grown_units])).values[k:]  # −1 entries sort first
+    result.units = torch.sort(torch.cat([kept_ids, grown_units])).values
     return result
 
 
@@ -289,10 +295,11 @@ def top_k_row_col_products(
     """Ascending flat indices of the k largest R_i·C_j over positions not in ``excluded`` (ties → lowest index).
 
     Works through row chunks of at most ``chunk_elements`` scores; never forms the (out, in) matrix.
-    ``excluded`` may hold −1 entries (ignored). There must be at least k positions outside it.
+    There must be at least k positions outside ``excluded``. The excluded positions are marked in a
+    transient boolean mask (one byte per position; no scores are kept beyond one chunk).
     """
     out_features, in_features = row_acc.numel(), col_acc.numel()
-    excluded = excluded.long()
+    mask = _membership(out_features * in_features, excluded.long(), row_acc.device)
     rows_per_chunk = max(1, chunk_elements // in_features)
     best_score = torch.empty(0, dtype=torch.float64, device=row_acc.device)
     best_index = torch.empty(0, dtype=torch.long, device=row_acc.device)
@@ -300,10 +307,7 @@ def top_k_row_col_products(
         r1 = min(out_features, r0 + rows_per_chunk)
         scores = (row_acc[r0:r1, None].double() * col_acc[None, :].double()).reshape(-1)  # (chunk,)
         base, size = r0 * in_features, scores.numel()
-        local = excluded - base
-        inside = (local >= 0) & (local < size)
-        # −inf at excluded positions; adding (not assigning) keeps clamped duplicates harmless
-        scores.index_put_((local.clamp(0, size - 1),), torch.where(inside, -math.inf, 0.0).double(), accumulate=True)
+        scores.masked_fill_(mask[base : base + size], -math.inf)
         top = top_k_positions(scores, k)
         # merge with the best so far: order by (score desc, index asc)
         cand_index = torch.cat([best_index, top + base])
@@ -326,15 +330,16 @@ def reselect_ma(
     """DROP the k units with the smallest Σ|φ|; GROW the k units outside the kept set with the largest
     Σ√⁴(R_i·C_j) (Eq. 7.7) — for a block, (Σ_i R_i^¼)(Σ_j C_j^¼), so blocks rank like weights."""
     grid = grid or BlockGrid(row_acc.numel(), col_acc.numel())
-    units, order, unit_of_element = _drop(values, indices, grid, units)
+    units, magnitude, unit_of_element = _drop(values, indices, grid, units)
     k = min(k, units.numel())
-    kept, kept_ids = _kept(units, order, k)
+    kept, kept_positions = _kept(units, magnitude, k)
+    kept_ids = units[kept_positions]  # ascending
     row_score = grid.reduce_rows(row_acc.double().pow(0.25))
     col_score = grid.reduce_cols(col_acc.double().pow(0.25))
-    grown_units = top_k_row_col_products(row_score, col_score, kept_ids.sort().values, k)
+    grown_units = top_k_row_col_products(row_score, col_score, kept_ids, k)
     grown = grid.expand(grown_units)
     result = _merge(indices, kept[unit_of_element], (units.numel() - k) * grid.unit, grown, torch.full_like(grown, -1))
-    result.units = torch.sort(torch.cat([kept_ids, grown_units])).values[k:]
+    result.units = torch.sort(torch.cat([kept_ids, grown_units])).values
     return result
 
 
@@ -608,7 +613,7 @@ class SpIELScheduler:
             new_ages[grown] = t
             new_values = values[gather]
             new_values[grown] = 0
-            changed = (~torch.isin(result.indices, indices.long())).sum()
+            changed = (~_membership(layer.numel, indices.long(), indices.device)[result.indices]).sum()
             values.copy_(new_values)
             ages.copy_(new_ages)
             indices.copy_(result.indices.to(indices.dtype))
