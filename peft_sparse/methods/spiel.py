@@ -410,12 +410,29 @@ class DeferredSeeding:
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.raw: dict[int, torch.Tensor] = {}
         self.last_factor: Optional[float] = None
+        self._queued = False
         self._handles = [p.register_post_accumulate_grad_hook(self._after_backward) for p in params]
         self._handles.append(optimizer.register_step_pre_hook(self._before_step))
 
     def _after_backward(self, param) -> None:
-        if self.pending and param.grad is not None:
+        if not self.pending or param.grad is None:
+            return
+        if not _distributed():
             self.raw[id(param)] = param.grad.detach().float().square().sum()
+        elif not self._queued:
+            # Under DDP the local gradient is averaged over ranks only when the backward pass finishes
+            # (DDP queues that as an end-of-backward callback). Read the norms after it, so every rank
+            # measures the same averaged gradient: a callback queued now runs before DDP's, so it
+            # queues a second one, which runs after.
+            self._queued = True
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(lambda: engine.queue_callback(self._read_averaged))
+
+    def _read_averaged(self) -> None:
+        self._queued = False
+        for p in self.params:
+            if p.grad is not None:
+                self.raw[id(p)] = p.grad.detach().float().square().sum()
 
     def factor(self) -> float:
         raw = float(sum(self.raw.values())) if self.raw else 0.0
