@@ -124,6 +124,17 @@ def prepare(variant: str, size: str, total_steps: int):
     return model, optimizer, hook, block_shape, trainable
 
 
+def train_step(model, optimizer, hook, ids) -> None:
+    """One training step as every variant runs it: forward, backward, optimizer, SpIEL scheduler."""
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if hook is not None:
+        hook()
+
+
 def run_one(args) -> dict:
     import torch
 
@@ -141,13 +152,7 @@ def run_one(args) -> dict:
         ids = batches[step % len(batches)]
         torch.cuda.synchronize()
         start = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        if hook is not None:
-            hook()
+        train_step(model, optimizer, hook, ids)
         torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import SIZES, prepare  # noqa: E402
+from bench_step import SIZES, prepare, train_step  # noqa: E402
 
 
 def main():
@@ -24,13 +24,7 @@ def main():
     ids = torch.randint(0, SIZES[args.size]["vocab_size"], (8, 1024), device="cuda")
 
     def step():
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        if hook is not None:
-            hook()
+        train_step(model, optimizer, hook, ids)
 
     for _ in range(3):
         step()

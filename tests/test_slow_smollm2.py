@@ -18,11 +18,6 @@ from .test_readme_and_recipes import ROOT
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_model_and_tokenizer("smollm2-135m-instruct")
-
-
 def _batch(tokenizer, rows):
     """Padded batch whose labels cover only the answers (the loss SFTTrainer trains on)."""
     ids, labels = [], []
@@ -41,52 +36,9 @@ def _batch(tokenizer, rows):
     }
 
 
-def test_sft_through_trl_learns_saves_loads_and_merges(smollm2, tmp_path):
-    model, tokenizer = smollm2
-    rows = read_jsonl(ROOT / "recipes/data/skills_train.jsonl")[:48]
-    probe = _batch(tokenizer, rows[:8])
-    with torch.no_grad():
-        loss_before = model(**probe).loss.item()
-    args = SFTConfig(
-        output_dir=str(tmp_path / "run"), max_steps=6, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        learning_rate=3e-3, max_length=96, logging_steps=1, bf16=False, save_strategy="no", report_to="none", use_cpu=True, seed=0,
-    )  # fmt: skip
-    train = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in rows])
-    config = SparseFTConfig(target_modules="all-linear", density=0.01)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer, peft_config=config)
-    trainer.train()
-    peft_model = trainer.model
-    assert trainer.state.global_step == 6
-    layers = [m for m in peft_model.modules() if isinstance(m, SparseLayer)]
-    assert len(layers) == 30 * 7
-    assert all(m.sparse_values["default"].dtype == torch.float32 for m in layers)
-    assert any(m.sparse_values["default"].abs().sum() > 0 for m in layers)
-    peft_model.eval()
-    with torch.no_grad():
-        loss_after = peft_model(**probe).loss.item()
-        logits = peft_model(**probe).logits
-    assert loss_after < 0.7 * loss_before, (loss_before, loss_after)
-
-    peft_model.save_pretrained(tmp_path / "adapter")
-    fresh, _ = load_model_and_tokenizer("smollm2-135m-instruct")
-    loaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
-    with torch.no_grad():
-        assert torch.equal(loaded(**probe).logits, logits)
-    merged = loaded.merge_and_unload()
-    with torch.no_grad():
-        torch.testing.assert_close(merged(**probe).logits, logits, rtol=1e-4, atol=1e-4)
-
-    out = subprocess.run(
-        [sys.executable, "-m", "peft_sparse.cli", "inspect", str(tmp_path / "adapter")], capture_output=True, text=True
-    )
-    assert out.returncode == 0, out.stderr
-    assert "method: SFT" in out.stdout and "model.layers.29.mlp.down_proj" in out.stdout
-
-
-def test_spiel_ag_through_trl_with_gradient_accumulation(smollm2, tmp_path):
-    from peft_sparse import SpIELCallback, SpIELConfig
-
-    model, tokenizer = smollm2
+def _train_through_trl(tmp_path, config, callbacks=()):
+    """Fresh SmolLM2, a few TRL SFTTrainer steps with gradient accumulation; returns what the checks need."""
+    model, tokenizer = load_model_and_tokenizer("smollm2-135m-instruct")
     rows = read_jsonl(ROOT / "recipes/data/skills_train.jsonl")[:64]
     probe = _batch(tokenizer, rows[:8])
     with torch.no_grad():
@@ -97,19 +49,16 @@ def test_spiel_ag_through_trl_with_gradient_accumulation(smollm2, tmp_path):
         use_cpu=True, seed=0,
     )  # fmt: skip
     train = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in rows])
-    config = SpIELConfig(target_modules="all-linear", density=0.01, reselection_steps=4, gradient_estimation_steps=2)
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=train, processing_class=tokenizer, peft_config=config,
-        callbacks=[SpIELCallback()],
+        callbacks=list(callbacks),
     )  # fmt: skip
     layers = [m for m in trainer.model.modules() if isinstance(m, SparseLayer)]
     initial = [l.sparse_indices["default"].clone() for l in layers]
     trainer.train()
-    logged = [h for h in trainer.state.log_history if "spiel/replaced" in h]
-    assert [h["step"] for h in logged] == [2, 6]
-    assert logged[0]["spiel/replaced"] == sum(l.sparse_values["default"].numel() for l in layers)
-    assert all(not torch.equal(a, l.sparse_indices["default"]) for a, l in zip(initial, layers))
-    assert all(l.dense_grad_count == 2 * 2 * 2 for l in layers)  # 2 windows × γ=2 steps × 2 micro-batches
+    assert trainer.state.global_step == 8
+    assert len(layers) == 30 * 7
+    assert all(m.sparse_values["default"].dtype == torch.float32 for m in layers)
     peft_model = trainer.model.eval()
     with torch.no_grad():
         loss_after = peft_model(**probe).loss.item()
@@ -120,6 +69,32 @@ def test_spiel_ag_through_trl_with_gradient_accumulation(smollm2, tmp_path):
     loaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
     with torch.no_grad():
         assert torch.equal(loaded(**probe).logits, logits)
+    return trainer, layers, initial, loaded, probe, logits
+
+
+def test_sft_through_trl_learns_saves_loads_and_merges(tmp_path):
+    trainer, layers, initial, loaded, probe, logits = _train_through_trl(tmp_path, SparseFTConfig(target_modules="all-linear", density=0.01))
+    assert all(torch.equal(a, l.sparse_indices["default"]) for a, l in zip(initial, layers))  # a fixed mask
+    merged = loaded.merge_and_unload()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**probe).logits, logits, rtol=1e-4, atol=1e-4)
+    out = subprocess.run(
+        [sys.executable, "-m", "peft_sparse.cli", "inspect", str(tmp_path / "adapter")], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert "method: SFT" in out.stdout and "model.layers.29.mlp.down_proj" in out.stdout
+
+
+def test_spiel_ag_through_trl_with_gradient_accumulation(tmp_path):
+    from peft_sparse import SpIELCallback, SpIELConfig
+
+    config = SpIELConfig(target_modules="all-linear", density=0.01, reselection_steps=4, gradient_estimation_steps=2)
+    trainer, layers, initial, *_ = _train_through_trl(tmp_path, config, [SpIELCallback()])
+    logged = [h for h in trainer.state.log_history if "spiel/replaced" in h]
+    assert [h["step"] for h in logged] == [2, 6]
+    assert logged[0]["spiel/replaced"] == sum(l.sparse_values["default"].numel() for l in layers)
+    assert all(not torch.equal(a, l.sparse_indices["default"]) for a, l in zip(initial, layers))
+    assert all(l.dense_grad_count == 2 * 2 * 2 for l in layers)  # 2 windows × γ=2 steps × 2 micro-batches
 
 
 def test_cli_train_then_merge(tmp_path):
