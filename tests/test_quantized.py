@@ -92,3 +92,31 @@ def test_save_load_and_merge(quantized_dir, tmp_path):
         standard_4bit_layout(module)  # bitsandbytes repacked it for its CPU kernel during merged(x)
         deq = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
         assert (deq - w).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("growth", ["ag", "ma"])
+def test_qspiel_trains_and_reselects_over_4bit_weights(quantized_dir, growth):
+    from peft_sparse import SM3, SpIELConfig, SpIELScheduler
+
+    config = SpIELConfig(target_modules="all-linear", density=0.1, growth=growth, reselection_steps=3, gradient_estimation_steps=1)
+    model = get_peft_model(_quantized(quantized_dir), config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2) if growth == "ag" else SM3(params, lr=0.05)
+    scheduler = SpIELScheduler(model, opt, total_steps=6)
+    x = inputs(batch=4, length=9)
+    before = [l.sparse_indices["default"].clone() for l in sparse_layers(model)]
+    model.train()
+    losses = []
+    for _ in range(6):
+        loss = model(x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+        losses.append(loss.item())
+    layers = sparse_layers(model)
+    assert all(isinstance(l.get_base_layer(), bnb.nn.Linear4bit) for l in layers)
+    assert all(l.sparse_values["default"].dtype == torch.float32 for l in layers)
+    assert any(not torch.equal(a, l.sparse_indices["default"]) for a, l in zip(before, layers))
+    assert {int(a) for l in layers for a in l.sparse_ages["default"].unique()} <= {0, 1, 4}
+    assert losses[-1] < losses[0]
