@@ -330,3 +330,33 @@ def test_seeds_are_written_at_the_next_step_in_the_units_the_optimizer_sees(max_
         torch.testing.assert_close(opt.state[p]["exp_avg"][slots], m, rtol=1e-5, atol=1e-9)
         torch.testing.assert_close(opt.state[p]["exp_avg_sq"][slots], v, rtol=1e-5, atol=1e-12)
         assert (moments[id(p)][0][slots] == 0).all()  # zero between the reselection and the next step
+
+
+def test_a_reloaded_trainable_adapter_keeps_training_with_its_ages(tmp_path):
+    from peft import PeftModel
+
+    model = _spiel(reselection_steps=4, gradient_estimation_steps=2)
+    opt = _optimizer(model, "ag")
+    scheduler = SpIELScheduler(model, opt, total_steps=8)
+    model.train()
+    for step in range(3):
+        _loss(model, _batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+    model.save_pretrained(tmp_path)
+    saved_ages = [l.sparse_ages["default"].clone() for l in sparse_layers(model)]
+    assert any((a == 2).any() for a in saved_ages)
+
+    loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path, is_trainable=True)
+    assert all(torch.equal(a, l.sparse_ages["default"]) for a, l in zip(saved_ages, sparse_layers(loaded)))
+    opt2 = _optimizer(loaded, "ag")
+    scheduler2 = SpIELScheduler(loaded, opt2, total_steps=8)
+    loaded.train()
+    before = [l.sparse_indices["default"].clone() for l in sparse_layers(loaded)]
+    for step in range(3):
+        _loss(loaded, _batch(10 + step)).backward()
+        opt2.step()
+        opt2.zero_grad()
+        scheduler2.step()
+    assert any(not torch.equal(b, l.sparse_indices["default"]) for b, l in zip(before, sparse_layers(loaded)))
