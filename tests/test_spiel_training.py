@@ -30,6 +30,16 @@ def _batch(seed=0, n=8, length=12):
     return torch.randint(0, 97, (n, length), generator=g)
 
 
+def _run(model, opt, scheduler, steps, first_seed=0):
+    """``steps`` plain training steps on fresh batches, the scheduler stepped after each optimizer step."""
+    model.train()
+    for step in range(steps):
+        _loss(model, _batch(first_seed + step)).backward()
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+
+
 def _loss(model, x, total_tokens=None):
     """Token-summed next-token loss divided by the tokens of the whole (accumulated) batch."""
     logits = model(x).logits[:, :-1]
@@ -138,12 +148,7 @@ def test_spiel_ma_never_forms_the_dense_gradient():
     model = _spiel("ma")
     opt = _optimizer(model, "ma")
     scheduler = SpIELScheduler(model, opt, total_steps=12)
-    model.train()
-    for step in range(12):
-        _loss(model, _batch(step)).backward()
-        opt.step()
-        opt.zero_grad()
-        scheduler.step()
+    _run(model, opt, scheduler, 12)
     assert all(l.dense_grad_count == 0 for l in sparse_layers(model))
     assert all((l.sparse_ages["default"] > 0).any() for l in sparse_layers(model))
 
@@ -278,12 +283,7 @@ def test_state_dict_round_trip_inside_a_window():
     model = _spiel(reselection_steps=6, gradient_estimation_steps=3)
     opt = _optimizer(model, "ag")
     scheduler = SpIELScheduler(model, opt, total_steps=20)
-    model.train()
-    for step in range(2):
-        _loss(model, _batch(step)).backward()
-        opt.step()
-        opt.zero_grad()
-        scheduler.step()
+    _run(model, opt, scheduler, 2)
     state = scheduler.state_dict()
     assert state["armed"] and state["t"] == 2 and state["steps_in_window"] == 2
     other = SpIELScheduler(model, opt, total_steps=20)
@@ -338,12 +338,7 @@ def test_a_reloaded_trainable_adapter_keeps_training_with_its_ages(tmp_path):
     model = _spiel(reselection_steps=4, gradient_estimation_steps=2)
     opt = _optimizer(model, "ag")
     scheduler = SpIELScheduler(model, opt, total_steps=8)
-    model.train()
-    for step in range(3):
-        _loss(model, _batch(step)).backward()
-        opt.step()
-        opt.zero_grad()
-        scheduler.step()
+    _run(model, opt, scheduler, 3)
     model.save_pretrained(tmp_path)
     saved_ages = [l.sparse_ages["default"].clone() for l in sparse_layers(model)]
     assert any((a == 2).any() for a in saved_ages)
