@@ -128,3 +128,48 @@ def test_top_k_set_agrees_with_the_ordered_top_k_including_ties():
         for k in (1, 7, 100, 499, 500):
             want = top_k_positions(scores.float(), k).sort().values
             assert top_k_set(scores, k).tolist() == want.tolist()
+
+
+def _brute_force_row_col_top_k(row_acc, col_acc, excluded, k):
+    scores = (row_acc.double()[:, None] * col_acc.double()[None, :]).reshape(-1).float()
+    mask = torch.ones(scores.numel(), dtype=torch.bool)
+    mask[excluded] = False
+    pos = torch.nonzero(mask).squeeze(1)
+    return pos[torch.sort(scores[pos], descending=True, stable=True).indices[:k]].sort().values
+
+
+@pytest.mark.parametrize("case", ["continuous", "ties", "block-scores", "everything"])
+def test_rank_one_threshold_path_equals_brute_force(case):
+    from peft_sparse.methods.spiel import _top_k_rank_one
+
+    g = torch.Generator().manual_seed(3)
+    rows, cols = 37, 53
+    if case == "ties":  # few distinct positive values: many exactly tied products
+        row_acc = torch.randint(1, 4, (rows,), generator=g).double()
+        col_acc = torch.randint(1, 3, (cols,), generator=g).double()
+    else:
+        row_acc = torch.rand(rows, generator=g, dtype=torch.float64) ** 3 + 1e-9
+        col_acc = torch.rand(cols, generator=g, dtype=torch.float64) ** 3 + 1e-9
+    if case == "block-scores":  # SpIEL-MA's block scores: sums of fourth roots
+        row_acc, col_acc = row_acc.pow(0.25) * 3, col_acc.pow(0.25) * 5
+    n_excluded, k = (rows * cols - 40, 40) if case == "everything" else (90, 31)
+    excluded = torch.randperm(rows * cols, generator=g)[:n_excluded].sort().values
+    want = _brute_force_row_col_top_k(row_acc, col_acc, excluded, k)
+    fast = _top_k_rank_one(row_acc, col_acc, excluded, k)
+    if case != "ties":
+        assert fast is not None, "the threshold path should certify continuous scores"
+    if fast is not None:
+        assert fast.tolist() == want.tolist()
+    assert top_k_row_col_products(row_acc, col_acc, excluded, k).tolist() == want.tolist()
+
+
+def test_rank_one_path_gives_up_on_zero_scores_and_the_fallback_is_exact():
+    from peft_sparse.methods.spiel import _top_k_rank_one
+
+    row_acc = torch.tensor([0.0, 2.0, 0.0, 1.0], dtype=torch.float64)
+    col_acc = torch.tensor([3.0, 0.0, 1.0], dtype=torch.float64)
+    excluded = torch.tensor([3, 5])  # (1,0) and (1,2): the two largest products
+    k = 6  # only 2 positive products remain outside: zeros must fill the rest, lowest index first
+    assert _top_k_rank_one(row_acc, col_acc, excluded, k) is None
+    got = top_k_row_col_products(row_acc, col_acc, excluded, k)
+    assert got.tolist() == _brute_force_row_col_top_k(row_acc, col_acc, excluded, k).tolist() == [0, 1, 2, 4, 9, 11]

@@ -211,22 +211,42 @@ class Reselection:
     units: Optional[torch.Tensor] = None  # the active units (blocks) afterwards, ascending
 
 
+def _isin_sorted(values: torch.Tensor, sorted_set: torch.Tensor) -> torch.Tensor:
+    """Which ``values`` are in ``sorted_set`` (ascending, distinct): a binary search, O(len) memory."""
+    if sorted_set.numel() == 0:
+        return torch.zeros(values.shape, dtype=torch.bool, device=values.device)
+    values = values.long()
+    pos = torch.searchsorted(sorted_set.long(), values).clamp_(max=sorted_set.numel() - 1)
+    return sorted_set.long()[pos] == values
+
+
 def _merge(
     indices: torch.Tensor, keep: torch.Tensor, n_kept: int, grown_idx: torch.Tensor, grown_rows: torch.Tensor
 ) -> Reselection:
+    """New sorted indices from the kept old ones and the grown ones (ascending, disjoint from the kept).
+
+    Two ascending lists merge by binary search (each element's place is its rank in its own list plus
+    the number of smaller elements in the other), so no sort over d_φ elements is needed."""
     kept_slots = torch.nonzero_static(keep, size=n_kept).squeeze(1)  # n_kept is known: no host sync
-    all_idx = torch.cat([indices.long()[kept_slots], grown_idx.long()])
-    new_idx, order = torch.sort(all_idx)
-    minus = torch.full_like(grown_idx, -1, dtype=torch.long)
-    source = torch.cat([kept_slots, minus])[order]
-    grown_from = torch.cat([torch.full_like(kept_slots, -1), grown_rows.long()])[order]
+    kept_idx = indices.long()[kept_slots]
+    grown_idx = grown_idx.long()
+    n_grown = grown_idx.numel()
+    at_kept = torch.arange(n_kept, device=indices.device) + torch.searchsorted(grown_idx, kept_idx)
+    at_grown = torch.arange(n_grown, device=indices.device) + torch.searchsorted(kept_idx, grown_idx)
+    new_idx = torch.empty(n_kept + n_grown, dtype=torch.long, device=indices.device)
+    new_idx[at_kept] = kept_idx
+    new_idx[at_grown] = grown_idx
+    source = torch.full_like(new_idx, -1)
+    source[at_kept] = kept_slots
+    grown_from = torch.full_like(new_idx, -1)
+    grown_from[at_grown] = grown_rows.long()
     return Reselection(new_idx, source, grown_from, dropped=indices.numel() - n_kept)
 
 
 def _drop(values: torch.Tensor, indices: torch.Tensor, grid: BlockGrid, units: Optional[torch.Tensor] = None):
     """Active units, their magnitudes Σ|φ|, and each element's unit number (row)."""
     units, magnitude = grid.units(indices, values.detach().abs().float(), known=units)
-    unit_of_element = torch.searchsorted(units, grid.block_of(indices))
+    unit_of_element = None if grid.unit == 1 else torch.searchsorted(units, grid.block_of(indices))
     return units, magnitude, unit_of_element
 
 
@@ -238,11 +258,27 @@ def _kept(units: torch.Tensor, magnitude: torch.Tensor, k: int):
     return kept, torch.nonzero_static(kept, size=units.numel() - k).squeeze(1)
 
 
-def _membership(size: int, members: torch.Tensor, device) -> torch.Tensor:
-    """A transient boolean mask over ``size`` positions marking ``members`` (O(size) bytes, no sort)."""
-    mask = torch.zeros(size, dtype=torch.bool, device=device)
-    mask[members] = True
-    return mask
+def _grow_ag(units, magnitude, unit_of_element, indices, k, candidates, cand_units, cand_score, grid):
+    """One drop/grow attempt with exactly k units, without a host sync. Returns (result, n_eligible);
+    the result is invalid when n_eligible < k."""
+    kept, kept_positions = _kept(units, magnitude, k)
+    kept_ids = units[kept_positions]  # ascending
+    eligible = ~_isin_sorted(cand_units, kept_ids)
+    masked = torch.where(eligible, cand_score.float(), -1.0)  # scores are ≥ 0: ineligible rank last
+    grown_units = cand_units[top_k_positions(masked, k)].long().sort().values
+    grown = grid.expand(grown_units)
+    keep = kept if unit_of_element is None else kept[unit_of_element]
+    result = _merge(indices, keep, (units.numel() - k) * grid.unit, grown, torch.searchsorted(candidates.long(), grown))
+    result.units = _merge_units(kept_ids.long(), grown_units)
+    return result, eligible.sum()
+
+
+def _merge_units(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The ascending union of two ascending, disjoint unit lists."""
+    out = torch.empty(a.numel() + b.numel(), dtype=torch.long, device=a.device)
+    out[torch.arange(a.numel(), device=a.device) + torch.searchsorted(b, a)] = a
+    out[torch.arange(b.numel(), device=a.device) + torch.searchsorted(a, b)] = b
+    return out
 
 
 def reselect_ag(
@@ -254,60 +290,116 @@ def reselect_ag(
     grid: Optional[BlockGrid] = None,
     units: Optional[torch.Tensor] = None,
     candidate_units: Optional[torch.Tensor] = None,
-) -> Reselection:
+    *,
+    deferred_check: bool = False,
+):
     """DROP the k units (weights or blocks) with the smallest Σ|φ|; GROW the k eligible candidate
     units with the largest Σ ``score`` (score = |ĝ| per candidate weight).
 
     ``candidates`` are ascending flat indices covering whole units. If fewer than k candidates are
     eligible, drop only as many as can be grown (the largest k' ≤ k with k' eligible) and report
-    the shortfall (in units). One host synchronisation in the usual case.
+    the shortfall (in units). With at least d_φ candidates (SpIEL's K ≥ d_φ) that cannot happen.
+
+    ``deferred_check=True`` returns ``(result, ok)`` with no host synchronisation: ``ok`` is a device
+    flag that is False when the scores are not finite or fewer than k candidates are eligible, in
+    which case the caller must call again without it. Otherwise one host synchronisation.
     """
     grid = grid or UNSTRUCTURED
     units, magnitude, unit_of_element = _drop(values, indices, grid, units)
     cand_units, cand_score = grid.units(candidates, score, known=candidate_units)
     wanted = k = min(k, units.numel())
+    result, n_eligible = _grow_ag(units, magnitude, unit_of_element, indices, k, candidates, cand_units, cand_score, grid)
     finite = torch.isfinite(score).all()
-    # unit ids live in [0, grid.numel); the default unstructured grid has no shape, so size it from the ids
-    space = grid.numel if grid is not UNSTRUCTURED else int(torch.cat([units, cand_units]).max()) + 1
-    while True:
-        kept, kept_positions = _kept(units, magnitude, k)
-        kept_ids = units[kept_positions]
-        eligible = ~_membership(space, kept_ids, units.device)[cand_units]
-        n_eligible, all_finite = torch.stack([eligible.sum(), finite.long()]).tolist()
-        if not all_finite:
-            raise ValueError("growth scores contain NaN or infinite values (a NaN gradient?)")
-        if n_eligible >= k:
-            break
+    if deferred_check:
+        return result, (n_eligible >= k) & finite
+    n_eligible, finite = torch.stack([n_eligible, finite.long()]).tolist()
+    if not finite:
+        raise ValueError("growth scores contain NaN or infinite values (a NaN gradient?)")
+    while n_eligible < k:  # the largest k' ≤ k with k' eligible candidates after dropping k'
         k = n_eligible
-    rows = torch.nonzero_static(eligible, size=n_eligible).squeeze(1)
-    grown_units = cand_units[rows[top_k_positions(cand_score[rows], k)]]  # rows ascending ⇔ units ascending
-    grown = grid.expand(grown_units)
-    keep = kept[unit_of_element]
-    result = _merge(indices, keep, (units.numel() - k) * grid.unit, grown, torch.searchsorted(candidates.long(), grown))
+        result, n_eligible = _grow_ag(units, magnitude, unit_of_element, indices, k, candidates, cand_units, cand_score, grid)
+        n_eligible = int(n_eligible)
     result.shortfall = wanted - k
-    result.units = torch.sort(torch.cat([kept_ids, grown_units])).values
     return result
 
 
 def top_k_row_col_products(
     row_acc: torch.Tensor, col_acc: torch.Tensor, excluded: torch.Tensor, k: int, chunk_elements: int = 1 << 22
 ) -> torch.Tensor:
-    """Ascending flat indices of the k largest R_i·C_j over positions not in ``excluded`` (ties → lowest index).
+    """Ascending flat indices of the k largest R_i·C_j over positions not in ``excluded`` (ascending),
+    ranked like :func:`top_k_positions` (scores rounded to float32, ties → lowest index).
 
-    Works through row chunks of at most ``chunk_elements`` scores; never forms the (out, in) matrix.
-    There must be at least k positions outside ``excluded``. The excluded positions are marked in a
-    transient boolean mask (one byte per position; no scores are kept beyond one chunk).
+    R and C are non-negative, so the scores form a rank-one matrix whose large entries are cheap to
+    find without forming it: a threshold τ with at least k + |excluded| scores ≥ τ (and few more) is
+    found by counting, row by row, the columns above τ/R_i in the sorted C (three rounds of a
+    log-spaced grid of thresholds, all rows at once); only the positions above τ — about d_φ of
+    them — are then listed and ranked. Memory and time are O(d_φ + rows·grid + cols), never
+    O(rows·cols). When zeros or massive ties stop the threshold from separating few enough
+    positions, it falls back to an exact scan in row chunks of at most ``chunk_elements``.
     """
+    n_rows, n_cols = row_acc.numel(), col_acc.numel()
+    if k <= 0:
+        return torch.empty(0, dtype=torch.long, device=row_acc.device)
+    found = _top_k_rank_one(row_acc.double(), col_acc.double(), excluded.long(), k)
+    if found is not None:
+        return found
+    return _top_k_row_col_products_chunked(row_acc, col_acc, excluded, k, chunk_elements)
+
+
+_GRID_POINTS, _GRID_ROUNDS, _MARGIN = 256, 3, 1e-6
+
+
+def _top_k_rank_one(a: torch.Tensor, b: torch.Tensor, excluded: torch.Tensor, k: int) -> Optional[torch.Tensor]:
+    """The threshold path of :func:`top_k_row_col_products`, or None when it cannot certify its answer."""
+    n_rows, n_cols = a.numel(), b.numel()
+    need = k + excluded.numel()  # at least this many scores ≥ τ guarantee k non-excluded ones
+    if need > n_rows * n_cols:
+        return None
+    b_sorted, b_order = torch.sort(b)
+    inf = torch.tensor(math.inf, dtype=a.dtype, device=a.device)
+    lo = torch.log(torch.where(a > 0, a, inf).min()) + torch.log(torch.where(b > 0, b, inf).min())
+    hi = torch.log(a.max()) + torch.log(b.max())
+    lo, hi = lo - _MARGIN, hi + _MARGIN  # exp(log(x)) may round above x
+
+    def count_above(tau: torch.Tensor) -> torch.Tensor:  # per threshold: #{(i, j): R_i·C_j ≥ τ}
+        per_row = n_cols - torch.searchsorted(b_sorted, (tau[None, :] / a[:, None]).contiguous())
+        return per_row.sum(0)
+
+    steps = torch.linspace(0.0, 1.0, _GRID_POINTS, dtype=a.dtype, device=a.device)
+    for _ in range(_GRID_ROUNDS):
+        grid = lo + (hi - lo) * steps
+        counts = count_above(torch.exp(grid))
+        at = ((counts >= need).sum() - 1).clamp(min=0)  # counts fall as τ rises
+        lo, hi = grid[at], grid[(at + 1).clamp(max=_GRID_POINTS - 1)]
+    tau = torch.exp(lo) * (1 - _MARGIN)  # a little below: float32 ties of the k-th score are listed too
+    per_row = n_cols - torch.searchsorted(b_sorted, (tau / a).contiguous())
+    total, lowest = torch.stack([per_row.sum(), count_above(torch.exp(lo)[None])[0]]).tolist()
+    if lowest < need or not math.isfinite(float(tau)) or total > 2 * need + 4096:
+        return None  # zeros or ties: τ cannot separate ~need positions
+    rows = torch.repeat_interleave(torch.arange(n_rows, device=a.device), per_row, output_size=total)
+    start = torch.cumsum(per_row, 0) - per_row
+    cols = b_order[n_cols - per_row[rows] + torch.arange(total, device=a.device) - start[rows]]
+    flat, order = torch.sort(rows * n_cols + cols)
+    score = (a[rows] * b[cols])[order]
+    score = torch.where(_isin_sorted(flat, excluded), -math.inf, score)
+    return flat[top_k_positions(score, k)].sort().values
+
+
+def _top_k_row_col_products_chunked(
+    row_acc: torch.Tensor, col_acc: torch.Tensor, excluded: torch.Tensor, k: int, chunk_elements: int
+) -> torch.Tensor:
+    """Exact top-k of R_i·C_j outside ``excluded`` by scanning row chunks (the fallback)."""
     out_features, in_features = row_acc.numel(), col_acc.numel()
-    mask = _membership(out_features * in_features, excluded.long(), row_acc.device)
     rows_per_chunk = max(1, chunk_elements // in_features)
     best_score = torch.empty(0, dtype=torch.float64, device=row_acc.device)
     best_index = torch.empty(0, dtype=torch.long, device=row_acc.device)
+    excluded = excluded.long()
     for r0 in range(0, out_features, rows_per_chunk):
         r1 = min(out_features, r0 + rows_per_chunk)
         scores = (row_acc[r0:r1, None].double() * col_acc[None, :].double()).reshape(-1)  # (chunk,)
         base, size = r0 * in_features, scores.numel()
-        scores.masked_fill_(mask[base : base + size], -math.inf)
+        here = excluded[(excluded >= base) & (excluded < base + size)] - base
+        scores[here] = -math.inf
         top = top_k_positions(scores, k)
         # merge with the best so far: order by (score desc, index asc)
         cand_index = torch.cat([best_index, top + base])
@@ -338,8 +430,9 @@ def reselect_ma(
     col_score = grid.reduce_cols(col_acc.double().pow(0.25))
     grown_units = top_k_row_col_products(row_score, col_score, kept_ids, k)
     grown = grid.expand(grown_units)
-    result = _merge(indices, kept[unit_of_element], (units.numel() - k) * grid.unit, grown, torch.full_like(grown, -1))
-    result.units = torch.sort(torch.cat([kept_ids, grown_units])).values
+    keep = kept if unit_of_element is None else kept[unit_of_element]
+    result = _merge(indices, keep, (units.numel() - k) * grid.unit, grown, torch.full_like(grown, -1))
+    result.units = _merge_units(kept_ids.long(), grown_units)
     return result
 
 
@@ -588,30 +681,32 @@ class SpIELScheduler:
     def _reselect(self, t: int) -> dict:
         """Drop/grow every tensor, then edit values, ages, indices and optimizer state in place.
 
-        Statistics stay on the device until the end (one host sync for all of them), so the
-        per-layer work queues up without stalls."""
+        Two phases: every tensor's new indices are computed first (side-effect free and, for AG, without
+        host synchronisation: the launches of all layers queue up), then one synchronisation checks
+        them all, and only then are values, ages, indices and optimizer state edited. A NaN score
+        therefore raises before anything changed."""
         c, name = self.config, self.adapter_name
-        total = replaced = shortfall = 0
-        sums = []  # per layer: [Σ age of dropped, Σ age of kept, indices changed] as device tensors
+        plans = []  # (layer, grid, result, window statistics or None)
+        checks = []  # (position in plans, device flag) for AG results computed without a host sync
         for layer in self.layers:
-            values, indices, ages = layer.sparse_values[name], layer.sparse_indices[name], layer.sparse_ages[name]
+            values, indices = layer.sparse_values[name], layer.sparse_indices[name]
             d = values.numel()
-            total += d
             grid = SparseTuner.grid(c, layer)
             k = replacement_count(  # in units: weights, or blocks
                 t, self.total_steps, d // grid.unit, c.initial_reselection_rate, c.schedule, c.gradient_estimation_steps
             )
             if k == 0 or d == 0:
                 continue
+            stats = None
             if c.growth == "ag":
                 stats = self.statistics.get(layer.module_name)
                 if stats is None or stats.candidates is None:
                     warnings.warn(f"SpIEL: {layer.module_name} got no gradient in the estimation window; not reselected")
                     continue
-                n = max(1, self.steps_in_window)
-                mean = stats.grad_sum / n
-                result = reselect_ag(values, indices, k, stats.candidates, mean.abs(), grid,
-                                     self._active_units(layer, grid), stats.candidate_units if grid.unit > 1 else None)  # fmt: skip
+                args = (values, indices, k, stats.candidates, stats.grad_sum.abs(), grid, self._active_units(layer, grid),
+                        stats.candidate_units if grid.unit > 1 else None)  # fmt: skip
+                result, ok = reselect_ag(*args, deferred_check=True)
+                checks.append((len(plans), ok, args))
             else:
                 state = self.optimizer.state.get(values)
                 if not state:
@@ -620,6 +715,22 @@ class SpIELScheduler:
                 result = reselect_ma(
                     values, indices, k, state["row_accumulator"], state["col_accumulator"], grid, self._active_units(layer, grid)
                 )
+            plans.append((layer, grid, result, stats))
+        if checks:
+            flags = torch.stack([ok for _, ok, _ in checks]).tolist()
+            for (at, _, args), ok in zip(checks, flags):
+                if not ok:  # a shortfall or a non-finite score: the checked path (raises on NaN)
+                    layer, grid, _, stats = plans[at]
+                    plans[at] = (layer, grid, reselect_ag(*args), stats)
+        return self._apply(t, plans)
+
+    def _apply(self, t: int, plans: list) -> dict:
+        c, name = self.config, self.adapter_name
+        total = sum(layer.sparse_values[name].numel() for layer in self.layers)
+        replaced = shortfall = 0
+        sums = []  # per layer: [Σ age of dropped, Σ age of kept, indices changed] as device tensors
+        for layer, grid, result, stats in plans:
+            values, indices, ages = layer.sparse_values[name], layer.sparse_indices[name], layer.sparse_ages[name]
             source = result.source
             grown = source < 0
             n_grown = result.dropped
@@ -630,15 +741,16 @@ class SpIELScheduler:
             new_ages[grown] = t
             new_values = values[gather]
             new_values[grown] = 0
-            changed = (~_membership(layer.numel, indices.long(), indices.device)[result.indices]).sum()
+            changed = (~_isin_sorted(result.indices, indices)).sum()
             values.copy_(new_values)
             ages.copy_(new_ages)
             indices.copy_(result.indices.to(indices.dtype))
             reindex_optimizer_state(self.optimizer, values, source)
-            if c.growth == "ag":
+            if stats is not None:
+                n = max(1, self.steps_in_window)
                 slots = torch.nonzero_static(grown, size=n_grown).squeeze(1)
                 rows = result.grown_from[slots]
-                self.seeding.pending[id(values)] = (slots, mean[rows], (stats.grad_sq_sum / n)[rows])
+                self.seeding.pending[id(values)] = (slots, stats.grad_sum[rows] / n, stats.grad_sq_sum[rows] / n)
             if result.units is not None and grid.unit > 1:
                 layer.set_block_metadata(name, result.units)
             sums.append(torch.stack([age_before - kept_age, kept_age, changed]))

@@ -81,6 +81,11 @@ def seed_optimizer_state(
         return
     group = next(g for g in opt.param_groups if any(p is param for p in g["params"]))
     beta1, beta2 = group["betas"]
-    t = float(state["step"])
-    state["exp_avg"][slots] = (grad_mean * (1 - beta1**t)).to(state["exp_avg"].dtype)
-    state["exp_avg_sq"][slots] = (grad_sq_mean * (1 - beta2**t)).to(state["exp_avg_sq"].dtype)
+    t = state["step"]  # a device tensor for fused/capturable Adam: stay on the device (no host sync)
+    if isinstance(t, torch.Tensor):
+        t = t.to(device=grad_mean.device, dtype=torch.float64)
+        c1, c2 = 1 - torch.pow(beta1, t), 1 - torch.pow(beta2, t)
+    else:
+        c1, c2 = 1 - beta1 ** float(t), 1 - beta2 ** float(t)
+    state["exp_avg"][slots] = (grad_mean * c1).to(state["exp_avg"].dtype)
+    state["exp_avg_sq"][slots] = (grad_sq_mean * c2).to(state["exp_avg_sq"].dtype)
