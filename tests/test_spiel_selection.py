@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from peft_sparse.core.selection import BlockGrid
 from peft_sparse.methods.spiel import reselect_ag, reselect_ma, top_k_positions, top_k_row_col_products
 from peft_sparse.schedules.reselection import in_estimation_window, is_reselection_step, replacement_count
 
@@ -173,3 +174,79 @@ def test_rank_one_path_gives_up_on_zero_scores_and_the_fallback_is_exact():
     assert _top_k_rank_one(row_acc, col_acc, excluded, k) is None
     got = top_k_row_col_products(row_acc, col_acc, excluded, k)
     assert got.tolist() == _brute_force_row_col_top_k(row_acc, col_acc, excluded, k).tolist() == [0, 1, 2, 4, 9, 11]
+
+
+def _random_tensor_reselection(g, out_f, in_f, block, density, growth, ties):
+    from peft_sparse.core.selection import BlockGrid
+    from peft_sparse.methods.spiel import TensorReselection
+
+    grid = BlockGrid(out_f, in_f, block)
+    n_units = max(2, int(grid.numel * density))
+    units = torch.randperm(grid.numel, generator=g)[:n_units].sort().values
+    indices = grid.expand(units).to(torch.int32)
+    values = torch.randn(indices.numel(), generator=g)
+    if ties:
+        values = torch.randint(-2, 3, (indices.numel(),), generator=g).float() / 4
+    k = int(torch.randint(1, n_units + 1, (1,), generator=g))
+    item = TensorReselection(values, indices, k, grid, units=units if grid.unit > 1 else None)
+    if growth == "ag":
+        n_cand = min(grid.numel, n_units + int(torch.randint(0, n_units + 1, (1,), generator=g)))
+        item.candidate_units = torch.randperm(grid.numel, generator=g)[:n_cand].sort().values
+        item.candidates = grid.expand(item.candidate_units).to(torch.int32)
+        item.score = torch.rand(item.candidates.numel(), generator=g)
+        if ties:
+            item.score = torch.randint(0, 3, (item.candidates.numel(),), generator=g).float()
+        if grid.unit == 1:
+            item.candidate_units = None
+    else:
+        item.row_acc = torch.rand(out_f, generator=g) + 0.01
+        item.col_acc = torch.rand(in_f, generator=g) + 0.01
+    return item
+
+
+@pytest.mark.parametrize("growth", ["ag", "ma"])
+@pytest.mark.parametrize("block", [(1, 1), (2, 4)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_reselect_all_equals_reselecting_each_tensor(growth, block, ties):
+    """The batched drop/grow over many tensors gives, tensor by tensor, exactly the per-tensor result."""
+    from peft_sparse.methods.spiel import reselect_all
+
+    g = torch.Generator().manual_seed(7)
+    shapes = [(8, 16), (16, 8), (8, 16), (24, 32), (8, 8)]
+    items = [_random_tensor_reselection(g, o, i, block, 0.3, growth, ties) for o, i in shapes]
+    batched = reselect_all(items, growth)
+    d_start, c_start = 0, 0
+    for i, it in enumerate(items):
+        if growth == "ag":
+            want = reselect_ag(it.values, it.indices, it.k, it.candidates, it.score, it.grid, it.units, it.candidate_units)
+        else:
+            want = reselect_ma(it.values, it.indices, it.k, it.row_acc, it.col_acc, it.grid, it.units)
+        d = it.values.numel()
+        if growth == "ag":
+            assert want.shortfall == 0 and bool(batched.ok)
+            c_start += it.candidates.numel()
+            rows = batched.grown_from[d_start : d_start + d]
+            assert torch.where(rows >= 0, rows - (c_start - it.candidates.numel()), -1).tolist() == want.grown_from.tolist()
+        src = batched.source[d_start : d_start + d]
+        assert batched.indices[i].tolist() == want.indices.tolist()
+        assert torch.where(src >= 0, src - d_start, -1).tolist() == want.source.tolist()
+        assert batched.dropped[i] == want.dropped
+        if it.grid.unit > 1:
+            assert batched.units[i].tolist() == want.units.tolist()
+        d_start += d
+
+
+def test_reselect_all_flags_a_shortfall_and_a_nan_score():
+    from peft_sparse.methods.spiel import TensorReselection, reselect_all
+
+    grid = BlockGrid(2, 4)
+    make = lambda cands, score: TensorReselection(  # noqa: E731
+        torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([1, 2, 3, 4], dtype=torch.int32), 3, grid,
+        candidates=torch.tensor(cands, dtype=torch.int32), score=torch.tensor(score))  # fmt: skip
+    fine = make([0, 5, 6, 7], [1.0, 2.0, 3.0, 4.0])
+    assert bool(reselect_all([fine, fine], "ag").ok)
+    short = make([1, 4], [1.0, 2.0])  # keeps {4}: only 1 eligible candidate (1) for k=3
+    result = reselect_all([fine, short], "ag")
+    assert not bool(result.ok) and result.per_tensor_ok.tolist() == [True, False]
+    nan = make([0, 5, 6, 7], [1.0, float("nan"), 3.0, 4.0])
+    assert reselect_all([nan, fine], "ag").per_tensor_ok.tolist() == [False, True]

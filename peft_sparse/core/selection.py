@@ -118,6 +118,23 @@ class BlockGrid:
         cols = (bc * self.bw)[:, None, None] + j[None, None, :]
         return (rows * self.in_features + cols).reshape(-1).sort().values
 
+    def block_major(self, blocks: torch.Tensor) -> torch.Tensor:
+        """(n, bh·bw) flat element indices of the given blocks, element (i, j) of a block at i·bw + j."""
+        blocks = blocks.long()
+        br, bc = blocks // self.cols, blocks % self.cols
+        i = torch.arange(self.bh, device=blocks.device)
+        j = torch.arange(self.bw, device=blocks.device)
+        rows = (br * self.bh)[:, None, None] + i[None, :, None]
+        return (rows * self.in_features + (bc * self.bw)[:, None, None] + j[None, None, :]).reshape(-1, self.unit)
+
+    def unit_sums(self, indices: torch.Tensor, per_element: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+        """Per unit of ``units`` (ascending, all of them covered by ``indices``) the sum of ``per_element``,
+        added in block-major order (deterministic: no atomics)."""
+        if self.unstructured:
+            return per_element
+        slots = torch.searchsorted(indices.long(), self.block_major(units).reshape(-1))
+        return per_element[slots].view(-1, self.unit).sum(1)
+
     def block_of(self, indices: torch.Tensor) -> torch.Tensor:
         """Block number of each flat element index."""
         idx = indices.long()
@@ -153,3 +170,16 @@ class BlockGrid:
             return unique, None
         sums = torch.zeros(unique.numel(), dtype=per_element.dtype, device=per_element.device)
         return unique, sums.index_add_(0, inverse, per_element)
+
+
+def segmented_rank(keys: torch.Tensor, segment: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """Each element's rank within its segment, ordered by (key ascending, position ascending).
+
+    ``keys`` are non-negative integers below 2³² (int64), ``segment`` the segment number of each element
+    (segments laid end to end, numbered from 0), ``starts`` each segment's first position. One stable
+    sort ranks all segments at once: how many tensors' top-k selections become a single launch.
+    """
+    order = torch.sort((segment.long() << 32) | keys, stable=True).indices
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device) - starts[segment[order]]
+    return rank

@@ -39,10 +39,10 @@ from safetensors.torch import load_file, save_file
 
 from ..core.config import SparseConfig
 from ..core.layer import SparseLayer, index_dtype
-from ..core.selection import BlockGrid, module_generator, random_indices
+from ..core.selection import BlockGrid, module_generator, random_indices, segmented_rank
 from ..core.tuner import SparseTuner
 from ..optim.sm3 import SM3
-from ..optim.surgery import check_supported, reindex_optimizer_state, seed_optimizer_state
+from ..optim.surgery import check_supported, reindex_optimizer_state, reindex_optimizer_states, seed_optimizer_state
 from ..schedules.reselection import in_estimation_window, is_reselection_step, replacement_count
 
 
@@ -245,8 +245,12 @@ def _merge(
 
 def _drop(values: torch.Tensor, indices: torch.Tensor, grid: BlockGrid, units: Optional[torch.Tensor] = None):
     """Active units, their magnitudes Σ|φ|, and each element's unit number (row)."""
-    units, magnitude = grid.units(indices, values.detach().abs().float(), known=units)
-    unit_of_element = None if grid.unit == 1 else torch.searchsorted(units, grid.block_of(indices))
+    if grid.unit == 1:
+        return indices.long(), values.detach().abs().float(), None
+    if units is None:
+        units = grid.units(indices)[0]
+    magnitude = grid.unit_sums(indices, values.detach().abs().float(), units)
+    unit_of_element = torch.searchsorted(units, grid.block_of(indices))
     return units, magnitude, unit_of_element
 
 
@@ -306,7 +310,8 @@ def reselect_ag(
     """
     grid = grid or UNSTRUCTURED
     units, magnitude, unit_of_element = _drop(values, indices, grid, units)
-    cand_units, cand_score = grid.units(candidates, score, known=candidate_units)
+    cand_units = candidates.long() if grid.unit == 1 else (candidate_units if candidate_units is not None else grid.units(candidates)[0])
+    cand_score = grid.unit_sums(candidates, score, cand_units)
     wanted = k = min(k, units.numel())
     result, n_eligible = _grow_ag(units, magnitude, unit_of_element, indices, k, candidates, cand_units, cand_score, grid)
     finite = torch.isfinite(score).all()
@@ -436,6 +441,178 @@ def reselect_ma(
     return result
 
 
+# ------------------------------------------------------------------------------------------- all tensors at once
+@dataclass
+class TensorReselection:
+    """One tensor's inputs to :func:`reselect_all`: k units to replace and its growth statistics —
+    AG: ``candidates`` (ascending flat indices of whole units), ``candidate_units``, ``score`` (|Σg| per
+    candidate weight); MA: SM3's ``row_acc``, ``col_acc``."""
+
+    values: torch.Tensor
+    indices: torch.Tensor
+    k: int
+    grid: BlockGrid
+    units: Optional[torch.Tensor] = None  # ascending active units of a block adapter
+    candidates: Optional[torch.Tensor] = None
+    candidate_units: Optional[torch.Tensor] = None
+    score: Optional[torch.Tensor] = None
+    row_acc: Optional[torch.Tensor] = None
+    col_acc: Optional[torch.Tensor] = None
+
+
+@dataclass
+class AllReselections:
+    """Result of :func:`reselect_all`, laid end to end over the tensors (slot j of tensor i is global
+    slot ``offsets[i] + j``; every tensor keeps its size).
+
+    ``source[j]``: the global old slot now at global slot j, −1 for a grown slot. ``grown_from[j]``: the
+    global row of the concatenated candidates a grown slot came from (AG), else −1. ``indices``: the
+    new ascending flat indices of each tensor (int64). ``units``: the new active blocks of block tensors.
+    ``ok``: a device flag, False if some AG tensor had fewer than k eligible candidates or non-finite
+    scores (then call :func:`reselect_ag` on it for the checked result)."""
+
+    sizes: list
+    source: torch.Tensor
+    grown_from: torch.Tensor
+    indices: list
+    units: list
+    dropped: list  # per tensor, in weights
+    ok: torch.Tensor
+    changed: torch.Tensor  # how many new indices were not active before (device scalar)
+    new_indices: torch.Tensor  # ``indices`` laid end to end
+    per_tensor_ok: Optional[torch.Tensor] = None
+
+
+def reselect_all(items: list, growth: str) -> AllReselections:
+    """DROP and GROW for many tensors at once, identical to :func:`reselect_ag` / :func:`reselect_ma`
+    per tensor, with the per-tensor selections done as segmented ranks (one sort for all drops, one
+    for all AG growths) and the merges done once over the concatenation, so the number of launches
+    does not grow with the number of tensors (MA's growth ranks each tensor's R·C on its own)."""
+    dev = items[0].values.device
+    grid0 = items[0].grid
+    unit = grid0.unit
+    blocks = unit > 1
+    n = len(items)
+
+    def table(xs, dtype=torch.long):
+        return torch.tensor(xs, dtype=dtype, device=dev)
+
+    def segments(sizes):  # segment number per element, and each segment's start
+        starts = [0]
+        for size in sizes[:-1]:
+            starts.append(starts[-1] + size)
+        seg = torch.repeat_interleave(torch.arange(n, device=dev), table(sizes), output_size=sum(sizes))
+        return seg, table(starts), starts
+
+    d = [it.values.numel() for it in items]
+    k = [min(it.k, d_i // unit) for it, d_i in zip(items, d)]
+    e_off, u_off = [0], [0]  # element and unit offsets of each tensor in the global numbering
+    for it in items[:-1]:
+        e_off.append(e_off[-1] + it.grid.out_features * it.grid.in_features)
+        u_off.append(u_off[-1] + it.grid.numel)
+    e_off_t, u_off_t, k_t = table(e_off), table(u_off), table(k)
+    seg_e, d_start_t, d_start = segments(d)
+    eid = torch.cat([it.indices.long() for it in items]) + e_off_t[seg_e]  # ascending
+    magnitude = torch.cat([it.values.detach().abs().float() for it in items])
+
+    # DROP (§7.3.1): the k smallest Σ|φ| units of each tensor, ties → lowest unit
+    if blocks:
+        units_local = [it.units if it.units is not None else it.grid.units(it.indices)[0] for it in items]
+        u_sizes = [u.numel() for u in units_local]
+        seg_u, u_start_t, _ = segments(u_sizes)
+        unit_gid = torch.cat(units_local) + u_off_t[seg_u]
+        element_slots = torch.cat([torch.searchsorted(it.indices.long(), it.grid.block_major(u).reshape(-1)) + d0
+                                   for it, u, d0 in zip(items, units_local, d_start)])  # fmt: skip
+        unit_magnitude = magnitude[element_slots].view(-1, unit).sum(1)
+    else:
+        u_sizes, seg_u, u_start_t, unit_gid, unit_magnitude = d, seg_e, d_start_t, eid, magnitude
+    dropped_unit = segmented_rank(unit_magnitude.view(torch.int32).long(), seg_u, u_start_t) < k_t[seg_u]
+    kept_gid = unit_gid[torch.nonzero_static(~dropped_unit, size=sum(u_sizes) - sum(k)).squeeze(1)]
+    if blocks:
+        keep_element = torch.empty(magnitude.numel(), dtype=torch.bool, device=dev)
+        keep_element[element_slots] = (~dropped_unit).repeat_interleave(unit)
+    else:
+        keep_element = ~dropped_unit
+
+    # GROW: k units per tensor outside its kept units
+    grown_from_rows = None
+    ok = torch.ones((), dtype=torch.bool, device=dev)
+    per_tensor_ok = None
+    if growth == "ag":  # Alg. 2: the k eligible candidates with the largest |ĝ| (Eq. 7.5)
+        c_sizes_e = [it.candidates.numel() for it in items]
+        seg_ce, ce_start_t, _ = segments(c_sizes_e)
+        cand_eid = torch.cat([it.candidates.long() for it in items]) + e_off_t[seg_ce]
+        score = torch.cat([it.score.float() for it in items])
+        if blocks:
+            cand_units = [it.candidate_units if it.candidate_units is not None else it.grid.units(it.candidates)[0] for it in items]
+            seg_c, c_start_t, _ = segments([c.numel() for c in cand_units])
+            cand_gid = torch.cat(cand_units) + u_off_t[seg_c]
+            c_start_e = [0]
+            for size in c_sizes_e[:-1]:
+                c_start_e.append(c_start_e[-1] + size)
+            cand_slots = torch.cat([torch.searchsorted(it.candidates.long(), it.grid.block_major(c).reshape(-1)) + c0
+                                    for it, c, c0 in zip(items, cand_units, c_start_e)])  # fmt: skip
+            cand_score = score[cand_slots].view(-1, unit).sum(1)
+        else:
+            seg_c, c_start_t, cand_gid, cand_score = seg_ce, ce_start_t, cand_eid, score
+        eligible = ~_isin_sorted(cand_gid, kept_gid)
+        descending = 0x7FFFFFFF - cand_score.view(torch.int32).long()  # scores ≥ 0: larger score, smaller key
+        key = torch.where(eligible, descending, 0x80000000)  # ineligible rank last
+        grown_mask = segmented_rank(key, seg_c, c_start_t) < k_t[seg_c]
+        n_eligible = torch.zeros(n, dtype=torch.long, device=dev).index_add_(0, seg_c, eligible.long())
+        per_tensor_ok = (n_eligible >= k_t) & torch.stack([torch.isfinite(it.score).all() for it in items])
+        ok = per_tensor_ok.all()
+        grown_gid = cand_gid[torch.nonzero_static(grown_mask, size=sum(k)).squeeze(1)]  # ascending
+    else:  # Alg. 3: the k units with the largest Σ√⁴(R_i·C_j) (Eq. 7.7), tensor by tensor
+        kept_local = torch.split(kept_gid, [u - k_i for u, k_i in zip(u_sizes, k)])
+        grown = []
+        for it, kept, k_i, u0 in zip(items, kept_local, k, u_off):
+            row_score = it.grid.reduce_rows(it.row_acc.double().pow(0.25))
+            col_score = it.grid.reduce_cols(it.col_acc.double().pow(0.25))
+            grown.append(top_k_row_col_products(row_score, col_score, kept - u0, k_i) + u0)
+        grown_gid = torch.cat(grown)
+
+    # units → weights (global element numbers), ascending
+    if blocks:
+        seg_g = torch.searchsorted(u_off_t, grown_gid, right=True) - 1
+        grown_eid = torch.empty(grown_gid.numel() * unit, dtype=torch.long, device=dev)
+        pieces = torch.split(grown_gid - u_off_t[seg_g], k)
+        at = 0
+        for it, piece, e0 in zip(items, pieces, e_off):
+            size = piece.numel() * unit
+            grown_eid[at : at + size] = it.grid.block_major(piece).reshape(-1) + e0
+            at += size
+        grown_eid = grown_eid.sort().values
+    else:
+        grown_eid = grown_gid
+    if growth == "ag":
+        grown_from_rows = torch.searchsorted(cand_eid, grown_eid)
+
+    # MERGE: kept and grown weights are disjoint ascending lists; each one's place in the union is its
+    # rank in its own list plus the number of smaller elements in the other
+    kept_slots = torch.nonzero_static(keep_element, size=sum(d) - sum(k) * unit).squeeze(1)
+    kept_eid = eid[kept_slots]
+    at_kept = torch.arange(kept_eid.numel(), device=dev) + torch.searchsorted(grown_eid, kept_eid)
+    at_grown = torch.arange(grown_eid.numel(), device=dev) + torch.searchsorted(kept_eid, grown_eid)
+    new_eid = torch.empty(sum(d), dtype=torch.long, device=dev)
+    new_eid[at_kept] = kept_eid
+    new_eid[at_grown] = grown_eid
+    source = torch.full_like(new_eid, -1)
+    source[at_kept] = kept_slots
+    grown_from = torch.full_like(new_eid, -1)
+    if grown_from_rows is not None:
+        grown_from[at_grown] = grown_from_rows
+    new_flat = new_eid - e_off_t[seg_e]
+    changed = (~_isin_sorted(new_eid, eid)).sum()
+    units = [None] * n
+    if blocks:
+        all_units = _merge_units(kept_gid, grown_gid)
+        seg_nu = torch.repeat_interleave(torch.arange(n, device=dev), table(u_sizes), output_size=sum(u_sizes))
+        units = list(torch.split(all_units - u_off_t[seg_nu], u_sizes))
+    return AllReselections(d, source, grown_from, list(torch.split(new_flat, d)), units, [k_i * unit for k_i in k], ok,
+                           changed, new_flat, per_tensor_ok)  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------------- scheduler
 class _WindowStatistics:
     """Growth candidates of one tensor and their gradient sums over an estimation window (AG)."""
@@ -457,14 +634,14 @@ class _WindowStatistics:
                 flat = flat.clone()
                 dist.all_reduce(flat)  # identical candidates on every rank
             unit_scores = self.grid.reduce(flat.abs().view(self.grid.out_features, self.grid.in_features))
-            self.candidate_units = top_k_set(unit_scores, self.num_candidate_units)
-            chosen = self.grid.expand(self.candidate_units)
+            self.candidate_units = top_k_set(unit_scores, self.num_candidate_units)  # ascending
+            chosen = self.candidate_units if self.grid.unstructured else self.grid.expand(self.candidate_units)
             self.candidates = chosen.to(index_dtype(flat.numel()))
             zeros = torch.zeros(chosen.numel(), dtype=self.dtype, device=flat.device)
             self.step_sum, self.grad_sum, self.grad_sq_sum = zeros, zeros.clone(), zeros.clone()
             if _distributed():
                 flat = dense_grad.reshape(-1)
-        self.step_sum += flat[self.candidates.long()].to(self.dtype)
+        self.step_sum += flat.index_select(0, self.candidates)
 
     def end_step(self) -> None:
         if self.candidates is None:
@@ -681,13 +858,12 @@ class SpIELScheduler:
     def _reselect(self, t: int) -> dict:
         """Drop/grow every tensor, then edit values, ages, indices and optimizer state in place.
 
-        Two phases: every tensor's new indices are computed first (side-effect free and, for AG, without
-        host synchronisation: the launches of all layers queue up), then one synchronisation checks
-        them all, and only then are values, ages, indices and optimizer state edited. A NaN score
-        therefore raises before anything changed."""
+        All tensors of a device are reselected together (:func:`reselect_all`: a handful of launches
+        for all of them, no host synchronisation for AG until one check of the whole result), and the
+        edits are gathered once over the concatenation. Nothing is edited before the check: a NaN
+        score raises with the adapter untouched."""
         c, name = self.config, self.adapter_name
-        plans = []  # (layer, grid, result, window statistics or None)
-        checks = []  # (position in plans, device flag) for AG results computed without a host sync
+        by_device: dict = {}  # device → [(layer, TensorReselection, window statistics)]
         for layer in self.layers:
             values, indices = layer.sparse_values[name], layer.sparse_indices[name]
             d = values.numel()
@@ -697,38 +873,85 @@ class SpIELScheduler:
             )
             if k == 0 or d == 0:
                 continue
+            item = TensorReselection(values, indices, k, grid, self._active_units(layer, grid))
             stats = None
             if c.growth == "ag":
                 stats = self.statistics.get(layer.module_name)
                 if stats is None or stats.candidates is None:
                     warnings.warn(f"SpIEL: {layer.module_name} got no gradient in the estimation window; not reselected")
                     continue
-                args = (values, indices, k, stats.candidates, stats.grad_sum.abs(), grid, self._active_units(layer, grid),
-                        stats.candidate_units if grid.unit > 1 else None)  # fmt: skip
-                result, ok = reselect_ag(*args, deferred_check=True)
-                checks.append((len(plans), ok, args))
+                item.candidates, item.score = stats.candidates, stats.grad_sum.abs()  # |ĝ| up to the factor 1/γ
+                item.candidate_units = stats.candidate_units if grid.unit > 1 else None
             else:
                 state = self.optimizer.state.get(values)
                 if not state:
                     warnings.warn(f"SpIEL-MA: {layer.module_name} has no SM3 state yet; not reselected")
                     continue
-                result = reselect_ma(
-                    values, indices, k, state["row_accumulator"], state["col_accumulator"], grid, self._active_units(layer, grid)
-                )
-            plans.append((layer, grid, result, stats))
-        if checks:
-            flags = torch.stack([ok for _, ok, _ in checks]).tolist()
-            for (at, _, args), ok in zip(checks, flags):
-                if not ok:  # a shortfall or a non-finite score: the checked path (raises on NaN)
-                    layer, grid, _, stats = plans[at]
-                    plans[at] = (layer, grid, reselect_ag(*args), stats)
-        return self._apply(t, plans)
+                item.row_acc, item.col_acc = state["row_accumulator"], state["col_accumulator"]
+            by_device.setdefault(values.device, []).append((layer, item, stats))
+        results = []
+        for group in by_device.values():
+            result = reselect_all([item for _, item, _ in group], c.growth)
+            results.append((group, result, bool(result.ok)))
+        totals = {"replaced": 0, "shortfall": 0, "sums": []}
+        for group, result, ok in results:
+            if ok:
+                self._apply_all(t, group, result, totals)
+            else:  # a shortfall or a non-finite score somewhere: tensor by tensor, checked (raises on NaN)
+                plans = []
+                for layer, it, stats in group:
+                    checked = reselect_ag(it.values, it.indices, it.k, it.candidates, it.score, it.grid, it.units, it.candidate_units)
+                    plans.append((layer, it.grid, checked, stats))
+                self._apply(t, plans, totals)
+        return self._report(t, totals)
 
-    def _apply(self, t: int, plans: list) -> dict:
-        c, name = self.config, self.adapter_name
-        total = sum(layer.sparse_values[name].numel() for layer in self.layers)
-        replaced = shortfall = 0
-        sums = []  # per layer: [Σ age of dropped, Σ age of kept, indices changed] as device tensors
+    def _apply_all(self, t: int, group: list, result: AllReselections, totals: dict) -> None:
+        """Edit values, ages, indices and optimizer state of a group of tensors from one result."""
+        name = self.adapter_name
+        layers = [layer for layer, _, _ in group]
+        values = [layer.sparse_values[name] for layer in layers]
+        ages = [layer.sparse_ages[name] for layer in layers]
+        indices = [layer.sparse_indices[name] for layer in layers]
+        source = result.source
+        grown = source < 0
+        gather = source.clamp(min=0)
+        all_ages = torch.cat(ages)
+        age_before = (t - all_ages.long()).sum()
+        new_ages = all_ages[gather]
+        kept_age = torch.where(grown, 0, t - new_ages.long()).sum()
+        new_ages[grown] = t
+        new_values = torch.cat([v.detach() for v in values])[gather]
+        new_values[grown] = 0
+        new_indices = result.new_indices.to(indices[0].dtype) if len({i.dtype for i in indices}) == 1 else None
+        torch._foreach_copy_([v.data for v in values], list(torch.split(new_values, result.sizes)))
+        torch._foreach_copy_(ages, list(torch.split(new_ages, result.sizes)))
+        if new_indices is not None:
+            torch._foreach_copy_(indices, list(torch.split(new_indices, result.sizes)))
+        else:
+            for index, new in zip(indices, result.indices):
+                index.copy_(new.to(index.dtype))
+        reindex_optimizer_states(self.optimizer, values, source)
+        n_grown = sum(result.dropped)
+        if group[0][2] is not None:  # AG: seeds for the next optimizer step, from the window's ĝ, ŝ
+            n = max(1, self.steps_in_window)
+            slots = torch.nonzero_static(grown, size=n_grown).squeeze(1)  # ascending: tensor by tensor
+            rows = result.grown_from[slots]
+            grad_mean = torch.cat([stats.grad_sum for _, _, stats in group])[rows] / n
+            grad_sq_mean = torch.cat([stats.grad_sq_sum for _, _, stats in group])[rows] / n
+            start = 0
+            pieces = zip(torch.split(slots, result.dropped), torch.split(grad_mean, result.dropped), torch.split(grad_sq_mean, result.dropped))
+            for value, size, (s, g, s2) in zip(values, result.sizes, pieces):
+                self.seeding.pending[id(value)] = (s - start, g, s2)
+                start += size
+        for layer, (_, item, _), units in zip(layers, group, result.units):
+            if units is not None and item.grid.unit > 1:
+                layer.set_block_metadata(name, units)
+        totals["sums"].append(torch.stack([age_before - kept_age, kept_age, result.changed]))
+        totals["replaced"] += n_grown
+
+    def _apply(self, t: int, plans: list, totals: dict) -> None:
+        """Edit one tensor at a time from per-tensor results (the checked path)."""
+        name = self.adapter_name
         for layer, grid, result, stats in plans:
             values, indices, ages = layer.sparse_values[name], layer.sparse_indices[name], layer.sparse_ages[name]
             source = result.source
@@ -753,9 +976,13 @@ class SpIELScheduler:
                 self.seeding.pending[id(values)] = (slots, stats.grad_sum[rows] / n, stats.grad_sq_sum[rows] / n)
             if result.units is not None and grid.unit > 1:
                 layer.set_block_metadata(name, result.units)
-            sums.append(torch.stack([age_before - kept_age, kept_age, changed]))
-            replaced += n_grown
-            shortfall += result.shortfall * grid.unit
+            totals["sums"].append(torch.stack([age_before - kept_age, kept_age, changed]))
+            totals["replaced"] += n_grown
+            totals["shortfall"] += result.shortfall * grid.unit
+
+    def _report(self, t: int, totals: dict) -> dict:
+        total = sum(layer.sparse_values[self.adapter_name].numel() for layer in self.layers)
+        replaced, shortfall, sums = totals["replaced"], totals["shortfall"], totals["sums"]
         dropped_age, kept_age, changed = torch.stack(sums).sum(0).tolist() if sums else (0, 0, 0)
         out = {
             "spiel/step": t,

@@ -71,6 +71,31 @@ def reindex_optimizer_state(optimizer, param: torch.Tensor, source: torch.Tensor
             _regather(tensor, source, grown)
 
 
+def reindex_optimizer_states(optimizer, params: list, source: torch.Tensor) -> None:
+    """:func:`reindex_optimizer_state` for many parameters at once. ``source`` maps the slots of the
+    parameters laid end to end (each keeps its size) to old slots in the same numbering, −1 for grown.
+    One gather per kind of state for all parameters instead of one per parameter."""
+    opt = check_supported(optimizer)
+    sizes = [p.numel() for p in params]
+    grown = source < 0
+    gather = source.clamp(min=0)
+    for key in PER_SLOT_STATE:
+        tensors = [opt.state.get(p, {}).get(key) for p in params]
+        if all(t is None for t in tensors):
+            continue
+        if all(isinstance(t, torch.Tensor) and t.shape == p.shape for t, p in zip(tensors, params)):
+            new = torch.cat(tensors)[gather]
+            new[grown] = 0
+            torch._foreach_copy_(tensors, list(torch.split(new, sizes)))
+            continue
+        start = 0  # some parameters have no state of this kind (yet): one at a time
+        for t, p, size in zip(tensors, params, sizes):
+            local = source[start : start + size]
+            if isinstance(t, torch.Tensor) and t.shape == p.shape:
+                _regather(t, torch.where(local >= 0, local - start, -1), local < 0)
+            start += size
+
+
 def seed_optimizer_state(
     optimizer, param: torch.Tensor, slots: torch.Tensor, grad_mean: torch.Tensor, grad_sq_mean: torch.Tensor
 ) -> None:
