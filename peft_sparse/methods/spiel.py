@@ -42,7 +42,7 @@ from ..core.layer import SparseLayer, index_dtype
 from ..core.selection import BlockGrid, module_generator, random_indices, segmented_rank
 from ..core.tuner import SparseTuner
 from ..optim.sm3 import SM3
-from ..optim.surgery import check_supported, reindex_optimizer_state, reindex_optimizer_states, seed_optimizer_state
+from ..optim.surgery import check_supported, reindex_optimizer_state, reindex_optimizer_states, seed_optimizer_states
 from ..schedules.reselection import in_estimation_window, is_reselection_step, replacement_count
 
 
@@ -483,6 +483,15 @@ class AllReselections:
     per_tensor_ok: Optional[torch.Tensor] = None
 
 
+def _segment_sums(flags: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """Per segment (laid end to end, each non-empty, starting at ``starts``) the number of True flags:
+    differences of a running count (no atomics: a scatter into a few bins would serialise)."""
+    running = torch.cumsum(flags, 0)
+    ends = torch.cat([starts[1:], starts.new_tensor([flags.numel()])]) - 1
+    at_end = running[ends]
+    return at_end - torch.cat([at_end.new_zeros(1), at_end[:-1]])
+
+
 def reselect_all(items: list, growth: str) -> AllReselections:
     """DROP and GROW for many tensors at once, identical to :func:`reselect_ag` / :func:`reselect_ma`
     per tensor, with the per-tensor selections done as segmented ranks (one sort for all drops, one
@@ -559,8 +568,8 @@ def reselect_all(items: list, growth: str) -> AllReselections:
         descending = 0x7FFFFFFF - cand_score.view(torch.int32).long()  # scores ≥ 0: larger score, smaller key
         key = torch.where(eligible, descending, 0x80000000)  # ineligible rank last
         grown_mask = segmented_rank(key, seg_c, c_start_t) < k_t[seg_c]
-        n_eligible = torch.zeros(n, dtype=torch.long, device=dev).index_add_(0, seg_c, eligible.long())
-        per_tensor_ok = (n_eligible >= k_t) & torch.stack([torch.isfinite(it.score).all() for it in items])
+        n_eligible = _segment_sums(eligible, c_start_t)
+        per_tensor_ok = (n_eligible >= k_t) & (_segment_sums(~torch.isfinite(score), ce_start_t) == 0)
         ok = per_tensor_ok.all()
         grown_gid = cand_gid[torch.nonzero_static(grown_mask, size=sum(k)).squeeze(1)]  # ascending
     else:  # Alg. 3: the k units with the largest Σ√⁴(R_i·C_j) (Eq. 7.7), tensor by tensor
@@ -705,8 +714,12 @@ class DeferredSeeding:
                 self.raw[id(p)] = p.grad.detach().float().square().sum()
 
     def factor(self) -> float:
-        raw = float(sum(self.raw.values())) if self.raw else 0.0
-        seen = float(sum(p.grad.detach().float().square().sum() for p in self.params if id(p) in self.raw and p.grad is not None))
+        if not self.raw:
+            return 1.0
+        seen = [p.grad.detach().float().square().sum() for p in self.params if id(p) in self.raw and p.grad is not None]
+        # the same arithmetic as the raw sums, so that no rescaling gives exactly 1; one host sync
+        raw, seen = torch.stack([torch.stack(list(self.raw.values())).double().sum(),
+                                 torch.stack(seen).double().sum() if seen else torch.zeros((), dtype=torch.float64, device=self.params[0].device)]).tolist()  # fmt: skip
         return 1.0 if raw == seen or raw == 0.0 else math.sqrt(seen / raw)
 
     @torch.no_grad()
@@ -714,11 +727,10 @@ class DeferredSeeding:
         if not self.pending:
             return
         c = self.factor()
-        for param in self.params:
-            entry = self.pending.get(id(param))
-            if entry is not None:
-                slots, grad_mean, grad_sq_mean = entry
-                seed_optimizer_state(self.optimizer, param, slots, grad_mean * c, grad_sq_mean * (c * c))
+        params = [p for p in self.params if id(p) in self.pending]
+        entries = [self.pending[id(p)] for p in params]
+        seed_optimizer_states(self.optimizer, params, [e[0] for e in entries], [e[1] * c for e in entries],
+                              [e[2] * (c * c) for e in entries])  # fmt: skip
         self.pending, self.raw, self.last_factor = {}, {}, c
 
     def remove(self) -> None:

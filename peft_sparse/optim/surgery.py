@@ -114,3 +114,37 @@ def seed_optimizer_state(
         c1, c2 = 1 - beta1 ** float(t), 1 - beta2 ** float(t)
     state["exp_avg"][slots] = (grad_mean * c1).to(state["exp_avg"].dtype)
     state["exp_avg_sq"][slots] = (grad_sq_mean * c2).to(state["exp_avg_sq"].dtype)
+
+
+def seed_optimizer_states(optimizer, params: list, slots: list, grad_means: list, grad_sq_means: list) -> None:
+    """:func:`seed_optimizer_state` for many parameters at once (one scatter per moment for all of them)."""
+    opt = check_supported(optimizer)
+    if not isinstance(opt, (torch.optim.AdamW, torch.optim.Adam)) or not params:
+        return
+    states = [opt.state.get(p) for p in params]
+    if not all(states) or len({(s["exp_avg"].dtype, s["exp_avg"].device) for s in states}) != 1:
+        for p, sl, g, s2 in zip(params, slots, grad_means, grad_sq_means):
+            seed_optimizer_state(opt, p, sl, g, s2)
+        return
+    group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+    betas = torch.tensor([group_of[id(p)]["betas"] for p in params], dtype=torch.float64)  # (n, 2), host
+    device = states[0]["exp_avg"].device
+    steps = [s["step"] for s in states]
+    if all(isinstance(t, torch.Tensor) for t in steps):
+        t = torch.stack([t.to(device=device, dtype=torch.float64).reshape(()) for t in steps])
+    else:
+        t = torch.tensor([float(x) for x in steps], dtype=torch.float64, device=device)
+    counts = torch.tensor([sl.numel() for sl in slots], device=device)
+    bias1 = (1 - torch.pow(betas[:, 0].to(device), t)).repeat_interleave(counts, output_size=sum(sl.numel() for sl in slots))
+    bias2 = (1 - torch.pow(betas[:, 1].to(device), t)).repeat_interleave(counts, output_size=bias1.numel())
+    sizes = [p.numel() for p in params]
+    offsets, start = [], 0
+    for size in sizes:
+        offsets.append(start)
+        start += size
+    where = torch.cat([sl.long() + off for sl, off in zip(slots, offsets)])
+    for key, values, bias in (("exp_avg", grad_means, bias1), ("exp_avg_sq", grad_sq_means, bias2)):
+        tensors = [s[key] for s in states]
+        flat = torch.cat(tensors)
+        flat[where] = (torch.cat(values).double() * bias).to(flat.dtype)
+        torch._foreach_copy_(tensors, list(torch.split(flat, sizes)))
