@@ -2,8 +2,8 @@
 
     python benchmarks/profile_reselection.py spiel-ag [--rows 20]
 
-Runs the benchmark setup (S=5, γ=2, T=13), then profiles steps 6 (first window step) and 7
-(window + reselection) separately, the scheduler's step on its own too.
+Runs the benchmark setup (S=20, γ=5, T=45) to step 26 and profiles steps 21 (first window step)
+and 25 (window + reselection), timing the scheduler's step on its own too.
 """
 
 import argparse
@@ -23,7 +23,7 @@ def main():
     parser.add_argument("--rows", type=int, default=20)
     parser.add_argument("--size", default="tinyllama")
     args = parser.parse_args()
-    model, optimizer, hook, _, _ = prepare(args.variant, args.size, total_steps=13)
+    model, optimizer, hook, _, _ = prepare(args.variant, args.size, total_steps=45)
     model.train()
     ids = torch.randint(0, SIZES[args.size]["vocab_size"], (8, 1024), device="cuda")
 
@@ -33,8 +33,8 @@ def main():
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    for step in range(1, 14):
-        profile = step in (6, 7)
+    for step in range(1, 27):
+        profile = step in (21, 25)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         if profile:

@@ -201,6 +201,9 @@ def _random_tensor_reselection(g, out_f, in_f, block, density, growth, ties):
     else:
         item.row_acc = torch.rand(out_f, generator=g) + 0.01
         item.col_acc = torch.rand(in_f, generator=g) + 0.01
+        if ties and out_f == 8:  # zeros and ties: these tensors take the exact fallback, the others the threshold
+            item.row_acc = torch.zeros(out_f)
+            item.row_acc[torch.randint(0, out_f, (2,), generator=g)] = 2.0  # too few positive scores for k
     return item
 
 

@@ -492,6 +492,81 @@ def _segment_sums(flags: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     return at_end - torch.cat([at_end.new_zeros(1), at_end[:-1]])
 
 
+def _grow_rank_one_all(row_scores: list, col_scores: list, kept_gid: torch.Tensor, n_kept: list, k: list, u_off: list) -> torch.Tensor:
+    """:func:`top_k_row_col_products` for many tensors at once; returns the grown units in the global
+    numbering (unit u of tensor i is ``u_off[i] + u``), ascending.
+
+    The threshold search of :func:`_top_k_rank_one` runs for all tensors together on zero-padded
+    (tensors, rows) and (tensors, cols) tables; one host synchronisation gives every tensor's number
+    of listed positions; the listed positions of all tensors are ranked by one segmented sort. A
+    tensor whose threshold cannot be certified is ranked on its own by the exact chunked scan."""
+    dev = kept_gid.device
+    n = len(row_scores)
+    m = [a.numel() for a in row_scores]
+    c = [b.numel() for b in col_scores]
+    big_m, big_c = max(m), max(c)
+
+    def padded(xs, width, fill):
+        sizes = torch.tensor([x.numel() for x in xs], device=dev)
+        seg = torch.repeat_interleave(torch.arange(n, device=dev), sizes, output_size=sum(x.numel() for x in xs))
+        starts = torch.cumsum(sizes, 0) - sizes
+        table = torch.full((n, width), fill, dtype=torch.float64, device=dev)
+        table.view(-1)[seg * width + torch.arange(seg.numel(), device=dev) - starts[seg]] = torch.cat(xs)
+        return table
+
+    a = padded(row_scores, big_m, 0.0)  # (n, M): zero rows count nothing
+    b = padded(col_scores, big_c, -math.inf)  # (n, C): padding sorts first and is never above a threshold
+    b_sorted, b_order = torch.sort(b, dim=1)
+    kept_t = torch.tensor(n_kept, device=dev)
+    k_t = torch.tensor(k, device=dev)
+    need = kept_t + k_t  # per tensor: at least this many scores ≥ τ
+    inf = torch.tensor(math.inf, dtype=torch.float64, device=dev)
+    lo = torch.log(torch.where(a > 0, a, inf).amin(1)) + torch.log(torch.where(b > 0, b, inf).amin(1)) - _MARGIN
+    hi = torch.log(a.amax(1)) + torch.log(b.amax(1)) + _MARGIN
+
+    def count_above(tau):  # (n, G) thresholds → (n, G) counts of R_i·C_j ≥ τ
+        ratio = (tau[:, None, :] / a[:, :, None]).reshape(n, -1)  # (n, M·G)
+        per_row = big_c - torch.searchsorted(b_sorted, ratio)
+        return per_row.view(n, big_m, -1).sum(1)
+
+    points = 32
+    steps = torch.linspace(0.0, 1.0, points, dtype=torch.float64, device=dev)
+    for _ in range(5):
+        grid = lo[:, None] + (hi - lo)[:, None] * steps
+        at = ((count_above(torch.exp(grid)) >= need[:, None]).sum(1) - 1).clamp(min=0)
+        lo, hi = grid.gather(1, at[:, None])[:, 0], grid.gather(1, (at + 1).clamp(max=points - 1)[:, None])[:, 0]
+    tau = torch.exp(lo) * (1 - _MARGIN)
+    per_row = big_c - torch.searchsorted(b_sorted, (tau[:, None] / a).contiguous())  # (n, M)
+    totals = per_row.sum(1)
+    lowest = count_above(torch.exp(lo)[:, None])[:, 0]
+    size = torch.tensor([mi * ci for mi, ci in zip(m, c)], device=dev)
+    valid = (lowest >= need) & torch.isfinite(tau) & (totals <= 2 * need + 4096) & (need <= size)
+    valid_list, totals_list = torch.stack([valid.long(), totals]).tolist()
+
+    per_row = torch.where(valid[:, None], per_row, 0).view(-1)
+    total = sum(t for t, ok in zip(totals_list, valid_list) if ok)
+    row_all = torch.repeat_interleave(torch.arange(n * big_m, device=dev), per_row, output_size=total)
+    tensor, row = row_all // big_m, row_all % big_m
+    start = torch.cumsum(per_row, 0) - per_row
+    col = b_order.view(-1)[tensor * big_c + big_c - per_row[row_all] + torch.arange(total, device=dev) - start[row_all]]
+    gid = torch.tensor(u_off, device=dev)[tensor] + row * torch.tensor(c, device=dev)[tensor] + col
+    score = a.view(-1)[row_all] * b.view(-1)[tensor * big_c + col]
+    gid, order = torch.sort(gid)
+    score, tensor = score[order], tensor[order]
+    descending = 0x7FFFFFFF - score.float().view(torch.int32).long()
+    key = torch.where(_isin_sorted(gid, kept_gid), 0x80000000, descending)  # kept (excluded) rank last
+    listed = [t if ok else 0 for t, ok in zip(totals_list, valid_list)]
+    starts = torch.tensor([sum(listed[:i]) for i in range(n)], device=dev)
+    chosen = segmented_rank(key, tensor, starts) < k_t[tensor]
+    grown = [gid[torch.nonzero_static(chosen, size=sum(ki for ki, ok in zip(k, valid_list) if ok)).squeeze(1)]]
+    kept_local = torch.split(kept_gid, n_kept)
+    for i, ok in enumerate(valid_list):
+        if not ok and k[i] > 0:
+            local = _top_k_row_col_products_chunked(row_scores[i], col_scores[i], kept_local[i] - u_off[i], k[i], 1 << 22)
+            grown.append(local + u_off[i])
+    return torch.cat(grown).sort().values if len(grown) > 1 else grown[0]
+
+
 def reselect_all(items: list, growth: str) -> AllReselections:
     """DROP and GROW for many tensors at once, identical to :func:`reselect_ag` / :func:`reselect_ma`
     per tensor, with the per-tensor selections done as segmented ranks (one sort for all drops, one
@@ -572,14 +647,10 @@ def reselect_all(items: list, growth: str) -> AllReselections:
         per_tensor_ok = (n_eligible >= k_t) & (_segment_sums(~torch.isfinite(score), ce_start_t) == 0)
         ok = per_tensor_ok.all()
         grown_gid = cand_gid[torch.nonzero_static(grown_mask, size=sum(k)).squeeze(1)]  # ascending
-    else:  # Alg. 3: the k units with the largest Σ√⁴(R_i·C_j) (Eq. 7.7), tensor by tensor
-        kept_local = torch.split(kept_gid, [u - k_i for u, k_i in zip(u_sizes, k)])
-        grown = []
-        for it, kept, k_i, u0 in zip(items, kept_local, k, u_off):
-            row_score = it.grid.reduce_rows(it.row_acc.double().pow(0.25))
-            col_score = it.grid.reduce_cols(it.col_acc.double().pow(0.25))
-            grown.append(top_k_row_col_products(row_score, col_score, kept - u0, k_i) + u0)
-        grown_gid = torch.cat(grown)
+    else:  # Alg. 3: the k units with the largest Σ√⁴(R_i·C_j) (Eq. 7.7)
+        row_scores = [it.grid.reduce_rows(it.row_acc.double().pow(0.25)) for it in items]
+        col_scores = [it.grid.reduce_cols(it.col_acc.double().pow(0.25)) for it in items]
+        grown_gid = _grow_rank_one_all(row_scores, col_scores, kept_gid, [u - k_i for u, k_i in zip(u_sizes, k)], k, u_off)
 
     # units → weights (global element numbers), ascending
     if blocks:
@@ -643,9 +714,14 @@ class _WindowStatistics:
                 flat = flat.clone()
                 dist.all_reduce(flat)  # identical candidates on every rank
             unit_scores = self.grid.reduce(flat.abs().view(self.grid.out_features, self.grid.in_features))
-            self.candidate_units = top_k_set(unit_scores, self.num_candidate_units)  # ascending
-            chosen = self.candidate_units if self.grid.unstructured else self.grid.expand(self.candidate_units)
-            self.candidates = chosen.to(index_dtype(flat.numel()))
+            chosen_units = top_k_set(unit_scores, self.num_candidate_units)  # ascending
+            if self.grid.unstructured:  # units are the weights: keep one (narrow) copy
+                self.candidates = chosen_units.to(index_dtype(flat.numel()))
+                chosen = self.candidates
+            else:
+                self.candidate_units = chosen_units
+                chosen = self.grid.expand(chosen_units)
+                self.candidates = chosen.to(index_dtype(flat.numel()))
             zeros = torch.zeros(chosen.numel(), dtype=self.dtype, device=flat.device)
             self.step_sum, self.grad_sum, self.grad_sq_sum = zeros, zeros.clone(), zeros.clone()
             if _distributed():
@@ -662,10 +738,10 @@ class _WindowStatistics:
     def tensors(self) -> dict:
         if self.candidates is None:
             return {}
-        return {
-            "candidates": self.candidates, "candidate_units": self.candidate_units, "step_sum": self.step_sum,
-            "grad_sum": self.grad_sum, "grad_sq_sum": self.grad_sq_sum,
-        }  # fmt: skip
+        tensors = {"candidates": self.candidates, "step_sum": self.step_sum, "grad_sum": self.grad_sum, "grad_sq_sum": self.grad_sq_sum}
+        if self.candidate_units is not None:  # block adapters
+            tensors["candidate_units"] = self.candidate_units
+        return tensors
 
 
 class DeferredSeeding:
@@ -1051,7 +1127,8 @@ class SpIELScheduler:
                 stats = self.statistics[name]
                 if tensors:
                     stats.candidates = tensors["candidates"].to(device_of(name), copy=True)
-                    stats.candidate_units = tensors["candidate_units"].to(device_of(name), copy=True)
+                    if "candidate_units" in tensors:
+                        stats.candidate_units = tensors["candidate_units"].to(device_of(name), copy=True)
                     stats.step_sum = tensors["step_sum"].to(device_of(name), copy=True)
                     stats.grad_sum = tensors["grad_sum"].to(device_of(name), copy=True)
                     stats.grad_sq_sum = tensors["grad_sq_sum"].to(device_of(name), copy=True)
