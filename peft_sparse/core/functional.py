@@ -43,7 +43,9 @@ def compose_weight(
         merged = merged.contiguous()
     flat = merged.view(-1)
     for idx, val in zip(indices, values):
-        flat.index_add_(0, idx, val.to(dtype))
+        # an adapter's indices are distinct: gather, add, scatter — no atomics, which for 16-bit types
+        # are compare-and-swap loops that contend wherever active weights sit side by side
+        flat.index_put_((idx,), flat[idx] + val.to(dtype))
     return merged
 
 
