@@ -2,7 +2,7 @@
 
     python benchmarks/profile_reselection.py spiel-ag [--rows 20]
 
-Runs the benchmark setup (S=20, γ=5, T=45) to step 26 and profiles steps 21 (first window step)
+Runs the benchmark setup (S=20, γ=5, T=46) to step 26 and profiles steps 21 (first window step)
 and 25 (window + reselection), timing the scheduler's step on its own too.
 """
 
@@ -23,7 +23,7 @@ def main():
     parser.add_argument("--rows", type=int, default=20)
     parser.add_argument("--size", default="tinyllama")
     args = parser.parse_args()
-    model, optimizer, hook, _, _ = prepare(args.variant, args.size, total_steps=45)
+    model, optimizer, hook, _, _ = prepare(args.variant, args.size, total_steps=46)
     model.train()
     ids = torch.randint(0, SIZES[args.size]["vocab_size"], (8, 1024), device="cuda")
 

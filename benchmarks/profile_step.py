@@ -19,7 +19,7 @@ def main():
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--size", default="tinyllama")
     args = parser.parse_args()
-    model, optimizer, hook, _, _ = prepare(args.variant, args.size, total_steps=45)
+    model, optimizer, hook, _, _ = prepare(args.variant, args.size, total_steps=46)
     model.train()
     ids = torch.randint(0, SIZES[args.size]["vocab_size"], (8, 1024), device="cuda")
 
