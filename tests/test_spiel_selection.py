@@ -253,3 +253,12 @@ def test_reselect_all_flags_a_shortfall_and_a_nan_score():
     assert not bool(result.ok) and result.per_tensor_ok.tolist() == [True, False]
     nan = make([0, 5, 6, 7], [1.0, float("nan"), 3.0, 4.0])
     assert reselect_all([nan, fine], "ag").per_tensor_ok.tolist() == [False, True]
+
+
+def test_rank_one_counts_in_tensor_chunks_give_the_same_growth(monkeypatch):
+    """The batched threshold search bounds its memory by counting a few tensors at a time."""
+    import peft_sparse.methods.spiel as spiel
+
+    monkeypatch.setattr(spiel, "_COUNT_CHUNK", 40)  # one tensor per chunk
+    test_reselect_all_equals_reselecting_each_tensor("ma", (1, 1), False)
+    test_reselect_all_equals_reselecting_each_tensor("ma", (2, 4), True)

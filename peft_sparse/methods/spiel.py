@@ -352,6 +352,7 @@ def top_k_row_col_products(
 
 
 _GRID_POINTS, _GRID_ROUNDS, _MARGIN = 256, 3, 1e-6
+_COUNT_CHUNK = 1 << 25  # threshold queries per batched count (256 MiB of float64)
 
 
 def _top_k_rank_one(a: torch.Tensor, b: torch.Tensor, excluded: torch.Tensor, k: int) -> Optional[torch.Tensor]:
@@ -525,9 +526,15 @@ def _grow_rank_one_all(row_scores: list, col_scores: list, kept_gid: torch.Tenso
     hi = torch.log(a.amax(1)) + torch.log(b.amax(1)) + _MARGIN
 
     def count_above(tau):  # (n, G) thresholds → (n, G) counts of R_i·C_j ≥ τ
-        ratio = (tau[:, None, :] / a[:, :, None]).reshape(n, -1)  # (n, M·G)
-        per_row = big_c - torch.searchsorted(b_sorted, ratio)
-        return per_row.view(n, big_m, -1).sum(1)
+        g = tau.shape[1]
+        step = max(1, _COUNT_CHUNK // (big_m * g))  # tensors per chunk: bounded transient memory
+        counts = []
+        for t0 in range(0, n, step):
+            t1 = min(n, t0 + step)
+            ratio = (tau[t0:t1, None, :] / a[t0:t1, :, None]).reshape(t1 - t0, -1)  # (chunk, M·G)
+            per_row = big_c - torch.searchsorted(b_sorted[t0:t1], ratio)
+            counts.append(per_row.view(t1 - t0, big_m, g).sum(1))
+        return torch.cat(counts) if len(counts) > 1 else counts[0]
 
     points = 32
     steps = torch.linspace(0.0, 1.0, points, dtype=torch.float64, device=dev)

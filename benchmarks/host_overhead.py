@@ -1,0 +1,76 @@
+"""Host-side (Python + dispatcher) cost of a training step, measured on CPU with tiny tensors.
+
+    python benchmarks/host_overhead.py [--variants floor,lora,spiel-ma,spiel-ag] [--steps 30]
+
+With hidden size 64 the arithmetic is negligible, so the step time is what every step must spend
+issuing work, per layer and in total — what bounds a GPU step once kernels get short. Same layer
+count and targets as the GPU benchmark (TinyLlama's 22 layers, 7 projections).
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build(variant: str):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import peft_sparse
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=22, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128)  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    optimizer = hook = None
+    if variant == "floor":
+        model.enable_input_require_grads()
+        return model, None, None
+    if variant == "lora":
+        model = get_peft_model(model, LoraConfig(r=8, target_modules=TARGETS))
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        return model, optimizer, None
+    growth = variant.split("-")[1]
+    model = get_peft_model(model, peft_sparse.SpIELConfig(target_modules=TARGETS, density=0.05, growth=growth))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = peft_sparse.SM3(params, lr=1e-3) if growth == "ma" else torch.optim.AdamW(params, lr=1e-4)
+    scheduler = peft_sparse.SpIELScheduler(model, optimizer, total_steps=10_000)
+    scheduler.t = 100  # a steady step: no window, no reselection
+    scheduler._disarm()
+    return model, optimizer, None
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variants", default="floor,lora,spiel-ma,spiel-ag")
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ids = torch.randint(0, 128, (2, 16))
+    for variant in args.variants.split(","):
+        model, optimizer, _ = build(variant)
+        model.train()
+        times = []
+        for step in range(args.steps + 5):
+            start = time.perf_counter()
+            model(input_ids=ids, labels=ids).loss.backward()
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if step >= 5:
+                times.append(time.perf_counter() - start)
+        print(f"{variant:10s} {1e3 * statistics.median(times):7.1f} ms per step (median of {args.steps})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
