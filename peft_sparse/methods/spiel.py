@@ -14,8 +14,14 @@ k(i, t) new ones. The first reselection, at t = γ, replaces all of them (Eq. 7.
   Grow the k eligible candidates (not active after the drop — a just-dropped index may regrow)
   with the largest |ĝ| = |Σg|/γ. If fewer than k are eligible, drop only as many as can be grown.
 * **GROW, MA** (momentum approximation, Alg. 3) — the k inactive positions with the largest
-  √⁴(R_i·C_j) (Eq. 7.7) from SM3's row/column accumulators, ranked chunk by chunk so no dense
-  (out, in) score matrix exists.
+  √⁴(R_i·C_j) (Eq. 7.7) from SM3's row/column accumulators. The scores form a rank-one matrix, so
+  a threshold that leaves about d_φ positions above it is found by counting, and only those
+  positions are listed and ranked: no (out, in) score matrix exists.
+
+The scheduler reselects all tensors together (:func:`reselect_all`): each tensor's drop and AG grow
+is a rank within its segment of one concatenation, so a reselection costs a handful of launches
+whatever the number of tensors; :func:`reselect_ag` and :func:`reselect_ma` are the same policy for
+one tensor, written plainly (and the reference the batched version is tested against).
 
 Grown weights start at φ = 0 with age t; the optimizer keeps the same Parameter objects and its
 state is re-gathered and seeded by :mod:`peft_sparse.optim.surgery`. Persistent memory is O(d_φ):
