@@ -805,10 +805,12 @@ class DeferredSeeding:
     def factor(self) -> float:
         if not self.raw:
             return 1.0
-        seen = [p.grad.detach().float().square().sum() for p in self.params if id(p) in self.raw and p.grad is not None]
+        device = self.params[0].device  # a model split over devices: sum on one of them
+        seen = [p.grad.detach().float().square().sum().to(device) for p in self.params if id(p) in self.raw and p.grad is not None]
+        raw = torch.stack([r.to(device) for r in self.raw.values()]).double().sum()
         # the same arithmetic as the raw sums, so that no rescaling gives exactly 1; one host sync
-        raw, seen = torch.stack([torch.stack(list(self.raw.values())).double().sum(),
-                                 torch.stack(seen).double().sum() if seen else torch.zeros((), dtype=torch.float64, device=self.params[0].device)]).tolist()  # fmt: skip
+        seen = torch.stack(seen).double().sum() if seen else torch.zeros((), dtype=torch.float64, device=device)
+        raw, seen = torch.stack([raw, seen]).tolist()
         return 1.0 if raw == seen or raw == 0.0 else math.sqrt(seen / raw)
 
     @torch.no_grad()
