@@ -75,3 +75,39 @@ def test_qspiel_on_cuda(tmp_path):
     assert layer.sparse_values["default"].dtype == torch.float32
     assert (layer.sparse_ages["default"] == 4).any()
     assert "cuda" in kernels.SDDMM_KERNELS
+
+
+@pytest.mark.parametrize("growth", ["ag", "ma"])
+@pytest.mark.parametrize("block", [(1, 1), (16, 16)])
+def test_batched_reselection_on_cuda_equals_per_tensor(growth, block):
+    """The batched drop/grow on a GPU (sorts, binary searches, threshold counting) gives what the
+    plain per-tensor functions give on the same GPU."""
+    from peft_sparse.core.selection import BlockGrid
+    from peft_sparse.methods.spiel import TensorReselection, reselect_ag, reselect_all, reselect_ma
+
+    g = torch.Generator().manual_seed(0)
+    items_cpu = []
+    for out_f, in_f in [(512, 256), (256, 512), (64, 256), (512, 512)]:
+        grid = BlockGrid(out_f, in_f, block)
+        n_units = grid.numel // 20
+        units = torch.randperm(grid.numel, generator=g)[:n_units].sort().values
+        indices = grid.expand(units).to(torch.int32)
+        item = TensorReselection(torch.randn(indices.numel(), generator=g), indices, n_units // 5, grid,
+                                 units=units if grid.unit > 1 else None)  # fmt: skip
+        if growth == "ag":
+            cand = torch.randperm(grid.numel, generator=g)[: 2 * n_units].sort().values
+            item.candidates = grid.expand(cand).to(torch.int32)
+            item.candidate_units = cand if grid.unit > 1 else None
+            item.score = torch.rand(item.candidates.numel(), generator=g)
+        else:
+            item.row_acc, item.col_acc = torch.rand(out_f, generator=g), torch.rand(in_f, generator=g)
+        items_cpu.append(item)
+    moved = [TensorReselection(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in vars(it).items()}) for it in items_cpu]
+    batched = reselect_all(moved, growth)
+    assert bool(batched.ok)
+    for it, got in zip(moved, batched.indices):
+        if growth == "ag":
+            want = reselect_ag(it.values, it.indices, it.k, it.candidates, it.score, it.grid, it.units, it.candidate_units)
+        else:
+            want = reselect_ma(it.values, it.indices, it.k, it.row_acc, it.col_acc, it.grid, it.units)
+        assert torch.equal(got, want.indices)
