@@ -355,3 +355,25 @@ def test_a_reloaded_trainable_adapter_keeps_training_with_its_ages(tmp_path):
         opt2.zero_grad()
         scheduler2.step()
     assert any(not torch.equal(b, l.sparse_indices["default"]) for b, l in zip(before, sparse_layers(loaded)))
+
+
+def test_a_nan_window_gradient_raises_at_the_reselection_with_the_adapter_untouched():
+    model = _spiel("ag")
+    opt = _optimizer(model, "ag")
+    scheduler = SpIELScheduler(model, opt, total_steps=20)
+    _run(model, opt, scheduler, 1)  # step 1 of the first window (γ=2): statistics exist
+    stats = next(iter(scheduler.statistics.values()))
+    stats.grad_sum[3] = float("nan")  # as if a NaN gradient had reached one tensor's window sums
+    model.train()
+    _loss(model, _batch(1)).backward()
+    opt.step()
+    opt.zero_grad()
+    before = {m.module_name: (m.sparse_indices["default"].clone(), m.sparse_values["default"].detach().clone(),
+                              m.sparse_ages["default"].clone()) for m in sparse_layers(model)}  # fmt: skip
+    with pytest.raises(ValueError, match="NaN"):
+        scheduler.step()  # t = γ: the reselection
+    for m in sparse_layers(model):
+        indices, values, ages = before[m.module_name]
+        assert torch.equal(m.sparse_indices["default"], indices)
+        assert torch.equal(m.sparse_values["default"].detach(), values)
+        assert torch.equal(m.sparse_ages["default"], ages)
