@@ -32,7 +32,6 @@ def build(variant: str):
     model = LlamaForCausalLM(cfg)
     for p in model.parameters():
         p.requires_grad_(False)
-    optimizer = hook = None
     if variant == "floor":
         model.enable_input_require_grads()
         return model, None, None

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from peft import get_peft_model
 
-from peft_sparse import SM3, SpIELConfig, SpIELScheduler, SparseLayer
+from peft_sparse import SM3, SpIELConfig, SpIELScheduler
 from peft_sparse.optim.surgery import reindex_optimizer_state, seed_optimizer_state
 from peft_sparse.schedules.reselection import in_estimation_window, is_reselection_step
 

@@ -348,7 +348,6 @@ def top_k_row_col_products(
     O(rows·cols). When zeros or massive ties stop the threshold from separating few enough
     positions, it falls back to an exact scan in row chunks of at most ``chunk_elements``.
     """
-    n_rows, n_cols = row_acc.numel(), col_acc.numel()
     if k <= 0:
         return torch.empty(0, dtype=torch.long, device=row_acc.device)
     found = _top_k_rank_one(row_acc.double(), col_acc.double(), excluded.long(), k)
@@ -608,7 +607,20 @@ def reselect_all(items: list, growth: str) -> AllReselections:
         e_off.append(e_off[-1] + it.grid.out_features * it.grid.in_features)
         u_off.append(u_off[-1] + it.grid.numel)
     e_off_t, u_off_t, k_t = table(e_off), table(u_off), table(k)
-    seg_e, d_start_t, d_start = segments(d)
+    grid_cols = table([it.grid.cols for it in items])
+    in_features = table([it.grid.in_features for it in items])
+    bh, bw = grid0.bh, grid0.bw
+
+    def block_major(gid: torch.Tensor) -> torch.Tensor:  # global units → (n, bh·bw) global weights, all tensors at once
+        tensor = torch.searchsorted(u_off_t, gid, right=True) - 1
+        local = gid - u_off_t[tensor]
+        br, bc = local // grid_cols[tensor], local % grid_cols[tensor]
+        width = in_features[tensor][:, None, None]
+        i = torch.arange(bh, device=dev)[None, :, None]
+        j = torch.arange(bw, device=dev)[None, None, :]
+        flat = ((br * bh)[:, None, None] + i) * width + (bc * bw)[:, None, None] + j
+        return (flat + e_off_t[tensor][:, None, None]).reshape(-1, unit)
+    seg_e, d_start_t, _ = segments(d)
     eid = torch.cat([it.indices.long() for it in items]) + e_off_t[seg_e]  # ascending
     magnitude = torch.cat([it.values.detach().abs().float() for it in items])
 
@@ -618,8 +630,7 @@ def reselect_all(items: list, growth: str) -> AllReselections:
         u_sizes = [u.numel() for u in units_local]
         seg_u, u_start_t, _ = segments(u_sizes)
         unit_gid = torch.cat(units_local) + u_off_t[seg_u]
-        element_slots = torch.cat([torch.searchsorted(it.indices.long(), it.grid.block_major(u).reshape(-1)) + d0
-                                   for it, u, d0 in zip(items, units_local, d_start)])  # fmt: skip
+        element_slots = torch.searchsorted(eid, block_major(unit_gid).reshape(-1))  # slots in the concatenation
         unit_magnitude = magnitude[element_slots].view(-1, unit).sum(1)
     else:
         u_sizes, seg_u, u_start_t, unit_gid, unit_magnitude = d, seg_e, d_start_t, eid, magnitude
@@ -644,11 +655,7 @@ def reselect_all(items: list, growth: str) -> AllReselections:
             cand_units = [it.candidate_units if it.candidate_units is not None else it.grid.units(it.candidates)[0] for it in items]
             seg_c, c_start_t, _ = segments([c.numel() for c in cand_units])
             cand_gid = torch.cat(cand_units) + u_off_t[seg_c]
-            c_start_e = [0]
-            for size in c_sizes_e[:-1]:
-                c_start_e.append(c_start_e[-1] + size)
-            cand_slots = torch.cat([torch.searchsorted(it.candidates.long(), it.grid.block_major(c).reshape(-1)) + c0
-                                    for it, c, c0 in zip(items, cand_units, c_start_e)])  # fmt: skip
+            cand_slots = torch.searchsorted(cand_eid, block_major(cand_gid).reshape(-1))
             cand_score = score[cand_slots].view(-1, unit).sum(1)
         else:
             seg_c, c_start_t, cand_gid, cand_score = seg_ce, ce_start_t, cand_eid, score
@@ -667,15 +674,7 @@ def reselect_all(items: list, growth: str) -> AllReselections:
 
     # units → weights (global element numbers), ascending
     if blocks:
-        seg_g = torch.searchsorted(u_off_t, grown_gid, right=True) - 1
-        grown_eid = torch.empty(grown_gid.numel() * unit, dtype=torch.long, device=dev)
-        pieces = torch.split(grown_gid - u_off_t[seg_g], k)
-        at = 0
-        for it, piece, e0 in zip(items, pieces, e_off):
-            size = piece.numel() * unit
-            grown_eid[at : at + size] = it.grid.block_major(piece).reshape(-1) + e0
-            at += size
-        grown_eid = grown_eid.sort().values
+        grown_eid = block_major(grown_gid).reshape(-1).sort().values
     else:
         grown_eid = grown_gid
     if growth == "ag":
