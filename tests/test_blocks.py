@@ -115,3 +115,30 @@ def test_block_shape_errors():
         SpIELConfig(target_modules="all-linear", density=0.1, block_shape=(0, 4))
     with pytest.raises(ValueError, match=r"block_shape=\(5, 5\) does not tile target module 'model.layers.0.self_attn.q_proj'"):
         get_peft_model(tiny_llama(), SpIELConfig(target_modules=["q_proj"], density=0.1, block_shape=(5, 5)))
+
+
+def test_block_metadata_after_a_batched_reselection_equals_a_fresh_computation():
+    from peft import get_peft_model
+
+    from peft_sparse import SpIELConfig, SpIELScheduler
+
+    from .models import sparse_layers, tiny_llama
+
+    config = SpIELConfig(target_modules="all-linear", density=0.25, growth="ag", reselection_steps=4,
+                         gradient_estimation_steps=2, block_shape=(16, 16))  # fmt: skip
+    model = get_peft_model(tiny_llama(), config)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    scheduler = SpIELScheduler(model, opt, total_steps=8)
+    model.train()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(6):  # reselections at 2 and 6
+        x = torch.randint(0, 97, (4, 12), generator=g)
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+    for layer in sparse_layers(model):
+        cached = layer.block_metadata("default")  # as the reselection left it
+        layer._block_metadata.pop("default")
+        fresh = layer.block_metadata("default")  # recomputed from the indices alone
+        assert all(torch.equal(a, b) for a, b in zip(cached[:3], fresh[:3])) and cached[3] == fresh[3]

@@ -268,10 +268,14 @@ class SparseLayer(BaseTunerLayer):
     def _indices_key(indices: torch.Tensor) -> tuple:
         return (indices.data_ptr(), indices._version, indices.numel())
 
-    def set_block_metadata(self, adapter_name: str, blocks: torch.Tensor):
-        """Cache the block metadata for the (ascending) active block numbers ``blocks``."""
+    def set_block_metadata(self, adapter_name: str, blocks: torch.Tensor, metadata: Optional[tuple] = None):
+        """Cache the block metadata for the (ascending) active block numbers ``blocks`` (``metadata``:
+        already computed for the current indices, e.g. by a batched reselection)."""
         bh, bw = self.block_shape[adapter_name]
         indices = self.sparse_indices[adapter_name]
+        if metadata is not None:
+            self._block_metadata[adapter_name] = (self._indices_key(indices), metadata)
+            return metadata
         cols = self.in_features // bw
         br, bc = blocks // cols, blocks % cols
         i = torch.arange(bh, device=indices.device)

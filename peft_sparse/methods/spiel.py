@@ -487,6 +487,7 @@ class AllReselections:
     changed: torch.Tensor  # how many new indices were not active before (device scalar)
     new_indices: torch.Tensor  # ``indices`` laid end to end
     per_tensor_ok: Optional[torch.Tensor] = None
+    block_metadata: Optional[list] = None  # per block tensor: (block rows, block cols, slots, block_shape)
 
 
 def _segment_sums(flags: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
@@ -696,13 +697,19 @@ def reselect_all(items: list, growth: str) -> AllReselections:
         grown_from[at_grown] = grown_from_rows
     new_flat = new_eid - e_off_t[seg_e]
     changed = (~_isin_sorted(new_eid, eid)).sum()
-    units = [None] * n
-    if blocks:
+    units = metadata = [None] * n
+    if blocks:  # the new active blocks, and the layers' block metadata for them (see SparseLayer.block_metadata)
         all_units = _merge_units(kept_gid, grown_gid)
         seg_nu = torch.repeat_interleave(torch.arange(n, device=dev), table(u_sizes), output_size=sum(u_sizes))
-        units = list(torch.split(all_units - u_off_t[seg_nu], u_sizes))
+        local = all_units - u_off_t[seg_nu]
+        units = list(torch.split(local, u_sizes))
+        rows = (local // grid_cols[seg_nu]).to(torch.int32)
+        cols = (local % grid_cols[seg_nu]).to(torch.int32)
+        slots = torch.searchsorted(new_eid, block_major(all_units)) - d_start_t[seg_nu][:, None]
+        pieces = zip(torch.split(rows, u_sizes), torch.split(cols, u_sizes), torch.split(slots.reshape(-1), [u * unit for u in u_sizes]))
+        metadata = [(r, c, sl, (bh, bw)) for r, c, sl in pieces]
     return AllReselections(d, source, grown_from, list(torch.split(new_flat, d)), units, [k_i * unit for k_i in k], ok,
-                           changed, new_flat, per_tensor_ok)  # fmt: skip
+                           changed, new_flat, per_tensor_ok, metadata)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- scheduler
@@ -1045,9 +1052,9 @@ class SpIELScheduler:
             for value, size, (s, g, s2) in zip(values, result.sizes, pieces):
                 self.seeding.pending[id(value)] = (s - start, g, s2)
                 start += size
-        for layer, (_, item, _), units in zip(layers, group, result.units):
+        for layer, (_, item, _), units, meta in zip(layers, group, result.units, result.block_metadata):
             if units is not None and item.grid.unit > 1:
-                layer.set_block_metadata(name, units)
+                layer.set_block_metadata(name, units, meta)
         totals["sums"].append(torch.stack([age_before - kept_age, kept_age, result.changed]))
         totals["replaced"] += n_grown
 
