@@ -782,41 +782,37 @@ class DeferredSeeding:
         self.params = params
         # id(param) → (grown slots, ĝ, ŝ) waiting for the next step
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.raw: dict[int, torch.Tensor] = {}
+        self.raw: dict = {}  # after a backward: the ids of the parameters with gradients and Σ‖g‖²
         self.last_factor: Optional[float] = None
         self._queued = False
         self._handles = [p.register_post_accumulate_grad_hook(self._after_backward) for p in params]
         self._handles.append(optimizer.register_step_pre_hook(self._before_step))
 
     def _after_backward(self, param) -> None:
-        if not self.pending or param.grad is None:
+        if not self.pending or param.grad is None or self._queued:
             return
-        if not _distributed():
-            self.raw[id(param)] = param.grad.detach().float().square().sum()
-        elif not self._queued:
-            # Under DDP the local gradient is averaged over ranks only when the backward pass finishes
-            # (DDP queues that as an end-of-backward callback). Read the norms after it, so every rank
-            # measures the same averaged gradient: a callback queued now runs before DDP's, so it
-            # queues a second one, which runs after.
-            self._queued = True
-            engine = torch.autograd.Variable._execution_engine
-            engine.queue_callback(lambda: engine.queue_callback(self._read_averaged))
+        # Read every gradient norm once the backward pass is over, in one multi-tensor reduction. Under
+        # DDP the local gradient is averaged over ranks only when the backward pass finishes (DDP queues
+        # that as an end-of-backward callback), so every rank measures the same averaged gradient: a
+        # callback queued now runs before DDP's, so it queues a second one, which runs after.
+        self._queued = True
+        engine = torch.autograd.Variable._execution_engine
+        if _distributed():
+            engine.queue_callback(lambda: engine.queue_callback(self._read_raw))
+        else:
+            engine.queue_callback(self._read_raw)
 
-    def _read_averaged(self) -> None:
+    def _read_raw(self) -> None:
         self._queued = False
-        for p in self.params:
-            if p.grad is not None:
-                self.raw[id(p)] = p.grad.detach().float().square().sum()
+        with_grad = [p for p in self.params if p.grad is not None]
+        self.raw = {"ids": {id(p) for p in with_grad}, "total": _squared_norm(with_grad)}
 
     def factor(self) -> float:
         if not self.raw:
             return 1.0
-        device = self.params[0].device  # a model split over devices: sum on one of them
-        seen = [p.grad.detach().float().square().sum().to(device) for p in self.params if id(p) in self.raw and p.grad is not None]
-        raw = torch.stack([r.to(device) for r in self.raw.values()]).double().sum()
-        # the same arithmetic as the raw sums, so that no rescaling gives exactly 1; one host sync
-        seen = torch.stack(seen).double().sum() if seen else torch.zeros((), dtype=torch.float64, device=device)
-        raw, seen = torch.stack([raw, seen]).tolist()
+        seen = [p for p in self.params if id(p) in self.raw["ids"] and p.grad is not None]
+        # the same reduction as the raw norms, so that no rescaling gives exactly 1; one host sync
+        raw, seen = torch.stack([self.raw["total"], _squared_norm(seen).to(self.raw["total"].device)]).tolist()
         return 1.0 if raw == seen or raw == 0.0 else math.sqrt(seen / raw)
 
     @torch.no_grad()
@@ -833,6 +829,16 @@ class DeferredSeeding:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+def _squared_norm(params: list) -> torch.Tensor:
+    """Σ‖grad‖² over ``params`` (float64, on the first one's device) by one multi-tensor norm per device."""
+    if not params:
+        return torch.zeros((), dtype=torch.float64)
+    device = params[0].grad.device
+    grads = [p.grad.detach() if p.grad.dtype in (torch.float32, torch.float64) else p.grad.detach().float() for p in params]
+    norms = torch._foreach_norm(grads)
+    return torch.stack([n.to(device=device, dtype=torch.float64) for n in norms]).square().sum()
 
 
 def _distributed() -> bool:
