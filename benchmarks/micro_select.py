@@ -1,5 +1,10 @@
 """Micro-timings (GPU) of exact top-k-set selections over a weight-sized |gradient|: the AG window's
-candidate choice. Every method is checked against torch.topk's set first."""
+candidate choice. Every method is checked against the library's ``top_k_set`` first.
+
+On the H200 (2026-11-26, 11.5M elements, k=603,000): ``torch.topk`` alone 0.29 ms, ``top_k_set``
+(topk threshold + lowest-index ties) 0.65 ms, two 16-bit histogram passes 10.6 ms (atomics on a few
+hot bins), a sampled threshold + exact selection on the superset 0.83 ms — so ``top_k_set`` stays.
+"""
 import torch
 import triton.testing as tt
 
