@@ -582,9 +582,10 @@ def _grow_rank_one_all(row_scores: list, col_scores: list, kept_gid: torch.Tenso
 
 def reselect_all(items: list, growth: str) -> AllReselections:
     """DROP and GROW for many tensors at once, identical to :func:`reselect_ag` / :func:`reselect_ma`
-    per tensor, with the per-tensor selections done as segmented ranks (one sort for all drops, one
-    for all AG growths) and the merges done once over the concatenation, so the number of launches
-    does not grow with the number of tensors (MA's growth ranks each tensor's R·C on its own)."""
+    per tensor. The per-tensor selections are segmented ranks (one sort for all drops, one for all
+    growths; MA's threshold search runs on padded per-tensor tables), blocks are expanded and merges
+    done once over the concatenation, so the number of launches hardly grows with the number of
+    tensors. All items live on one device and share one block shape (one adapter's config)."""
     dev = items[0].values.device
     grid0 = items[0].grid
     unit = grid0.unit
@@ -621,6 +622,7 @@ def reselect_all(items: list, growth: str) -> AllReselections:
         j = torch.arange(bw, device=dev)[None, None, :]
         flat = ((br * bh)[:, None, None] + i) * width + (bc * bw)[:, None, None] + j
         return (flat + e_off_t[tensor][:, None, None]).reshape(-1, unit)
+
     seg_e, d_start_t, _ = segments(d)
     eid = torch.cat([it.indices.long() for it in items]) + e_off_t[seg_e]  # ascending
     magnitude = torch.cat([it.values.detach().abs().float() for it in items])
