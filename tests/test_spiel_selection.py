@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from peft_sparse.core.selection import BlockGrid
-from peft_sparse.methods.spiel import reselect_ag, reselect_ma, top_k_positions, top_k_row_col_products
+from peft_sparse.methods.spiel import (
+    _top_k_row_col_products_chunked, reselect_ag, reselect_ma, top_k_positions, top_k_row_col_products,
+)
 from peft_sparse.schedules.reselection import in_estimation_window, is_reselection_step, replacement_count
 
 
@@ -92,7 +94,7 @@ def test_chunked_row_col_top_k_equals_brute_force(chunk):
     mask[excluded] = False
     pos = torch.nonzero(mask).squeeze(1)
     want = pos[torch.sort(want_scores[pos], descending=True, stable=True).indices[:17]].sort().values
-    got = top_k_row_col_products(row_acc, col_acc, excluded, 17, chunk_elements=chunk)
+    got = _top_k_row_col_products_chunked(row_acc, col_acc, excluded, 17, chunk)
     assert got.tolist() == want.tolist()
 
 
@@ -139,10 +141,24 @@ def _brute_force_row_col_top_k(row_acc, col_acc, excluded, k):
     return pos[torch.sort(scores[pos], descending=True, stable=True).indices[:k]].sort().values
 
 
-@pytest.mark.parametrize("case", ["continuous", "ties", "block-scores", "everything"])
-def test_rank_one_threshold_path_equals_brute_force(case):
-    from peft_sparse.methods.spiel import _top_k_rank_one
+def _count_fallbacks(monkeypatch) -> list:
+    """Spy on the exact chunked scan that the threshold path falls back to."""
+    import peft_sparse.methods.spiel as spiel
 
+    calls = []
+    exact = spiel._top_k_row_col_products_chunked
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return exact(*args, **kwargs)
+
+    monkeypatch.setattr(spiel, "_top_k_row_col_products_chunked", spy)
+    return calls
+
+
+@pytest.mark.parametrize("case", ["continuous", "ties", "block-scores", "everything"])
+def test_rank_one_threshold_path_equals_brute_force(case, monkeypatch):
+    fallbacks = _count_fallbacks(monkeypatch)
     g = torch.Generator().manual_seed(3)
     rows, cols = 37, 53
     if case == "ties":  # few distinct positive values: many exactly tied products
@@ -156,23 +172,19 @@ def test_rank_one_threshold_path_equals_brute_force(case):
     n_excluded, k = (rows * cols - 40, 40) if case == "everything" else (90, 31)
     excluded = torch.randperm(rows * cols, generator=g)[:n_excluded].sort().values
     want = _brute_force_row_col_top_k(row_acc, col_acc, excluded, k)
-    fast = _top_k_rank_one(row_acc, col_acc, excluded, k)
-    if case != "ties":
-        assert fast is not None, "the threshold path should certify continuous scores"
-    if fast is not None:
-        assert fast.tolist() == want.tolist()
     assert top_k_row_col_products(row_acc, col_acc, excluded, k).tolist() == want.tolist()
+    if case != "ties":
+        assert not fallbacks, "the threshold path should certify continuous scores"
 
 
-def test_rank_one_path_gives_up_on_zero_scores_and_the_fallback_is_exact():
-    from peft_sparse.methods.spiel import _top_k_rank_one
-
+def test_rank_one_path_gives_up_on_zero_scores_and_the_fallback_is_exact(monkeypatch):
+    fallbacks = _count_fallbacks(monkeypatch)
     row_acc = torch.tensor([0.0, 2.0, 0.0, 1.0], dtype=torch.float64)
     col_acc = torch.tensor([3.0, 0.0, 1.0], dtype=torch.float64)
     excluded = torch.tensor([3, 5])  # (1,0) and (1,2): the two largest products
     k = 6  # only 2 positive products remain outside: zeros must fill the rest, lowest index first
-    assert _top_k_rank_one(row_acc, col_acc, excluded, k) is None
     got = top_k_row_col_products(row_acc, col_acc, excluded, k)
+    assert fallbacks == [1]
     assert got.tolist() == _brute_force_row_col_top_k(row_acc, col_acc, excluded, k).tolist() == [0, 1, 2, 4, 9, 11]
 
 

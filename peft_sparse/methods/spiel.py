@@ -226,20 +226,23 @@ def _isin_sorted(values: torch.Tensor, sorted_set: torch.Tensor) -> torch.Tensor
     return sorted_set.long()[pos] == values
 
 
+def _union_positions(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the elements of two ascending, disjoint lists sit in their ascending union: each one's
+    rank in its own list plus the number of smaller elements in the other (no sort)."""
+    at_a = torch.arange(a.numel(), device=a.device) + torch.searchsorted(b, a)
+    at_b = torch.arange(b.numel(), device=a.device) + torch.searchsorted(a, b)
+    return at_a, at_b
+
+
 def _merge(
     indices: torch.Tensor, keep: torch.Tensor, n_kept: int, grown_idx: torch.Tensor, grown_rows: torch.Tensor
 ) -> Reselection:
-    """New sorted indices from the kept old ones and the grown ones (ascending, disjoint from the kept).
-
-    Two ascending lists merge by binary search (each element's place is its rank in its own list plus
-    the number of smaller elements in the other), so no sort over d_φ elements is needed."""
+    """New sorted indices from the kept old ones and the grown ones (ascending, disjoint from the kept)."""
     kept_slots = torch.nonzero_static(keep, size=n_kept).squeeze(1)  # n_kept is known: no host sync
     kept_idx = indices.long()[kept_slots]
     grown_idx = grown_idx.long()
-    n_grown = grown_idx.numel()
-    at_kept = torch.arange(n_kept, device=indices.device) + torch.searchsorted(grown_idx, kept_idx)
-    at_grown = torch.arange(n_grown, device=indices.device) + torch.searchsorted(kept_idx, grown_idx)
-    new_idx = torch.empty(n_kept + n_grown, dtype=torch.long, device=indices.device)
+    at_kept, at_grown = _union_positions(kept_idx, grown_idx)
+    new_idx = torch.empty(n_kept + grown_idx.numel(), dtype=torch.long, device=indices.device)
     new_idx[at_kept] = kept_idx
     new_idx[at_grown] = grown_idx
     source = torch.full_like(new_idx, -1)
@@ -285,9 +288,10 @@ def _grow_ag(units, magnitude, unit_of_element, indices, k, candidates, cand_uni
 
 def _merge_units(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The ascending union of two ascending, disjoint unit lists."""
+    at_a, at_b = _union_positions(a, b)
     out = torch.empty(a.numel() + b.numel(), dtype=torch.long, device=a.device)
-    out[torch.arange(a.numel(), device=a.device) + torch.searchsorted(b, a)] = a
-    out[torch.arange(b.numel(), device=a.device) + torch.searchsorted(a, b)] = b
+    out[at_a] = a
+    out[at_b] = b
     return out
 
 
@@ -342,58 +346,20 @@ def top_k_row_col_products(
 
     R and C are non-negative, so the scores form a rank-one matrix whose large entries are cheap to
     find without forming it: a threshold τ with at least k + |excluded| scores ≥ τ (and few more) is
-    found by counting, row by row, the columns above τ/R_i in the sorted C (three rounds of a
-    log-spaced grid of thresholds, all rows at once); only the positions above τ — about d_φ of
-    them — are then listed and ranked. Memory and time are O(d_φ + rows·grid + cols), never
-    O(rows·cols). When zeros or massive ties stop the threshold from separating few enough
-    positions, it falls back to an exact scan in row chunks of at most ``chunk_elements``.
+    found by counting, row by row, the columns above τ/R_i in the sorted C (rounds of a log-spaced
+    grid of thresholds, all rows at once); only the positions above τ — about d_φ of them — are then
+    listed and ranked. Memory and time are O(d_φ + rows·grid + cols), never O(rows·cols). When zeros
+    or massive ties stop the threshold from separating few enough positions, it falls back to an
+    exact scan in row chunks of at most ``chunk_elements``. (One tensor of :func:`_grow_rank_one_all`.)
     """
     if k <= 0:
         return torch.empty(0, dtype=torch.long, device=row_acc.device)
-    found = _top_k_rank_one(row_acc.double(), col_acc.double(), excluded.long(), k)
-    if found is not None:
-        return found
-    return _top_k_row_col_products_chunked(row_acc, col_acc, excluded, k, chunk_elements)
+    excluded = excluded.long()
+    return _grow_rank_one_all([row_acc.double()], [col_acc.double()], excluded, [excluded.numel()], [k], [0], chunk_elements)
 
 
-_GRID_POINTS, _GRID_ROUNDS, _MARGIN = 256, 3, 1e-6
+_MARGIN = 1e-6  # relative: the threshold is lowered by this much so float32 ties of the k-th score are listed
 _COUNT_CHUNK = 1 << 25  # threshold queries per batched count (256 MiB of float64)
-
-
-def _top_k_rank_one(a: torch.Tensor, b: torch.Tensor, excluded: torch.Tensor, k: int) -> Optional[torch.Tensor]:
-    """The threshold path of :func:`top_k_row_col_products`, or None when it cannot certify its answer."""
-    n_rows, n_cols = a.numel(), b.numel()
-    need = k + excluded.numel()  # at least this many scores ≥ τ guarantee k non-excluded ones
-    if need > n_rows * n_cols:
-        return None
-    b_sorted, b_order = torch.sort(b)
-    inf = torch.tensor(math.inf, dtype=a.dtype, device=a.device)
-    lo = torch.log(torch.where(a > 0, a, inf).min()) + torch.log(torch.where(b > 0, b, inf).min())
-    hi = torch.log(a.max()) + torch.log(b.max())
-    lo, hi = lo - _MARGIN, hi + _MARGIN  # exp(log(x)) may round above x
-
-    def count_above(tau: torch.Tensor) -> torch.Tensor:  # per threshold: #{(i, j): R_i·C_j ≥ τ}
-        per_row = n_cols - torch.searchsorted(b_sorted, (tau[None, :] / a[:, None]).contiguous())
-        return per_row.sum(0)
-
-    steps = torch.linspace(0.0, 1.0, _GRID_POINTS, dtype=a.dtype, device=a.device)
-    for _ in range(_GRID_ROUNDS):
-        grid = lo + (hi - lo) * steps
-        counts = count_above(torch.exp(grid))
-        at = ((counts >= need).sum() - 1).clamp(min=0)  # counts fall as τ rises
-        lo, hi = grid[at], grid[(at + 1).clamp(max=_GRID_POINTS - 1)]
-    tau = torch.exp(lo) * (1 - _MARGIN)  # a little below: float32 ties of the k-th score are listed too
-    per_row = n_cols - torch.searchsorted(b_sorted, (tau / a).contiguous())
-    total, lowest = torch.stack([per_row.sum(), count_above(torch.exp(lo)[None])[0]]).tolist()
-    if lowest < need or not math.isfinite(float(tau)) or total > 2 * need + 4096:
-        return None  # zeros or ties: τ cannot separate ~need positions
-    rows = torch.repeat_interleave(torch.arange(n_rows, device=a.device), per_row, output_size=total)
-    start = torch.cumsum(per_row, 0) - per_row
-    cols = b_order[n_cols - per_row[rows] + torch.arange(total, device=a.device) - start[rows]]
-    flat, order = torch.sort(rows * n_cols + cols)
-    score = (a[rows] * b[cols])[order]
-    score = torch.where(_isin_sorted(flat, excluded), -math.inf, score)
-    return flat[top_k_positions(score, k)].sort().values
 
 
 def _top_k_row_col_products_chunked(
@@ -499,11 +465,13 @@ def _segment_sums(flags: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     return at_end - torch.cat([at_end.new_zeros(1), at_end[:-1]])
 
 
-def _grow_rank_one_all(row_scores: list, col_scores: list, kept_gid: torch.Tensor, n_kept: list, k: list, u_off: list) -> torch.Tensor:
+def _grow_rank_one_all(
+    row_scores: list, col_scores: list, kept_gid: torch.Tensor, n_kept: list, k: list, u_off: list, chunk_elements: int = 1 << 22
+) -> torch.Tensor:
     """:func:`top_k_row_col_products` for many tensors at once; returns the grown units in the global
     numbering (unit u of tensor i is ``u_off[i] + u``), ascending.
 
-    The threshold search of :func:`_top_k_rank_one` runs for all tensors together on zero-padded
+    The threshold search of :func:`top_k_row_col_products` runs for all tensors together on zero-padded
     (tensors, rows) and (tensors, cols) tables; one host synchronisation gives every tensor's number
     of listed positions; the listed positions of all tensors are ranked by one segmented sort. A
     tensor whose threshold cannot be certified is ranked on its own by the exact chunked scan."""
@@ -575,7 +543,7 @@ def _grow_rank_one_all(row_scores: list, col_scores: list, kept_gid: torch.Tenso
     kept_local = torch.split(kept_gid, n_kept)
     for i, ok in enumerate(valid_list):
         if not ok and k[i] > 0:
-            local = _top_k_row_col_products_chunked(row_scores[i], col_scores[i], kept_local[i] - u_off[i], k[i], 1 << 22)
+            local = _top_k_row_col_products_chunked(row_scores[i], col_scores[i], kept_local[i] - u_off[i], k[i], chunk_elements)
             grown.append(local + u_off[i])
     return torch.cat(grown).sort().values if len(grown) > 1 else grown[0]
 
@@ -683,20 +651,10 @@ def reselect_all(items: list, growth: str) -> AllReselections:
     if growth == "ag":
         grown_from_rows = torch.searchsorted(cand_eid, grown_eid)
 
-    # MERGE: kept and grown weights are disjoint ascending lists; each one's place in the union is its
-    # rank in its own list plus the number of smaller elements in the other
-    kept_slots = torch.nonzero_static(keep_element, size=sum(d) - sum(k) * unit).squeeze(1)
-    kept_eid = eid[kept_slots]
-    at_kept = torch.arange(kept_eid.numel(), device=dev) + torch.searchsorted(grown_eid, kept_eid)
-    at_grown = torch.arange(grown_eid.numel(), device=dev) + torch.searchsorted(kept_eid, grown_eid)
-    new_eid = torch.empty(sum(d), dtype=torch.long, device=dev)
-    new_eid[at_kept] = kept_eid
-    new_eid[at_grown] = grown_eid
-    source = torch.full_like(new_eid, -1)
-    source[at_kept] = kept_slots
-    grown_from = torch.full_like(new_eid, -1)
-    if grown_from_rows is not None:
-        grown_from[at_grown] = grown_from_rows
+    # MERGE: kept and grown weights of all tensors at once (each tensor keeps its size and place)
+    rows = grown_from_rows if grown_from_rows is not None else torch.full_like(grown_eid, -1)
+    merged = _merge(eid, keep_element, sum(d) - sum(k) * unit, grown_eid, rows)
+    new_eid, source, grown_from = merged.indices, merged.source, merged.grown_from
     new_flat = new_eid - e_off_t[seg_e]
     changed = (~_isin_sorted(new_eid, eid)).sum()
     units = metadata = [None] * n
