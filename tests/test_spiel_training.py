@@ -377,3 +377,38 @@ def test_a_nan_window_gradient_raises_at_the_reselection_with_the_adapter_untouc
         assert torch.equal(m.sparse_indices["default"], indices)
         assert torch.equal(m.sparse_values["default"].detach(), values)
         assert torch.equal(m.sparse_ages["default"], ages)
+
+
+def test_a_shortfall_is_reselected_tensor_by_tensor_and_reported():
+    """Too few eligible candidates (impossible with SpIEL's own K ≥ d_φ, so forced here) send the
+    reselection down the checked per-tensor path: the result equals reselect_ag's, and is reported."""
+    from peft_sparse.methods.spiel import reselect_ag
+
+    model = _spiel("ag")
+    opt = _optimizer(model, "ag")
+    scheduler = SpIELScheduler(model, opt, total_steps=20)
+    _run(model, opt, scheduler, 1)
+    layer = sparse_layers(model)[0]
+    stats = scheduler.statistics[layer.module_name]
+    keep = torch.arange(3)  # only 3 candidates left for the first layer
+    stats.candidates = stats.candidates[keep].clone()
+    stats.step_sum, stats.grad_sum, stats.grad_sq_sum = (x[keep].clone() for x in (stats.step_sum, stats.grad_sum, stats.grad_sq_sum))
+    model.train()
+    _loss(model, _batch(1)).backward()
+    opt.step()
+    opt.zero_grad()
+    values, indices = layer.sparse_values["default"].detach().clone(), layer.sparse_indices["default"].clone()
+    d = values.numel()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grad_sum = stats.grad_sum + stats.step_sum  # the window's sums once its last step is added
+        want = reselect_ag(values, indices, d, stats.candidates, grad_sum.abs())
+        logged = scheduler.step()  # t = γ: full replacement wanted, only 3 growable
+    assert want.shortfall == d - 3
+    assert logged["spiel/shortfall"] == d - 3
+    assert any("fewer weights replaced" in str(w.message) for w in caught)
+    assert torch.equal(layer.sparse_indices["default"].long(), want.indices)
+    new_values = layer.sparse_values["default"].detach()
+    grown = want.source < 0
+    assert torch.equal(new_values[grown], torch.zeros(int(grown.sum())))
+    assert torch.equal(new_values[~grown], values[want.source[~grown]])

@@ -48,7 +48,7 @@ from ..core.layer import SparseLayer, index_dtype
 from ..core.selection import BlockGrid, module_generator, random_indices, segmented_rank
 from ..core.tuner import SparseTuner
 from ..optim.sm3 import SM3
-from ..optim.surgery import check_supported, reindex_optimizer_state, reindex_optimizer_states, seed_optimizer_states
+from ..optim.surgery import check_supported, reindex_optimizer_states, seed_optimizer_states
 from ..schedules.reselection import in_estimation_window, is_reselection_step, replacement_count
 
 
@@ -454,6 +454,27 @@ class AllReselections:
     new_indices: torch.Tensor  # ``indices`` laid end to end
     per_tensor_ok: Optional[torch.Tensor] = None
     block_metadata: Optional[list] = None  # per block tensor: (block rows, block cols, slots, block_shape)
+    shortfall: int = 0  # weights not replaced for want of eligible candidates (checked path only)
+
+    @classmethod
+    def of_tensors(cls, items: list, results: list) -> "AllReselections":
+        """Per-tensor results (:func:`reselect_ag` / :func:`reselect_ma`) laid end to end like
+        :func:`reselect_all` lays out its own. Call before the indices are edited."""
+        sources, rows = [], []
+        d_start = c_start = 0
+        for it, r in zip(items, results):
+            sources.append(torch.where(r.source >= 0, r.source + d_start, -1))
+            rows.append(torch.where(r.grown_from >= 0, r.grown_from + c_start, -1))
+            d_start += it.values.numel()
+            c_start += it.candidates.numel() if it.candidates is not None else 0
+        changed = torch.stack([(~_isin_sorted(r.indices, it.indices)).sum() for it, r in zip(items, results)]).sum()
+        return cls(
+            sizes=[it.values.numel() for it in items], source=torch.cat(sources), grown_from=torch.cat(rows),
+            indices=[r.indices for r in results], units=[r.units if it.grid.unit > 1 else None for it, r in zip(items, results)],
+            dropped=[r.dropped for r in results], ok=torch.ones((), dtype=torch.bool), changed=changed,
+            new_indices=torch.cat([r.indices for r in results]), block_metadata=[None] * len(items),
+            shortfall=sum(r.shortfall * it.grid.unit for it, r in zip(items, results)),
+        )  # fmt: skip
 
 
 def _segment_sums(flags: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
@@ -968,16 +989,16 @@ class SpIELScheduler:
         for group in by_device.values():
             result = reselect_all([item for _, item, _ in group], c.growth)
             results.append((group, result, bool(result.ok)))
-        totals = {"replaced": 0, "shortfall": 0, "sums": []}
-        for group, result, ok in results:
-            if ok:
-                self._apply_all(t, group, result, totals)
-            else:  # a shortfall or a non-finite score somewhere: tensor by tensor, checked (raises on NaN)
-                plans = []
-                for layer, it, stats in group:
-                    checked = reselect_ag(it.values, it.indices, it.k, it.candidates, it.score, it.grid, it.units, it.candidate_units)
-                    plans.append((layer, it.grid, checked, stats))
-                self._apply(t, plans, totals)
+        checked = {}
+        for at, (group, result, ok) in enumerate(results):
+            if not ok:  # a shortfall or a non-finite score somewhere: tensor by tensor, checked (raises on NaN)
+                items = [it for _, it, _ in group]
+                per_tensor = [reselect_ag(it.values, it.indices, it.k, it.candidates, it.score, it.grid, it.units, it.candidate_units)
+                              for it in items]  # fmt: skip
+                checked[at] = AllReselections.of_tensors(items, per_tensor)
+        totals = {"replaced": 0, "shortfall": 0, "sums": []}  # nothing is edited before every group is checked
+        for at, (group, result, _) in enumerate(results):
+            self._apply_all(t, group, checked.get(at, result), totals)
         return self._report(t, totals)
 
     def _apply_all(self, t: int, group: list, result: AllReselections, totals: dict) -> None:
@@ -1021,39 +1042,9 @@ class SpIELScheduler:
         for layer, (_, item, _), units, meta in zip(layers, group, result.units, result.block_metadata):
             if units is not None and item.grid.unit > 1:
                 layer.set_block_metadata(name, units, meta)
-        totals["sums"].append(torch.stack([age_before - kept_age, kept_age, result.changed]))
+        totals["sums"].append(torch.stack([age_before - kept_age, kept_age, result.changed.to(age_before.device)]))
         totals["replaced"] += n_grown
-
-    def _apply(self, t: int, plans: list, totals: dict) -> None:
-        """Edit one tensor at a time from per-tensor results (the checked path)."""
-        name = self.adapter_name
-        for layer, grid, result, stats in plans:
-            values, indices, ages = layer.sparse_values[name], layer.sparse_indices[name], layer.sparse_ages[name]
-            source = result.source
-            grown = source < 0
-            n_grown = result.dropped
-            gather = source.clamp(min=0)
-            age_before = (t - ages.long()).sum()
-            new_ages = ages[gather]
-            kept_age = torch.where(grown, 0, t - new_ages.long()).sum()
-            new_ages[grown] = t
-            new_values = values[gather]
-            new_values[grown] = 0
-            changed = (~_isin_sorted(result.indices, indices)).sum()
-            values.copy_(new_values)
-            ages.copy_(new_ages)
-            indices.copy_(result.indices.to(indices.dtype))
-            reindex_optimizer_state(self.optimizer, values, source)
-            if stats is not None:
-                n = max(1, self.steps_in_window)
-                slots = torch.nonzero_static(grown, size=n_grown).squeeze(1)
-                rows = result.grown_from[slots]
-                self.seeding.pending[id(values)] = (slots, stats.grad_sum[rows] / n, stats.grad_sq_sum[rows] / n)
-            if result.units is not None and grid.unit > 1:
-                layer.set_block_metadata(name, result.units)
-            totals["sums"].append(torch.stack([age_before - kept_age, kept_age, changed]))
-            totals["replaced"] += n_grown
-            totals["shortfall"] += result.shortfall * grid.unit
+        totals["shortfall"] += result.shortfall
 
     def _report(self, t: int, totals: dict) -> dict:
         total = sum(layer.sparse_values[self.adapter_name].numel() for layer in self.layers)
