@@ -127,6 +127,22 @@ def prepare(variant: str, size: str, total_steps: int):
     return model, optimizer, hook, block_shape, trainable
 
 
+def profiling_setup(rows: int):
+    """Command line (variant, --rows, --size) and a prepared variant with one benchmark batch, for the
+    profiling scripts: (args, model, optimizer, per-step hook, input ids)."""
+    import torch
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("variant", choices=VARIANTS)
+    parser.add_argument("--rows", type=int, default=rows, help="table rows to print")
+    parser.add_argument("--size", choices=sorted(SIZES), default="tinyllama")
+    args = parser.parse_args()
+    model, optimizer, hook, _, _ = prepare(args.variant, args.size, total_steps=2 * S + GAMMA + 1)
+    model.train()
+    ids = torch.randint(0, SIZES[args.size]["vocab_size"], (8, 1024), device="cuda")
+    return args, model, optimizer, hook, ids
+
+
 def train_step(model, optimizer, hook, ids) -> None:
     """One training step as every variant runs it: forward, backward, optimizer, SpIEL scheduler."""
     loss = model(input_ids=ids, labels=ids).loss

@@ -6,7 +6,6 @@ Runs the benchmark setup (S=20, γ=5, T=46) to step 26 and profiles steps 21 (fi
 and 25 (window + reselection), timing the scheduler's step on its own too.
 """
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -14,18 +13,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import SIZES, prepare  # noqa: E402
+from bench_step import profiling_setup  # noqa: E402
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("variant")
-    parser.add_argument("--rows", type=int, default=20)
-    parser.add_argument("--size", default="tinyllama")
-    args = parser.parse_args()
-    model, optimizer, hook, _, _ = prepare(args.variant, args.size, total_steps=46)
-    model.train()
-    ids = torch.randint(0, SIZES[args.size]["vocab_size"], (8, 1024), device="cuda")
+    args, model, optimizer, hook, ids = profiling_setup(rows=20)
 
     def fwd_bwd_opt():
         loss = model(input_ids=ids, labels=ids).loss

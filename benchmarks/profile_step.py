@@ -3,25 +3,17 @@
     python benchmarks/profile_step.py spiel-ma [--rows 25]
 """
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import SIZES, prepare, train_step  # noqa: E402
+from bench_step import profiling_setup, train_step  # noqa: E402
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("variant")
-    parser.add_argument("--rows", type=int, default=25)
-    parser.add_argument("--size", default="tinyllama")
-    args = parser.parse_args()
-    model, optimizer, hook, _, _ = prepare(args.variant, args.size, total_steps=46)
-    model.train()
-    ids = torch.randint(0, SIZES[args.size]["vocab_size"], (8, 1024), device="cuda")
+    args, model, optimizer, hook, ids = profiling_setup(rows=25)
 
     def step():
         train_step(model, optimizer, hook, ids)

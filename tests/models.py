@@ -75,3 +75,18 @@ def tiny_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t1", eos_token="t2")
+
+
+def train_on(model, optimizer, scheduler, x, steps: int) -> list:
+    """``steps`` training steps on the same batch (labels = inputs), the scheduler stepped after each
+    optimizer step; returns the losses."""
+    model.train()
+    losses = []
+    for _ in range(steps):
+        loss = model(x, labels=x).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        losses.append(loss.item())
+    return losses

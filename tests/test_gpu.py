@@ -7,7 +7,7 @@ from peft import get_peft_model
 from peft_sparse import SM3, SpIELConfig, SpIELScheduler
 from peft_sparse.core import kernels
 
-from .models import sparse_layers, tiny_llama
+from .models import sparse_layers, tiny_llama, train_on
 
 pytestmark = pytest.mark.gpu
 
@@ -40,15 +40,7 @@ def test_spiel_steps_on_cuda(growth, block_shape):
     opt = torch.optim.AdamW(params, lr=1e-2, fused=True) if growth == "ag" else SM3(params, lr=0.1)
     scheduler = SpIELScheduler(model, opt, total_steps=8)
     x = torch.randint(0, 97, (4, 16), device="cuda")
-    model.train()
-    losses = []
-    for _ in range(8):
-        loss = model(x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        scheduler.step()
-        losses.append(loss.item())
+    losses = train_on(model, opt, scheduler, x, 8)
     assert all(torch.isfinite(torch.tensor(losses)))
     assert all((l.sparse_ages["default"] > 0).any() for l in sparse_layers(model))
 

@@ -7,7 +7,7 @@ from peft import PeftModel, get_peft_model
 from peft_sparse import SparseFTConfig
 from peft_sparse.core.layer import standard_4bit_layout
 
-from .models import inputs, randomize_values, sparse_layers, tiny_llama
+from .models import inputs, randomize_values, sparse_layers, tiny_llama, train_on
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -105,15 +105,7 @@ def test_qspiel_trains_and_reselects_over_4bit_weights(quantized_dir, growth):
     scheduler = SpIELScheduler(model, opt, total_steps=6)
     x = inputs(batch=4, length=9)
     before = [l.sparse_indices["default"].clone() for l in sparse_layers(model)]
-    model.train()
-    losses = []
-    for _ in range(6):
-        loss = model(x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        scheduler.step()
-        losses.append(loss.item())
+    losses = train_on(model, opt, scheduler, x, 6)
     layers = sparse_layers(model)
     assert all(isinstance(l.get_base_layer(), bnb.nn.Linear4bit) for l in layers)
     assert all(l.sparse_values["default"].dtype == torch.float32 for l in layers)
