@@ -259,7 +259,7 @@ class SparseLayer(BaseTunerLayer):
             return cached[1]
         from .selection import BlockGrid
 
-        blocks = torch.unique(BlockGrid(self.out_features, self.in_features, (bh, bw)).block_of(indices))
+        blocks = BlockGrid(self.out_features, self.in_features, (bh, bw)).units(indices)
         if blocks.numel() * bh * bw != indices.numel():
             raise ValueError(f"{self.module_name}: indices of adapter {adapter_name!r} are not whole {(bh, bw)} blocks")
         return self.set_block_metadata(adapter_name, blocks)
@@ -276,13 +276,12 @@ class SparseLayer(BaseTunerLayer):
         if metadata is not None:
             self._block_metadata[adapter_name] = (self._indices_key(indices), metadata)
             return metadata
-        cols = self.in_features // bw
-        br, bc = blocks // cols, blocks % cols
-        i = torch.arange(bh, device=indices.device)
-        j = torch.arange(bw, device=indices.device)
-        block_major = ((br * bh)[:, None, None] + i[None, :, None]) * self.in_features + (bc * bw)[:, None, None] + j[None, None, :]
-        slots = torch.searchsorted(indices.long(), block_major.reshape(-1))
-        meta = (br.to(torch.int32), bc.to(torch.int32), slots, (bh, bw))
+        from .selection import BlockGrid
+
+        grid = BlockGrid(self.out_features, self.in_features, (bh, bw))
+        blocks = blocks.long()
+        slots = torch.searchsorted(indices.long(), grid.block_major(blocks).reshape(-1))
+        meta = ((blocks // grid.cols).to(torch.int32), (blocks % grid.cols).to(torch.int32), slots, (bh, bw))
         self._block_metadata[adapter_name] = (self._indices_key(indices), meta)
         return meta
 

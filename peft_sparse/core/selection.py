@@ -108,15 +108,9 @@ class BlockGrid:
 
     def expand(self, blocks: torch.Tensor) -> torch.Tensor:
         """Sorted flat element indices of the given blocks."""
-        blocks = blocks.long()
         if self.unstructured:
-            return blocks.sort().values
-        br, bc = blocks // self.cols, blocks % self.cols
-        i = torch.arange(self.bh, device=blocks.device)
-        j = torch.arange(self.bw, device=blocks.device)
-        rows = (br * self.bh)[:, None, None] + i[None, :, None]
-        cols = (bc * self.bw)[:, None, None] + j[None, None, :]
-        return (rows * self.in_features + cols).reshape(-1).sort().values
+            return blocks.long().sort().values
+        return self.block_major(blocks).reshape(-1).sort().values
 
     def block_major(self, blocks: torch.Tensor) -> torch.Tensor:
         """(n, bh·bw) flat element indices of the given blocks, element (i, j) of a block at i·bw + j."""
@@ -155,21 +149,10 @@ class BlockGrid:
     def reduce_cols(self, per_col: torch.Tensor) -> torch.Tensor:
         return per_col if self.bw == 1 else per_col.reshape(self.cols, self.bw).sum(1)
 
-    def units(self, indices: torch.Tensor, per_element: torch.Tensor | None = None, known: torch.Tensor | None = None):
-        """Sorted distinct blocks of ``indices``, and per block the sum of ``per_element`` (if given).
-
-        ``known``: the sorted distinct blocks, when the caller has them (saves a host-synchronising unique)."""
+    def units(self, indices: torch.Tensor) -> torch.Tensor:
+        """The sorted distinct units (blocks, or weights when unstructured) that ``indices`` touch."""
         blocks = self.block_of(indices)
-        if self.unstructured:
-            return blocks, per_element
-        if known is not None:
-            unique, inverse = known, torch.searchsorted(known, blocks)
-        else:
-            unique, inverse = torch.unique(blocks, sorted=True, return_inverse=True)
-        if per_element is None:
-            return unique, None
-        sums = torch.zeros(unique.numel(), dtype=per_element.dtype, device=per_element.device)
-        return unique, sums.index_add_(0, inverse, per_element)
+        return blocks if self.unstructured else torch.unique(blocks, sorted=True)
 
 
 def segmented_rank(keys: torch.Tensor, segment: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:

@@ -257,7 +257,7 @@ def _drop(values: torch.Tensor, indices: torch.Tensor, grid: BlockGrid, units: O
     if grid.unit == 1:
         return indices.long(), values.detach().abs().float(), None
     if units is None:
-        units = grid.units(indices)[0]
+        units = grid.units(indices)
     magnitude = grid.unit_sums(indices, values.detach().abs().float(), units)
     unit_of_element = torch.searchsorted(units, grid.block_of(indices))
     return units, magnitude, unit_of_element
@@ -320,7 +320,7 @@ def reselect_ag(
     """
     grid = grid or UNSTRUCTURED
     units, magnitude, unit_of_element = _drop(values, indices, grid, units)
-    cand_units = candidates.long() if grid.unit == 1 else (candidate_units if candidate_units is not None else grid.units(candidates)[0])
+    cand_units = candidates.long() if grid.unit == 1 else (candidate_units if candidate_units is not None else grid.units(candidates))
     cand_score = grid.unit_sums(candidates, score, cand_units)
     wanted = k = min(k, units.numel())
     result, n_eligible = _grow_ag(units, magnitude, unit_of_element, indices, k, candidates, cand_units, cand_score, grid)
@@ -618,7 +618,7 @@ def reselect_all(items: list, growth: str) -> AllReselections:
 
     # DROP (§7.3.1): the k smallest Σ|φ| units of each tensor, ties → lowest unit
     if blocks:
-        units_local = [it.units if it.units is not None else it.grid.units(it.indices)[0] for it in items]
+        units_local = [it.units if it.units is not None else it.grid.units(it.indices) for it in items]
         u_sizes = [u.numel() for u in units_local]
         seg_u, u_start_t, _ = segments(u_sizes)
         unit_gid = torch.cat(units_local) + u_off_t[seg_u]
@@ -644,7 +644,7 @@ def reselect_all(items: list, growth: str) -> AllReselections:
         cand_eid = torch.cat([it.candidates.long() for it in items]) + e_off_t[seg_ce]
         score = torch.cat([it.score.float() for it in items])
         if blocks:
-            cand_units = [it.candidate_units if it.candidate_units is not None else it.grid.units(it.candidates)[0] for it in items]
+            cand_units = [it.candidate_units if it.candidate_units is not None else it.grid.units(it.candidates) for it in items]
             seg_c, c_start_t, _ = segments([c.numel() for c in cand_units])
             cand_gid = torch.cat(cand_units) + u_off_t[seg_c]
             cand_slots = torch.searchsorted(cand_eid, block_major(cand_gid).reshape(-1))
