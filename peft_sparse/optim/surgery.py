@@ -18,6 +18,8 @@ Any other optimizer is refused with the list above.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .sm3 import SM3
@@ -60,15 +62,7 @@ PER_SLOT_STATE = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 
 def reindex_optimizer_state(optimizer, param: torch.Tensor, source: torch.Tensor) -> None:
     """Re-gather ``param``'s per-slot state by ``source``; grown slots (``source == -1``) start at zero."""
-    opt = check_supported(optimizer)
-    state = opt.state.get(param)
-    if not state:
-        return
-    grown = source < 0
-    for key in PER_SLOT_STATE:
-        tensor = state.get(key)
-        if isinstance(tensor, torch.Tensor) and tensor.shape == param.shape:
-            _regather(tensor, source, grown)
+    reindex_optimizer_states(optimizer, [param], source)
 
 
 def reindex_optimizer_states(optimizer, params: list, source: torch.Tensor) -> None:
@@ -100,51 +94,38 @@ def seed_optimizer_state(
     optimizer, param: torch.Tensor, slots: torch.Tensor, grad_mean: torch.Tensor, grad_sq_mean: torch.Tensor
 ) -> None:
     """Seed Adam's moments of ``slots`` so its bias correction yields ĝ (``grad_mean``) and ŝ (``grad_sq_mean``)."""
-    opt = check_supported(optimizer)
-    state = opt.state.get(param)
-    if not state or not isinstance(opt, (torch.optim.AdamW, torch.optim.Adam)):
-        return
-    group = next(g for g in opt.param_groups if any(p is param for p in g["params"]))
-    beta1, beta2 = group["betas"]
-    t = state["step"]  # a device tensor for fused/capturable Adam: stay on the device (no host sync)
-    if isinstance(t, torch.Tensor):
-        t = t.to(device=grad_mean.device, dtype=torch.float64)
-        c1, c2 = 1 - torch.pow(beta1, t), 1 - torch.pow(beta2, t)
-    else:
-        c1, c2 = 1 - beta1 ** float(t), 1 - beta2 ** float(t)
-    state["exp_avg"][slots] = (grad_mean * c1).to(state["exp_avg"].dtype)
-    state["exp_avg_sq"][slots] = (grad_sq_mean * c2).to(state["exp_avg_sq"].dtype)
+    seed_optimizer_states(optimizer, [param], [slots], [grad_mean], [grad_sq_mean])
 
 
 def seed_optimizer_states(optimizer, params: list, slots: list, grad_means: list, grad_sq_means: list) -> None:
-    """:func:`seed_optimizer_state` for many parameters at once (one scatter per moment for all of them)."""
+    """:func:`seed_optimizer_state` for many parameters at once: one scatter per moment for all those
+    whose state lives on one device in one dtype. Parameters without state yet have nothing to seed."""
     opt = check_supported(optimizer)
-    if not isinstance(opt, (torch.optim.AdamW, torch.optim.Adam)) or not params:
+    if not isinstance(opt, (torch.optim.AdamW, torch.optim.Adam)):
         return
-    states = [opt.state.get(p) for p in params]
-    if not all(states) or len({(s["exp_avg"].dtype, s["exp_avg"].device) for s in states}) != 1:
-        for p, sl, g, s2 in zip(params, slots, grad_means, grad_sq_means):
-            seed_optimizer_state(opt, p, sl, g, s2)
-        return
-    group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
-    betas = torch.tensor([group_of[id(p)]["betas"] for p in params], dtype=torch.float64)  # (n, 2), host
-    device = states[0]["exp_avg"].device
-    steps = [s["step"] for s in states]
-    if all(isinstance(t, torch.Tensor) for t in steps):
-        t = torch.stack([t.to(device=device, dtype=torch.float64).reshape(()) for t in steps])
-    else:
-        t = torch.tensor([float(x) for x in steps], dtype=torch.float64, device=device)
-    counts = torch.tensor([sl.numel() for sl in slots], device=device)
-    bias1 = (1 - torch.pow(betas[:, 0].to(device), t)).repeat_interleave(counts, output_size=sum(sl.numel() for sl in slots))
-    bias2 = (1 - torch.pow(betas[:, 1].to(device), t)).repeat_interleave(counts, output_size=bias1.numel())
-    sizes = [p.numel() for p in params]
-    offsets, start = [], 0
-    for size in sizes:
-        offsets.append(start)
-        start += size
-    where = torch.cat([sl.long() + off for sl, off in zip(slots, offsets)])
-    for key, values, bias in (("exp_avg", grad_means, bias1), ("exp_avg_sq", grad_sq_means, bias2)):
-        tensors = [s[key] for s in states]
-        flat = torch.cat(tensors)
-        flat[where] = (torch.cat(values).double() * bias).to(flat.dtype)
-        torch._foreach_copy_(tensors, list(torch.split(flat, sizes)))
+    groups: dict = {}
+    for entry in zip(params, slots, grad_means, grad_sq_means):
+        state = opt.state.get(entry[0])
+        if state:
+            groups.setdefault((state["exp_avg"].dtype, state["exp_avg"].device), []).append((*entry, state))
+    betas_of = {id(p): g["betas"] for g in opt.param_groups for p in g["params"]}
+    for (_, device), entries in groups.items():
+        params, slots, grad_means, grad_sq_means, states = zip(*entries)
+        betas = torch.tensor([betas_of[id(p)] for p in params], dtype=torch.float64, device=device)  # (n, 2)
+        steps = [s["step"] for s in states]  # device tensors for fused/capturable Adam: no host sync
+        if all(isinstance(t, torch.Tensor) for t in steps):
+            t = torch.stack([t.to(device=device, dtype=torch.float64).reshape(()) for t in steps])
+        else:
+            t = torch.tensor([float(x) for x in steps], dtype=torch.float64, device=device)
+        counts = torch.tensor([sl.numel() for sl in slots], device=device)
+        total = sum(sl.numel() for sl in slots)
+        bias1 = (1 - torch.pow(betas[:, 0], t)).repeat_interleave(counts, output_size=total)  # 1 − β₁ᵗ per seeded slot
+        bias2 = (1 - torch.pow(betas[:, 1], t)).repeat_interleave(counts, output_size=total)
+        sizes = [p.numel() for p in params]
+        offsets = [0, *itertools.accumulate(sizes[:-1])]
+        where = torch.cat([sl.long().to(device) + off for sl, off in zip(slots, offsets)])
+        for key, values, bias in (("exp_avg", grad_means, bias1), ("exp_avg_sq", grad_sq_means, bias2)):
+            tensors = [s[key] for s in states]
+            flat = torch.cat(tensors)
+            flat[where] = (torch.cat([v.to(device) for v in values]).double() * bias).to(flat.dtype)
+            torch._foreach_copy_(tensors, list(torch.split(flat, sizes)))
