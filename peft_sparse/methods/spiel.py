@@ -438,23 +438,27 @@ class AllReselections:
     slot ``offsets[i] + j``; every tensor keeps its size).
 
     ``source[j]``: the global old slot now at global slot j, −1 for a grown slot. ``grown_from[j]``: the
-    global row of the concatenated candidates a grown slot came from (AG), else −1. ``indices``: the
-    new ascending flat indices of each tensor (int64). ``units``: the new active blocks of block tensors.
+    global row of the concatenated candidates a grown slot came from (AG), else −1. ``units``: the new
+    active blocks of block tensors.
     ``ok``: a device flag, False if some AG tensor had fewer than k eligible candidates or non-finite
     scores (then call :func:`reselect_ag` on it for the checked result)."""
 
     sizes: list
     source: torch.Tensor
     grown_from: torch.Tensor
-    indices: list
+    new_indices: torch.Tensor  # every tensor's new ascending flat indices (int64), laid end to end
     units: list
     dropped: list  # per tensor, in weights
     ok: torch.Tensor
     changed: torch.Tensor  # how many new indices were not active before (device scalar)
-    new_indices: torch.Tensor  # ``indices`` laid end to end
     per_tensor_ok: Optional[torch.Tensor] = None
     block_metadata: Optional[list] = None  # per block tensor: (block rows, block cols, slots, block_shape)
     shortfall: int = 0  # weights not replaced for want of eligible candidates (checked path only)
+
+    @property
+    def indices(self) -> tuple:
+        """Each tensor's new indices (views of ``new_indices``)."""
+        return torch.split(self.new_indices, self.sizes)
 
     @classmethod
     def of_tensors(cls, items: list, results: list) -> "AllReselections":
@@ -470,9 +474,10 @@ class AllReselections:
         changed = torch.stack([(~_isin_sorted(r.indices, it.indices)).sum() for it, r in zip(items, results)]).sum()
         return cls(
             sizes=[it.values.numel() for it in items], source=torch.cat(sources), grown_from=torch.cat(rows),
-            indices=[r.indices for r in results], units=[r.units if it.grid.unit > 1 else None for it, r in zip(items, results)],
+            new_indices=torch.cat([r.indices for r in results]),
+            units=[r.units if it.grid.unit > 1 else None for it, r in zip(items, results)],
             dropped=[r.dropped for r in results], ok=torch.ones((), dtype=torch.bool), changed=changed,
-            new_indices=torch.cat([r.indices for r in results]), block_metadata=[None] * len(items),
+            block_metadata=[None] * len(items),
             shortfall=sum(r.shortfall * it.grid.unit for it, r in zip(items, results)),
         )  # fmt: skip
 
@@ -689,8 +694,7 @@ def reselect_all(items: list, growth: str) -> AllReselections:
         slots = torch.searchsorted(new_eid, block_major(all_units)) - d_start_t[seg_nu][:, None]
         pieces = zip(torch.split(rows, u_sizes), torch.split(cols, u_sizes), torch.split(slots.reshape(-1), [u * unit for u in u_sizes]))
         metadata = [(r, c, sl, (bh, bw)) for r, c, sl in pieces]
-    return AllReselections(d, source, grown_from, list(torch.split(new_flat, d)), units, [k_i * unit for k_i in k], ok,
-                           changed, new_flat, per_tensor_ok, metadata)  # fmt: skip
+    return AllReselections(d, source, grown_from, new_flat, units, [k_i * unit for k_i in k], ok, changed, per_tensor_ok, metadata)
 
 
 # ------------------------------------------------------------------------------------------- scheduler
@@ -1018,14 +1022,13 @@ class SpIELScheduler:
         new_ages[grown] = t
         new_values = torch.cat([v.detach() for v in values])[gather]
         new_values[grown] = 0
-        new_indices = result.new_indices.to(indices[0].dtype) if len({i.dtype for i in indices}) == 1 else None
         torch._foreach_copy_([v.data for v in values], list(torch.split(new_values, result.sizes)))
         torch._foreach_copy_(ages, list(torch.split(new_ages, result.sizes)))
-        if new_indices is not None:
-            torch._foreach_copy_(indices, list(torch.split(new_indices, result.sizes)))
-        else:
+        if len({i.dtype for i in indices}) == 1:
+            torch._foreach_copy_(indices, list(torch.split(result.new_indices.to(indices[0].dtype), result.sizes)))
+        else:  # int32 and int64 indices (tensors of 2³¹ weights or more) side by side
             for index, new in zip(indices, result.indices):
-                index.copy_(new.to(index.dtype))
+                index.copy_(new)
         reindex_optimizer_states(self.optimizer, values, source)
         n_grown = sum(result.dropped)
         if group[0][2] is not None:  # AG: seeds for the next optimizer step, from the window's ĝ, ŝ
