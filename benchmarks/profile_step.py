@@ -1,15 +1,32 @@
-"""Where a training step's GPU time goes: top kernels of a variant over 3 steps (after warm-up).
+"""Where a steady training step's time goes (GPU): kernels, idle gaps, host issue time, syncs, allocator.
 
-    python benchmarks/profile_step.py spiel-ma [--rows 25]
+    python benchmarks/profile_step.py spiel-ma [--rows 25] [--size tinyllama]
+
+After 7 warm-up steps (SpIEL: the first reselection at step 5 and the kernels' compilation are
+behind it; the next window starts at step 21, so every measured step is a steady one), it prints:
+
+* the memory the forward holds for backward;
+* over 5 steps, the wall time per step and the host's issue time (until the step's Python returns,
+  before synchronising): when the two are close, the GPU waits for the host;
+* host-device synchronisations of one step (``torch.cuda.set_sync_debug_mode``) and the caching
+  allocator's device allocations, frees and retries over those steps (each cudaFree synchronises);
+* under the profiler, 3 steps: the sum of GPU kernel times per step (wall − kernels = GPU idle) and
+  the top kernels.
 """
 
+import statistics
 import sys
+import time
+import warnings
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import profiling_setup, train_step  # noqa: E402
+
+WARMUP = 7
+_ALLOCATOR_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
 
 
 def main():
@@ -18,7 +35,7 @@ def main():
     def step():
         train_step(model, optimizer, hook, ids)
 
-    for _ in range(3):
+    for _ in range(WARMUP):
         step()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -28,14 +45,47 @@ def main():
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
     print(f"{args.variant}: resident before forward {base / 2**30:.2f} GiB, held by the forward for backward {saved / 2**30:.2f} GiB")
+
+    stats0 = torch.cuda.memory_stats()
+    walls, issues = [], []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        issues.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - start)
+    stats1 = torch.cuda.memory_stats()
+    counts = {k: stats1.get(k, 0) - stats0.get(k, 0) for k in _ALLOCATOR_KEYS}
+    print(f"wall per step {statistics.median(walls) * 1e3:.1f} ms (min {min(walls) * 1e3:.1f}, max {max(walls) * 1e3:.1f}); "
+          f"host issue time {statistics.median(issues) * 1e3:.1f} ms (max {max(issues) * 1e3:.1f})")  # fmt: skip
+    print("allocator over 5 steps: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        step()
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message).splitlines()[0][:100] for w in caught if "synchron" in str(w.message).lower()]
+    print(f"host-device synchronisations in one step: {len(syncs)}")
+    for s in sorted(set(syncs))[:10]:
+        print(f"  {syncs.count(s)}× {s}")
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
+    profiled_wall = (time.perf_counter() - start) / 3 * 1e3
     events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in events) / 3 / 1e3
     cpu = sum(e.self_cpu_time_total for e in events) / 3 / 1e3
-    print(f"per step: GPU kernels {total:.1f} ms, CPU (all ops, profiled) {cpu:.1f} ms")
+    launches = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA) // 3
+    print(f"per step: GPU kernels {total:.1f} ms of {statistics.median(walls) * 1e3:.1f} ms wall "
+          f"(idle ≈ {statistics.median(walls) * 1e3 - total:.1f} ms), {launches} kernels; "
+          f"profiled wall {profiled_wall:.1f} ms, CPU ops {cpu:.1f} ms")  # fmt: skip
     for e in events[: args.rows]:
         print(f"  {e.self_device_time_total / 3 / 1e3:8.2f} ms/step  {e.count // 3:6d}×  {e.key[:90]}")
 

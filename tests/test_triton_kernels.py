@@ -107,3 +107,28 @@ def test_fused_sm3_step_matches_torch_sm3(tk, momentum, weight_decay, out_f, in_
     torch.testing.assert_close(new_r, want_r)
     torch.testing.assert_close(new_c, want_c)
     assert SM3 is not None
+
+
+@pytest.mark.parametrize("bh, bw", [(32, 32), (1, 64)])
+def test_block_sddmm_token_slices_match_reference(tk, bh, bw):
+    """Few blocks over many tokens: the kernel cuts the token axis into slices (ragged last slice)
+    and sums the partial tiles; the result is the same product."""
+    g = torch.Generator().manual_seed(7 + bh)
+    tokens, out_f, in_f = 1000, 2 * bh, 2 * bw
+    go = torch.randn(tokens, out_f, generator=g).to(_device())
+    x = torch.randn(tokens, in_f, generator=g).to(_device())
+    rows = torch.tensor([0, 1, 1], dtype=torch.int32).to(_device())
+    cols = torch.tensor([1, 0, 1], dtype=torch.int32).to(_device())
+    splits, per = tk.token_splits(3, tokens, 64, target_programs=12)
+    assert splits == 3 and per == 384 and (splits - 1) * per < tokens <= splits * per  # 3 slices, the last one ragged
+    got = tk.block_sddmm(go, x, rows, cols, bh, bw, target_programs=12)
+    want = kernels.block_sddmm_reference(go, x, rows, cols, bh, bw)
+    tol = 2e-2 if _device() == "cuda" else 1e-4
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_token_splits_bounds(tk):
+    assert tk.token_splits(1000, 8192, 64, 528) == (1, 8192)  # enough blocks: one program per block
+    assert tk.token_splits(25, 8192, 64, 528) == (22, 384)  # ⌈528 / 25⌉ slices of 384 tokens
+    assert tk.token_splits(1, 300, 64, 528) == (1, 320)  # too few tokens for slices of ≥ 4 steps
+    assert tk.token_splits(1, 8192, 64, 528) == (32, 256)  # at most tokens / (4·64) slices

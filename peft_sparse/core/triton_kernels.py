@@ -6,7 +6,9 @@ Both compute entries of dW = Gᵀ·X (G = ∂L/∂Y, (tokens, out); X, (tokens, 
   nnz·tokens multiply-adds; G and X are transposed once so each dot product reads two contiguous
   rows (consecutive sorted indices share a row of Gᵀ, which stays in cache).
 * :func:`block_sddmm` — (bh, bw) blocks: one ``tl.dot`` tile product per block over token chunks,
-  on tensor cores when bh, bw ≥ 16; cost ∝ density. bh = 1 uses a row-vector × tile product.
+  on tensor cores when bh, bw ≥ 16; cost ∝ density. bh = 1 uses a row-vector × tile product. When
+  a layer has few active blocks, the token axis is cut into slices (one program per block and
+  slice, partial tiles summed afterwards) so that the launch still fills the GPU.
 
 Shipped as Python source (compiled by Triton at first use); the torch references in
 :mod:`peft_sparse.core.kernels` compute the same values and are what the tests compare against
@@ -14,6 +16,8 @@ Shipped as Python source (compiled by Triton at first use); the torch references
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -54,60 +58,107 @@ def sddmm(grad_out2d: torch.Tensor, x2d: torch.Tensor, rows: torch.Tensor, cols:
 
 @triton.jit
 def _block_sddmm_kernel(
-    G, X, BLOCK_ROWS, BLOCK_COLS, OUT, T, stride_g, stride_x, BH: tl.constexpr, BW: tl.constexpr, BLOCK_T: tl.constexpr
-):
+    G, X, BLOCK_ROWS, BLOCK_COLS, OUT, T, split_tokens, n_blocks, stride_g, stride_x,
+    BH: tl.constexpr, BW: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    # program (b, s): block b over the token range [s·split_tokens, (s+1)·split_tokens)
     b = tl.program_id(0)
+    s = tl.program_id(1)
     rows = tl.load(BLOCK_ROWS + b).to(tl.int64) * BH + tl.arange(0, BH)
     cols = tl.load(BLOCK_COLS + b).to(tl.int64) * BW + tl.arange(0, BW)
     acc = tl.zeros((BH, BW), dtype=tl.float32)
-    for t0 in range(0, T, BLOCK_T):
+    t_start = s * split_tokens
+    t_end = tl.minimum(T, t_start + split_tokens)
+    for t0 in range(t_start, t_end, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
-        tm = t < T
-        gt = tl.load(G + t[None, :] * stride_g + rows[:, None], mask=tm[None, :], other=0.0)  # (BH, BLOCK_T)
-        x = tl.load(X + t[:, None] * stride_x + cols[None, :], mask=tm[:, None], other=0.0)  # (BLOCK_T, BW)
+        tm = t < t_end
+        gt = tl.load(G + t[None, :].to(tl.int64) * stride_g + rows[:, None], mask=tm[None, :], other=0.0)  # (BH, BLOCK_T)
+        x = tl.load(X + t[:, None].to(tl.int64) * stride_x + cols[None, :], mask=tm[:, None], other=0.0)  # (BLOCK_T, BW)
         acc += tl.dot(gt, x)
-    offs = b * BH * BW + tl.arange(0, BH)[:, None] * BW + tl.arange(0, BW)[None, :]
+    offs = (s * n_blocks + b).to(tl.int64) * BH * BW + tl.arange(0, BH)[:, None] * BW + tl.arange(0, BW)[None, :]
     tl.store(OUT + offs, acc)
 
 
 @triton.jit
-def _row_block_sddmm_kernel(G, X, BLOCK_ROWS, BLOCK_COLS, OUT, T, stride_g, stride_x, BW: tl.constexpr, BLOCK_T: tl.constexpr):
+def _row_block_sddmm_kernel(
+    G, X, BLOCK_ROWS, BLOCK_COLS, OUT, T, split_tokens, n_blocks, stride_g, stride_x, BW: tl.constexpr, BLOCK_T: tl.constexpr
+):
     b = tl.program_id(0)
+    s = tl.program_id(1)
     row = tl.load(BLOCK_ROWS + b).to(tl.int64)
     cols = tl.load(BLOCK_COLS + b).to(tl.int64) * BW + tl.arange(0, BW)
     acc = tl.zeros((BW,), dtype=tl.float32)
-    for t0 in range(0, T, BLOCK_T):
+    t_start = s * split_tokens
+    t_end = tl.minimum(T, t_start + split_tokens)
+    for t0 in range(t_start, t_end, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
-        tm = t < T
-        g = tl.load(G + t * stride_g + row, mask=tm, other=0.0).to(tl.float32)  # (BLOCK_T,)
-        x = tl.load(X + t[:, None] * stride_x + cols[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+        tm = t < t_end
+        g = tl.load(G + t.to(tl.int64) * stride_g + row, mask=tm, other=0.0).to(tl.float32)  # (BLOCK_T,)
+        x = tl.load(X + t[:, None].to(tl.int64) * stride_x + cols[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
         acc += tl.sum(g[:, None] * x, axis=0)
-    tl.store(OUT + b * BW + tl.arange(0, BW), acc)
+    tl.store(OUT + (s * n_blocks + b).to(tl.int64) * BW + tl.arange(0, BW), acc)
+
+
+# programs to aim for per launch: a few waves of the GPU's multiprocessors, so that layers with few
+# active blocks still fill the GPU (each program then covers a slice of the tokens)
+_PROGRAMS_PER_SM = 4
+_SM_COUNT: dict[int, int] = {}
+
+
+def token_splits(n_blocks: int, tokens: int, block_t: int, target_programs: int) -> tuple[int, int]:
+    """(splits, tokens per split): how many token slices each block's product is cut into.
+
+    A block's product runs over all tokens inside one program, so with few blocks most of the GPU
+    idles while each program walks the token axis alone; cutting the tokens into slices (partial
+    products summed afterwards) gives ≈ ``target_programs`` programs, each slice at least 4 steps of
+    ``block_t`` tokens long. The slice length is a multiple of ``block_t``.
+    """
+    want = max(1, -(-target_programs // max(1, n_blocks)))
+    most = max(1, tokens // (4 * block_t))
+    splits = min(want, most)
+    per = -(-tokens // splits)
+    per = -(-per // block_t) * block_t
+    return -(-tokens // per), per
+
+
+def _target_programs(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _PROGRAMS_PER_SM * _SM_COUNT[index]
 
 
 def block_sddmm(
-    grad_out2d: torch.Tensor, x2d: torch.Tensor, block_rows: torch.Tensor, block_cols: torch.Tensor, bh: int, bw: int
+    grad_out2d: torch.Tensor, x2d: torch.Tensor, block_rows: torch.Tensor, block_cols: torch.Tensor, bh: int, bw: int,
+    target_programs: Optional[int] = None,
 ) -> torch.Tensor:
-    """(nblocks, bh, bw) float32: the dW tiles of the given blocks (block row/column numbers)."""
+    """(nblocks, bh, bw) float32: the dW tiles of the given blocks (block row/column numbers).
+
+    ``target_programs`` (default: 4 per multiprocessor on CUDA, 1 elsewhere) sets how finely the
+    token axis is sliced (:func:`token_splits`).
+    """
     n = block_rows.numel()
     tokens = grad_out2d.shape[0]
-    out = torch.empty(n, bh, bw, dtype=torch.float32, device=grad_out2d.device)
     if n == 0 or tokens == 0:
-        return out.zero_()
+        return torch.zeros(n, bh, bw, dtype=torch.float32, device=grad_out2d.device)
+    if not (bh == 1 or (bh >= 16 and bw >= 16)):
+        raise ValueError(f"block_sddmm supports block_shape (1, bw) or (≥16, ≥16), got ({bh}, {bw})")
     g = grad_out2d.contiguous()
     x = x2d.contiguous()
+    if bh > 1 and g.dtype != x.dtype:
+        x = x.to(g.dtype)
+    block_t = 64 if max(bh, bw) <= 64 else 32
+    target = target_programs or (_target_programs(g.device) if g.is_cuda else 1)
+    splits, per = token_splits(n, tokens, block_t, target)
+    out = torch.empty(splits, n, bh, bw, dtype=torch.float32, device=g.device)
+    grid = (n, splits)
     if bh == 1:
-        _row_block_sddmm_kernel[(n,)](g, x, block_rows, block_cols, out, tokens, g.stride(0), x.stride(0), BW=bw, BLOCK_T=64)
-    elif bh >= 16 and bw >= 16:
-        if g.dtype != x.dtype:
-            x = x.to(g.dtype)
-        block_t = 64 if max(bh, bw) <= 64 else 32
-        _block_sddmm_kernel[(n,)](
-            g, x, block_rows, block_cols, out, tokens, g.stride(0), x.stride(0), BH=bh, BW=bw, BLOCK_T=block_t
-        )
+        _row_block_sddmm_kernel[grid](g, x, block_rows, block_cols, out, tokens, per, n, g.stride(0), x.stride(0), BW=bw, BLOCK_T=block_t)
     else:
-        raise ValueError(f"block_sddmm supports block_shape (1, bw) or (≥16, ≥16), got ({bh}, {bw})")
-    return out
+        _block_sddmm_kernel[grid](
+            g, x, block_rows, block_cols, out, tokens, per, n, g.stride(0), x.stride(0), BH=bh, BW=bw, BLOCK_T=block_t
+        )  # fmt: skip
+    return out[0] if splits == 1 else out.sum(0)
 
 
 @triton.jit
