@@ -132,3 +132,45 @@ def test_token_splits_bounds(tk):
     assert tk.token_splits(25, 8192, 64, 528) == (22, 384)  # ⌈528 / 25⌉ slices of 384 tokens
     assert tk.token_splits(1, 300, 64, 528) == (1, 320)  # too few tokens for slices of ≥ 4 steps
     assert tk.token_splits(1, 8192, 64, 528) == (32, 256)  # at most tokens / (4·64) slices
+
+
+@pytest.mark.parametrize("source_dtype, out_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (None, torch.float32)])
+def test_scatter_add_matches_reference(tk, source_dtype, out_dtype):
+    """Fused copy + scatter-add == torch's copy, gather, add, index_put; ranges cross program
+    boundaries, one range holds a dense run longer than a sub-block, and a second adapter adds onto
+    the first. Compiled (GPU): bit for bit, including the rounding of 16-bit sums. Triton's CPU
+    interpreter rounds float32 → 16-bit conversions its own way, so there 16-bit results may differ
+    by a unit in the last place of each operand (float32 results are exact)."""
+    g = torch.Generator().manual_seed(3)
+    numel = 3 * 4096 + 77
+    dense_run = torch.arange(4096 + 10, 4096 + 10 + 1500)  # > the kernel's 512-entry sub-block
+    idx = torch.unique(torch.cat([random_indices(numel, 900, g), dense_run, torch.tensor([0, 4095, 4096, numel - 1])]))
+    idx2 = random_indices(numel, 300, g)
+    vals = torch.randn(idx.numel(), generator=g)
+    vals2 = torch.randn(idx2.numel(), generator=g)
+    base = torch.randn(numel, generator=g)
+    dev = _device()
+    for index_dtype in (torch.int64, torch.int32):
+        if source_dtype is None:  # in place: no copy, out already holds the weight
+            want = base.to(out_dtype)
+            got = want.clone().to(dev)
+            source, source_ref = None, None
+        else:
+            source_ref = base.to(source_dtype)
+            source, got = source_ref.to(dev), torch.empty(numel, dtype=out_dtype, device=dev)
+            want = torch.empty(numel, dtype=out_dtype)
+        kernels.scatter_add_reference(want, idx, vals, source_ref)
+        kernels.scatter_add_reference(want, idx2, vals2)
+        tk.scatter_add_into(got, idx.to(index_dtype).to(dev), vals.to(dev), source)
+        tk.scatter_add_into(got, idx2.to(index_dtype).to(dev), vals2.to(dev))
+        if dev == "cuda" or out_dtype == torch.float32:
+            assert torch.equal(got.cpu(), want)
+        else:
+            torch.testing.assert_close(got.cpu(), want, rtol=2**-6, atol=2**-4)  # a few bf16 units at |x| ≤ 8
+
+
+def test_scatter_add_without_indices(tk):
+    out = torch.empty(5000, dtype=torch.float32, device=_device())
+    src = torch.randn(5000, device=_device()).to(torch.bfloat16)
+    tk.scatter_add_into(out, torch.zeros(0, dtype=torch.int64, device=_device()), torch.zeros(0, device=_device()), src)
+    assert torch.equal(out, src.float())

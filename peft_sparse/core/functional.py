@@ -37,15 +37,15 @@ class GradientHooks(Protocol):
 def compose_weight(
     weight: torch.Tensor, indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], dtype: torch.dtype, owned: bool
 ) -> torch.Tensor:
-    """W + Σ scatter(η_a, φ_a) as a fresh contiguous (out, in) tensor of ``dtype``."""
-    merged = weight.to(dtype=dtype, memory_format=torch.contiguous_format, copy=not owned)
-    if not merged.is_contiguous():  # an owned but strided tensor
-        merged = merged.contiguous()
-    flat = merged.view(-1)
-    for idx, val in zip(indices, values):
-        # an adapter's indices are distinct: gather, add, scatter — no atomics, which for 16-bit types
-        # are compare-and-swap loops that contend wherever active weights sit side by side
-        flat.index_put_((idx,), flat[idx] + val.to(dtype))
+    """W + Σ scatter(η_a, φ_a) as a fresh contiguous (out, in) tensor of ``dtype`` (``owned``: W may be reused)."""
+    if owned and weight.dtype == dtype and weight.is_contiguous():
+        merged, source = weight, None
+    else:
+        merged, source = torch.empty(weight.shape, dtype=dtype, device=weight.device), weight
+    if not indices:
+        return merged.copy_(source) if source is not None else merged
+    for a, (idx, val) in enumerate(zip(indices, values)):
+        kernels.scatter_add_into(merged, idx, val, source if a == 0 else None)  # the first also copies W in
     return merged
 
 

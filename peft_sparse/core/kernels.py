@@ -22,6 +22,8 @@ import torch
 SDDMM_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 # device type → callable(grad_out2d, x2d, block_rows, block_cols, bh, bw) -> (nblocks, bh, bw) float32
 BLOCK_SDDMM_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
+# device type → callable(out, indices, values, source) -> out (see scatter_add_into)
+SCATTER_ADD_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 _GPU_KERNELS_TRIED = False
 
 
@@ -37,9 +39,42 @@ def _load_gpu_kernels() -> None:
         return
     SDDMM_KERNELS.setdefault("cuda", triton_kernels.sddmm)
     BLOCK_SDDMM_KERNELS.setdefault("cuda", triton_kernels.block_sddmm)
+    SCATTER_ADD_KERNELS.setdefault("cuda", triton_kernels.scatter_add_into)
 
 # bytes of scratch memory the reference SDDMM may use per chunk
 _REFERENCE_CHUNK_BYTES = 64 * 2**20
+
+
+_KERNEL_FLOAT_TYPES = {torch.float32, torch.float16, torch.bfloat16}  # what the Triton kernels compute in float32
+
+
+def scatter_add_reference(
+    out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, source: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """``out`` ← ``source`` (converted; when given), then ``out.view(-1)[indices] += values.to(out.dtype)``.
+
+    Indices are distinct, so this is a gather, an add and a scatter — no atomics (which for 16-bit
+    types are compare-and-swap loops that contend wherever active weights sit side by side).
+    """
+    if source is not None:
+        out.copy_(source.reshape(out.shape))
+    flat = out.view(-1)
+    flat.index_put_((indices,), flat[indices] + values.to(out.dtype))
+    return out
+
+
+def scatter_add_into(
+    out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, source: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """:func:`scatter_add_reference` for sorted distinct indices into a contiguous ``out``; on CUDA one
+    fused Triton launch (copy and scatter together) instead of five torch operations."""
+    if out.device.type == "cuda":
+        _load_gpu_kernels()
+    kernel = SCATTER_ADD_KERNELS.get(out.device.type)
+    dtypes = {out.dtype, values.dtype} | ({source.dtype} if source is not None else set())
+    if kernel is not None and dtypes <= _KERNEL_FLOAT_TYPES and out.is_contiguous():
+        return kernel(out, indices, values, source)
+    return scatter_add_reference(out, indices, values, source)
 
 
 def dense_weight_gradient(grad_out2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:

@@ -162,6 +162,80 @@ def block_sddmm(
 
 
 @triton.jit
+def _lower_bound(IDX, n, target, n_iter):
+    """First j in [0, n] with IDX[j] ≥ target (IDX ascending): binary search in n_iter ≥ ⌈log2(n + 1)⌉ halvings."""
+    lo = n * 0
+    hi = n
+    for _ in range(n_iter):
+        mid = (lo + hi) // 2
+        v = tl.load(IDX + mid, mask=mid < hi, other=0).to(tl.int64)
+        right = (mid < hi) & (v < target)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(right | (mid >= hi), hi, mid)
+    return lo
+
+
+@triton.jit
+def _round_to(x, OUT):
+    """float32 → OUT's element type, rounding to nearest even like torch's conversions."""
+    if OUT.dtype.element_ty == tl.float32:
+        return x
+    else:
+        return x.to(OUT.dtype.element_ty, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _compose_kernel(W, OUT, IDX, VAL, numel, nnz, n_iter, COPY: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+    # program p owns the flat range [p·BLOCK, (p+1)·BLOCK) of the merged weight: copies it from W (COPY)
+    # and then adds the values whose (sorted) indices fall in it — found by binary search, so no
+    # other program touches these positions and no atomics are needed. Arithmetic as torch does it
+    # for 16-bit types: operands converted to the output type, added in float32, rounded once.
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    if COPY:
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < numel
+        tl.store(OUT + offs, _round_to(tl.load(W + offs, mask=m).to(tl.float32), OUT), mask=m)
+        tl.debug_barrier()  # the copy's stores land before this program overwrites some of them
+    lo = _lower_bound(IDX, nnz, start, n_iter)
+    hi = _lower_bound(IDX, nnz, start + BLOCK, n_iter)
+    for j0 in range(lo, hi, SBLOCK):
+        j = j0 + tl.arange(0, SBLOCK)
+        jm = j < hi
+        i = tl.load(IDX + j, mask=jm, other=0).to(tl.int64)
+        if COPY:
+            base = _round_to(tl.load(W + i, mask=jm, other=0.0).to(tl.float32), OUT)
+        else:
+            base = tl.load(OUT + i, mask=jm, other=0.0)
+        v = _round_to(tl.load(VAL + j, mask=jm, other=0.0).to(tl.float32), OUT)
+        tl.store(OUT + i, _round_to(base.to(tl.float32) + v.to(tl.float32), OUT), mask=jm)
+
+
+_COMPOSE_BLOCK = 4096
+
+
+def scatter_add_into(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, source: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out.view(-1)[indices] = base[indices] + values.to(out.dtype)`` for sorted distinct ``indices``, one launch.
+
+    ``base`` is ``out`` itself, or — with ``source`` (same numel, any float dtype) — ``source`` copied
+    into ``out`` first (converted to ``out.dtype``) in the same launch. The addition rounds like torch's
+    ``base[indices] + values.to(out.dtype)``. ``out`` must be contiguous.
+    """
+    numel, nnz = out.numel(), indices.numel()
+    if numel == 0:
+        return out
+    source = source.reshape(-1) if source is not None else None
+    if source is not None and not source.is_contiguous():
+        source = source.contiguous()
+    n_iter = max(1, int(nnz).bit_length())
+    grid = (triton.cdiv(numel, _COMPOSE_BLOCK),)
+    _compose_kernel[grid](
+        source if source is not None else out, out, indices, values, numel, nnz, n_iter,
+        COPY=source is not None, BLOCK=_COMPOSE_BLOCK, SBLOCK=512,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
 def _segment_max(row_a, value_a, row_b, value_b):
     # combine of a scan over (row, value) runs: restart at a new row
     return row_b, tl.where(row_a == row_b, tl.maximum(value_a, value_b), value_b)
@@ -195,14 +269,20 @@ def _sm3_sparse_kernel(
     tl.store(VALUES + offs, (v * decay - lr * update).to(VALUES.dtype.element_ty), mask=m)
 
 
-def sm3_sparse_step(values, grad, indices, in_features, row_acc, col_acc, momentum_buffer, lr, momentum, eps, weight_decay):
+def sm3_sparse_step(
+    values, grad, indices, in_features, row_acc, col_acc, momentum_buffer, lr, momentum, eps, weight_decay,
+    row_new=None, col_new=None,
+):  # fmt: skip
     """One fused SM3-II step over sparse values; returns the new (row, col) accumulators.
 
     ν is read from the previous accumulators and the max-updates go to copies (atomic max), so no
     element sees another's update of the same step — the same result as the sequential definition.
+    ``row_new``/``col_new``: buffers already holding copies of the accumulators (the optimizer fills
+    all of them with one multi-tensor copy); by default they are cloned here.
     """
     n = values.numel()
-    row_new, col_new = row_acc.clone(), col_acc.clone()
+    if row_new is None or col_new is None:
+        row_new, col_new = row_acc.clone(), col_acc.clone()
     if n:
         block = 1024
         _sm3_sparse_kernel[(triton.cdiv(n, block),)](

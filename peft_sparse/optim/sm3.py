@@ -51,6 +51,9 @@ class SM3(torch.optim.Optimizer):
         if not weight_decay >= 0.0:
             raise ValueError(f"SM3: weight_decay must be non-negative, got weight_decay={weight_decay}")
         super().__init__(params, dict(lr=lr, momentum=momentum, eps=eps, weight_decay=weight_decay))
+        # param → (row, col) buffers of the accumulators' shapes that the fused step writes into (swapped
+        # with the accumulators afterwards); not state: they hold nothing between steps
+        self._scratch: dict = {}
 
     @staticmethod
     def sparse_layout(param: torch.Tensor):
@@ -82,6 +85,7 @@ class SM3(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        fused = []  # CUDA sparse values: one Triton launch each, after one multi-tensor copy of the accumulators
         for group in self.param_groups:
             lr, momentum, eps, wd = group["lr"], group["momentum"], group["eps"], group["weight_decay"]
             for param in group["params"]:
@@ -94,37 +98,63 @@ class SM3(torch.optim.Optimizer):
                 if not state:
                     self._init_state(param, state, layout, momentum)
                 state["step"] += 1
-                acc_dtype = (state.get("accumulator") if "accumulator" in state else state["row_accumulator"]).dtype
-                grad = param.grad.to(acc_dtype)
                 if layout is not None and param.is_cuda and _fused_kernel() is not None:
-                    indices, _, in_features = layout
-                    state["row_accumulator"], state["col_accumulator"] = _fused_kernel()(
-                        param, param.grad, indices, in_features, state["row_accumulator"], state["col_accumulator"],
-                        state.get("momentum_buffer"), lr, momentum, eps, wd,
-                    )  # fmt: skip
+                    fused.append((param, state, layout, group))
                     continue
-                if layout is not None:
-                    indices, _, in_features = layout
-                    rows, cols = rows_cols(indices, in_features)
-                    row_acc, col_acc = state["row_accumulator"], state["col_accumulator"]
-                    nu = torch.minimum(row_acc[rows], col_acc[cols]).add_(grad * grad)  # (d_φ,)
-                    row_acc.scatter_reduce_(0, rows, nu, reduce="amax", include_self=True)
-                    col_acc.scatter_reduce_(0, cols, nu, reduce="amax", include_self=True)
-                elif "accumulator" in state:
-                    nu = state["accumulator"].add_(grad * grad)
-                else:
-                    row_acc, col_acc = state["row_accumulator"], state["col_accumulator"]
-                    g2 = grad.reshape(row_acc.numel(), col_acc.numel())
-                    nu = torch.minimum(row_acc[:, None], col_acc[None, :]).add_(g2 * g2)  # (rows, cols)
-                    torch.maximum(row_acc, nu.amax(dim=1), out=row_acc)
-                    torch.maximum(col_acc, nu.amax(dim=0), out=col_acc)
-                    nu = nu.view_as(grad)
-                update = grad / nu.add(eps).sqrt()
-                if momentum > 0:
-                    buf = state["momentum_buffer"]
-                    buf.mul_(momentum).add_(update, alpha=1 - momentum)
-                    update = buf
-                if wd:
-                    param.mul_(1 - lr * wd)
-                param.add_(update.to(param.dtype), alpha=-lr)
+                self._torch_step(param, state, layout, lr, momentum, eps, wd)
+        if fused:
+            self._fused_steps(fused)
         return loss
+
+    def _fused_steps(self, items) -> None:
+        scratch = getattr(self, "_scratch", None)
+        if scratch is None:  # an optimizer unpickled from before the scratch buffers existed
+            scratch = self._scratch = {}
+        accumulators, buffers = [], []
+        for param, state, _, _ in items:
+            pair = scratch.get(param)
+            acc = (state["row_accumulator"], state["col_accumulator"])
+            if pair is None or any(b.shape != a.shape or b.dtype != a.dtype or b.device != a.device for a, b in zip(acc, pair)):
+                pair = scratch[param] = (torch.empty_like(acc[0]), torch.empty_like(acc[1]))
+            accumulators.extend(acc)
+            buffers.extend(pair)
+        torch._foreach_copy_(buffers, accumulators)
+        for param, state, (indices, _, in_features), group in items:
+            row_new, col_new = scratch[param]
+            _fused_kernel()(
+                param, param.grad, indices, in_features, state["row_accumulator"], state["col_accumulator"],
+                state.get("momentum_buffer"), group["lr"], group["momentum"], group["eps"], group["weight_decay"],
+                row_new=row_new, col_new=col_new,
+            )  # fmt: skip
+            # the updated copies become the accumulators; the previous ones are next step's scratch
+            scratch[param] = (state["row_accumulator"], state["col_accumulator"])
+            state["row_accumulator"], state["col_accumulator"] = row_new, col_new
+
+    @staticmethod
+    def _torch_step(param, state, layout, lr, momentum, eps, wd) -> None:
+        acc_dtype = (state.get("accumulator") if "accumulator" in state else state["row_accumulator"]).dtype
+        grad = param.grad.to(acc_dtype)
+        if layout is not None:
+            indices, _, in_features = layout
+            rows, cols = rows_cols(indices, in_features)
+            row_acc, col_acc = state["row_accumulator"], state["col_accumulator"]
+            nu = torch.minimum(row_acc[rows], col_acc[cols]).add_(grad * grad)  # (d_φ,)
+            row_acc.scatter_reduce_(0, rows, nu, reduce="amax", include_self=True)
+            col_acc.scatter_reduce_(0, cols, nu, reduce="amax", include_self=True)
+        elif "accumulator" in state:
+            nu = state["accumulator"].add_(grad * grad)
+        else:
+            row_acc, col_acc = state["row_accumulator"], state["col_accumulator"]
+            g2 = grad.reshape(row_acc.numel(), col_acc.numel())
+            nu = torch.minimum(row_acc[:, None], col_acc[None, :]).add_(g2 * g2)  # (rows, cols)
+            torch.maximum(row_acc, nu.amax(dim=1), out=row_acc)
+            torch.maximum(col_acc, nu.amax(dim=0), out=col_acc)
+            nu = nu.view_as(grad)
+        update = grad / nu.add(eps).sqrt()
+        if momentum > 0:
+            buf = state["momentum_buffer"]
+            buf.mul_(momentum).add_(update, alpha=1 - momentum)
+            update = buf
+        if wd:
+            param.mul_(1 - lr * wd)
+        param.add_(update.to(param.dtype), alpha=-lr)
