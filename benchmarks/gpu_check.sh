@@ -14,4 +14,4 @@ from peft.utils import PeftType
 from peft import PeftConfig
 print("PeftType extension on this Python:", PeftType("SFT"), PeftType.SPIEL, "SFT" in [t.value for t in PeftType])
 PY
-python3 -m pytest -q -x -m "not slow" -p no:cacheprovider tests "$@" 2>&1 | tail -5
+python3 -m pytest -q -m "not slow" -p no:cacheprovider tests "$@" 2>&1 | tail -5

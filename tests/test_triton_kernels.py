@@ -142,9 +142,11 @@ def test_scatter_add_matches_reference(tk, source_dtype, out_dtype):
     interpreter rounds float32 → 16-bit conversions its own way, so there 16-bit results may differ
     by a unit in the last place of each operand (float32 results are exact)."""
     g = torch.Generator().manual_seed(3)
-    numel = 3 * 4096 + 77
-    dense_run = torch.arange(4096 + 10, 4096 + 10 + 1500)  # > the kernel's 512-entry sub-block
-    idx = torch.unique(torch.cat([random_indices(numel, 900, g), dense_run, torch.tensor([0, 4095, 4096, numel - 1])]))
+    block = tk._COMPOSE_BLOCK  # elements per program
+    numel = 3 * block + 77
+    dense_run = torch.arange(block + 10, block + 10 + 1500)  # > the kernel's 512-entry sub-block
+    edges = torch.tensor([0, block - 1, block, 2 * block - 1, numel - 1])
+    idx = torch.unique(torch.cat([random_indices(numel, 3000, g), dense_run, edges]))
     idx2 = random_indices(numel, 300, g)
     vals = torch.randn(idx.numel(), generator=g)
     vals2 = torch.randn(idx2.numel(), generator=g)
@@ -169,8 +171,42 @@ def test_scatter_add_matches_reference(tk, source_dtype, out_dtype):
             torch.testing.assert_close(got.cpu(), want, rtol=2**-6, atol=2**-4)  # a few bf16 units at |x| ≤ 8
 
 
+def _lower_bound_probe():
+    """A kernel storing _lower_bound(IDX, n, TARGETS[p]) for each program p (Triton resolves the
+    helper through this module's globals, so it is bound here)."""
+    import triton
+    import triton.language as tl
+
+    from peft_sparse.core.triton_kernels import _lower_bound
+
+    globals()["_lower_bound"] = _lower_bound
+
+    @triton.jit
+    def probe(IDX, n, TARGETS, OUT, n_iter, K: tl.constexpr):
+        p = tl.program_id(0)
+        tl.store(OUT + p, _lower_bound(IDX, n, tl.load(TARGETS + p).to(tl.int64), n_iter, K))
+
+    return probe
+
+
+@pytest.mark.parametrize("n, k", [(0, 4), (1, 4), (2, 4), (37, 4), (1000, 4), (1000, 512), (5000, 16)])
+def test_lower_bound_search_matches_searchsorted(tk, n, k):
+    """The fused kernel's K-ary search finds every insertion point (== torch.searchsorted, left) in
+    the number of rounds the launcher computes; small K forces many rounds."""
+    probe = _lower_bound_probe()
+    g = torch.Generator().manual_seed(n + k)
+    idx = torch.unique(torch.randint(0, 3 * n + 5, (n,), generator=g)).to(torch.int32)
+    hits = idx[torch.randperm(idx.numel(), generator=g)[:40]].long()  # present values, and their neighbours
+    targets = torch.unique(torch.cat([torch.tensor([-1, 0, 3 * n + 6]), hits - 1, hits, hits + 1, torch.randint(0, 3 * n + 6, (40,), generator=g)]))
+    want = torch.searchsorted(idx.long(), targets, side="left")
+    dev = _device()
+    got = torch.empty(targets.numel(), dtype=torch.int64, device=dev)
+    probe[(targets.numel(),)](idx.to(dev), idx.numel(), targets.to(dev), got, tk._search_rounds(idx.numel(), k), K=k)
+    assert torch.equal(got.cpu(), want)
+
+
 def test_scatter_add_without_indices(tk):
-    out = torch.empty(5000, dtype=torch.float32, device=_device())
-    src = torch.randn(5000, device=_device()).to(torch.bfloat16)
+    out = torch.empty(40000, dtype=torch.float32, device=_device())
+    src = torch.randn(40000, device=_device()).to(torch.bfloat16)
     tk.scatter_add_into(out, torch.zeros(0, dtype=torch.int64, device=_device()), torch.zeros(0, device=_device()), src)
     assert torch.equal(out, src.float())

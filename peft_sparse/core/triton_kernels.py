@@ -162,17 +162,29 @@ def block_sddmm(
 
 
 @triton.jit
-def _lower_bound(IDX, n, target, n_iter):
-    """First j in [0, n] with IDX[j] ≥ target (IDX ascending): binary search in n_iter ≥ ⌈log2(n + 1)⌉ halvings."""
-    lo = n * 0
-    hi = n
+def _lower_bound(IDX, n, target, n_iter, K: tl.constexpr):
+    """First j in [0, n] with IDX[j] ≥ target (IDX ascending), by K-ary search: each round loads K
+    evenly spaced entries of the bracket at once (one memory round trip, not one per halving) and
+    shrinks it to the gap between two of them; ``n_iter`` rounds (:func:`_search_rounds`) suffice."""
+    lo = (n * 0).to(tl.int64)
+    hi = n.to(tl.int64)
     for _ in range(n_iter):
-        mid = (lo + hi) // 2
-        v = tl.load(IDX + mid, mask=mid < hi, other=0).to(tl.int64)
-        right = (mid < hi) & (v < target)
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(right | (mid >= hi), hi, mid)
+        step = (hi - lo + K - 1) // K
+        probes = lo + tl.arange(0, K).to(tl.int64) * step
+        below = (probes < hi) & (tl.load(IDX + probes, mask=probes < hi, other=0).to(tl.int64) < target)
+        count = tl.sum(below.to(tl.int64), axis=0)  # probes below target: a prefix of them
+        hi = tl.minimum(hi, lo + count * step)  # the first probe not below target (or the old end)
+        lo = tl.where(count > 0, lo + (count - 1) * step + 1, lo)
     return lo
+
+
+def _search_rounds(n: int, k: int) -> int:
+    """Rounds of :func:`_lower_bound` that shrink a bracket of n entries to none."""
+    rounds = 0
+    while n > 0:
+        n = -(-n // k) - 1
+        rounds += 1
+    return max(rounds, 1)
 
 
 @triton.jit
@@ -185,19 +197,23 @@ def _round_to(x, OUT):
 
 
 @triton.jit
-def _compose_kernel(W, OUT, IDX, VAL, numel, nnz, n_iter, COPY: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+def _compose_kernel(
+    W, OUT, IDX, VAL, numel, nnz, n_iter, COPY: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    SBLOCK: tl.constexpr, K: tl.constexpr,
+):  # fmt: skip
     # program p owns the flat range [p·BLOCK, (p+1)·BLOCK) of the merged weight: copies it from W (COPY)
-    # and then adds the values whose (sorted) indices fall in it — found by binary search, so no
-    # other program touches these positions and no atomics are needed. Arithmetic as torch does it
+    # and then adds the values whose (sorted) indices fall in it — found by searching the indices, so
+    # no other program touches these positions and no atomics are needed. Arithmetic as torch does it
     # for 16-bit types: operands converted to the output type, added in float32, rounded once.
     start = tl.program_id(0).to(tl.int64) * BLOCK
+    lo = _lower_bound(IDX, nnz, start, n_iter, K)
+    hi = _lower_bound(IDX, nnz, start + BLOCK, n_iter, K)
     if COPY:
-        offs = start + tl.arange(0, BLOCK)
-        m = offs < numel
-        tl.store(OUT + offs, _round_to(tl.load(W + offs, mask=m).to(tl.float32), OUT), mask=m)
+        for c in range(0, BLOCK, CHUNK):
+            offs = start + c + tl.arange(0, CHUNK)
+            m = offs < numel
+            tl.store(OUT + offs, _round_to(tl.load(W + offs, mask=m).to(tl.float32), OUT), mask=m)
         tl.debug_barrier()  # the copy's stores land before this program overwrites some of them
-    lo = _lower_bound(IDX, nnz, start, n_iter)
-    hi = _lower_bound(IDX, nnz, start + BLOCK, n_iter)
     for j0 in range(lo, hi, SBLOCK):
         j = j0 + tl.arange(0, SBLOCK)
         jm = j < hi
@@ -210,7 +226,7 @@ def _compose_kernel(W, OUT, IDX, VAL, numel, nnz, n_iter, COPY: tl.constexpr, BL
         tl.store(OUT + i, _round_to(base.to(tl.float32) + v.to(tl.float32), OUT), mask=jm)
 
 
-_COMPOSE_BLOCK = 4096
+_COMPOSE_BLOCK, _COMPOSE_CHUNK, _SEARCH_K = 16384, 4096, 512
 
 
 def scatter_add_into(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, source: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -226,11 +242,10 @@ def scatter_add_into(out: torch.Tensor, indices: torch.Tensor, values: torch.Ten
     source = source.reshape(-1) if source is not None else None
     if source is not None and not source.is_contiguous():
         source = source.contiguous()
-    n_iter = max(1, int(nnz).bit_length())
     grid = (triton.cdiv(numel, _COMPOSE_BLOCK),)
     _compose_kernel[grid](
-        source if source is not None else out, out, indices, values, numel, nnz, n_iter,
-        COPY=source is not None, BLOCK=_COMPOSE_BLOCK, SBLOCK=512,
+        source if source is not None else out, out, indices, values, numel, nnz, _search_rounds(nnz, _SEARCH_K),
+        COPY=source is not None, BLOCK=_COMPOSE_BLOCK, CHUNK=_COMPOSE_CHUNK, SBLOCK=512, K=_SEARCH_K, num_warps=8,
     )  # fmt: skip
     return out
 
