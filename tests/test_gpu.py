@@ -103,3 +103,39 @@ def test_batched_reselection_on_cuda_equals_per_tensor(growth, block):
         else:
             want = reselect_ma(it.values, it.indices, it.k, it.row_acc, it.col_acc, it.grid, it.units)
         assert torch.equal(got, want.indices)
+
+
+@pytest.mark.parametrize("low_cpu_mem_usage", [False, True])
+def test_adapter_saved_on_cpu_loads_next_to_a_cpu_base_model(tmp_path, low_cpu_mem_usage):
+    """With a GPU present PEFT loads adapter files onto CUDA (huggingface/peft#3793); the sparse layers
+    follow their base layer's device, so a CPU model loaded this way still runs, bit for bit."""
+    from peft import PeftModel
+
+    config = SpIELConfig(target_modules=["q_proj", "down_proj"], density=0.1)
+    model = get_peft_model(tiny_llama(), config)
+    with torch.no_grad():
+        for layer in sparse_layers(model):
+            layer.sparse_values["default"].normal_()
+    ids = torch.randint(0, 97, (2, 7))
+    want = model(input_ids=ids).logits
+    model.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path, low_cpu_mem_usage=low_cpu_mem_usage)
+    for layer in sparse_layers(loaded):
+        assert layer.sparse_values["default"].device.type == "cpu"
+        assert layer.sparse_indices["default"].device.type == "cpu"
+    assert torch.equal(loaded(input_ids=ids).logits, want)
+
+
+def test_merged_weight_kernel_on_cuda_is_bit_exact():
+    """The fused Triton merge == torch's copy-gather-add-scatter, bit for bit in bf16, in a real layer."""
+    config = SpIELConfig(target_modules=["gate_proj", "down_proj"], density=0.3)
+    model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128, dtype=torch.bfloat16), config).cuda()
+    for layer in sparse_layers(model):
+        with torch.no_grad():
+            layer.sparse_values["default"].normal_()
+        weight = layer.logical_weight()
+        got = layer.merged_weight()
+        want = kernels.scatter_add_reference(
+            torch.empty_like(weight), layer.sparse_indices["default"], layer.sparse_values["default"].detach(), weight
+        )
+        assert torch.equal(got, want)

@@ -56,7 +56,10 @@ def test_save_load_roundtrip_is_bit_exact(case, tmp_path):
     model.save_pretrained(tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
     for low_cpu_mem_usage in (False, True):
-        loaded = PeftModel.from_pretrained(builder(), tmp_path, low_cpu_mem_usage=low_cpu_mem_usage)
+        # torch_device: on a machine with a GPU, PEFT would otherwise load the file onto CUDA whatever the base
+        # model's device (huggingface/peft#3793); sparse layers follow their base layer, but a modules_to_save
+        # copy (the BERT classifier) would stay on CUDA — tests/test_gpu.py covers the sparse layers' part
+        loaded = PeftModel.from_pretrained(builder(), tmp_path, low_cpu_mem_usage=low_cpu_mem_usage, torch_device="cpu")
         assert torch.equal(_out(loaded, logits, x), out)
         for a, b in zip(sparse_layers(model), sparse_layers(loaded)):
             assert torch.equal(a.sparse_indices["default"], b.sparse_indices["default"])

@@ -165,16 +165,20 @@ class CostModel:
             self.sddmm_relative_rate.update(sddmm_relative_rate)
 
     # block kernels: a fixed launch/latency cost (in GEMM multiply-add equivalents) plus their MACs at a
-    # fraction of the GEMM rate; measured on an H200 (benchmarks/value_grad.py, BENCHMARKS.md):
-    # 32×32 ran at ~0.16 of the GEMM rate, 16×16 at ~0.056, 1×64 at ~0.02, each after ~0.05 ms.
-    block_relative_rate = {(32, 32): 0.16, (16, 16): 0.056, (1, 64): 0.02}
-    block_overhead = {"cuda": 1.7e10, "cpu": 0.0}
+    # fraction of the GEMM rate; the dense path also pays a fixed cost (GEMM launch, the gather, the
+    # GEMM's poor efficiency on small shapes). Measured on an H100 (benchmarks/value_grad.py, 8192
+    # tokens, BENCHMARKS.md): 32×32 ran at ~0.2 of the GEMM rate, 16×16 at ~0.044, 1×64 at ~0.004,
+    # each after ~0.018 ms; dense dW + gather of a 256×2048 layer took 0.037 ms for 0.013 ms of MACs.
+    block_relative_rate = {(32, 32): 0.2, (16, 16): 0.044, (1, 64): 0.004}
+    block_overhead = {"cuda": 6e9, "cpu": 0.0}
+    dense_overhead = {"cuda": 8e9, "cpu": 0.0}
 
     def choose_block(self, device: torch.device, tokens: int, out_features: int, in_features: int, nnz: int, block_shape) -> str:
         """``"block"`` (block-sparse product) or ``"dense"`` (GEMM + gather) for a block adapter."""
-        rate = self.block_relative_rate.get(tuple(block_shape), 0.05)
+        rate = self.block_relative_rate.get(tuple(block_shape), 0.004)
         block_cost = self.block_overhead.get(device.type, 0.0) + tokens * nnz / rate
-        return "block" if block_cost < tokens * out_features * in_features else "dense"
+        dense_cost = self.dense_overhead.get(device.type, 0.0) + tokens * out_features * in_features
+        return "block" if block_cost < dense_cost else "dense"
 
     def choose(self, device: torch.device, tokens: int, out_features: int, in_features: int, nnz: int) -> str:
         rate = self.sddmm_relative_rate.get(device.type, 0.0)

@@ -166,8 +166,8 @@ def _lower_bound(IDX, n, target, n_iter, K: tl.constexpr):
     """First j in [0, n] with IDX[j] ≥ target (IDX ascending), by K-ary search: each round loads K
     evenly spaced entries of the bracket at once (one memory round trip, not one per halving) and
     shrinks it to the gap between two of them; ``n_iter`` rounds (:func:`_search_rounds`) suffice."""
-    lo = (n * 0).to(tl.int64)
-    hi = n.to(tl.int64)
+    lo = tl.program_id(0).to(tl.int64) * 0  # a tensor even when Triton specialises n == 1 into a constant
+    hi = lo + n
     for _ in range(n_iter):
         step = (hi - lo + K - 1) // K
         probes = lo + tl.arange(0, K).to(tl.int64) * step
