@@ -6,8 +6,9 @@ r"""Autograd for a linear layer with sparse deltas:
 
 ``W`` is the frozen base weight in its logical (out, in) layout (dequantized for 4-bit layers).
 The merged weight exists only transiently: forward builds it, uses it and drops it; backward
-builds it again for ∂L/∂X. What is saved for backward is X, the indices and the values — never a
-tensor of W's size (the frozen base weight is looked up again through ``weight_fn``, not saved).
+builds it again for ∂L/∂X — unless the layer keeps W + scatter(η, φ) in the base weight's own
+storage while training (``premerged``; see ``SparseLayer``), when both passes read it in place.
+What is saved for backward is X, the indices and the values — never a tensor of W's size (the frozen base weight is looked up again through ``weight_fn``, not saved).
 
 ∂L/∂φ_j = ((∂L/∂Y)ᵀ X)[η_j] (Eq. 7.4 / E.5). It is computed by :func:`kernels.value_gradient`
 (dense GEMM + gather, or SDDMM, chosen per layer) unless a *dense-gradient consumer* is armed on
@@ -57,17 +58,21 @@ def _compute_dtype(x: torch.Tensor, weight_dtype: torch.dtype) -> torch.dtype:
 
 class SparseDeltaLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, bias, weight_fn, owned, hooks, blocks, n_adapters, *indices_and_values):
+    def forward(ctx, x, bias, weight_fn, owned, hooks, blocks, premerged, n_adapters, *indices_and_values):
         indices = indices_and_values[:n_adapters]
         values = indices_and_values[n_adapters:]
         weight = weight_fn()  # (out, in), frozen
         dtype = _compute_dtype(x, weight.dtype)
-        merged = compose_weight(weight, indices, values, dtype, owned)  # transient (out, in)
+        if premerged is not None:  # the stored weight already holds W + Σ scatter(η, φ) (see SparseLayer)
+            merged = weight
+        else:
+            merged = compose_weight(weight, indices, values, dtype, owned)  # transient (out, in)
         with torch.autocast(x.device.type, enabled=False):
             y = F.linear(x.to(dtype), merged, None if bias is None else bias.to(dtype))  # (..., out)
         del merged, weight
         ctx.weight_fn, ctx.owned, ctx.hooks, ctx.n_adapters, ctx.dtype = weight_fn, owned, hooks, n_adapters, dtype
         ctx.blocks = blocks
+        ctx.premerged = premerged
         ctx.out_features, ctx.in_features = y.shape[-1], x.shape[-1]
         ctx.save_for_backward(x, *indices, *values)
         return y
@@ -78,13 +83,17 @@ class SparseDeltaLinear(torch.autograd.Function):
         n = ctx.n_adapters
         indices, values = rest[:n], rest[n:]
         need_x, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_values = ctx.needs_input_grad[7 + n :]
+        need_values = ctx.needs_input_grad[8 + n :]
         dtype = ctx.dtype
         g2 = grad_out.reshape(-1, ctx.out_features).to(dtype)  # (tokens, out)
 
         grad_x = None
         if need_x:
-            merged = compose_weight(ctx.weight_fn(), indices, values, dtype, ctx.owned)  # recomputed, transient
+            premerged = ctx.premerged
+            if premerged is not None and premerged.still_merged():
+                merged = ctx.weight_fn()
+            else:  # recomputed, transient
+                merged = compose_weight(ctx.weight_fn(), indices, values, dtype, ctx.owned)
             grad_x = g2.mm(merged).view(*x.shape[:-1], ctx.in_features).to(x.dtype)  # (..., in)
             del merged
 
@@ -122,7 +131,7 @@ class SparseDeltaLinear(torch.autograd.Function):
                     value_grads[a] = grad.to(values[a].dtype)
 
         grad_bias = g2.sum(0).to(grad_out.dtype) if need_bias else None
-        return (grad_x, grad_bias, None, None, None, None, None, *([None] * n), *value_grads)
+        return (grad_x, grad_bias, None, None, None, None, None, None, *([None] * n), *value_grads)
 
 
 def sparse_delta_linear(
@@ -134,15 +143,18 @@ def sparse_delta_linear(
     hooks: Optional[GradientHooks] = None,
     owned: bool = False,
     blocks: Optional[Sequence] = None,
+    premerged=None,
 ) -> torch.Tensor:
     """Y = X (W + Σ scatter(η_a, φ_a))ᵀ + b with a memory-lean backward.
 
     ``weight_fn()`` returns the frozen logical (out, in) weight; ``owned=True`` says it returns a
     fresh tensor (e.g. a dequantized copy) that may be modified in place. ``blocks[a]`` is the block
     metadata of adapter a (see ``SparseLayer.block_metadata``) or None: block adapters get their
-    value gradient from a block-sparse product.
+    value gradient from a block-sparse product. ``premerged`` (an object with ``still_merged()``): the
+    weight ``weight_fn()`` returns already holds W + Σ scatter(η_a, φ_a), so neither pass builds a merged
+    copy; backward falls back to building one if ``still_merged()`` has turned False since forward.
     """
-    return SparseDeltaLinear.apply(x, bias, weight_fn, owned, hooks, blocks, len(indices), *indices, *values)
+    return SparseDeltaLinear.apply(x, bias, weight_fn, owned, hooks, blocks, premerged, len(indices), *indices, *values)
 
 
 def sparse_delta_linear_reference(

@@ -24,6 +24,8 @@ SDDMM_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 BLOCK_SDDMM_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 # device type → callable(out, indices, values, source) -> out (see scatter_add_into)
 SCATTER_ADD_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
+# device type → callable(out, indices, base, values) -> out (see scatter_sum_into)
+SCATTER_SUM_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 _GPU_KERNELS_TRIED = False
 
 
@@ -40,6 +42,7 @@ def _load_gpu_kernels() -> None:
     SDDMM_KERNELS.setdefault("cuda", triton_kernels.sddmm)
     BLOCK_SDDMM_KERNELS.setdefault("cuda", triton_kernels.block_sddmm)
     SCATTER_ADD_KERNELS.setdefault("cuda", triton_kernels.scatter_add_into)
+    SCATTER_SUM_KERNELS.setdefault("cuda", triton_kernels.scatter_sum_into)
 
 # bytes of scratch memory the reference SDDMM may use per chunk
 _REFERENCE_CHUNK_BYTES = 64 * 2**20
@@ -75,6 +78,19 @@ def scatter_add_into(
     if kernel is not None and dtypes <= _KERNEL_FLOAT_TYPES and out.is_contiguous():
         return kernel(out, indices, values, source)
     return scatter_add_reference(out, indices, values, source)
+
+
+def scatter_sum_into(out: torch.Tensor, indices: torch.Tensor, base: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``out.view(-1)[indices] = base + values.to(out.dtype)`` with ``base`` in ``out``'s dtype: the
+    merged weight's entries at the indices, rounded exactly as :func:`scatter_add_into` rounds them
+    when ``base`` holds the weight's values there. On CUDA one Triton launch."""
+    if out.device.type == "cuda":
+        _load_gpu_kernels()
+    kernel = SCATTER_SUM_KERNELS.get(out.device.type)
+    if kernel is not None and {out.dtype, values.dtype} <= _KERNEL_FLOAT_TYPES and out.is_contiguous():
+        return kernel(out.view(-1), indices, base, values)
+    out.view(-1).index_put_((indices,), base + values.to(out.dtype))
+    return out
 
 
 def dense_weight_gradient(grad_out2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,18 @@ Per adapter it holds
 
 The storage layout of the base layer never leaks into the indices: GPT-2 ``Conv1D`` stores
 (in, out) and bitsandbytes ``Linear4bit`` stores packed nf4 data, and both are translated here.
+
+**Merged in place while training.** A forward pass needs W + scatter(η, φ). By default that is a
+transient copy of W, built in forward and again in backward. While one adapter trains on a plain
+``nn.Linear`` (float weight, no quantization, no sharding wrapper), the layer instead keeps the merged
+weight in the base weight's own storage: it saves θ₀[η] (d_φ entries) once, and before every training
+forward writes θ₀[η] + φ at η (d_φ entries, not W) — so forward and backward read W in place and no
+W-sized copy is made. The entries are rounded exactly as the copy would round them, so outputs are
+bit-identical. θ₀ is written back (``release_training_merge``) whenever anything else may look at the
+base weight: ``eval()``, ``state_dict()``, ``load_state_dict()``, ``.to()``/``.cuda()``, merging,
+disabling or deleting adapters, ``logical_weight()``, and before a reselection edits the indices. Code
+that edits ``sparse_indices`` in place must call ``release_training_merge()`` first. Set
+``merge_for_training = False`` on a layer to always use the transient copy.
 """
 
 from __future__ import annotations
@@ -25,7 +37,8 @@ from peft.utils import resolve_quantization_backend
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from .functional import compose_weight, sparse_delta_linear, sparse_delta_linear_reference
+from . import kernels
+from .functional import _compute_dtype, compose_weight, sparse_delta_linear, sparse_delta_linear_reference
 
 
 # id(values Parameter) → (weakref to it, weakref to its layer, adapter name): lets optimizers (SM3)
@@ -91,6 +104,14 @@ def storage_positions(base: nn.Module, indices: torch.Tensor) -> torch.Tensor:
     return idx
 
 
+def _release_before_state_dict(module, prefix, keep_vars) -> None:
+    module.release_training_merge()
+
+
+def _release_before_load(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
+    module.release_training_merge()
+
+
 class _BareLayer:
     """Adapter-less stand-in so quantization backends can requantize a plain base module."""
 
@@ -133,6 +154,30 @@ def add_delta_to_base(
     return before
 
 
+class _TrainingMerge:
+    """The state of an adapter merged into its base weight's storage for training (see the module docstring)."""
+
+    __slots__ = ("adapter", "indices", "base", "active")
+
+    def __init__(self, adapter: str, indices: torch.Tensor, base: torch.Tensor):
+        self.adapter, self.indices, self.base, self.active = adapter, indices, base, True
+
+    def still_merged(self) -> bool:
+        """False once θ₀ was written back: a backward pass must then build the merged weight itself."""
+        return self.active
+
+
+def _shared_or_sharded(weight: torch.Tensor) -> bool:
+    """A weight managed by a sharding wrapper (FSDP, DeepSpeed ZeRO-3, DTensor): never written in place."""
+    if getattr(weight, "_fsdp_flattened", False) or hasattr(weight, "ds_id"):
+        return True
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(weight, DTensor)
+
+
 class SparseLayer(BaseTunerLayer):
     adapter_layer_names = ("sparse_values",)
     other_param_names = ("sparse_indices", "sparse_ages")
@@ -158,6 +203,11 @@ class SparseLayer(BaseTunerLayer):
         self.value_grad_method = "auto"
         # called with the layer on every training forward pass (dynamic methods watch for a missing scheduler)
         self.training_observer = None
+        # keep the training adapter merged in the base weight's storage (module docstring)
+        self.merge_for_training = True
+        self._training_merge: Optional[_TrainingMerge] = None
+        self.register_state_dict_pre_hook(_release_before_state_dict)
+        self.register_load_state_dict_pre_hook(_release_before_load)
 
         base = self.get_base_layer()
         self.quantization_backend = resolve_quantization_backend(base)
@@ -170,7 +220,12 @@ class SparseLayer(BaseTunerLayer):
         return self.out_features * self.in_features
 
     def logical_weight(self) -> torch.Tensor:
-        """The frozen base weight as an (out, in) tensor: a view for Linear/Conv1D, a dequantized copy for 4-bit."""
+        """The frozen base weight θ₀ as an (out, in) tensor: a view for Linear/Conv1D, a dequantized copy for 4-bit."""
+        self.release_training_merge()
+        return self._stored_weight()
+
+    def _stored_weight(self) -> torch.Tensor:
+        """What the base weight's storage holds, as (out, in): θ₀, or θ₀ + scatter(η, φ) while merged for training."""
         base = self.get_base_layer()
         if self.quantization_backend is not None:
             standard_4bit_layout(base)
@@ -239,6 +294,7 @@ class SparseLayer(BaseTunerLayer):
             self._register_values(adapter_name)
 
     def delete_adapter(self, adapter_name: str) -> None:
+        self.release_training_merge()
         super().delete_adapter(adapter_name)
         self.values_dtype.pop(adapter_name, None)
         self.block_shape.pop(adapter_name, None)
@@ -287,6 +343,7 @@ class SparseLayer(BaseTunerLayer):
 
     # ----------------------------------------------------------------------------------- merge
     def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+        self.release_training_merge()
         adapter_names = check_adapters_to_merge(self, adapter_names)
         for name in adapter_names:
             if name in self.sparse_values:
@@ -322,6 +379,63 @@ class SparseLayer(BaseTunerLayer):
         if keep_backup and backup is not None:
             self._merge_backup[adapter_name] = backup
 
+    # ----------------------------------------------------------------------------------- merged for training
+    def release_training_merge(self) -> None:
+        """Write θ₀ back at the positions of the adapter merged for training (no-op when none is)."""
+        merge = self._training_merge
+        if merge is None:
+            return
+        self._training_merge = None
+        merge.active = False
+        if merge.indices.shape != merge.base.shape:
+            raise RuntimeError(f"{self.module_name}: the indices of adapter {merge.adapter!r} were resized while merged for training")
+        self.get_base_layer().weight.data.view(-1).index_put_((merge.indices,), merge.base)
+
+    def _can_merge_for_training(self, active: list[str], x: torch.Tensor) -> bool:
+        if not (self.merge_for_training and self.training and torch.is_grad_enabled() and len(active) == 1):
+            return False
+        base = self.get_base_layer()
+        if self.quantization_backend is not None or self.fan_in_fan_out or type(base) is not nn.Linear:
+            return False
+        weight = base.weight
+        values = self.sparse_values[active[0]]
+        return (
+            weight.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and not weight.requires_grad
+            and weight.is_contiguous()
+            and weight.device == values.device
+            and weight.device.type != "meta"
+            and _compute_dtype(x, weight.dtype) == weight.dtype
+            and not _shared_or_sharded(weight)
+        )
+
+    def _merged_for_training(self, active: list[str], x: torch.Tensor) -> Optional[_TrainingMerge]:
+        """Bring W + scatter(η, φ) of the single training adapter into the base weight's storage (None: not applicable)."""
+        if not self._can_merge_for_training(active, x):
+            self.release_training_merge()
+            return None
+        name = active[0]
+        indices = self.sparse_indices[name]
+        merge = self._training_merge
+        if merge is not None and (merge.adapter != name or merge.indices is not indices):
+            self.release_training_merge()
+            merge = None
+        flat = self.get_base_layer().weight.data.view(-1)
+        if merge is None:
+            merge = self._training_merge = _TrainingMerge(name, indices, flat[indices])
+        # values may have changed in any way since the last pass (optimizer kernels, .data edits): always rewrite
+        kernels.scatter_sum_into(flat, indices, merge.base, self.sparse_values[name].detach())
+        return merge
+
+    def train(self, mode: bool = True):
+        if not mode:
+            self.release_training_merge()
+        return nn.Module.train(self, mode)
+
+    def _apply(self, fn, recurse: bool = True):
+        self.release_training_merge()
+        return nn.Module._apply(self, fn, recurse)
+
     # ----------------------------------------------------------------------------------- forward
     def _check_ready(self, adapter_name: str) -> None:
         if adapter_name in self._indices_pending:
@@ -352,6 +466,7 @@ class SparseLayer(BaseTunerLayer):
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.disable_adapters:
+            self.release_training_merge()
             if self.merged:
                 self.unmerge()
             return self.base_layer(x, *args, **kwargs)
@@ -359,6 +474,7 @@ class SparseLayer(BaseTunerLayer):
             return self.base_layer(x, *args, **kwargs)
         active = [a for a in self.active_adapters if a in self.sparse_values]
         if not active:
+            self.release_training_merge()
             return self.base_layer(x, *args, **kwargs)
         for name in active:
             self._check_ready(name)
@@ -371,9 +487,10 @@ class SparseLayer(BaseTunerLayer):
             # the base weight itself is being trained: let autograd keep what it needs
             return sparse_delta_linear_reference(x, self.logical_weight(), base.bias, indices, values)
         blocks = [self.block_metadata(a) for a in active]
+        premerged = self._merged_for_training(active, x)
         y = sparse_delta_linear(
-            x, self.logical_weight, base.bias, indices, values, hooks=self,
-            owned=self.quantization_backend is not None, blocks=blocks,
+            x, self._stored_weight, base.bias, indices, values, hooks=self,
+            owned=self.quantization_backend is not None, blocks=blocks, premerged=premerged,
         )  # fmt: skip
         return y.to(x.dtype) if self.quantization_backend is not None else y
 
@@ -402,4 +519,6 @@ class SparseLinear(nn.Module, SparseLayer):
 
     # nn.Module comes first in the MRO (as in PEFT's layers), so point at the shared implementations
     forward = SparseLayer.forward
+    train = SparseLayer.train
+    _apply = SparseLayer._apply
     __repr__ = SparseLayer.__repr__

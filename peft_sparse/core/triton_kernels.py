@@ -251,6 +251,25 @@ def scatter_add_into(out: torch.Tensor, indices: torch.Tensor, values: torch.Ten
 
 
 @triton.jit
+def _scatter_sum_kernel(OUT, IDX, BASE, VAL, nnz, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < nnz
+    i = tl.load(IDX + offs, mask=m, other=0).to(tl.int64)
+    base = tl.load(BASE + offs, mask=m, other=0.0).to(tl.float32)
+    v = _round_to(tl.load(VAL + offs, mask=m, other=0.0).to(tl.float32), OUT).to(tl.float32)
+    tl.store(OUT + i, _round_to(base + v, OUT), mask=m)
+
+
+def scatter_sum_into(out: torch.Tensor, indices: torch.Tensor, base: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``out.view(-1)[indices] = base + values.to(out.dtype)`` (``base`` in ``out``'s dtype), one launch."""
+    nnz = indices.numel()
+    if nnz:
+        block = 1024
+        _scatter_sum_kernel[(triton.cdiv(nnz, block),)](out, indices, base, values, nnz, BLOCK=block)
+    return out
+
+
+@triton.jit
 def _segment_max(row_a, value_a, row_b, value_b):
     # combine of a scan over (row, value) runs: restart at a new row
     return row_b, tl.where(row_a == row_b, tl.maximum(value_a, value_b), value_b)

@@ -1024,6 +1024,8 @@ class SpIELScheduler:
         new_values[grown] = 0
         torch._foreach_copy_([v.data for v in values], list(torch.split(new_values, result.sizes)))
         torch._foreach_copy_(ages, list(torch.split(new_ages, result.sizes)))
+        for layer in layers:  # θ₀ back at the old positions before they change (SparseLayer docstring)
+            layer.release_training_merge()
         if len({i.dtype for i in indices}) == 1:
             torch._foreach_copy_(indices, list(torch.split(result.new_indices.to(indices[0].dtype), result.sizes)))
         else:  # int32 and int64 indices (tensors of 2³¹ weights or more) side by side

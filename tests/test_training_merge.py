@@ -1,0 +1,184 @@
+"""The adapter merged into the base weight's storage while training (SparseLayer's default).
+
+It must be invisible: bit-identical training to the transient-copy path, and θ₀ back in the base
+weight whenever anything else can look at it.
+"""
+
+import copy
+
+import pytest
+import torch
+from peft import get_peft_model
+
+from peft_sparse import SM3, SpIELConfig, SpIELScheduler
+
+from .models import inputs, randomize_values, sparse_layers, tiny_llama, train_on
+
+
+def _spiel(dtype=torch.float32, growth="ag", **kw):
+    config = SpIELConfig(
+        target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], density=0.2, growth=growth,
+        reselection_steps=3, gradient_estimation_steps=2, **kw,
+    )  # fmt: skip
+    return get_peft_model(tiny_llama(dtype=dtype), config)
+
+
+def _base_weights(model):
+    return {layer.module_name: layer.get_base_layer().weight.detach().clone() for layer in sparse_layers(model)}
+
+
+def _train(model, growth, steps=8):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = SM3(params, lr=1e-2) if growth == "ma" else torch.optim.AdamW(params, lr=1e-2)
+    scheduler = SpIELScheduler(model, opt, total_steps=steps)
+    return train_on(model, opt, scheduler, inputs(), steps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("growth", ["ag", "ma"])
+def test_training_is_bit_identical_to_the_transient_copy(dtype, growth):
+    """Same losses, values, indices and ages, step for step, with reselections; θ₀ intact afterwards."""
+    runs = []
+    for merge in (True, False):
+        model = _spiel(dtype, growth)
+        theta0 = _base_weights(model)
+        for layer in sparse_layers(model):
+            layer.merge_for_training = merge
+        losses = _train(model, growth)
+        merged_during = any(layer._training_merge is not None for layer in sparse_layers(model))
+        model.eval()
+        assert _base_weights(model).keys() == theta0.keys()
+        for name, w in _base_weights(model).items():
+            assert torch.equal(w, theta0[name]), name
+        runs.append((losses, model, merged_during))
+    (losses_a, a, merged_a), (losses_b, b, merged_b) = runs
+    assert merged_a and not merged_b  # the first run really trained merged in place
+    assert losses_a == losses_b
+    for la, lb in zip(sparse_layers(a), sparse_layers(b)):
+        assert torch.equal(la.sparse_indices["default"], lb.sparse_indices["default"])
+        assert torch.equal(la.sparse_values["default"], lb.sparse_values["default"])
+        assert torch.equal(la.sparse_ages["default"], lb.sparse_ages["default"])
+
+
+def test_base_weight_holds_the_merged_weight_only_while_training():
+    model = _spiel()
+    theta0 = _base_weights(model)
+    randomize_values(model, scale=0.1)
+    x = inputs()
+    model.train()
+    model(x)
+    layer = sparse_layers(model)[0]
+    stored = layer.get_base_layer().weight.detach().clone()
+    want = theta0[layer.module_name].clone()
+    want.view(-1)[layer.sparse_indices["default"].long()] += layer.sparse_values["default"].detach()
+    assert torch.equal(stored, want)  # merged in place, with the transient copy's rounding
+    # every way of looking at the base weight sees θ₀
+    sd = model.state_dict()
+    for l in sparse_layers(model):
+        key = next(k for k in sd if k.endswith(l.module_name + ".base_layer.weight"))
+        assert torch.equal(sd[key], theta0[l.module_name])
+    model(x)  # merged again
+    assert torch.equal(layer.logical_weight(), theta0[layer.module_name])  # logical_weight releases
+    model(x)
+    model.float()  # .to() and friends release first
+    assert torch.equal(layer.get_base_layer().weight, theta0[layer.module_name])
+
+
+def test_outputs_match_with_adapter_disabled_merged_and_evaluated():
+    model = _spiel()
+    base = tiny_llama()
+    randomize_values(model, scale=0.1)
+    x = inputs()
+    model.train()
+    train_out = model(x).logits
+    with model.disable_adapter():
+        assert torch.equal(model(x).logits, base(x).logits)
+    assert torch.equal(model(x).logits, train_out)  # merged again after the context
+    model.eval()
+    assert torch.equal(model(x).logits, train_out)  # the transient copy gives the same bits
+    model.train()
+    model(x)
+    merged = model.merge_and_unload()
+    merged_out = merged(x).logits
+    torch.testing.assert_close(merged_out, train_out, rtol=1e-5, atol=1e-5)
+    for name, module in merged.named_modules():
+        if name.endswith(("q_proj", "v_proj", "gate_proj", "down_proj")):
+            # merged exactly once: θ₀ + φ at η, θ₀ elsewhere
+            assert not torch.equal(module.weight, dict(base.named_modules())[name].weight)
+
+
+def test_backward_after_release_builds_the_merged_weight_itself():
+    """A forward that ran merged, then something released θ₀ (here state_dict) before backward: the
+    input gradient must still come from W + Δ, not θ₀."""
+    x_embeds = torch.randn(2, 5, 32, requires_grad=True)
+    grads = []
+    for release in (False, True):
+        model = _spiel()
+        randomize_values(model, scale=0.5)
+        model.train()
+        layer = sparse_layers(model)[0]
+        inp = x_embeds.detach().clone().requires_grad_(True)
+        out = layer(inp)
+        assert layer._training_merge is not None
+        if release:
+            model.state_dict()
+            assert layer._training_merge is None
+        out.sum().backward()
+        grads.append((inp.grad, layer.sparse_values["default"].grad))
+    assert torch.equal(grads[0][0], grads[1][0])
+    assert torch.equal(grads[0][1], grads[1][1])
+
+
+def test_two_active_adapters_and_autocast_use_the_transient_copy():
+    model = _spiel()
+    randomize_values(model, scale=0.1)
+    model.add_adapter("other", SpIELConfig(target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], density=0.1))
+    randomize_values(model, adapter_name="other", seed=3, scale=0.1)
+    model.base_model.set_adapter(["default", "other"])
+    model.train()
+    x = inputs()
+    out = model(x).logits
+    assert all(layer._training_merge is None for layer in sparse_layers(model))
+    for layer in sparse_layers(model):
+        layer.merge_for_training = False
+    assert torch.equal(model(x).logits, out)
+    single = _spiel()
+    single.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float32 weights, bf16 compute: no in-place merge
+        single(x)
+    assert all(layer._training_merge is None for layer in sparse_layers(single))
+
+
+def test_deepcopy_and_load_state_dict_while_merged():
+    model = _spiel()
+    theta0 = _base_weights(model)
+    randomize_values(model, scale=0.1)
+    model.train()
+    x = inputs()
+    out = model(x).logits
+    clone = copy.deepcopy(model)  # copies storage and merge state together
+    assert torch.equal(clone(x).logits, out)
+    clone.eval()
+    for name, w in _base_weights(clone).items():
+        assert torch.equal(w, theta0[name])
+    model(x)
+    model.load_state_dict(model.state_dict())  # releases before the base weights are overwritten
+    model.eval()
+    for name, w in _base_weights(model).items():
+        assert torch.equal(w, theta0[name])
+
+
+def test_gradient_checkpointing_recomputes_merged():
+    runs = []
+    for ckpt in (False, True):
+        model = _spiel()
+        randomize_values(model, scale=0.1)
+        if ckpt:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
+        model.train()
+        x = inputs()
+        model(x, labels=x).loss.backward()
+        runs.append([layer.sparse_values["default"].grad.clone() for layer in sparse_layers(model)])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
