@@ -292,8 +292,8 @@ def _sm3_sparse_kernel(
     _, run_max = tl.associative_scan((r, nu), 0, _segment_max)
     next_idx = tl.load(IDX + offs + 1, mask=offs + 1 < n, other=-1).to(tl.int64)
     last_of_run = (next_idx // in_features != r) | (tl.arange(0, BLOCK) == BLOCK - 1) | (offs + 1 >= n)
-    tl.atomic_max(ROW_NEW + r, run_max, mask=m & last_of_run)
-    tl.atomic_max(COL_NEW + c, nu, mask=m)
+    tl.atomic_max(ROW_NEW + r, run_max, mask=m & last_of_run, sem="relaxed")  # max commutes: no ordering needed
+    tl.atomic_max(COL_NEW + c, nu, mask=m, sem="relaxed")
     update = g / tl.sqrt(nu + eps)
     if HAS_MOMENTUM:
         buf = tl.load(MOM + offs, mask=m, other=0.0) * momentum + (1 - momentum) * update
