@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -163,23 +164,39 @@ def run_one(args) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     vocab = SIZES[args.size]["vocab_size"]
     batches = [torch.randint(0, vocab, (args.bs, args.seq), device="cuda", generator=g) for _ in range(4)]
-    times = []
+    times, gc_times = [], []
+    gc_clock = {"total": 0.0}
+
+    def on_gc(phase, info):  # time spent in Python's garbage collector, per step
+        if phase == "start":
+            gc_clock["start"] = time.perf_counter()
+        else:
+            gc_clock["total"] += time.perf_counter() - gc_clock.pop("start", time.perf_counter())
+
+    gc.callbacks.append(on_gc)
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            if args.gc_freeze:
+                gc.freeze()
         ids = batches[step % len(batches)]
         torch.cuda.synchronize()
+        gc_clock["total"] = 0.0
         start = time.perf_counter()
         train_step(model, optimizer, hook, ids)
         torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
+            gc_times.append(gc_clock["total"])
+    gc.callbacks.remove(on_gc)
     return {
         "variant": args.variant,
         "step_s_median": statistics.median(times),
         "step_s_mean": statistics.fmean(times),
         "step_s_all": times,
+        "gc_s_all": gc_times,
+        "gc_freeze": args.gc_freeze,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
         "gpu": torch.cuda.get_device_name(),
         "size": args.size,
@@ -228,6 +245,7 @@ def main():
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=6)
     parser.add_argument("--batch-id", default=None)
+    parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after warm-up (diagnosis of collector pauses)")
     parser.add_argument("--out", default=None, help="JSONL file (default benchmarks/results/<date>-<gpu>.jsonl)")
     args = parser.parse_args()
     if args.variant:
@@ -247,6 +265,8 @@ def main():
     for v in variants:
         cmd = [sys.executable, __file__, "--variant", v, "--size", args.size, "--seq", str(args.seq), "--bs", str(args.bs),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-id", batch_id]  # fmt: skip
+        if args.gc_freeze:
+            cmd.append("--gc-freeze")
         if args.out:
             cmd += ["--out", args.out]
         result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -6,14 +6,16 @@ After 7 warm-up steps (SpIEL: the first reselection at step 5 and the kernels' c
 behind it; the next window starts at step 21, so every measured step is a steady one), it prints:
 
 * the memory the forward holds for backward;
-* over 5 steps, the wall time per step and the host's issue time (until the step's Python returns,
-  before synchronising): when the two are close, the GPU waits for the host;
+* over 8 steps (13–20), the wall time per step and the host's issue time (until the step's Python returns,
+  before synchronising): when the two are close, the GPU waits for the host; and the Python garbage
+  collections that ran in each step, with their generation and duration;
 * host-device synchronisations of one step (``torch.cuda.set_sync_debug_mode``) and the caching
   allocator's device allocations, frees and retries over those steps (each cudaFree synchronises);
 * under the profiler, 3 steps: the sum of GPU kernel times per step (wall − kernels = GPU idle) and
   the top kernels.
 """
 
+import gc
 import statistics
 import sys
 import time
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import profiling_setup, train_step  # noqa: E402
 
 WARMUP = 7
+STEADY_STEPS = 8  # steps 13–20: before the next window (21) and reselection (25)
 _ALLOCATOR_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
 
 
@@ -45,21 +48,6 @@ def main():
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
     print(f"{args.variant}: resident before forward {base / 2**30:.2f} GiB, held by the forward for backward {saved / 2**30:.2f} GiB")
-
-    stats0 = torch.cuda.memory_stats()
-    walls, issues = [], []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        issues.append(time.perf_counter() - start)
-        torch.cuda.synchronize()
-        walls.append(time.perf_counter() - start)
-    stats1 = torch.cuda.memory_stats()
-    counts = {k: stats1.get(k, 0) - stats0.get(k, 0) for k in _ALLOCATOR_KEYS}
-    print(f"wall per step {statistics.median(walls) * 1e3:.1f} ms (min {min(walls) * 1e3:.1f}, max {max(walls) * 1e3:.1f}); "
-          f"host issue time {statistics.median(issues) * 1e3:.1f} ms (max {max(issues) * 1e3:.1f})")  # fmt: skip
-    print("allocator over 5 steps: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
 
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
@@ -83,11 +71,41 @@ def main():
     total = sum(e.self_device_time_total for e in events) / 3 / 1e3
     cpu = sum(e.self_cpu_time_total for e in events) / 3 / 1e3
     launches = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA) // 3
-    print(f"per step: GPU kernels {total:.1f} ms of {statistics.median(walls) * 1e3:.1f} ms wall "
-          f"(idle ≈ {statistics.median(walls) * 1e3 - total:.1f} ms), {launches} kernels; "
-          f"profiled wall {profiled_wall:.1f} ms, CPU ops {cpu:.1f} ms")  # fmt: skip
+    print(f"per step (profiled): {launches} kernels, profiled wall {profiled_wall:.1f} ms, CPU ops {cpu:.1f} ms; "
+          f"device time summed over ops and kernels (kernels count twice) {total:.1f} ms")  # fmt: skip
     for e in events[: args.rows]:
         print(f"  {e.self_device_time_total / 3 / 1e3:8.2f} ms/step  {e.count // 3:6d}×  {e.key[:90]}")
+
+    gc_log = []  # (generation, seconds) of every garbage collection
+    gc_start = {}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_start["t"] = time.perf_counter()
+        else:
+            gc_log.append((info["generation"], time.perf_counter() - gc_start.pop("t", time.perf_counter())))
+
+    gc.callbacks.append(on_gc)
+    stats0 = torch.cuda.memory_stats()
+    walls, issues, gc_per_step = [], [], []
+    for _ in range(STEADY_STEPS):
+        torch.cuda.synchronize()
+        seen = len(gc_log)
+        start = time.perf_counter()
+        step()
+        issues.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - start)
+        gc_per_step.append(gc_log[seen:])
+    gc.callbacks.remove(on_gc)
+    stats1 = torch.cuda.memory_stats()
+    counts = {k: stats1.get(k, 0) - stats0.get(k, 0) for k in _ALLOCATOR_KEYS}
+    print(f"wall per step {statistics.median(walls) * 1e3:.1f} ms (min {min(walls) * 1e3:.1f}, max {max(walls) * 1e3:.1f}); "
+          f"host issue time {statistics.median(issues) * 1e3:.1f} ms (max {max(issues) * 1e3:.1f})")  # fmt: skip
+    print(f"allocator over {STEADY_STEPS} steps: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    print("per step: wall ms / garbage collections (generation: ms)")
+    for w, g in zip(walls, gc_per_step):
+        print(f"  {w * 1e3:6.1f}  " + " ".join(f"{gen}:{sec * 1e3:.1f}" for gen, sec in g))
 
 
 if __name__ == "__main__":
