@@ -157,14 +157,18 @@ def add_delta_to_base(
 class _TrainingMerge:
     """The state of an adapter merged into its base weight's storage for training (see the module docstring)."""
 
-    __slots__ = ("adapter", "indices", "base", "active")
+    __slots__ = ("adapter", "indices", "weight", "base", "active")
 
-    def __init__(self, adapter: str, indices: torch.Tensor, base: torch.Tensor):
-        self.adapter, self.indices, self.base, self.active = adapter, indices, base, True
+    def __init__(self, adapter: str, indices: torch.Tensor, weight: torch.Tensor):
+        self.adapter, self.indices, self.weight, self.active = adapter, indices, weight, True
+        self.base = weight.data.view(-1)[indices]  # θ₀ at η
 
     def still_merged(self) -> bool:
         """False once θ₀ was written back: a backward pass must then build the merged weight itself."""
         return self.active
+
+    def stored_weight(self) -> torch.Tensor:
+        return self.weight
 
 
 def _shared_or_sharded(weight: torch.Tensor) -> bool:
@@ -206,6 +210,8 @@ class SparseLayer(BaseTunerLayer):
         # keep the training adapter merged in the base weight's storage (module docstring)
         self.merge_for_training = True
         self._training_merge: Optional[_TrainingMerge] = None
+        # adapter → the values tensor that last passed _check_ready
+        self._ready: dict[str, torch.Tensor] = {}
         self.register_state_dict_pre_hook(_release_before_state_dict)
         self.register_load_state_dict_pre_hook(_release_before_load)
 
@@ -261,6 +267,7 @@ class SparseLayer(BaseTunerLayer):
             torch.zeros(indices.numel(), dtype=values_dtype, device=device)
         )
         self.values_dtype[adapter_name] = values_dtype
+        self._ready.pop(adapter_name, None)
         self.block_shape[adapter_name] = tuple(block_shape)
         self._register_values(adapter_name)
         if with_ages:
@@ -300,6 +307,7 @@ class SparseLayer(BaseTunerLayer):
         self.block_shape.pop(adapter_name, None)
         self._block_metadata.pop(adapter_name, None)
         self._indices_pending.discard(adapter_name)
+        self._ready.pop(adapter_name, None)
 
     def block_metadata(self, adapter_name: str):
         """For a block adapter: (block rows, block cols, slots, block_shape) with ``slots[b·bh·bw + i·bw + j]``
@@ -391,40 +399,39 @@ class SparseLayer(BaseTunerLayer):
             raise RuntimeError(f"{self.module_name}: the indices of adapter {merge.adapter!r} were resized while merged for training")
         self.get_base_layer().weight.data.view(-1).index_put_((merge.indices,), merge.base)
 
-    def _can_merge_for_training(self, active: list[str], x: torch.Tensor) -> bool:
-        if not (self.merge_for_training and self.training and torch.is_grad_enabled() and len(active) == 1):
-            return False
-        base = self.get_base_layer()
+    def _can_merge_in_place(self, base: nn.Module, values: torch.Tensor) -> bool:
         if self.quantization_backend is not None or self.fan_in_fan_out or type(base) is not nn.Linear:
             return False
         weight = base.weight
-        values = self.sparse_values[active[0]]
         return (
             weight.dtype in (torch.float32, torch.float16, torch.bfloat16)
             and not weight.requires_grad
             and weight.is_contiguous()
             and weight.device == values.device
             and weight.device.type != "meta"
-            and _compute_dtype(x, weight.dtype) == weight.dtype
             and not _shared_or_sharded(weight)
         )
 
-    def _merged_for_training(self, active: list[str], x: torch.Tensor) -> Optional[_TrainingMerge]:
+    def _merged_for_training(self, active: list[str], x: torch.Tensor, base: nn.Module) -> Optional[_TrainingMerge]:
         """Bring W + scatter(η, φ) of the single training adapter into the base weight's storage (None: not applicable)."""
-        if not self._can_merge_for_training(active, x):
+        if not (self.merge_for_training and self.training and len(active) == 1 and torch.is_grad_enabled()):
             self.release_training_merge()
             return None
         name = active[0]
         indices = self.sparse_indices[name]
+        values = self.sparse_values[name]
+        weight = base.weight
         merge = self._training_merge
-        if merge is not None and (merge.adapter != name or merge.indices is not indices):
+        if merge is None or merge.adapter != name or merge.indices is not indices or merge.weight is not weight:
             self.release_training_merge()
-            merge = None
-        flat = self.get_base_layer().weight.data.view(-1)
-        if merge is None:
-            merge = self._training_merge = _TrainingMerge(name, indices, flat[indices])
+            if not self._can_merge_in_place(base, values):
+                return None
+            merge = self._training_merge = _TrainingMerge(name, indices, weight)
+        if _compute_dtype(x, weight.dtype) != weight.dtype:  # autocast to another dtype: the transient copy converts
+            self.release_training_merge()
+            return None
         # values may have changed in any way since the last pass (optimizer kernels, .data edits): always rewrite
-        kernels.scatter_sum_into(flat, indices, merge.base, self.sparse_values[name].detach())
+        kernels.scatter_sum_into(weight.data.view(-1), indices, merge.base, values.detach())
         return merge
 
     def train(self, mode: bool = True):
@@ -438,6 +445,9 @@ class SparseLayer(BaseTunerLayer):
 
     # ----------------------------------------------------------------------------------- forward
     def _check_ready(self, adapter_name: str) -> None:
+        """Refuse placeholder indices, re-register replaced values, restore a foreign cast; remember the
+        values tensor that passed (``_ready``) so later passes skip the checks until it changes."""
+        self._ready.pop(adapter_name, None)
         if adapter_name in self._indices_pending:
             raise RuntimeError(
                 f"{self.module_name}: adapter {adapter_name!r} has placeholder indices (its config has "
@@ -463,6 +473,7 @@ class SparseLayer(BaseTunerLayer):
                     f"peft_sparse but the adapter's values_dtype is {wanted}; precision may already be lost. "
                     f"Set values_dtype='{str(values.dtype).removeprefix('torch.')}' in the config, or stop the cast."
                 )
+        self._ready[adapter_name] = values
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.disable_adapters:
@@ -476,8 +487,11 @@ class SparseLayer(BaseTunerLayer):
         if not active:
             self.release_training_merge()
             return self.base_layer(x, *args, **kwargs)
+        ready = self._ready
         for name in active:
-            self._check_ready(name)
+            values = self.sparse_values[name]
+            if ready.get(name) is not values or values.dtype != self.values_dtype[name]:
+                self._check_ready(name)
         if self.training_observer is not None and self.training and torch.is_grad_enabled():
             self.training_observer(self)
         base = self.get_base_layer()
@@ -487,10 +501,10 @@ class SparseLayer(BaseTunerLayer):
             # the base weight itself is being trained: let autograd keep what it needs
             return sparse_delta_linear_reference(x, self.logical_weight(), base.bias, indices, values)
         blocks = [self.block_metadata(a) for a in active]
-        premerged = self._merged_for_training(active, x)
+        premerged = self._merged_for_training(active, x, base)
         y = sparse_delta_linear(
-            x, self._stored_weight, base.bias, indices, values, hooks=self,
-            owned=self.quantization_backend is not None, blocks=blocks, premerged=premerged,
+            x, premerged.stored_weight if premerged is not None else self._stored_weight, base.bias, indices, values,
+            hooks=self, owned=self.quantization_backend is not None, blocks=blocks, premerged=premerged,
         )  # fmt: skip
         return y.to(x.dtype) if self.quantization_backend is not None else y
 

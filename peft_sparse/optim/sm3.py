@@ -86,6 +86,7 @@ class SM3(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         fused = []  # CUDA sparse values: one Triton launch each, after one multi-tensor copy of the accumulators
+        steps = []
         for group in self.param_groups:
             lr, momentum, eps, wd = group["lr"], group["momentum"], group["eps"], group["weight_decay"]
             for param in group["params"]:
@@ -97,11 +98,13 @@ class SM3(torch.optim.Optimizer):
                 layout = self.sparse_layout(param)
                 if not state:
                     self._init_state(param, state, layout, momentum)
-                state["step"] += 1
+                steps.append(state["step"])
                 if layout is not None and param.is_cuda and _fused_kernel() is not None:
                     fused.append((param, state, layout, group))
                     continue
                 self._torch_step(param, state, layout, lr, momentum, eps, wd)
+        if steps:
+            torch._foreach_add_(steps, 1)
         if fused:
             self._fused_steps(fused)
         return loss
