@@ -148,3 +148,59 @@ def test_autocast_bfloat16_cpu():
     assert values[0].grad.dtype == torch.float32
     ref = _dense_reference(x.detach(), weight, bias.detach(), indices, [v.detach() for v in values])
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=5e-2)
+
+
+def _down_proj_case(rebuild: bool, monkeypatch):
+    from peft import get_peft_model
+
+    from peft_sparse import SpIELConfig
+    from peft_sparse.core import functional
+
+    from .models import inputs, randomize_values, sparse_layers, tiny_llama
+
+    if not rebuild:
+        monkeypatch.setattr(functional, "_product_of_saved_factors", lambda x: None)
+    model = get_peft_model(tiny_llama(), SpIELConfig(target_modules=["gate_proj", "up_proj", "down_proj"], density=0.3))
+    randomize_values(model, scale=0.1)
+    model.train()
+    down = [layer for layer in sparse_layers(model) if layer.module_name.endswith("down_proj")][0]
+    seen = {}
+
+    def keep_weak_input(module, args):
+        import weakref
+
+        seen["x"] = weakref.ref(args[0])
+
+    handle = down.register_forward_pre_hook(keep_weak_input)
+    x = inputs()
+    loss = model(x, labels=x).loss
+    handle.remove()
+    import gc
+
+    gc.collect()
+    alive = seen["x"]() is not None
+    loss.backward()
+    return alive, [layer.sparse_values["default"].grad.clone() for layer in sparse_layers(model)]
+
+
+def test_gated_activation_is_rebuilt_not_kept(monkeypatch):
+    """down_proj's input silu(gate) ⊙ up is not held for backward (autograd keeps both factors for the
+    product's own backward); the value gradients are bit-identical to keeping it."""
+    alive, grads = _down_proj_case(True, monkeypatch)
+    alive_kept, grads_kept = _down_proj_case(False, monkeypatch)
+    assert not alive and alive_kept
+    for a, b in zip(grads, grads_kept):
+        assert torch.equal(a, b)
+
+
+def test_product_input_under_saved_tensor_hooks_is_kept():
+    """With saved-tensor hooks active (checkpointing, offloading) X goes through them as usual."""
+    from peft_sparse.core import functional
+
+    a = torch.randn(3, 4, requires_grad=True)
+    b = torch.randn(3, 4, requires_grad=True)
+    assert functional._product_of_saved_factors(a * b) is not None
+    assert functional._product_of_saved_factors(a * torch.randn(4)) is None  # broadcast factor
+    assert functional._product_of_saved_factors(a * b.detach()) is None  # one factor not kept
+    with torch.autograd.graph.save_on_cpu():
+        assert functional._product_of_saved_factors(a * b) is None

@@ -56,6 +56,27 @@ def _compute_dtype(x: torch.Tensor, weight_dtype: torch.dtype) -> torch.dtype:
     return weight_dtype
 
 
+def _product_of_saved_factors(x: torch.Tensor):
+    """The autograd node of X = A ⊙ B when that node keeps both A and B (same shape and dtype as X) for
+    its own backward, else None. Skipped while saved-tensor hooks are active (activation checkpointing,
+    offloading): they manage what is kept, and X then goes through them like any saved tensor."""
+    node = x.grad_fn
+    if node is None or type(node).__name__ != "MulBackward0":
+        return None
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top_hooks is None or top_hooks(False) is not None:
+        return None
+    try:
+        a, b = node._saved_self, node._saved_other
+    except RuntimeError:
+        return None
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return None
+    if a.shape != x.shape or b.shape != x.shape or a.dtype != x.dtype or b.dtype != x.dtype:
+        return None
+    return node
+
+
 class SparseDeltaLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, weight_fn, owned, hooks, blocks, premerged, n_adapters, *indices_and_values):
@@ -74,12 +95,28 @@ class SparseDeltaLinear(torch.autograd.Function):
         ctx.blocks = blocks
         ctx.premerged = premerged
         ctx.out_features, ctx.in_features = y.shape[-1], x.shape[-1]
-        ctx.save_for_backward(x, *indices, *values)
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        # X is needed only for the value gradients; when autograd already keeps both factors of X = A ⊙ B
+        # (a gated MLP's activation feeding its down projection), rebuild X from them in backward instead
+        ctx.x_product = None
+        if not any(ctx.needs_input_grad[8 + n_adapters :]):
+            ctx.x_saved = False
+            ctx.save_for_backward(*indices, *values)
+        elif (node := _product_of_saved_factors(x)) is not None:
+            ctx.x_saved, ctx.x_product = False, node
+            ctx.save_for_backward(*indices, *values)
+        else:
+            ctx.x_saved = True
+            ctx.save_for_backward(x, *indices, *values)
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, *rest = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        x, rest = (saved[0], saved[1:]) if ctx.x_saved else (None, saved)
+        if x is None and ctx.x_product is not None:
+            node = ctx.x_product
+            x = node._saved_self * node._saved_other  # the same elementwise product: the same bits
         n = ctx.n_adapters
         indices, values = rest[:n], rest[n:]
         need_x, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -94,7 +131,7 @@ class SparseDeltaLinear(torch.autograd.Function):
                 merged = ctx.weight_fn()
             else:  # recomputed, transient
                 merged = compose_weight(ctx.weight_fn(), indices, values, dtype, ctx.owned)
-            grad_x = g2.mm(merged).view(*x.shape[:-1], ctx.in_features).to(x.dtype)  # (..., in)
+            grad_x = g2.mm(merged).view(*ctx.x_shape[:-1], ctx.in_features).to(ctx.x_dtype)  # (..., in)
             del merged
 
         value_grads = [None] * n
