@@ -150,7 +150,12 @@ def test_autocast_bfloat16_cpu():
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=5e-2)
 
 
-def _down_proj_case(rebuild: bool, monkeypatch):
+def _inputs_kept_case(rebuild: bool, monkeypatch, dtype, device: str = "cpu"):
+    """Train-mode forward of a tiny Llama; which layer inputs are still alive after forward, and the
+    value gradients after backward."""
+    import gc
+    import weakref
+
     from peft import get_peft_model
 
     from peft_sparse import SpIELConfig
@@ -159,48 +164,65 @@ def _down_proj_case(rebuild: bool, monkeypatch):
     from .models import inputs, randomize_values, sparse_layers, tiny_llama
 
     if not rebuild:
-        monkeypatch.setattr(functional, "_product_of_saved_factors", lambda x: None)
-    model = get_peft_model(tiny_llama(), SpIELConfig(target_modules=["gate_proj", "up_proj", "down_proj"], density=0.3))
+        monkeypatch.setattr(functional, "input_rebuild", lambda x: None)
+    targets = ["q_proj", "k_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(tiny_llama(dtype=dtype), SpIELConfig(target_modules=targets, density=0.3)).to(device)
     randomize_values(model, scale=0.1)
     model.train()
-    down = [layer for layer in sparse_layers(model) if layer.module_name.endswith("down_proj")][0]
-    seen = {}
-
-    def keep_weak_input(module, args):
-        import weakref
-
-        seen["x"] = weakref.ref(args[0])
-
-    handle = down.register_forward_pre_hook(keep_weak_input)
-    x = inputs()
+    seen, handles = {}, []
+    for layer in sparse_layers(model):
+        if ".layers.1." in layer.module_name:  # layer 0 reads the embeddings, which need no gradient
+            kind = layer.module_name.rsplit(".", 1)[1]
+            handles.append(layer.register_forward_pre_hook(lambda m, args, kind=kind: seen.__setitem__(kind, weakref.ref(args[0]))))
+    x = inputs().to(device)
     loss = model(x, labels=x).loss
-    handle.remove()
-    import gc
-
+    for h in handles:
+        h.remove()
     gc.collect()
-    alive = seen["x"]() is not None
+    alive = {kind: ref() is not None for kind, ref in seen.items()}
     loss.backward()
     return alive, [layer.sparse_values["default"].grad.clone() for layer in sparse_layers(model)]
 
 
-def test_gated_activation_is_rebuilt_not_kept(monkeypatch):
-    """down_proj's input silu(gate) ⊙ up is not held for backward (autograd keeps both factors for the
-    product's own backward); the value gradients are bit-identical to keeping it."""
-    alive, grads = _down_proj_case(True, monkeypatch)
-    alive_kept, grads_kept = _down_proj_case(False, monkeypatch)
-    assert not alive and alive_kept
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_inputs_are_rebuilt_not_kept(monkeypatch, dtype):
+    """down_proj's input silu(gate) ⊙ up, and (in 16-bit models) the RMSNorm outputs feeding q/k and
+    gate/up, are not held for backward — autograd keeps what they are made of — and the value
+    gradients are bit-identical to keeping them."""
+    alive, grads = _inputs_kept_case(True, monkeypatch, dtype)
+    alive_kept, grads_kept = _inputs_kept_case(False, monkeypatch, dtype)
+    assert all(alive_kept.values()) and set(alive) == {"q_proj", "k_proj", "gate_proj", "up_proj", "down_proj"}
+    assert not alive["down_proj"]
+    norm_rebuilt = dtype == torch.bfloat16
+    for kind in ("q_proj", "k_proj", "gate_proj", "up_proj"):
+        assert alive[kind] is not norm_rebuilt, kind
     for a, b in zip(grads, grads_kept):
         assert torch.equal(a, b)
 
 
-def test_product_input_under_saved_tensor_hooks_is_kept():
-    """With saved-tensor hooks active (checkpointing, offloading) X goes through them as usual."""
+def test_input_rebuild_patterns():
+    """What is recognised, and that a rebuild repeats the forward's bits; readers of one X share a record."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
     from peft_sparse.core import functional
 
     a = torch.randn(3, 4, requires_grad=True)
     b = torch.randn(3, 4, requires_grad=True)
-    assert functional._product_of_saved_factors(a * b) is not None
-    assert functional._product_of_saved_factors(a * torch.randn(4)) is None  # broadcast factor
-    assert functional._product_of_saved_factors(a * b.detach()) is None  # one factor not kept
+    x = a * b
+    first, second = functional.input_rebuild(x), functional.input_rebuild(x)
+    assert first is second and first.pending == 2
+    assert torch.equal(first.get(), x) and first.value is not None  # kept for the second reader
+    assert torch.equal(first.get(), x) and first.value is None  # dropped after the last
+    assert functional.input_rebuild(a * torch.randn(4)) is None  # one factor kept, the other a leaf
+    assert functional.input_rebuild(a * b.detach()) is None  # one factor not kept
     with torch.autograd.graph.save_on_cpu():
-        assert functional._product_of_saved_factors(a * b) is None
+        assert functional.input_rebuild(a * b) is None
+    norm = LlamaRMSNorm(4).to(torch.bfloat16).requires_grad_(False)
+    with torch.no_grad():
+        norm.weight.normal_()
+    h = torch.randn(2, 3, 4, dtype=torch.bfloat16, requires_grad=True)
+    y = norm(h)
+    record = functional.input_rebuild(y)
+    assert record is not None and record.inner is not None
+    assert torch.equal(record.get(), y)
+    assert functional.input_rebuild(LlamaRMSNorm(4).requires_grad_(False)(h.float())) is None  # float32: cast target unknown

@@ -163,3 +163,13 @@ def test_training_merged_in_place_on_cuda_is_bit_identical(growth):
     assert runs[0][0] == runs[1][0]
     for a, b in zip(runs[0][1], runs[1][1]):
         assert torch.equal(a, b)
+
+
+def test_layer_inputs_rebuilt_on_cuda_are_bit_identical(monkeypatch):
+    from .test_functional import _inputs_kept_case
+
+    alive, grads = _inputs_kept_case(True, monkeypatch, torch.bfloat16, "cuda")
+    alive_kept, grads_kept = _inputs_kept_case(False, monkeypatch, torch.bfloat16, "cuda")
+    assert not any(alive.values()) and all(alive_kept.values())
+    for a, b in zip(grads, grads_kept):
+        assert torch.equal(a, b)

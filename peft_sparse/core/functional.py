@@ -18,6 +18,7 @@ the value gradients are gathered from it.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Callable, Optional, Protocol
 
@@ -56,25 +57,96 @@ def _compute_dtype(x: torch.Tensor, weight_dtype: torch.dtype) -> torch.dtype:
     return weight_dtype
 
 
-def _product_of_saved_factors(x: torch.Tensor):
-    """The autograd node of X = A ⊙ B when that node keeps both A and B (same shape and dtype as X) for
-    its own backward, else None. Skipped while saved-tensor hooks are active (activation checkpointing,
-    offloading): they manage what is kept, and X then goes through them like any saved tensor."""
+class InputRebuild:
+    """How backward rebuilds a layer input X from tensors autograd keeps anyway, instead of keeping X.
+
+    Two patterns, both recognised from X's autograd node (nothing model-specific is imported):
+
+    * X = A ⊙ B with both factors saved by the product's node — a gated MLP's activation
+      silu(gate) ⊙ up feeding ``down_proj``;
+    * X = S ⊙ (P ⊙ Q).to(X.dtype) with S saved by the outer product and P, Q by the inner one, X in a
+      16-bit type — an RMSNorm's output ``weight * (h·rsqrt(var + ε)).to(dtype)`` feeding q/k/v or
+      gate/up (the norm's own backward keeps h and the rsqrt).
+
+    The rebuild repeats the same elementwise operations on the same tensors, so it gives the same
+    bits. Layers reading the same X share one record: the first backward that needs X rebuilds it,
+    the last one drops it (``pending`` counts the readers registered in forward).
+    """
+
+    __slots__ = ("node", "inner", "saved", "dtype", "pending", "value", "__weakref__")
+
+    def __init__(self, node, inner, saved: Optional[str], dtype: torch.dtype):
+        self.node, self.inner, self.saved, self.dtype = node, inner, saved, dtype
+        self.pending, self.value = 0, None
+
+    def _compute(self) -> torch.Tensor:
+        node = self.node
+        if self.inner is None:
+            return node._saved_self * node._saved_other
+        inner = (self.inner._saved_self * self.inner._saved_other).to(self.dtype)
+        return getattr(node, self.saved) * inner
+
+    def get(self) -> torch.Tensor:
+        value = self.value if self.value is not None else self._compute()
+        self.pending -= 1
+        self.value = value if self.pending > 0 else None
+        return value
+
+
+# id(autograd node) → its rebuild record while some layer's backward may still need it (the record
+# holds the node, so an id cannot be reused while its entry lives)
+_REBUILDS: "weakref.WeakValueDictionary[int, InputRebuild]" = weakref.WeakValueDictionary()
+
+
+def _saved(node, name: str):
+    try:
+        value = getattr(node, name)
+    except RuntimeError:  # freed, or not a saved field
+        return None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def input_rebuild(x: torch.Tensor) -> Optional[InputRebuild]:
+    """The shared :class:`InputRebuild` of X (registering one more reader), or None when X must be kept.
+    Skipped while saved-tensor hooks are active (activation checkpointing, offloading): they manage
+    what is kept, and X then goes through them like any saved tensor."""
     node = x.grad_fn
     if node is None or type(node).__name__ != "MulBackward0":
         return None
     top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     if top_hooks is None or top_hooks(False) is not None:
         return None
-    try:
-        a, b = node._saved_self, node._saved_other
-    except RuntimeError:
+    record = _REBUILDS.get(id(node))
+    if record is None or record.node is not node:
+        record = _new_rebuild(node, x)
+        if record is None:
+            return None
+        _REBUILDS[id(node)] = record
+    record.pending += 1
+    return record
+
+
+def _new_rebuild(node, x: torch.Tensor) -> Optional[InputRebuild]:
+    a, b = _saved(node, "_saved_self"), _saved(node, "_saved_other")
+    if a is not None and b is not None:
+        if torch.broadcast_shapes(a.shape, b.shape) == x.shape and torch.result_type(a, b) == x.dtype:
+            return InputRebuild(node, None, None, x.dtype)
         return None
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+    if (a is None) == (b is None) or x.dtype not in (torch.float16, torch.bfloat16):
         return None
-    if a.shape != x.shape or b.shape != x.shape or a.dtype != x.dtype or b.dtype != x.dtype:
+    saved_name, s, unsaved = ("_saved_self", a, 1) if a is not None else ("_saved_other", b, 0)
+    cast = node.next_functions[unsaved][0]
+    if cast is None or type(cast).__name__ != "ToCopyBackward0":
         return None
-    return node
+    inner = cast.next_functions[0][0]
+    if inner is None or type(inner).__name__ != "MulBackward0":
+        return None
+    p, q = _saved(inner, "_saved_self"), _saved(inner, "_saved_other")
+    if p is None or q is None or s.dtype != x.dtype or not (s.device == p.device == q.device == x.device):
+        return None
+    if torch.broadcast_shapes(p.shape, q.shape) != x.shape or torch.broadcast_shapes(s.shape, x.shape) != x.shape:
+        return None
+    return InputRebuild(node, inner, saved_name, x.dtype)
 
 
 class SparseDeltaLinear(torch.autograd.Function):
@@ -96,14 +168,14 @@ class SparseDeltaLinear(torch.autograd.Function):
         ctx.premerged = premerged
         ctx.out_features, ctx.in_features = y.shape[-1], x.shape[-1]
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        # X is needed only for the value gradients; when autograd already keeps both factors of X = A ⊙ B
-        # (a gated MLP's activation feeding its down projection), rebuild X from them in backward instead
-        ctx.x_product = None
+        # X is needed only for the value gradients; when autograd already keeps what X is made of
+        # (InputRebuild), backward rebuilds X from that instead
+        ctx.x_rebuild = None
         if not any(ctx.needs_input_grad[8 + n_adapters :]):
             ctx.x_saved = False
             ctx.save_for_backward(*indices, *values)
-        elif (node := _product_of_saved_factors(x)) is not None:
-            ctx.x_saved, ctx.x_product = False, node
+        elif (rebuild := input_rebuild(x)) is not None:
+            ctx.x_saved, ctx.x_rebuild = False, rebuild
             ctx.save_for_backward(*indices, *values)
         else:
             ctx.x_saved = True
@@ -114,9 +186,8 @@ class SparseDeltaLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors
         x, rest = (saved[0], saved[1:]) if ctx.x_saved else (None, saved)
-        if x is None and ctx.x_product is not None:
-            node = ctx.x_product
-            x = node._saved_self * node._saved_other  # the same elementwise product: the same bits
+        if x is None and ctx.x_rebuild is not None:
+            x = ctx.x_rebuild.get()  # the same elementwise operations on the same tensors: the same bits
         n = ctx.n_adapters
         indices, values = rest[:n], rest[n:]
         need_x, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
