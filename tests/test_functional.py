@@ -150,7 +150,7 @@ def test_autocast_bfloat16_cpu():
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=5e-2)
 
 
-def _inputs_kept_case(rebuild: bool, monkeypatch, dtype, device: str = "cpu"):
+def _inputs_kept_case(rebuild, monkeypatch, dtype, device: str = "cpu"):
     """Train-mode forward of a tiny Llama; which layer inputs are still alive after forward, and the
     value gradients after backward."""
     import gc
@@ -163,12 +163,15 @@ def _inputs_kept_case(rebuild: bool, monkeypatch, dtype, device: str = "cpu"):
 
     from .models import inputs, randomize_values, sparse_layers, tiny_llama
 
-    if not rebuild:
-        monkeypatch.setattr(functional, "input_rebuild", lambda x: None)
+    if rebuild is False:
+        monkeypatch.setattr(functional, "input_rebuild", lambda x, mode="all": None)
     targets = ["q_proj", "k_proj", "gate_proj", "up_proj", "down_proj"]
     model = get_peft_model(tiny_llama(dtype=dtype), SpIELConfig(target_modules=targets, density=0.3)).to(device)
     randomize_values(model, scale=0.1)
     model.train()
+    if isinstance(rebuild, str):
+        for layer in sparse_layers(model):
+            layer.rebuild_inputs = rebuild
     seen, handles = {}, []
     for layer in sparse_layers(model):
         if ".layers.1." in layer.module_name:  # layer 0 reads the embeddings, which need no gradient
@@ -198,6 +201,26 @@ def test_layer_inputs_are_rebuilt_not_kept(monkeypatch, dtype):
         assert alive[kind] is not norm_rebuilt, kind
     for a, b in zip(grads, grads_kept):
         assert torch.equal(a, b)
+
+
+def test_rebuild_inputs_modes(monkeypatch):
+    """"products" rebuilds only the gated activation, "none" keeps every input; gradients never change."""
+    _, grads = _inputs_kept_case(True, monkeypatch, torch.bfloat16)
+    alive, grads_products = _inputs_kept_case("products", monkeypatch, torch.bfloat16)
+    assert not alive["down_proj"] and all(alive[k] for k in ("q_proj", "k_proj", "gate_proj", "up_proj"))
+    alive, grads_none = _inputs_kept_case("none", monkeypatch, torch.bfloat16)
+    assert all(alive.values())
+    for a, b, c in zip(grads, grads_products, grads_none):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    from peft import get_peft_model
+
+    from peft_sparse import SpIELConfig
+
+    from .models import sparse_layers, tiny_llama
+
+    layer = sparse_layers(get_peft_model(tiny_llama(), SpIELConfig(target_modules=["q_proj"], density=0.1)))[0]
+    with pytest.raises(ValueError, match="rebuild_inputs='some'"):
+        layer.rebuild_inputs = "some"
 
 
 def test_input_rebuild_patterns():

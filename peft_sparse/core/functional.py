@@ -34,6 +34,7 @@ class GradientHooks(Protocol):
     dense_grad_consumer: Optional[Callable[[object, torch.Tensor], None]]
     dense_grad_count: int
     value_grad_method: str
+    rebuild_inputs: str  # see input_rebuild
 
 
 def compose_weight(
@@ -106,10 +107,18 @@ def _saved(node, name: str):
     return value if isinstance(value, torch.Tensor) else None
 
 
-def input_rebuild(x: torch.Tensor) -> Optional[InputRebuild]:
+REBUILD_MODES = ("all", "products", "none")
+
+
+def input_rebuild(x: torch.Tensor, mode: str = "all") -> Optional[InputRebuild]:
     """The shared :class:`InputRebuild` of X (registering one more reader), or None when X must be kept.
-    Skipped while saved-tensor hooks are active (activation checkpointing, offloading): they manage
-    what is kept, and X then goes through them like any saved tensor."""
+
+    ``mode``: ``"all"`` — both patterns; ``"products"`` — only X = A ⊙ B with both factors kept (the
+    cheaper rebuild: one multiplication); ``"none"`` — always keep X. Skipped while saved-tensor hooks
+    are active (activation checkpointing, offloading): they manage what is kept, and X then goes
+    through them like any saved tensor."""
+    if mode == "none":
+        return None
     node = x.grad_fn
     if node is None or type(node).__name__ != "MulBackward0":
         return None
@@ -122,6 +131,8 @@ def input_rebuild(x: torch.Tensor) -> Optional[InputRebuild]:
         if record is None:
             return None
         _REBUILDS[id(node)] = record
+    if mode == "products" and record.inner is not None:
+        return None
     record.pending += 1
     return record
 
@@ -174,7 +185,7 @@ class SparseDeltaLinear(torch.autograd.Function):
         if not any(ctx.needs_input_grad[8 + n_adapters :]):
             ctx.x_saved = False
             ctx.save_for_backward(*indices, *values)
-        elif (rebuild := input_rebuild(x)) is not None:
+        elif (rebuild := input_rebuild(x, getattr(hooks, "rebuild_inputs", "all"))) is not None:
             ctx.x_saved, ctx.x_rebuild = False, rebuild
             ctx.save_for_backward(*indices, *values)
         else:

@@ -205,6 +205,7 @@ class SparseLayer(BaseTunerLayer):
         self.dense_grad_consumer = None
         self.dense_grad_count = 0
         self.value_grad_method = "auto"
+        self._rebuild_inputs = "all"
         # called with the layer on every training forward pass (dynamic methods watch for a missing scheduler)
         self.training_observer = None
         # keep the training adapter merged in the base weight's storage (module docstring)
@@ -219,6 +220,21 @@ class SparseLayer(BaseTunerLayer):
         self.quantization_backend = resolve_quantization_backend(base)
         self.fan_in_fan_out = isinstance(base, Conv1D)
         self.out_features, self.in_features = logical_shape(base)
+
+    @property
+    def rebuild_inputs(self) -> str:
+        """Which inputs backward rebuilds instead of keeping them for the value gradient
+        (``functional.input_rebuild``): ``"all"`` (default: gated-MLP activations and 16-bit RMSNorm
+        outputs), ``"products"`` (only the activations: less recomputation, more memory), ``"none"``."""
+        return self._rebuild_inputs
+
+    @rebuild_inputs.setter
+    def rebuild_inputs(self, mode: str) -> None:
+        from .functional import REBUILD_MODES
+
+        if mode not in REBUILD_MODES:
+            raise ValueError(f"{self.module_name}: rebuild_inputs={mode!r} is not one of {REBUILD_MODES}")
+        self._rebuild_inputs = mode
 
     # ----------------------------------------------------------------------------------- weights
     @property
