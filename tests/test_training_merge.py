@@ -182,3 +182,27 @@ def test_gradient_checkpointing_recomputes_merged():
         runs.append([layer.sparse_values["default"].grad.clone() for layer in sparse_layers(model)])
     for a, b in zip(*runs):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_tied_weight_is_never_merged_in_place():
+    """lm_head tied to the input embeddings: merging in place would change the embeddings too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    base = LlamaForCausalLM(config)
+    assert base.lm_head.weight is base.model.embed_tokens.weight
+    embeddings = base.model.embed_tokens.weight.detach().clone()
+    model = get_peft_model(base, SpIELConfig(target_modules=["lm_head", "q_proj"], density=0.2))
+    randomize_values(model, scale=0.1)
+    model.train()
+    x = inputs()
+    out = model(x).logits
+    layers = {layer.module_name.split(".")[-1]: layer for layer in sparse_layers(model)}
+    assert layers["lm_head"].weight_shared and layers["lm_head"]._training_merge is None
+    assert not layers["q_proj"].weight_shared and layers["q_proj"]._training_merge is not None
+    assert torch.equal(model.base_model.model.model.embed_tokens.weight, embeddings)
+    for layer in sparse_layers(model):
+        layer.merge_for_training = False
+    assert torch.equal(model(x).logits, out)

@@ -13,10 +13,10 @@ The storage layout of the base layer never leaks into the indices: GPT-2 ``Conv1
 
 **Merged in place while training.** A forward pass needs W + scatter(η, φ). By default that is a
 transient copy of W, built in forward and again in backward. While one adapter trains on a plain
-``nn.Linear`` (float weight, no quantization, no sharding wrapper), the layer instead keeps the merged
-weight in the base weight's own storage: it saves θ₀[η] (d_φ entries) once, and before every training
-forward writes θ₀[η] + φ at η (d_φ entries, not W) — so forward and backward read W in place and no
-W-sized copy is made. The entries are rounded exactly as the copy would round them, so outputs are
+``nn.Linear`` (float weight not shared with other parameters, no quantization, no sharding wrapper),
+the layer instead keeps the merged weight in the base weight's own storage: it saves θ₀[η] (d_φ
+entries) once, and before every training forward writes θ₀[η] + φ at η (d_φ entries, not W) — so
+forward and backward read W in place and no W-sized copy is made. The entries are rounded exactly as the copy would round them, so outputs are
 bit-identical. θ₀ is written back (``release_training_merge``) whenever anything else may look at the
 base weight: ``eval()``, ``state_dict()``, ``load_state_dict()``, ``.to()``/``.cuda()``, merging,
 disabling or deleting adapters, ``logical_weight()``, and before a reselection edits the indices. Code
@@ -210,6 +210,7 @@ class SparseLayer(BaseTunerLayer):
         self.training_observer = None
         # keep the training adapter merged in the base weight's storage (module docstring)
         self.merge_for_training = True
+        self.weight_shared = False  # set by the tuner when other parameters share the base weight (tied embeddings)
         self._training_merge: Optional[_TrainingMerge] = None
         # adapter → the values tensor that last passed _check_ready
         self._ready: dict[str, torch.Tensor] = {}
@@ -416,7 +417,7 @@ class SparseLayer(BaseTunerLayer):
         self.get_base_layer().weight.data.view(-1).index_put_((merge.indices,), merge.base)
 
     def _can_merge_in_place(self, base: nn.Module, values: torch.Tensor) -> bool:
-        if self.quantization_backend is not None or self.fan_in_fan_out or type(base) is not nn.Linear:
+        if self.quantization_backend is not None or self.fan_in_fan_out or type(base) is not nn.Linear or self.weight_shared:
             return False
         weight = base.weight
         return (

@@ -151,6 +151,11 @@ class SparseTuner(BaseTuner):
             layer = target
         else:
             layer = SparseLinear(target, module_name=current_key)
+        # a weight that other parameters share (tied embeddings) must never hold the merged weight in place
+        base_weight = getattr(layer.get_base_layer(), "weight", None)
+        if base_weight is not None:
+            ptr = base_weight.data_ptr()
+            layer.weight_shared = sum(p.data_ptr() == ptr for _, p in self.model.named_parameters(remove_duplicate=False)) > 1
         external = peft_config.init == "external"
         if external:  # placeholders until the adapter file is loaded (see SparseLayer._check_ready)
             indices = torch.arange(count, dtype=torch.long)
