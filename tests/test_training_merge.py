@@ -200,9 +200,74 @@ def test_tied_weight_is_never_merged_in_place():
     x = inputs()
     out = model(x).logits
     layers = {layer.module_name.split(".")[-1]: layer for layer in sparse_layers(model)}
-    assert layers["lm_head"].weight_shared and layers["lm_head"]._training_merge is None
-    assert not layers["q_proj"].weight_shared and layers["q_proj"]._training_merge is not None
+    assert layers["lm_head"]._training_merge is None
+    assert layers["q_proj"]._training_merge is not None
     assert torch.equal(model.base_model.model.model.embed_tokens.weight, embeddings)
     for layer in sparse_layers(model):
         layer.merge_for_training = False
     assert torch.equal(model(x).logits, out)
+
+
+@pytest.mark.parametrize("between", ["no_grad", "eval", "state_dict", "disabled", "other_adapter"])
+def test_pending_backward_after_release_and_remerge(between):
+    """Forward A, something that releases θ₀ (or runs the base alone), forward B merged again, one
+    backward over both: every gradient equals the transient-copy path's."""
+    results = []
+    for merge in (True, False):
+        model = _spiel()
+        randomize_values(model, scale=0.5)
+        model.add_adapter("b", SpIELConfig(target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], density=0.2))
+        randomize_values(model, adapter_name="b", seed=5, scale=0.5)
+        model.base_model.set_adapter("default")
+        model.train()
+        layer = sparse_layers(model)[0]
+        for l in sparse_layers(model):
+            l.merge_for_training = merge
+        torch.manual_seed(0)
+        x1 = torch.randn(2, 5, 32, requires_grad=True)
+        x2 = torch.randn(2, 5, 32, requires_grad=True)
+        if between == "disabled":
+            with model.disable_adapter():
+                y1 = layer(x1)
+        elif between == "other_adapter":
+            model.base_model.set_adapter("b")
+            y1 = layer(x1)
+            model.base_model.set_adapter("default")
+        else:
+            y1 = layer(x1)
+            if between == "no_grad":
+                with torch.no_grad():
+                    layer(x2)
+            elif between == "eval":
+                model.eval()
+                model.train()
+            else:
+                model.state_dict()
+        y2 = layer(x2)
+        (y1.square().sum() + y2.square().sum()).backward()
+        results.append((x1.grad, x2.grad, layer.sparse_values["default"].grad))
+    for a, b in zip(*results):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_unload_and_data_parallel_replicas_leave_theta0():
+    model = _spiel()
+    theta0 = _base_weights(model)
+    randomize_values(model, scale=0.1)
+    model.train()
+    x = torch.randn(2, 5, 32)
+    layer = sparse_layers(model)[0]
+    want = layer(x)
+    assert layer._training_merge is not None
+    replica = layer._replicate_for_data_parallel()  # what nn.DataParallel does to every module each step
+    assert layer._training_merge is None and torch.equal(layer.get_base_layer().weight, theta0[layer.module_name])
+    assert replica._is_replica and torch.equal(replica(x), want)
+    assert replica._training_merge is None and torch.equal(layer.get_base_layer().weight, theta0[layer.module_name])
+    model(inputs())
+    base = model.unload()
+    checked = 0
+    for name, module in base.named_modules():
+        if name in theta0:
+            assert torch.equal(module.weight, theta0[name]), name
+            checked += 1
+    assert checked == len(theta0)

@@ -70,7 +70,9 @@ class InputRebuild:
       gate/up (the norm's own backward keeps h and the rsqrt).
 
     The rebuild repeats the same elementwise operations on the same tensors, so it gives the same
-    bits. Layers reading the same X share one record: the first backward that needs X rebuilds it,
+    bits. Not detectable, hence not supported: X changed through ``.data`` after it was computed, and
+    X computed inside a non-reentrant checkpoint region but read outside it (recognising the pattern
+    reads the region's saved tensors once in forward; set ``rebuild_inputs="none"`` there). Layers reading the same X share one record: the first backward that needs X rebuilds it,
     the last one drops it (``pending`` counts the readers registered in forward).
     """
 
@@ -117,7 +119,7 @@ def input_rebuild(x: torch.Tensor, mode: str = "all") -> Optional[InputRebuild]:
     cheaper rebuild: one multiplication); ``"none"`` — always keep X. Skipped while saved-tensor hooks
     are active (activation checkpointing, offloading): they manage what is kept, and X then goes
     through them like any saved tensor."""
-    if mode == "none":
+    if mode == "none" or x._version != 0:  # edited in place since it was computed: no longer A ⊙ B
         return None
     node = x.grad_fn
     if node is None or type(node).__name__ != "MulBackward0":
@@ -211,7 +213,10 @@ class SparseDeltaLinear(torch.autograd.Function):
             premerged = ctx.premerged
             if premerged is not None and premerged.still_merged():
                 merged = ctx.weight_fn()
-            else:  # recomputed, transient
+            else:  # recomputed, transient — from θ₀: a later forward may have merged the layer in place since
+                release = getattr(ctx.hooks, "release_training_merge", None)
+                if release is not None:
+                    release()
                 merged = compose_weight(ctx.weight_fn(), indices, values, dtype, ctx.owned)
             grad_x = g2.mm(merged).view(*ctx.x_shape[:-1], ctx.in_features).to(ctx.x_dtype)  # (..., in)
             del merged

@@ -13,13 +13,17 @@ The storage layout of the base layer never leaks into the indices: GPT-2 ``Conv1
 
 **Merged in place while training.** A forward pass needs W + scatter(η, φ). By default that is a
 transient copy of W, built in forward and again in backward. While one adapter trains on a plain
-``nn.Linear`` (float weight not shared with other parameters, no quantization, no sharding wrapper),
+``nn.Linear`` (float weight not shared with other parameters, no quantization, no sharding wrapper,
+not an ``nn.DataParallel`` replica),
 the layer instead keeps the merged weight in the base weight's own storage: it saves θ₀[η] (d_φ
 entries) once, and before every training forward writes θ₀[η] + φ at η (d_φ entries, not W) — so
 forward and backward read W in place and no W-sized copy is made. The entries are rounded exactly as the copy would round them, so outputs are
 bit-identical. θ₀ is written back (``release_training_merge``) whenever anything else may look at the
 base weight: ``eval()``, ``state_dict()``, ``load_state_dict()``, ``.to()``/``.cuda()``, merging,
-disabling or deleting adapters, ``logical_weight()``, and before a reselection edits the indices. Code
+unloading, disabling or deleting adapters, ``logical_weight()``, ``nn.DataParallel`` replication (replicas
+never merge), and before a reselection edits the indices. Each in-place write bumps the weight's
+version counter, so a pass that saved the weight itself errors instead of reading changed values; a
+backward whose forward ran merged but finds the merge released rebuilds W + scatter(η, φ) from θ₀. Code
 that edits ``sparse_indices`` in place must call ``release_training_merge()`` first. Set
 ``merge_for_training = False`` on a layer to always use the transient copy.
 """
@@ -210,7 +214,7 @@ class SparseLayer(BaseTunerLayer):
         self.training_observer = None
         # keep the training adapter merged in the base weight's storage (module docstring)
         self.merge_for_training = True
-        self.weight_shared = False  # set by the tuner when other parameters share the base weight (tied embeddings)
+        self._model_ref = None  # weakref to the model (set by the tuner): who else uses the base weight's storage
         self._training_merge: Optional[_TrainingMerge] = None
         # adapter → the values tensor that last passed _check_ready
         self._ready: dict[str, torch.Tensor] = {}
@@ -410,14 +414,29 @@ class SparseLayer(BaseTunerLayer):
         merge = self._training_merge
         if merge is None:
             return
-        self._training_merge = None
-        merge.active = False
         if merge.indices.shape != merge.base.shape:
             raise RuntimeError(f"{self.module_name}: the indices of adapter {merge.adapter!r} were resized while merged for training")
-        self.get_base_layer().weight.data.view(-1).index_put_((merge.indices,), merge.base)
+        merge.weight.data.view(-1).index_put_((merge.indices,), merge.base)
+        torch.autograd.graph.increment_version(merge.weight)
+        self._training_merge = None
+        merge.active = False
+
+    def _weight_is_shared(self, weight: torch.Tensor) -> bool:
+        """Whether another parameter of the model uses the weight's storage (tied embeddings, views)."""
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is None:
+            return True  # unknown: never write into it
+        storage = weight.untyped_storage().data_ptr()
+        users = 0
+        for _, p in model.named_parameters(remove_duplicate=False):
+            if p.device == weight.device and p.untyped_storage().data_ptr() == storage:
+                users += 1
+                if users > 1:
+                    return True
+        return False
 
     def _can_merge_in_place(self, base: nn.Module, values: torch.Tensor) -> bool:
-        if self.quantization_backend is not None or self.fan_in_fan_out or type(base) is not nn.Linear or self.weight_shared:
+        if self.quantization_backend is not None or self.fan_in_fan_out or type(base) is not nn.Linear:
             return False
         weight = base.weight
         return (
@@ -427,10 +446,13 @@ class SparseLayer(BaseTunerLayer):
             and weight.device == values.device
             and weight.device.type != "meta"
             and not _shared_or_sharded(weight)
+            and not self._weight_is_shared(weight)
         )
 
     def _merged_for_training(self, active: list[str], x: torch.Tensor, base: nn.Module) -> Optional[_TrainingMerge]:
         """Bring W + scatter(η, φ) of the single training adapter into the base weight's storage (None: not applicable)."""
+        if getattr(self, "_is_replica", False):  # an nn.DataParallel replica: shares the weight, its state dies with the step
+            return None
         if not (self.merge_for_training and self.training and len(active) == 1 and torch.is_grad_enabled()):
             self.release_training_merge()
             return None
@@ -449,6 +471,9 @@ class SparseLayer(BaseTunerLayer):
             return None
         # values may have changed in any way since the last pass (optimizer kernels, .data edits): always rewrite
         kernels.scatter_sum_into(weight.data.view(-1), indices, merge.base, values.detach())
+        # anything autograd saved of this weight (e.g. a pass with the adapter disabled) now errors instead of
+        # silently using the changed values
+        torch.autograd.graph.increment_version(weight)
         return merge
 
     def train(self, mode: bool = True):
@@ -459,6 +484,10 @@ class SparseLayer(BaseTunerLayer):
     def _apply(self, fn, recurse: bool = True):
         self.release_training_merge()
         return nn.Module._apply(self, fn, recurse)
+
+    def _replicate_for_data_parallel(self):
+        self.release_training_merge()  # replicas share the weight and never merge into it (see _merged_for_training)
+        return nn.Module._replicate_for_data_parallel(self)
 
     # ----------------------------------------------------------------------------------- forward
     def _check_ready(self, adapter_name: str) -> None:
@@ -497,13 +526,13 @@ class SparseLayer(BaseTunerLayer):
             self.release_training_merge()
             if self.merged:
                 self.unmerge()
-            return self.base_layer(x, *args, **kwargs)
+            return self._base_forward(x, *args, **kwargs)
         if self.merged:
             return self.base_layer(x, *args, **kwargs)
         active = [a for a in self.active_adapters if a in self.sparse_values]
         if not active:
             self.release_training_merge()
-            return self.base_layer(x, *args, **kwargs)
+            return self._base_forward(x, *args, **kwargs)
         ready = self._ready
         for name in active:
             values = self.sparse_values[name]
@@ -524,6 +553,15 @@ class SparseLayer(BaseTunerLayer):
             hooks=self, owned=self.quantization_backend is not None, blocks=blocks, premerged=premerged,
         )  # fmt: skip
         return y.to(x.dtype) if self.quantization_backend is not None else y
+
+    def _base_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The base layer alone. In training with grad, through the sparse autograd function with no
+        adapter: a plain ``nn.Linear`` would keep the live weight for backward, which a later training
+        pass may rewrite in place; this one looks θ₀ up again in backward instead."""
+        base = self.get_base_layer()
+        if self.merge_for_training and self.training and torch.is_grad_enabled() and type(base) is nn.Linear and not args and not kwargs:
+            return sparse_delta_linear(x, self._stored_weight, base.bias, [], [], hooks=self)
+        return self.base_layer(x, *args, **kwargs)
 
     def merged_weight(self, adapter_names: Optional[list[str]] = None) -> torch.Tensor:
         """W + Σ scatter(η, φ) over the given (default: active) adapters, as a new (out, in) tensor."""
@@ -552,4 +590,5 @@ class SparseLinear(nn.Module, SparseLayer):
     forward = SparseLayer.forward
     train = SparseLayer.train
     _apply = SparseLayer._apply
+    _replicate_for_data_parallel = SparseLayer._replicate_for_data_parallel
     __repr__ = SparseLayer.__repr__

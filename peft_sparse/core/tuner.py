@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import weakref
 from abc import abstractmethod
 from typing import Optional
 
@@ -151,11 +152,8 @@ class SparseTuner(BaseTuner):
             layer = target
         else:
             layer = SparseLinear(target, module_name=current_key)
-        # a weight that other parameters share (tied embeddings) must never hold the merged weight in place
-        base_weight = getattr(layer.get_base_layer(), "weight", None)
-        if base_weight is not None:
-            ptr = base_weight.data_ptr()
-            layer.weight_shared = sum(p.data_ptr() == ptr for _, p in self.model.named_parameters(remove_duplicate=False)) > 1
+        # lets the layer check, whenever it would merge in place, that no other parameter shares the base weight
+        layer._model_ref = weakref.ref(self.model)
         external = peft_config.init == "external"
         if external:  # placeholders until the adapter file is loaded (see SparseLayer._check_ready)
             indices = torch.arange(count, dtype=torch.long)
@@ -184,6 +182,13 @@ class SparseTuner(BaseTuner):
                 if param.dtype != wanted:
                     layer.sparse_values[adapter_name] = nn.Parameter(param.data.to(wanted), requires_grad=param.requires_grad)
                     layer._register_values(adapter_name)
+
+    def _unload_and_optionally_merge(self, *args, **kwargs):
+        # unload()/merge_and_unload() hand the base layers back: θ₀ first where an adapter is merged for training
+        for layer in self.model.modules():
+            if isinstance(layer, SparseLayer):
+                layer.release_training_merge()
+        return super()._unload_and_optionally_merge(*args, **kwargs)
 
     # ------------------------------------------------------------------------------- loading
     @classmethod
