@@ -249,3 +249,41 @@ def test_input_rebuild_patterns():
     assert record is not None and record.inner is not None
     assert torch.equal(record.get(), y)
     assert functional.input_rebuild(LlamaRMSNorm(4).requires_grad_(False)(h.float())) is None  # float32: cast target unknown
+
+
+def test_input_made_inside_a_checkpoint_region_is_kept():
+    """X = silu(gate) ⊙ up computed inside a non-reentrant checkpoint and read outside it: its factors
+    were packed by the checkpoint's hooks, so X is kept (unpacking them in forward would spend the
+    checkpoint's single unpack) and backward runs, with the gradients of rebuild_inputs="none"."""
+    from peft import get_peft_model
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    from peft_sparse import SpIELConfig
+
+    from .models import randomize_values, sparse_layers
+
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.up, self.down = nn.Linear(16, 24), nn.Linear(16, 24), nn.Linear(24, 16)
+
+        def forward(self, x):
+            act = checkpoint(lambda x: nn.functional.silu(self.gate(x)) * self.up(x), x, use_reentrant=False)
+            return self.down(act)
+
+    torch.manual_seed(0)
+    model = get_peft_model(Gated(), SpIELConfig(target_modules=["down"], density=0.3))
+    randomize_values(model, scale=0.3)
+    model.train()
+    x = torch.randn(4, 16, requires_grad=True)
+    grads = []
+    for mode in ("all", "none"):
+        for layer in sparse_layers(model):
+            layer.rebuild_inputs = mode
+            layer.sparse_values["default"].grad = None
+        x.grad = None
+        model(x).square().sum().backward()
+        grads.append((x.grad.clone(), sparse_layers(model)[0].sparse_values["default"].grad.clone()))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

@@ -70,9 +70,9 @@ class InputRebuild:
       gate/up (the norm's own backward keeps h and the rsqrt).
 
     The rebuild repeats the same elementwise operations on the same tensors, so it gives the same
-    bits. Not detectable, hence not supported: X changed through ``.data`` after it was computed, and
-    X computed inside a non-reentrant checkpoint region but read outside it (recognising the pattern
-    reads the region's saved tensors once in forward; set ``rebuild_inputs="none"`` there). Layers reading the same X share one record: the first backward that needs X rebuilds it,
+    bits. Tensors saved through saved-tensor hooks (X computed inside a checkpoint region, offloading)
+    are never used: X is then kept. Not detectable, hence not supported: X changed through ``.data``
+    after it was computed (an in-place edit through autograd is detected and X kept). Layers reading the same X share one record: the first backward that needs X rebuilds it,
     the last one drops it (``pending`` counts the readers registered in forward).
     """
 
@@ -101,7 +101,17 @@ class InputRebuild:
 _REBUILDS: "weakref.WeakValueDictionary[int, InputRebuild]" = weakref.WeakValueDictionary()
 
 
+class _Hooked(Exception):
+    """A saved tensor went through saved-tensor hooks (checkpointing, offloading): never unpack it in forward."""
+
+
 def _saved(node, name: str):
+    """The tensor ``node`` saved as ``name`` (``"_saved_self"``…), None when it saved none there.
+    Raises _Hooked, without unpacking, when the tensor was packed by saved-tensor hooks: unpacking it
+    now would spend a checkpoint's single unpack, or copy an offloaded tensor back."""
+    raw = getattr(node, "_raw" + name, None)
+    if raw is not None and getattr(raw, "unpack_hook", None) is not None:
+        raise _Hooked(name)
     try:
         value = getattr(node, name)
     except RuntimeError:  # freed, or not a saved field
@@ -129,7 +139,10 @@ def input_rebuild(x: torch.Tensor, mode: str = "all") -> Optional[InputRebuild]:
         return None
     record = _REBUILDS.get(id(node))
     if record is None or record.node is not node:
-        record = _new_rebuild(node, x)
+        try:
+            record = _new_rebuild(node, x)
+        except _Hooked:
+            return None
         if record is None:
             return None
         _REBUILDS[id(node)] = record
