@@ -271,3 +271,22 @@ def test_unload_and_data_parallel_replicas_leave_theta0():
             assert torch.equal(module.weight, theta0[name]), name
             checked += 1
     assert checked == len(theta0)
+
+
+def test_weight_tied_after_wrapping_is_not_merged_in_place():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+    model = get_peft_model(LlamaForCausalLM(config), SpIELConfig(target_modules=["lm_head"], density=0.2))
+    randomize_values(model, scale=0.1)
+    model.train()
+    head = sparse_layers(model)[0]
+    model(inputs())
+    assert head._training_merge is not None  # untied: merged in place
+    embed = model.base_model.model.model.embed_tokens
+    head.get_base_layer().weight = embed.weight  # tie afterwards, as tie_weights() does
+    before = embed.weight.detach().clone()
+    model(inputs())
+    assert head._training_merge is None and torch.equal(embed.weight, before)

@@ -215,6 +215,7 @@ class SparseLayer(BaseTunerLayer):
         # keep the training adapter merged in the base weight's storage (module docstring)
         self.merge_for_training = True
         self._model_ref = None  # weakref to the model (set by the tuner): who else uses the base weight's storage
+        self._shared_check = None  # (weakref to the weight, its storage pointer, shared?) of the last scan
         self._training_merge: Optional[_TrainingMerge] = None
         # adapter → the values tensor that last passed _check_ready
         self._ready: dict[str, torch.Tensor] = {}
@@ -422,18 +423,22 @@ class SparseLayer(BaseTunerLayer):
         merge.active = False
 
     def _weight_is_shared(self, weight: torch.Tensor) -> bool:
-        """Whether another parameter of the model uses the weight's storage (tied embeddings, views)."""
+        """Whether another parameter of the model uses the weight's storage (tied embeddings, views).
+        Scanned once per weight tensor and storage (a tie replaces the tied layer's weight object)."""
+        storage = weight.untyped_storage().data_ptr()
+        cached = self._shared_check
+        if cached is not None and cached[0]() is weight and cached[1] == storage:
+            return cached[2]
         model = self._model_ref() if self._model_ref is not None else None
         if model is None:
             return True  # unknown: never write into it
-        storage = weight.untyped_storage().data_ptr()
         users = 0
         for _, p in model.named_parameters(remove_duplicate=False):
             if p.device == weight.device and p.untyped_storage().data_ptr() == storage:
                 users += 1
-                if users > 1:
-                    return True
-        return False
+        shared = users > 1
+        self._shared_check = (weakref.ref(weight), storage, shared)
+        return shared
 
     def _can_merge_in_place(self, base: nn.Module, values: torch.Tensor) -> bool:
         if self.quantization_backend is not None or self.fan_in_fan_out or type(base) is not nn.Linear:
