@@ -8,7 +8,9 @@ r"""Autograd for a linear layer with sparse deltas:
 The merged weight exists only transiently: forward builds it, uses it and drops it; backward
 builds it again for ∂L/∂X — unless the layer keeps W + scatter(η, φ) in the base weight's own
 storage while training (``premerged``; see ``SparseLayer``), when both passes read it in place.
-What is saved for backward is X, the indices and the values — never a tensor of W's size (the frozen base weight is looked up again through ``weight_fn``, not saved).
+What is saved for backward is the indices, the values and X (or how to rebuild X, see
+:class:`InputRebuild`) — never a tensor of W's size (the frozen base weight is looked up again
+through ``weight_fn``, not saved).
 
 ∂L/∂φ_j = ((∂L/∂Y)ᵀ X)[η_j] (Eq. 7.4 / E.5). It is computed by :func:`kernels.value_gradient`
 (dense GEMM + gather, or SDDMM, chosen per layer) unless a *dense-gradient consumer* is armed on
@@ -52,6 +54,14 @@ def compose_weight(
     return merged
 
 
+def _pass_weight(weight: torch.Tensor, indices, values, dtype: torch.dtype, owned: bool) -> torch.Tensor:
+    """The weight one pass multiplies with: W itself when there is nothing to add or convert (a base-only
+    pass), else the transient W + Σ scatter(η_a, φ_a)."""
+    if not indices and weight.dtype == dtype:
+        return weight
+    return compose_weight(weight, indices, values, dtype, owned)
+
+
 def _compute_dtype(x: torch.Tensor, weight_dtype: torch.dtype) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
@@ -72,8 +82,9 @@ class InputRebuild:
     The rebuild repeats the same elementwise operations on the same tensors, so it gives the same
     bits. Tensors saved through saved-tensor hooks (X computed inside a checkpoint region, offloading)
     are never used: X is then kept. Not detectable, hence not supported: X changed through ``.data``
-    after it was computed (an in-place edit through autograd is detected and X kept). Layers reading the same X share one record: the first backward that needs X rebuilds it,
-    the last one drops it (``pending`` counts the readers registered in forward).
+    after it was computed (an in-place edit through autograd is detected and X kept). Layers reading
+    the same X share one record: the first backward that needs X rebuilds it, the last one drops it
+    (``pending`` counts the readers registered in forward).
     """
 
     __slots__ = ("node", "inner", "saved", "dtype", "pending", "value", "__weakref__")
@@ -185,7 +196,7 @@ class SparseDeltaLinear(torch.autograd.Function):
         if premerged is not None:  # the stored weight already holds W + Σ scatter(η, φ) (see SparseLayer)
             merged = weight
         else:
-            merged = compose_weight(weight, indices, values, dtype, owned)  # transient (out, in)
+            merged = _pass_weight(weight, indices, values, dtype, owned)  # transient (out, in)
         with torch.autocast(x.device.type, enabled=False):
             y = F.linear(x.to(dtype), merged, None if bias is None else bias.to(dtype))  # (..., out)
         del merged, weight
@@ -230,7 +241,7 @@ class SparseDeltaLinear(torch.autograd.Function):
                 release = getattr(ctx.hooks, "release_training_merge", None)
                 if release is not None:
                     release()
-                merged = compose_weight(ctx.weight_fn(), indices, values, dtype, ctx.owned)
+                merged = _pass_weight(ctx.weight_fn(), indices, values, dtype, ctx.owned)
             grad_x = g2.mm(merged).view(*ctx.x_shape[:-1], ctx.in_features).to(ctx.x_dtype)  # (..., in)
             del merged
 

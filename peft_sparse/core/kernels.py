@@ -51,19 +51,31 @@ _REFERENCE_CHUNK_BYTES = 64 * 2**20
 _KERNEL_FLOAT_TYPES = {torch.float32, torch.float16, torch.bfloat16}  # what the Triton kernels compute in float32
 
 
+def scatter_sum_reference(out: torch.Tensor, indices: torch.Tensor, base: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``out.view(-1)[indices] = base + values.to(out.dtype)`` — an add and a scatter: indices
+    are distinct, so no atomics (which for 16-bit types are compare-and-swap loops that contend
+    wherever active weights sit side by side)."""
+    out.view(-1).index_put_((indices,), base + values.to(out.dtype))
+    return out
+
+
 def scatter_add_reference(
     out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, source: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """``out`` ← ``source`` (converted; when given), then ``out.view(-1)[indices] += values.to(out.dtype)``.
-
-    Indices are distinct, so this is a gather, an add and a scatter — no atomics (which for 16-bit
-    types are compare-and-swap loops that contend wherever active weights sit side by side).
-    """
+    """``out`` ← ``source`` (converted; when given), then ``out.view(-1)[indices] += values.to(out.dtype)``."""
     if source is not None:
         out.copy_(source.reshape(out.shape))
-    flat = out.view(-1)
-    flat.index_put_((indices,), flat[indices] + values.to(out.dtype))
-    return out
+    return scatter_sum_reference(out, indices, out.view(-1)[indices], values)
+
+
+def _gpu_kernel(registry: dict, out: torch.Tensor, *operands: Optional[torch.Tensor]):
+    """The registered kernel for ``out``'s device when it applies (contiguous ``out``, operands in types
+    the Triton kernels compute in float32), else None."""
+    if out.device.type == "cuda":
+        _load_gpu_kernels()
+    kernel = registry.get(out.device.type)
+    dtypes = {t.dtype for t in (out, *operands) if t is not None}
+    return kernel if kernel is not None and dtypes <= _KERNEL_FLOAT_TYPES and out.is_contiguous() else None
 
 
 def scatter_add_into(
@@ -71,26 +83,19 @@ def scatter_add_into(
 ) -> torch.Tensor:
     """:func:`scatter_add_reference` for sorted distinct indices into a contiguous ``out``; on CUDA one
     fused Triton launch (copy and scatter together) instead of five torch operations."""
-    if out.device.type == "cuda":
-        _load_gpu_kernels()
-    kernel = SCATTER_ADD_KERNELS.get(out.device.type)
-    dtypes = {out.dtype, values.dtype} | ({source.dtype} if source is not None else set())
-    if kernel is not None and dtypes <= _KERNEL_FLOAT_TYPES and out.is_contiguous():
-        return kernel(out, indices, values, source)
-    return scatter_add_reference(out, indices, values, source)
+    kernel = _gpu_kernel(SCATTER_ADD_KERNELS, out, values, source)
+    return kernel(out, indices, values, source) if kernel is not None else scatter_add_reference(out, indices, values, source)
 
 
 def scatter_sum_into(out: torch.Tensor, indices: torch.Tensor, base: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``out.view(-1)[indices] = base + values.to(out.dtype)`` with ``base`` in ``out``'s dtype: the
-    merged weight's entries at the indices, rounded exactly as :func:`scatter_add_into` rounds them
-    when ``base`` holds the weight's values there. On CUDA one Triton launch."""
-    if out.device.type == "cuda":
-        _load_gpu_kernels()
-    kernel = SCATTER_SUM_KERNELS.get(out.device.type)
-    if kernel is not None and {out.dtype, values.dtype} <= _KERNEL_FLOAT_TYPES and out.is_contiguous():
-        return kernel(out.view(-1), indices, base, values)
-    out.view(-1).index_put_((indices,), base + values.to(out.dtype))
-    return out
+    """:func:`scatter_sum_reference` with ``base`` in ``out``'s dtype: the merged weight's entries at the
+    indices, rounded exactly as :func:`scatter_add_into` rounds them when ``base`` holds the weight's
+    values there. On CUDA one Triton launch."""
+    kernel = _gpu_kernel(SCATTER_SUM_KERNELS, out, values)
+    if kernel is not None:
+        kernel(out.view(-1), indices, base, values)
+        return out
+    return scatter_sum_reference(out, indices, base, values)
 
 
 def dense_weight_gradient(grad_out2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:

@@ -14,17 +14,17 @@ The storage layout of the base layer never leaks into the indices: GPT-2 ``Conv1
 **Merged in place while training.** A forward pass needs W + scatter(η, φ). By default that is a
 transient copy of W, built in forward and again in backward. While one adapter trains on a plain
 ``nn.Linear`` (float weight not shared with other parameters, no quantization, no sharding wrapper,
-not an ``nn.DataParallel`` replica),
-the layer instead keeps the merged weight in the base weight's own storage: it saves θ₀[η] (d_φ
-entries) once, and before every training forward writes θ₀[η] + φ at η (d_φ entries, not W) — so
-forward and backward read W in place and no W-sized copy is made. The entries are rounded exactly as the copy would round them, so outputs are
-bit-identical. θ₀ is written back (``release_training_merge``) whenever anything else may look at the
+not an ``nn.DataParallel`` replica), the layer instead keeps the merged weight in the base weight's
+own storage: it saves θ₀[η] (d_φ entries) once, and before every training forward writes θ₀[η] + φ
+at η (d_φ entries, not W) — so forward and backward read W in place and no W-sized copy is made.
+The entries are rounded exactly as the copy would round them, so outputs are bit-identical. θ₀ is
+written back (``release_training_merge``) whenever anything else may look at the
 base weight: ``eval()``, ``state_dict()``, ``load_state_dict()``, ``.to()``/``.cuda()``, merging,
-unloading, disabling or deleting adapters, ``logical_weight()``, ``nn.DataParallel`` replication (replicas
-never merge), and before a reselection edits the indices. Each in-place write bumps the weight's
-version counter, so a pass that saved the weight itself errors instead of reading changed values; a
-backward whose forward ran merged but finds the merge released rebuilds W + scatter(η, φ) from θ₀. Code
-that edits ``sparse_indices`` in place must call ``release_training_merge()`` first. Set
+unloading, disabling or deleting adapters, ``logical_weight()``, ``nn.DataParallel`` replication
+(replicas never merge), and before a reselection edits the indices. Each in-place write bumps the
+weight's version counter, so a pass that saved the weight itself errors instead of reading changed
+values; a backward whose forward ran merged but finds the merge released rebuilds W + scatter(η, φ)
+from θ₀. Code that edits ``sparse_indices`` in place must call ``release_training_merge()`` first. Set
 ``merge_for_training = False`` on a layer to always use the transient copy.
 """
 
@@ -175,7 +175,7 @@ class _TrainingMerge:
         return self.weight
 
 
-def _shared_or_sharded(weight: torch.Tensor) -> bool:
+def _managed_by_sharding(weight: torch.Tensor) -> bool:
     """A weight managed by a sharding wrapper (FSDP, DeepSpeed ZeRO-3, DTensor): never written in place."""
     if getattr(weight, "_fsdp_flattened", False) or hasattr(weight, "ds_id"):
         return True
@@ -450,7 +450,7 @@ class SparseLayer(BaseTunerLayer):
             and weight.is_contiguous()
             and weight.device == values.device
             and weight.device.type != "meta"
-            and not _shared_or_sharded(weight)
+            and not _managed_by_sharding(weight)
             and not self._weight_is_shared(weight)
         )
 

@@ -110,9 +110,7 @@ class SM3(torch.optim.Optimizer):
         return loss
 
     def _fused_steps(self, items) -> None:
-        scratch = getattr(self, "_scratch", None)
-        if scratch is None:  # an optimizer unpickled from before the scratch buffers existed
-            scratch = self._scratch = {}
+        scratch = self._scratch
         accumulators, buffers = [], []
         for param, state, _, _ in items:
             pair = scratch.get(param)
