@@ -12,10 +12,15 @@ behind it; the next window starts at step 21, so every measured step is a steady
 * host-device synchronisations of one step (``torch.cuda.set_sync_debug_mode``) and the caching
   allocator's device allocations, frees and retries over those steps (each cudaFree synchronises);
 * under the profiler, 3 steps: the sum of GPU kernel times per step (wall − kernels = GPU idle) and
-  the top kernels.
+  the top kernels;
+* the host issue time split into forward, backward, optimizer and scheduler hook; and, under cProfile
+  over 2 more steady steps, the Python functions with the most host time of their own.
 """
 
+import cProfile
 import gc
+import io
+import pstats
 import statistics
 import sys
 import time
@@ -28,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import profiling_setup, train_step  # noqa: E402
 
 WARMUP = 7
-STEADY_STEPS = 8  # steps 13–20: before the next window (21) and reselection (25)
+STEADY_STEPS = 6  # steps 13–18, then 2 under cProfile: all before the next window (21) and reselection (25)
+CPROFILE_STEPS = 2
 _ALLOCATOR_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
 
 
@@ -37,6 +43,24 @@ def main():
 
     def step():
         train_step(model, optimizer, hook, ids)
+
+    phases = {"forward": [], "backward": [], "optimizer": [], "hook": []}
+
+    def timed_step():  # step() with the host time of each phase (no synchronisation)
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        if hook is not None:
+            hook()
+        t4 = time.perf_counter()
+        for name, a, b in (("forward", t0, t1), ("backward", t1, t2), ("optimizer", t2, t3), ("hook", t3, t4)):
+            phases[name].append(b - a)
 
     for _ in range(WARMUP):
         step()
@@ -92,7 +116,7 @@ def main():
         torch.cuda.synchronize()
         seen = len(gc_log)
         start = time.perf_counter()
-        step()
+        timed_step()
         issues.append(time.perf_counter() - start)
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - start)
@@ -106,6 +130,21 @@ def main():
     print("per step: wall ms / garbage collections (generation: ms)")
     for w, g in zip(walls, gc_per_step):
         print(f"  {w * 1e3:6.1f}  " + " ".join(f"{gen}:{sec * 1e3:.1f}" for gen, sec in g))
+    print("host issue time per phase (median ms): " + ", ".join(f"{k} {statistics.median(v) * 1e3:.1f}" for k, v in phases.items()))
+
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(CPROFILE_STEPS):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(args.rows)
+    stats.sort_stats("cumulative").print_stats("peft_sparse|torch/optim|autograd", args.rows)
+    print(f"cProfile over {CPROFILE_STEPS} steady steps (host time of each function itself; cProfile slows Python calls):")
+    print("\n".join(line for line in text.getvalue().splitlines() if line.strip() and "Ordered by" not in line and "List reduced" not in line))
 
 
 if __name__ == "__main__":

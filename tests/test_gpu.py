@@ -166,9 +166,14 @@ def test_training_merged_in_place_on_cuda_is_bit_identical(growth):
 
 
 def test_layer_inputs_rebuilt_on_cuda_are_bit_identical(monkeypatch):
+    """The rebuilt inputs (the RMSNorm outputs by the fused Triton pass) give the value gradients of kept inputs."""
     from .test_functional import _inputs_kept_case
 
+    kernels._load_gpu_kernels()
+    fused, calls = kernels.SCALED_PRODUCT_KERNELS["cuda"], []
+    monkeypatch.setitem(kernels.SCALED_PRODUCT_KERNELS, "cuda", lambda *a: calls.append(1) or fused(*a))
     alive, grads = _inputs_kept_case(True, monkeypatch, torch.bfloat16, "cuda")
+    assert calls  # the norm outputs were rebuilt by the fused kernel
     alive_kept, grads_kept = _inputs_kept_case(False, monkeypatch, torch.bfloat16, "cuda")
     assert not any(alive.values()) and all(alive_kept.values())
     for a, b in zip(grads, grads_kept):

@@ -290,3 +290,112 @@ def test_weight_tied_after_wrapping_is_not_merged_in_place():
     before = embed.weight.detach().clone()
     model(inputs())
     assert head._training_merge is None and torch.equal(embed.weight, before)
+
+
+def _expected_merged(theta0, layer):
+    want = theta0.clone()
+    want.view(-1)[layer.sparse_indices["default"].long()] += layer.sparse_values["default"].detach()
+    return want
+
+
+def _count_writes(monkeypatch):
+    from peft_sparse.core import kernels
+
+    writes = {"single": 0, "many": 0}
+    single, many = kernels.scatter_sum_into, kernels.scatter_sum_many
+    inside_many = []
+
+    def count_single(*a):  # one layer's write (not the per-tensor fallback of a batched write)
+        writes["single"] += not inside_many
+        return single(*a)
+
+    def count_many(outs, *a):
+        writes["many"] += len(outs)
+        inside_many.append(1)
+        try:
+            return many(outs, *a)
+        finally:
+            inside_many.pop()
+
+    monkeypatch.setattr(kernels, "scatter_sum_into", count_single)
+    monkeypatch.setattr(kernels, "scatter_sum_many", count_many)
+    return writes
+
+
+@pytest.mark.parametrize("optimizer", ["sm3", "adamw", "adamw-fused"])
+def test_optimizer_step_rewrites_the_merge_and_the_next_forward_does_not(monkeypatch, optimizer):
+    """After each optimizer step the stored weight already holds θ₀ + φ_new (written by the optimizer
+    step hook, batched over layers); the next forward passes write nothing and use it."""
+    model = _spiel()
+    theta0 = _base_weights(model)
+    randomize_values(model, scale=0.1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = {"sm3": lambda: SM3(params, lr=1e-2), "adamw": lambda: torch.optim.AdamW(params, lr=1e-2),
+           "adamw-fused": lambda: torch.optim.AdamW(params, lr=1e-2, fused=True)}[optimizer]()  # fmt: skip
+    x = inputs()
+    model.train()
+    model(x, labels=x).loss.backward()  # creates the merges (one write each, in forward)
+    writes = _count_writes(monkeypatch)
+    opt.step()
+    layers = sparse_layers(model)
+    assert writes == {"single": 0, "many": len(layers)}
+    for layer in layers:
+        assert torch.equal(layer.get_base_layer().weight, _expected_merged(theta0[layer.module_name], layer))
+    opt.zero_grad()
+    loss = model(x, labels=x).loss
+    assert writes == {"single": 0, "many": len(layers)}  # nothing rewritten in forward
+    for layer in layers:
+        layer.merge_for_training = False
+    assert torch.equal(loss, model(x, labels=x).loss)  # the transient copies give the same output
+
+
+def test_values_changed_outside_an_optimizer_step_are_rewritten_in_forward(monkeypatch):
+    """In-place edits (version bump) and replaced storage are seen by the next forward; an optimizer
+    that holds none of the values rewrites nothing."""
+    model = _spiel()
+    theta0 = _base_weights(model)
+    randomize_values(model, scale=0.1)
+    x = inputs()
+    model.train()
+    model(x)
+    layer = sparse_layers(model)[0]
+    values = layer.sparse_values["default"]
+    writes = _count_writes(monkeypatch)
+    model(x)
+    assert writes["single"] == 0  # unchanged: nothing written
+    with torch.no_grad():
+        values.mul_(2)
+    model(x)
+    assert writes["single"] == 1
+    assert torch.equal(layer.get_base_layer().weight, _expected_merged(theta0[layer.module_name], layer))
+    values.data = values.data + 1  # new storage
+    model(x)
+    assert writes["single"] == 2
+    assert torch.equal(layer.get_base_layer().weight, _expected_merged(theta0[layer.module_name], layer))
+    other = torch.nn.Parameter(torch.zeros(3))
+    other.grad = torch.ones(3)
+    torch.optim.SGD([other], lr=0.1).step()
+    assert writes["many"] == 0
+
+
+def test_backward_after_a_rewrite_since_its_forward_builds_its_own_weight():
+    """An optimizer step between forward and backward (here one that changes nothing: no gradients
+    yet) rewrites the stored weight; the pending backward notices and builds W + scatter(η, φ) itself."""
+    model = _spiel()
+    randomize_values(model, scale=0.1)
+    x = inputs()
+    model.train()
+    reference = copy.deepcopy(model)
+    for layer in sparse_layers(reference):
+        layer.merge_for_training = False
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    loss = model(x, labels=x).loss
+    generations = [layer._training_merge.generation for layer in sparse_layers(model)]
+    opt.step()  # no gradients yet: the values stay, the step hook rewrites the stored weights
+    assert [layer._training_merge.generation for layer in sparse_layers(model)] == [g + 1 for g in generations]
+    loss.backward()
+    ref_loss = reference(x, labels=x).loss
+    ref_loss.backward()
+    assert torch.equal(loss, ref_loss)
+    for a, b in zip(sparse_layers(model), sparse_layers(reference)):
+        assert torch.equal(a.sparse_values["default"].grad, b.sparse_values["default"].grad)

@@ -210,3 +210,76 @@ def test_scatter_add_without_indices(tk):
     src = torch.randn(40000, device=_device()).to(torch.bfloat16)
     tk.scatter_add_into(out, torch.zeros(0, dtype=torch.int64, device=_device()), torch.zeros(0, device=_device()), src)
     assert torch.equal(out, src.float())
+
+
+
+def _assert_16bit_equal(got, want, exact):
+    """Bit for bit when compiled; in Triton's CPU interpreter (its own float32 → 16-bit rounding)
+    the same infinities and finite values within a unit in the last place."""
+    got = got.cpu()
+    if exact:
+        assert torch.equal(got, want)
+        return
+    finite = want.isfinite()
+    assert torch.equal(got.isfinite(), finite) and torch.equal(got[~finite], want[~finite])
+    torch.testing.assert_close(got[finite].float(), want[finite].float(), rtol=2**-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(2, 37, 300), (5, 1, 256), (1, 19)])
+def test_scaled_product_matches_rmsnorm_arithmetic(tk, monkeypatch, dtype, shape):
+    """weight · (h · rsqrt).to(dtype) — an RMSNorm's output — in one pass == torch's three operations,
+    for magnitudes from 16-bit subnormal to overflowing and rows/columns that are not multiples of the
+    kernel's tiles; and the dispatcher sends either operand order to the kernel."""
+    g = torch.Generator().manual_seed(shape[-1])
+    dev = _device()
+    h = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-30, 20, shape, generator=g).float())
+    r = torch.rand(shape[:-1] + (1,), generator=g) + 0.01
+    h.view(-1)[0] = 1e6  # beyond float16's range
+    w = (torch.randn(shape[-1], generator=g) * 4).to(dtype)
+    want = kernels.scaled_product_reference(w, h, r, dtype)
+    got = tk.scaled_product(w.to(dev), h.to(dev), r.to(dev), dtype)
+    assert got.shape == want.shape and got.dtype == dtype
+    _assert_16bit_equal(got, want, exact=dev == "cuda")
+
+    calls = []
+
+    def kernel(*args):
+        calls.append(args)
+        return tk.scaled_product(*args)
+
+    monkeypatch.setitem(kernels.SCALED_PRODUCT_KERNELS, dev, kernel)
+    for p, q in ((h, r), (r, h)):
+        _assert_16bit_equal(kernels.scaled_product(w.to(dev), p.to(dev), q.to(dev), dtype), want, exact=dev == "cuda")
+    assert len(calls) == 2 and all(c[1].shape == shape for c in calls)
+    # shapes that are not an RMSNorm's go to the reference: a per-column second factor
+    col = torch.rand(shape[-1], generator=g)
+    assert torch.equal(kernels.scaled_product(w.to(dev), h.to(dev), col.to(dev), dtype).cpu(), kernels.scaled_product_reference(w, h, col, dtype))
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_multi_tensor_scatter_sum_matches_per_tensor(tk, out_dtype):
+    """One launch over several tensors (sizes across program boundaries, one without entries) ==
+    scatter_sum_reference on each; a plan is reused while the tensors stay, rebuilt when one moves."""
+    g = torch.Generator().manual_seed(5)
+    dev = _device()
+    sizes, counts = [5000, 300, 4096, 70], [2500, 0, 1025, 70]
+    outs = [torch.randn(n, generator=g).to(out_dtype) for n in sizes]
+    idx = [random_indices(n, c, g).to(torch.int32) for n, c in zip(sizes, counts)]
+    bases = [torch.randn(c, generator=g).to(out_dtype) for c in counts]
+    vals = [torch.randn(c, generator=g) for c in counts]
+    want = [kernels.scatter_sum_reference(o.clone(), i, b, v) for o, i, b, v in zip(outs, idx, bases, vals)]
+    got = [o.to(dev) for o in outs]
+    args = [[t.to(dev) for t in ts] for ts in (idx, bases, vals)]
+    plan = tk.MultiScatterSum(got, *args)
+    assert plan.programs == sum(-(-c // tk._MULTI_BLOCK) for c in counts)
+    plan()
+    for a, b in zip(got, want):
+        if dev == "cuda" or out_dtype == torch.float32:
+            assert torch.equal(a.cpu(), b)
+        else:  # the interpreter's own 16-bit rounding (see test_scatter_add_matches_reference)
+            torch.testing.assert_close(a.cpu(), b, rtol=2**-6, atol=2**-4)
+    assert plan.key == tk.MultiScatterSum.key_of(got, *args)
+    moved = [got[0].clone()] + got[1:]
+    assert plan.key != tk.MultiScatterSum.key_of(moved, *args)

@@ -97,8 +97,7 @@ class InputRebuild:
         node = self.node
         if self.inner is None:
             return node._saved_self * node._saved_other
-        inner = (self.inner._saved_self * self.inner._saved_other).to(self.dtype)
-        return getattr(node, self.saved) * inner
+        return kernels.scaled_product(getattr(node, self.saved), self.inner._saved_self, self.inner._saved_other, self.dtype)
 
     def get(self) -> torch.Tensor:
         value = self.value if self.value is not None else self._compute()
@@ -163,10 +162,26 @@ def input_rebuild(x: torch.Tensor, mode: str = "all") -> Optional[InputRebuild]:
     return record
 
 
+def _broadcast(*shapes: torch.Size) -> Optional[tuple]:
+    """The broadcast of ``shapes``, None when they do not broadcast (``torch.broadcast_shapes`` without
+    its symbolic-shape machinery, which costs tens of microseconds per call)."""
+    ndim = max(len(s) for s in shapes)
+    out = []
+    for i in range(-ndim, 0):
+        size = 1
+        for s in shapes:
+            if len(s) >= -i and s[i] != 1:
+                if size != 1 and size != s[i]:
+                    return None
+                size = s[i]
+        out.append(size)
+    return tuple(out)
+
+
 def _new_rebuild(node, x: torch.Tensor) -> Optional[InputRebuild]:
     a, b = _saved(node, "_saved_self"), _saved(node, "_saved_other")
     if a is not None and b is not None:
-        if torch.broadcast_shapes(a.shape, b.shape) == x.shape and torch.result_type(a, b) == x.dtype:
+        if _broadcast(a.shape, b.shape) == tuple(x.shape) and torch.result_type(a, b) == x.dtype:
             return InputRebuild(node, None, None, x.dtype)
         return None
     if (a is None) == (b is None) or x.dtype not in (torch.float16, torch.bfloat16):
@@ -181,7 +196,7 @@ def _new_rebuild(node, x: torch.Tensor) -> Optional[InputRebuild]:
     p, q = _saved(inner, "_saved_self"), _saved(inner, "_saved_other")
     if p is None or q is None or s.dtype != x.dtype or not (s.device == p.device == q.device == x.device):
         return None
-    if torch.broadcast_shapes(p.shape, q.shape) != x.shape or torch.broadcast_shapes(s.shape, x.shape) != x.shape:
+    if _broadcast(p.shape, q.shape) != tuple(x.shape) or _broadcast(s.shape, x.shape) != tuple(x.shape):
         return None
     return InputRebuild(node, inner, saved_name, x.dtype)
 
@@ -192,17 +207,24 @@ class SparseDeltaLinear(torch.autograd.Function):
         indices = indices_and_values[:n_adapters]
         values = indices_and_values[n_adapters:]
         weight = weight_fn()  # (out, in), frozen
-        dtype = _compute_dtype(x, weight.dtype)
+        autocast = torch.is_autocast_enabled(x.device.type)
+        dtype = torch.get_autocast_dtype(x.device.type) if autocast else weight.dtype
         if premerged is not None:  # the stored weight already holds W + Σ scatter(η, φ) (see SparseLayer)
             merged = weight
         else:
             merged = _pass_weight(weight, indices, values, dtype, owned)  # transient (out, in)
-        with torch.autocast(x.device.type, enabled=False):
-            y = F.linear(x.to(dtype), merged, None if bias is None else bias.to(dtype))  # (..., out)
-        del merged, weight
+        x_in = x if x.dtype == dtype else x.to(dtype)
+        b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
+        if autocast:
+            with torch.autocast(x.device.type, enabled=False):
+                y = F.linear(x_in, merged, b)  # (..., out)
+        else:
+            y = F.linear(x_in, merged, b)
+        del merged, weight, x_in
         ctx.weight_fn, ctx.owned, ctx.hooks, ctx.n_adapters, ctx.dtype = weight_fn, owned, hooks, n_adapters, dtype
         ctx.blocks = blocks
         ctx.premerged = premerged
+        ctx.generation = premerged.generation if premerged is not None else None
         ctx.out_features, ctx.in_features = y.shape[-1], x.shape[-1]
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         # X is needed only for the value gradients; when autograd already keeps what X is made of
@@ -235,7 +257,7 @@ class SparseDeltaLinear(torch.autograd.Function):
         grad_x = None
         if need_x:
             premerged = ctx.premerged
-            if premerged is not None and premerged.still_merged():
+            if premerged is not None and premerged.still_merged(ctx.generation):
                 merged = ctx.weight_fn()
             else:  # recomputed, transient — from θ₀: a later forward may have merged the layer in place since
                 release = getattr(ctx.hooks, "release_training_merge", None)
@@ -298,9 +320,10 @@ def sparse_delta_linear(
     ``weight_fn()`` returns the frozen logical (out, in) weight; ``owned=True`` says it returns a
     fresh tensor (e.g. a dequantized copy) that may be modified in place. ``blocks[a]`` is the block
     metadata of adapter a (see ``SparseLayer.block_metadata``) or None: block adapters get their
-    value gradient from a block-sparse product. ``premerged`` (an object with ``still_merged()``): the
-    weight ``weight_fn()`` returns already holds W + Σ scatter(η_a, φ_a), so neither pass builds a merged
-    copy; backward falls back to building one if ``still_merged()`` has turned False since forward.
+    value gradient from a block-sparse product. ``premerged`` (an object with ``generation`` and
+    ``still_merged(generation)``): the weight ``weight_fn()`` returns already holds W + Σ scatter(η_a, φ_a),
+    so neither pass builds a merged copy; backward builds one if the stored weight was written back or
+    rewritten since forward (``still_merged`` False for the forward's generation).
     """
     return SparseDeltaLinear.apply(x, bias, weight_fn, owned, hooks, blocks, premerged, len(indices), *indices, *values)
 

@@ -26,6 +26,8 @@ BLOCK_SDDMM_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 SCATTER_ADD_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 # device type → callable(out, indices, base, values) -> out (see scatter_sum_into)
 SCATTER_SUM_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
+# device type → callable(scale, full, per_row, dtype) -> tensor (see scaled_product)
+SCALED_PRODUCT_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 _GPU_KERNELS_TRIED = False
 
 
@@ -43,6 +45,7 @@ def _load_gpu_kernels() -> None:
     BLOCK_SDDMM_KERNELS.setdefault("cuda", triton_kernels.block_sddmm)
     SCATTER_ADD_KERNELS.setdefault("cuda", triton_kernels.scatter_add_into)
     SCATTER_SUM_KERNELS.setdefault("cuda", triton_kernels.scatter_sum_into)
+    SCALED_PRODUCT_KERNELS.setdefault("cuda", triton_kernels.scaled_product)
 
 # bytes of scratch memory the reference SDDMM may use per chunk
 _REFERENCE_CHUNK_BYTES = 64 * 2**20
@@ -96,6 +99,60 @@ def scatter_sum_into(out: torch.Tensor, indices: torch.Tensor, base: torch.Tenso
         kernel(out.view(-1), indices, base, values)
         return out
     return scatter_sum_reference(out, indices, base, values)
+
+
+# (device, element types) → the last multi-tensor scatter plan for such a group (kept while its tensors stay put)
+_MULTI_SCATTER_PLANS: dict = {}
+
+
+def scatter_sum_many(outs, indices, bases, values) -> None:
+    """:func:`scatter_sum_into` for each ``(outs[k], indices[k], bases[k], values[k])``; on CUDA one Triton
+    launch per group of tensors of the same device and element types, not one per tensor."""
+    groups: dict = {}
+    for k, out in enumerate(outs):
+        if _gpu_kernel(SCATTER_SUM_KERNELS, out, values[k], bases[k]) is None:
+            scatter_sum_into(out, indices[k], bases[k], values[k])
+            continue
+        key = (out.device, out.dtype, indices[k].dtype, bases[k].dtype, values[k].dtype)
+        groups.setdefault(key, []).append(k)
+    if not groups:
+        return
+    from .triton_kernels import MultiScatterSum
+
+    for key, ks in groups.items():
+        args = ([outs[k].view(-1) for k in ks], [indices[k] for k in ks], [bases[k] for k in ks], [values[k] for k in ks])
+        plan = _MULTI_SCATTER_PLANS.get(key)
+        if plan is None or plan.key != MultiScatterSum.key_of(*args):
+            plan = _MULTI_SCATTER_PLANS[key] = MultiScatterSum(*args)
+        plan()
+
+
+def scaled_product_reference(scale: torch.Tensor, p: torch.Tensor, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``scale * (p * q).to(dtype)`` — an RMSNorm's 16-bit output from its float32 input and rsqrt."""
+    return scale * (p * q).to(dtype)
+
+
+def scaled_product(scale: torch.Tensor, p: torch.Tensor, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`scaled_product_reference`; on CUDA one Triton pass (instead of three, with a float32
+    intermediate) when its shapes are an RMSNorm's: one of ``p``, ``q`` a contiguous float32 (..., H)
+    tensor, the other float32 with one entry per row ((..., 1)), ``scale`` H entries of ``dtype`` (16-bit).
+    The same bits: float32 products are commutative and each rounding happens as in torch."""
+    if p.device.type == "cuda":
+        _load_gpu_kernels()
+    kernel = SCALED_PRODUCT_KERNELS.get(p.device.type)
+    if kernel is not None and dtype in (torch.float16, torch.bfloat16):
+        full, per_row = (p, q) if p.dim() >= q.dim() and p.shape[-1] != 1 else (q, p)
+        h = full.shape[-1]
+        if (
+            full.dtype == per_row.dtype == torch.float32
+            and scale.dtype == dtype
+            and full.is_contiguous() and per_row.is_contiguous() and scale.is_contiguous()
+            and per_row.shape == full.shape[:-1] + (1,)
+            and scale.numel() == h and scale.shape[-1] == h and scale.dim() <= full.dim()
+            and full.device == per_row.device == scale.device
+        ):  # fmt: skip
+            return kernel(scale, full, per_row, dtype)
+    return scaled_product_reference(scale, p, q, dtype)
 
 
 def dense_weight_gradient(grad_out2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:

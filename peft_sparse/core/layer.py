@@ -159,20 +159,97 @@ def add_delta_to_base(
 
 
 class _TrainingMerge:
-    """The state of an adapter merged into its base weight's storage for training (see the module docstring)."""
+    """The state of an adapter merged into its base weight's storage for training (see the module docstring).
 
-    __slots__ = ("adapter", "indices", "weight", "base", "active")
+    ``written``: (version, data pointer) of the values at the last write — while they are unchanged the
+    stored weight is current; ``generation`` counts the writes (a backward checks that its forward's
+    weight is still the stored one)."""
+
+    __slots__ = ("adapter", "indices", "weight", "base", "active", "written", "generation")
 
     def __init__(self, adapter: str, indices: torch.Tensor, weight: torch.Tensor):
         self.adapter, self.indices, self.weight, self.active = adapter, indices, weight, True
         self.base = weight.data.view(-1)[indices]  # θ₀ at η
+        self.written: Optional[tuple[int, int]] = None
+        self.generation = 0
 
-    def still_merged(self) -> bool:
-        """False once θ₀ was written back: a backward pass must then build the merged weight itself."""
-        return self.active
+    def write(self, values: torch.Tensor) -> None:
+        """Store θ₀[η] + φ at η (d_φ entries, rounded as the transient copy rounds them)."""
+        kernels.scatter_sum_into(self.weight.data.view(-1), self.indices, self.base, values.detach())
+        self.written_now(values)
+
+    def written_now(self, values: torch.Tensor) -> None:
+        """Bookkeeping of a write of ``values`` (by :meth:`write` or a batched write of many layers)."""
+        # anything autograd saved of this weight (e.g. a pass with the adapter disabled) now errors instead
+        # of silently using the changed values
+        torch.autograd.graph.increment_version(self.weight)
+        self.generation += 1
+        self.written = (values._version, values.data_ptr())
+
+    def current(self, values: torch.Tensor) -> bool:
+        """Whether the stored weight holds these values: unchanged since the last write."""
+        return self.written is not None and self.written == (values._version, values.data_ptr())
+
+    def still_merged(self, generation: int) -> bool:
+        """False once θ₀ was written back or the values rewritten since the pass that saw ``generation``:
+        a backward pass must then build its merged weight itself."""
+        return self.active and self.generation == generation
 
     def stored_weight(self) -> torch.Tensor:
         return self.weight
+
+
+# layers holding a training merge, refreshed after every optimizer step that updates their values
+_MERGED_LAYERS: "weakref.WeakSet[SparseLayer]" = weakref.WeakSet()
+_STEP_HOOK = None
+# optimizer → (number of parameters, ids of its parameters) when last looked at
+_OPTIMIZER_PARAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _optimizer_param_ids(optimizer) -> frozenset:
+    groups = getattr(optimizer, "param_groups", None) or []
+    count = sum(len(g["params"]) for g in groups)
+    cached = _OPTIMIZER_PARAMS.get(optimizer)
+    if cached is None or cached[0] != count:
+        cached = (count, frozenset(id(p) for g in groups for p in g["params"]))
+        _OPTIMIZER_PARAMS[optimizer] = cached
+    return cached[1]
+
+
+def _refresh_after_step(optimizer, args, kwargs) -> None:
+    """After any optimizer step: rewrite the training merges of the layers whose values it updated.
+
+    The rewrite then runs while the GPU still works through the step, not in the next forward pass
+    (whose host time bounds the step when kernels are short). A forward pass still rewrites whenever
+    the values changed after this (their version or storage differ from the write's)."""
+    if not _MERGED_LAYERS:
+        return
+    ids = _optimizer_param_ids(optimizer)
+    due = []  # (merge, values) updated by this step
+    for layer in list(_MERGED_LAYERS):
+        merge = layer._training_merge
+        if merge is None:
+            _MERGED_LAYERS.discard(layer)
+            continue
+        values = layer.sparse_values[merge.adapter] if merge.adapter in layer.sparse_values else None
+        if values is not None and id(values) in ids and merge.indices is layer.sparse_indices[merge.adapter]:
+            due.append((merge, values.detach()))
+    if not due:
+        return
+    with torch.no_grad():
+        kernels.scatter_sum_many(
+            [m.weight.data.view(-1) for m, _ in due], [m.indices for m, _ in due], [m.base for m, _ in due], [v for _, v in due]
+        )  # fmt: skip
+    for merge, values in due:
+        merge.written_now(values)
+
+
+def _register_step_hook() -> None:
+    global _STEP_HOOK
+    if _STEP_HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STEP_HOOK = register_optimizer_step_post_hook(_refresh_after_step)
 
 
 def _managed_by_sharding(weight: torch.Tensor) -> bool:
@@ -421,6 +498,7 @@ class SparseLayer(BaseTunerLayer):
         torch.autograd.graph.increment_version(merge.weight)
         self._training_merge = None
         merge.active = False
+        _MERGED_LAYERS.discard(self)
 
     def _weight_is_shared(self, weight: torch.Tensor) -> bool:
         """Whether another parameter of the model uses the weight's storage (tied embeddings, views).
@@ -471,14 +549,13 @@ class SparseLayer(BaseTunerLayer):
             if not self._can_merge_in_place(base, values):
                 return None
             merge = self._training_merge = _TrainingMerge(name, indices, weight)
+            _MERGED_LAYERS.add(self)
+            _register_step_hook()
         if _compute_dtype(x, weight.dtype) != weight.dtype:  # autocast to another dtype: the transient copy converts
             self.release_training_merge()
             return None
-        # values may have changed in any way since the last pass (optimizer kernels, .data edits): always rewrite
-        kernels.scatter_sum_into(weight.data.view(-1), indices, merge.base, values.detach())
-        # anything autograd saved of this weight (e.g. a pass with the adapter disabled) now errors instead of
-        # silently using the changed values
-        torch.autograd.graph.increment_version(weight)
+        if not merge.current(values):  # changed since the last write (by the optimizer step hook or a pass)
+            merge.write(values)
         return merge
 
     def train(self, mode: bool = True):

@@ -325,3 +325,89 @@ def sm3_sparse_step(
             1.0 - lr * weight_decay, HAS_MOMENTUM=momentum_buffer is not None, BLOCK=block,
         )  # fmt: skip
     return row_new, col_new
+
+
+@triton.jit
+def _scaled_product_kernel(OUT, P, Q, S, n_rows, H, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    # OUT[r, h] = S[h] · (P[r, h] · Q[r]).to(OUT) — the product in float32, then each rounding torch makes
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+    rm = rows < n_rows
+    cm = cols < H
+    m = rm[:, None] & cm[None, :]
+    p = tl.load(P + rows[:, None] * H + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    q = tl.load(Q + rows, mask=rm, other=0.0).to(tl.float32)
+    s = tl.load(S + cols, mask=cm, other=0.0).to(tl.float32)
+    inner = _round_to(p * q[:, None], OUT).to(tl.float32)
+    tl.store(OUT + rows[:, None] * H + cols[None, :], _round_to(s[None, :] * inner, OUT), mask=m)
+
+
+def scaled_product(scale: torch.Tensor, full: torch.Tensor, per_row: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``scale * (full * per_row).to(dtype)`` in one pass: ``full`` float32 (..., H) contiguous,
+    ``per_row`` float32 with one entry per row of ``full`` (shape (..., 1)), ``scale`` (H,) in ``dtype``
+    (float16/bfloat16). Same bits as the three torch operations (see kernels.scaled_product)."""
+    h = full.shape[-1]
+    n_rows = full.numel() // max(h, 1)
+    out = torch.empty(full.shape, dtype=dtype, device=full.device)
+    if out.numel():
+        block_r, block_h = 16, 256
+        grid = (triton.cdiv(n_rows, block_r), triton.cdiv(h, block_h))
+        _scaled_product_kernel[grid](out, full, per_row, scale, n_rows, h, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
+    return out
+
+
+@triton.jit
+def _multi_scatter_sum_kernel(
+    OUT_PTRS, IDX_PTRS, BASE_PTRS, VAL_PTRS, COUNTS, PROG_TENSOR, PROG_START, OUT_T, IDX_T, BASE_T, VAL_T, BLOCK: tl.constexpr
+):
+    # program p: entries [PROG_START[p], PROG_START[p] + BLOCK) of tensor PROG_TENSOR[p]; the tensors are
+    # reached through tables of their addresses, their element types are those of the *_T templates
+    p = tl.program_id(0)
+    t = tl.load(PROG_TENSOR + p)
+    offs = tl.load(PROG_START + p) + tl.arange(0, BLOCK)
+    m = offs < tl.load(COUNTS + t)
+    out = tl.load(OUT_PTRS + t).to(tl.pointer_type(OUT_T.dtype.element_ty))
+    idx_ptr = tl.load(IDX_PTRS + t).to(tl.pointer_type(IDX_T.dtype.element_ty))
+    base_ptr = tl.load(BASE_PTRS + t).to(tl.pointer_type(BASE_T.dtype.element_ty))
+    val_ptr = tl.load(VAL_PTRS + t).to(tl.pointer_type(VAL_T.dtype.element_ty))
+    i = tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
+    base = tl.load(base_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    v = _round_to(tl.load(val_ptr + offs, mask=m, other=0.0).to(tl.float32), OUT_T).to(tl.float32)
+    tl.store(out + i, _round_to(base + v, OUT_T), mask=m)
+
+
+_MULTI_BLOCK = 1024
+
+
+class MultiScatterSum:
+    """:func:`scatter_sum_into` for many tensors in one launch: ``outs[k].view(-1)[indices[k]] = bases[k] +
+    values[k].to(outs[k].dtype)``. Every list holds one element type (the caller groups them). The
+    address tables are built once and kept while the tensors' storage does not move (:meth:`key`)."""
+
+    def __init__(self, outs, indices, bases, values):
+        device = outs[0].device
+        self.key = self.key_of(outs, indices, bases, values)
+        self.templates = (outs[0], indices[0], bases[0], values[0])
+        counts = [i.numel() for i in indices]
+        blocks = [-(-n // _MULTI_BLOCK) for n in counts]
+        self.programs = sum(blocks)
+
+        def table(tensors):
+            return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(device)
+
+        self.tables = [table(outs), table(indices), table(bases), table(values)]
+        self.counts = torch.tensor(counts, dtype=torch.int64).to(device)
+        tensor_of = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), torch.tensor(blocks, dtype=torch.int64))
+        first = torch.tensor([0] + blocks[:-1], dtype=torch.int64).cumsum(0)  # first program of each tensor
+        start = (torch.arange(self.programs, dtype=torch.int64) - first.repeat_interleave(torch.tensor(blocks))) * _MULTI_BLOCK
+        self.prog_tensor, self.prog_start = tensor_of.to(device), start.to(device)
+
+    @staticmethod
+    def key_of(outs, indices, bases, values) -> tuple:
+        return tuple((o.data_ptr(), i.data_ptr(), b.data_ptr(), v.data_ptr(), i.numel()) for o, i, b, v in zip(outs, indices, bases, values))
+
+    def __call__(self) -> None:
+        if self.programs:
+            _multi_scatter_sum_kernel[(self.programs,)](
+                *self.tables, self.counts, self.prog_tensor, self.prog_start, *self.templates, BLOCK=_MULTI_BLOCK
+            )

@@ -127,6 +127,7 @@ class SM3(torch.optim.Optimizer):
                 state.get("momentum_buffer"), group["lr"], group["momentum"], group["eps"], group["weight_decay"],
                 row_new=row_new, col_new=col_new,
             )  # fmt: skip
+            torch.autograd.graph.increment_version(param)  # written by the kernel: as an in-place op would mark it
             # the updated copies become the accumulators; the previous ones are next step's scratch
             scratch[param] = (state["row_accumulator"], state["col_accumulator"])
             state["row_accumulator"], state["col_accumulator"] = row_new, col_new
