@@ -170,7 +170,8 @@ def test_layer_inputs_rebuilt_on_cuda_are_bit_identical(monkeypatch):
     from .test_functional import _inputs_kept_case
 
     kernels._load_gpu_kernels()
-    fused, calls = kernels.SCALED_PRODUCT_KERNELS["cuda"], []
+    fused, calls = kernels.SCALED_PRODUCT_KERNELS.get("cuda"), []
+    assert fused is not None
     monkeypatch.setitem(kernels.SCALED_PRODUCT_KERNELS, "cuda", lambda *a: calls.append(1) or fused(*a))
     alive, grads = _inputs_kept_case(True, monkeypatch, torch.bfloat16, "cuda")
     assert calls  # the norm outputs were rebuilt by the fused kernel

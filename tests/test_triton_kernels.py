@@ -243,6 +243,7 @@ def test_scaled_product_matches_rmsnorm_arithmetic(tk, monkeypatch, dtype, shape
     _assert_16bit_equal(got, want, exact=dev == "cuda")
 
     calls = []
+    kernels._load_gpu_kernels()  # registered first: the patch below must not be the first registration
 
     def kernel(*args):
         calls.append(args)
