@@ -179,3 +179,43 @@ def test_layer_inputs_rebuilt_on_cuda_are_bit_identical(monkeypatch):
     assert not any(alive.values()) and all(alive_kept.values())
     for a, b in zip(grads, grads_kept):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_fused_nf4_weight_on_cuda_is_bitsandbytes_dequantization_plus_delta(tmp_path, monkeypatch, nested):
+    """qSpIEL's fused pass (NF4 dequantization and scatter in one launch) gives bit for bit the same
+    weights as bitsandbytes' dequantization + scatter, hence the same losses and value gradients."""
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes.functional as bnb_f
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from peft_sparse.core.layer import SparseLayer
+
+    from .models import randomize_values
+
+    tiny_llama(hidden_size=64, intermediate_size=256).save_pretrained(tmp_path)
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=nested,
+                           bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+    base = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=q, dtype=torch.bfloat16, device_map={"": 0})
+    model = get_peft_model(base, SpIELConfig(target_modules="all-linear", density=0.2))
+    randomize_values(model, scale=0.05)
+    layers = sparse_layers(model)
+    for layer in layers:
+        weight = layer.get_base_layer().weight
+        want = bnb_f.dequantize_4bit(weight.data, weight.quant_state)
+        kernels.scatter_add_reference(want, layer.sparse_indices["default"], layer.sparse_values["default"].detach())
+        got = layer.fused_merged_weight([layer.sparse_indices["default"]], [layer.sparse_values["default"]], None)
+        assert got is not None and torch.equal(got, want), layer.module_name
+    x = torch.randint(0, 97, (2, 24), device="cuda")
+    model.train()
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(SparseLayer, "fused_merged_weight", lambda self, *a: None)
+        loss = model(x, labels=x).loss
+        loss.backward()
+        runs.append((loss.detach(), [l.sparse_values["default"].grad.clone() for l in layers]))
+        model.zero_grad()
+    assert torch.equal(runs[0][0], runs[1][0])
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(a, b)

@@ -284,3 +284,53 @@ def test_multi_tensor_scatter_sum_matches_per_tensor(tk, out_dtype):
     assert plan.key == tk.MultiScatterSum.key_of(got, *args)
     moved = [got[0].clone()] + got[1:]
     assert plan.key != tk.MultiScatterSum.key_of(moved, *args)
+
+
+def _nf4_case(shape, blocksize, nested, seed=0):
+    """A bitsandbytes NF4 quantization (CPU) of a random weight, as nf4_compose operands."""
+    bnb_f = pytest.importorskip("bitsandbytes.functional")
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(shape, generator=g) * torch.rand(shape[0], 1, generator=g) * 3).to(torch.bfloat16)
+    packed, state = bnb_f.quantize_4bit(w, quant_type="nf4", compress_statistics=nested, blocksize=blocksize)
+    inner = (state.absmax, state.state2.absmax, state.state2.code, state.state2.blocksize, float(state.offset)) if nested else None
+    return packed, state, (packed, state.code, state.absmax, inner, state.blocksize, tuple(state.shape))
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_nf4_reference_is_bitsandbytes_dequantization(nested):
+    bnb_f = pytest.importorskip("bitsandbytes.functional")
+    for shape, blocksize in (((96, 320), 64), ((40, 256), 128)):
+        packed, state, ops = _nf4_case(shape, blocksize, nested)
+        assert torch.equal(kernels.nf4_dequantize_reference(*ops, torch.bfloat16), bnb_f.dequantize_4bit(packed, state))
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_nf4_compose_matches_reference(tk, nested):
+    """Dequantization and scatter in one launch == bitsandbytes' dequantization, then scatter_add; ranges
+    cross program boundaries, and a pass without values only dequantizes."""
+    dev = _device()
+    shape = (48, 1024)  # 49152 elements: three programs
+    packed, _, ops = _nf4_case(shape, 64, nested, seed=1)
+    g = torch.Generator().manual_seed(2)
+    idx = random_indices(shape[0] * shape[1], 3000, g).to(torch.int32)
+    vals = torch.randn(idx.numel(), generator=g) * 0.1
+    want_plain = kernels.nf4_dequantize_reference(*ops, torch.bfloat16)
+    want = kernels.scatter_add_reference(want_plain.clone(), idx, vals)
+
+    def moved(ops):
+        packed, code, absmax, inner, blocksize, shape = ops
+        inner = None if inner is None else (inner[0].to(dev), inner[1].to(dev), inner[2].to(dev), inner[3], inner[4])
+        return packed.to(dev), code.to(dev), absmax.to(dev), inner, blocksize, shape
+
+    got = tk.nf4_compose(*moved(ops), torch.bfloat16, idx.to(dev), vals.to(dev))
+    plain = tk.nf4_compose(*moved(ops), torch.bfloat16)
+    if dev == "cuda":
+        assert torch.equal(got.cpu(), want) and torch.equal(plain.cpu(), want_plain)
+    else:  # the interpreter's own 16-bit rounding (see test_scatter_add_matches_reference)
+        torch.testing.assert_close(got.cpu(), want, rtol=2**-6, atol=2**-6)
+        torch.testing.assert_close(plain.cpu(), want_plain, rtol=2**-6, atol=2**-6)
+        exact = tk.nf4_compose(*moved(ops), torch.float32, idx.to(dev), vals.to(dev))  # float32: no rounding question
+        assert torch.equal(exact.cpu(), kernels.scatter_add_reference(kernels.nf4_dequantize_reference(*ops, torch.float32), idx, vals))
+        untouched = torch.ones(want.numel(), dtype=torch.bool)
+        untouched[idx.long()] = False
+        assert torch.equal(got.cpu().view(-1)[untouched], plain.cpu().view(-1)[untouched])

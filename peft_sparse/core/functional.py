@@ -62,6 +62,15 @@ def _pass_weight(weight: torch.Tensor, indices, values, dtype: torch.dtype, owne
     return compose_weight(weight, indices, values, dtype, owned)
 
 
+def _fused_weight(hooks, owned: bool, premerged, indices, values, dtype) -> Optional[torch.Tensor]:
+    """W + Σ scatter(η_a, φ_a) from the layer's fused path (``hooks.fused_merged_weight``: dequantization
+    and scatter in one launch, for 4-bit weights), or None when it has none for this pass."""
+    if not owned or premerged is not None:
+        return None
+    fused = getattr(hooks, "fused_merged_weight", None)
+    return fused(indices, values, dtype) if fused is not None else None
+
+
 def _compute_dtype(x: torch.Tensor, weight_dtype: torch.dtype) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
@@ -206,13 +215,18 @@ class SparseDeltaLinear(torch.autograd.Function):
     def forward(ctx, x, bias, weight_fn, owned, hooks, blocks, premerged, n_adapters, *indices_and_values):
         indices = indices_and_values[:n_adapters]
         values = indices_and_values[n_adapters:]
-        weight = weight_fn()  # (out, in), frozen
         autocast = torch.is_autocast_enabled(x.device.type)
-        dtype = torch.get_autocast_dtype(x.device.type) if autocast else weight.dtype
-        if premerged is not None:  # the stored weight already holds W + Σ scatter(η, φ) (see SparseLayer)
-            merged = weight
+        merged = _fused_weight(hooks, owned, premerged, indices, values, torch.get_autocast_dtype(x.device.type) if autocast else None)
+        if merged is not None:  # built in one fused pass (a 4-bit layer), transient (out, in)
+            dtype = merged.dtype
         else:
-            merged = _pass_weight(weight, indices, values, dtype, owned)  # transient (out, in)
+            weight = weight_fn()  # (out, in), frozen
+            dtype = torch.get_autocast_dtype(x.device.type) if autocast else weight.dtype
+            if premerged is not None:  # the stored weight already holds W + Σ scatter(η, φ) (see SparseLayer)
+                merged = weight
+            else:
+                merged = _pass_weight(weight, indices, values, dtype, owned)  # transient (out, in)
+            del weight
         x_in = x if x.dtype == dtype else x.to(dtype)
         b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
         if autocast:
@@ -220,7 +234,7 @@ class SparseDeltaLinear(torch.autograd.Function):
                 y = F.linear(x_in, merged, b)  # (..., out)
         else:
             y = F.linear(x_in, merged, b)
-        del merged, weight, x_in
+        del merged, x_in
         ctx.weight_fn, ctx.owned, ctx.hooks, ctx.n_adapters, ctx.dtype = weight_fn, owned, hooks, n_adapters, dtype
         ctx.blocks = blocks
         ctx.premerged = premerged
@@ -263,7 +277,9 @@ class SparseDeltaLinear(torch.autograd.Function):
                 release = getattr(ctx.hooks, "release_training_merge", None)
                 if release is not None:
                     release()
-                merged = _pass_weight(ctx.weight_fn(), indices, values, dtype, ctx.owned)
+                merged = _fused_weight(ctx.hooks, ctx.owned, None, indices, values, dtype)
+                if merged is None:
+                    merged = _pass_weight(ctx.weight_fn(), indices, values, dtype, ctx.owned)
             grad_x = g2.mm(merged).view(*ctx.x_shape[:-1], ctx.in_features).to(ctx.x_dtype)  # (..., in)
             del merged
 

@@ -28,6 +28,8 @@ SCATTER_ADD_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 SCATTER_SUM_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 # device type → callable(scale, full, per_row, dtype) -> tensor (see scaled_product)
 SCALED_PRODUCT_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
+# device type → callable(packed, code, absmax, nested, blocksize, shape, dtype, indices, values) (see nf4_compose)
+NF4_COMPOSE_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 _GPU_KERNELS_TRIED = False
 
 
@@ -46,6 +48,7 @@ def _load_gpu_kernels() -> None:
     SCATTER_ADD_KERNELS.setdefault("cuda", triton_kernels.scatter_add_into)
     SCATTER_SUM_KERNELS.setdefault("cuda", triton_kernels.scatter_sum_into)
     SCALED_PRODUCT_KERNELS.setdefault("cuda", triton_kernels.scaled_product)
+    NF4_COMPOSE_KERNELS.setdefault("cuda", triton_kernels.nf4_compose)
 
 # bytes of scratch memory the reference SDDMM may use per chunk
 _REFERENCE_CHUNK_BYTES = 64 * 2**20
@@ -125,6 +128,35 @@ def scatter_sum_many(outs, indices, bases, values) -> None:
         if plan is None or plan.key != MultiScatterSum.key_of(*args):
             plan = _MULTI_SCATTER_PLANS[key] = MultiScatterSum(*args)
         plan()
+
+
+def nf4_dequantize_reference(packed, code, absmax, nested, blocksize: int, shape, dtype) -> torch.Tensor:
+    """bitsandbytes' NF4 dequantization in torch: element e is code[nibble e] · absmax[e // blocksize], the
+    high nibble of each byte first; ``nested`` = (quantized absmax, absmax2, code2, blocksize2, offset) of
+    double quantization gives absmax = code2[q] · absmax2[b // blocksize2] + offset. float32, rounded once."""
+    numel = shape[0] * shape[1]
+    b = packed.reshape(-1)
+    nib = torch.stack([b >> 4, b & 15], -1).reshape(-1)[:numel].long()
+    if nested is not None:
+        absmax_q, absmax2, code2, blocksize2, offset = nested
+        blocks = torch.arange(absmax_q.numel(), device=packed.device) // blocksize2
+        absmax = code2.float()[absmax_q.long()] * absmax2.float()[blocks]
+        absmax = absmax + offset
+    blocks = torch.arange(numel, device=packed.device) // blocksize
+    return (code.float()[nib] * absmax.float()[blocks]).to(dtype).view(shape[0], shape[1])
+
+
+def nf4_compose(packed, code, absmax, nested, blocksize: int, shape, dtype, indices=None, values=None) -> torch.Tensor:
+    """The dequantized NF4 weight plus scatter(indices, values) (see :func:`nf4_dequantize_reference` and
+    :func:`scatter_add_into`); on CUDA one Triton launch (dequantization and scatter fused)."""
+    if packed.device.type == "cuda":
+        _load_gpu_kernels()
+        if NF4_COMPOSE_KERNELS.get("cuda") is not None and dtype in _KERNEL_FLOAT_TYPES:
+            return NF4_COMPOSE_KERNELS["cuda"](packed, code, absmax, nested, blocksize, shape, dtype, indices, values)
+    out = nf4_dequantize_reference(packed, code, absmax, nested, blocksize, shape, dtype)
+    if indices is not None:
+        scatter_add_reference(out, indices, values)
+    return out
 
 
 def scaled_product_reference(scale: torch.Tensor, p: torch.Tensor, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

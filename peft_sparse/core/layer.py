@@ -294,6 +294,7 @@ class SparseLayer(BaseTunerLayer):
         self._model_ref = None  # weakref to the model (set by the tuner): who else uses the base weight's storage
         self._shared_check = None  # (weakref to the weight, its storage pointer, shared?) of the last scan
         self._training_merge: Optional[_TrainingMerge] = None
+        self._nf4_cache = None  # (weakref to the 4-bit weight, its storage pointer, its quant state, operands)
         # adapter → the values tensor that last passed _check_ready
         self._ready: dict[str, torch.Tensor] = {}
         self.register_state_dict_pre_hook(_release_before_state_dict)
@@ -339,6 +340,54 @@ class SparseLayer(BaseTunerLayer):
             return weight.to(compute_dtype)
         weight = base.weight
         return weight.t() if self.fan_in_fan_out else weight
+
+    def _nf4_operands(self):
+        """What :func:`kernels.nf4_compose` needs to rebuild this bitsandbytes NF4 weight, or None (not NF4
+        on CUDA, or another layout). Cached per weight tensor, storage and quantization state: the offset
+        of double quantization is read to the host once."""
+        base = self.get_base_layer()
+        weight = getattr(base, "weight", None)
+        state = getattr(weight, "quant_state", None)
+        if state is None or not weight.is_cuda:
+            return None
+        cached = self._nf4_cache
+        if cached is not None and cached[0]() is weight and cached[1] == weight.data_ptr() and cached[2] is state:
+            return cached[3]
+        operands = None
+        nested = getattr(state, "nested", False)
+        if (
+            state.quant_type == "nf4"
+            and not getattr(state, "packing_format_for_cpu", False)
+            and weight.dtype == torch.uint8 and weight.is_contiguous()
+            and weight.numel() * 2 >= self.numel
+            and tuple(state.shape) == (self.out_features, self.in_features)
+            and state.blocksize & (state.blocksize - 1) == 0
+            and (not nested or state.state2.blocksize & (state.state2.blocksize - 1) == 0)
+        ):  # fmt: skip
+            inner = None
+            if nested:
+                inner = (state.absmax, state.state2.absmax, state.state2.code, state.state2.blocksize, float(state.offset))
+            operands = (weight.data, state.code, state.absmax, inner, state.blocksize, tuple(state.shape), state.dtype)
+        self._nf4_cache = (weakref.ref(weight), weight.data_ptr(), state, operands)
+        return operands
+
+    def fused_merged_weight(self, indices, values, dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
+        """For an NF4 weight on CUDA: the dequantized weight plus Σ scatter(η_a, φ_a) built in one fused
+        launch (the first adapter inside it), in ``dtype`` (None: the layer's compute dtype); None when
+        this layer has no fused path or the dtype differs from the one bitsandbytes dequantizes to."""
+        operands = self._nf4_operands() if self.quantization_backend is not None else None
+        if operands is None:
+            return None
+        base = self.get_base_layer()
+        compute = getattr(base, "compute_dtype", None) or operands[6]
+        if compute != operands[6] or (dtype is not None and dtype != compute):
+            return None
+        packed, code, absmax, nested, blocksize, shape, qdtype = operands
+        first = (indices[0], values[0].detach()) if indices else (None, None)
+        merged = kernels.nf4_compose(packed, code, absmax, nested, blocksize, shape, qdtype, *first)
+        for idx, val in zip(indices[1:], values[1:]):
+            kernels.scatter_add_into(merged, idx, val.detach())
+        return merged
 
     def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
         """The dense (out, in) delta scatter(η, φ) of one adapter, in the values' dtype."""

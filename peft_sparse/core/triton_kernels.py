@@ -411,3 +411,76 @@ class MultiScatterSum:
             _multi_scatter_sum_kernel[(self.programs,)](
                 *self.tables, self.counts, self.prog_tensor, self.prog_start, *self.templates, BLOCK=_MULTI_BLOCK
             )
+
+
+@triton.jit
+def _nf4_value(Q, CODE, ABSMAX, ABSMAX_Q, ABSMAX2, CODE2, offset, e, m, BLOCKSIZE: tl.constexpr,
+               BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr):  # fmt: skip
+    """float32 NF4 value of elements ``e``: code[nibble] · absmax[e // BLOCKSIZE] — the high nibble of a
+    byte is the first element; nested (double-quantized) absmax = code2[q] · absmax2[block // BLOCKSIZE2] + offset."""
+    byte = tl.load(Q + e // 2, mask=m, other=0).to(tl.int32)
+    nib = tl.where(e % 2 == 0, byte >> 4, byte & 15)
+    code = tl.load(CODE + nib, mask=m, other=0.0)
+    blk = e // BLOCKSIZE
+    if NESTED:
+        q = tl.load(ABSMAX_Q + blk, mask=m, other=0).to(tl.int32)
+        amax = tl.load(CODE2 + q, mask=m, other=0.0) * tl.load(ABSMAX2 + blk // BLOCKSIZE2, mask=m, other=0.0)
+        amax = amax + offset
+    else:
+        amax = tl.load(ABSMAX + blk, mask=m, other=0.0)
+    return code * amax
+
+
+@triton.jit
+def _nf4_compose_kernel(
+    Q, CODE, ABSMAX, ABSMAX_Q, ABSMAX2, CODE2, offset, OUT, IDX, VAL, numel, nnz, n_iter,
+    BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr, SBLOCK: tl.constexpr, K: tl.constexpr,
+):  # fmt: skip
+    # as _compose_kernel, with the copy replaced by the NF4 dequantization of the range
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    lo = _lower_bound(IDX, nnz, start, n_iter, K)
+    hi = _lower_bound(IDX, nnz, start + BLOCK, n_iter, K)
+    for c in range(0, BLOCK, CHUNK):
+        e = start + c + tl.arange(0, CHUNK)
+        m = e < numel
+        w = _nf4_value(Q, CODE, ABSMAX, ABSMAX_Q, ABSMAX2, CODE2, offset, e, m, BLOCKSIZE, BLOCKSIZE2, NESTED)
+        tl.store(OUT + e, _round_to(w, OUT), mask=m)
+    tl.debug_barrier()  # the dequantized values land before this program overwrites some of them
+    for j0 in range(lo, hi, SBLOCK):
+        j = j0 + tl.arange(0, SBLOCK)
+        jm = j < hi
+        i = tl.load(IDX + j, mask=jm, other=0).to(tl.int64)
+        w = _nf4_value(Q, CODE, ABSMAX, ABSMAX_Q, ABSMAX2, CODE2, offset, i, jm, BLOCKSIZE, BLOCKSIZE2, NESTED)
+        base = _round_to(w, OUT).to(tl.float32)
+        v = _round_to(tl.load(VAL + j, mask=jm, other=0.0).to(tl.float32), OUT).to(tl.float32)
+        tl.store(OUT + i, _round_to(base + v, OUT), mask=jm)
+
+
+def nf4_compose(packed, code, absmax, nested, blocksize, shape, dtype, indices=None, values=None) -> torch.Tensor:
+    """Dequantized NF4 weight (``shape``, ``dtype``) plus scatter(indices, values), in one launch.
+
+    ``nested``: None, or (quantized absmax (uint8), absmax2 (float32), code2 (float32), blocksize2, offset)
+    of double quantization. The arithmetic is bitsandbytes': float32 products (the nested absmax's product
+    and offset added as two roundings, never fused), rounded once to ``dtype``; the values are added as
+    :func:`scatter_add_into` adds them."""
+    numel = shape[0] * shape[1]
+    out = torch.empty(shape, dtype=dtype, device=packed.device)
+    if numel == 0:
+        return out
+    if indices is None:
+        indices = torch.zeros(0, dtype=torch.int32, device=packed.device)
+        values = torch.zeros(0, dtype=torch.float32, device=packed.device)
+    if nested is not None:
+        absmax_q, absmax2, code2, blocksize2, offset = nested
+        absmax = absmax2  # not read
+    else:  # the nested operands are not read
+        absmax_q, absmax2, code2, blocksize2, offset = absmax, absmax, code, 1, 0.0
+    nnz = indices.numel()
+    grid = (triton.cdiv(numel, _COMPOSE_BLOCK),)
+    _nf4_compose_kernel[grid](
+        packed, code, absmax, absmax_q, absmax2, code2, float(offset), out, indices, values, numel, nnz,
+        _search_rounds(nnz, _SEARCH_K), BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested is not None,
+        BLOCK=_COMPOSE_BLOCK, CHUNK=_COMPOSE_CHUNK, SBLOCK=512, K=_SEARCH_K, num_warps=8, enable_fp_fusion=False,
+    )  # fmt: skip
+    return out
