@@ -24,61 +24,6 @@ import triton
 import triton.language as tl
 
 
-def _spec(arg):
-    """What Triton may specialise a kernel argument on: a tensor's type and 16-byte alignment; an
-    integer's width and whether it is 1 or a multiple of 16; a float's type; anything else its value."""
-    if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() % 16 == 0)
-    if isinstance(arg, bool):
-        return ("b", arg)
-    if isinstance(arg, int):
-        return ("i", arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31, arg >= 2**63)
-    if isinstance(arg, float):
-        return "f"
-    return ("v", arg)
-
-
-# (kernel, device, argument specialisations, keyword values) → the compiled kernel, for _launch
-_COMPILED: dict = {}
-# Triton versions whose CompiledKernel.run takes (grid x, y, z, stream, function, packed metadata,
-# launch metadata, enter hook, exit hook, *all arguments): where _launch may call it directly
-_DIRECT_LAUNCH = triton.__version__.startswith(("3.5.", "3.6."))
-
-
-def _launch_hooks_set() -> bool:
-    """Whether a launch hook is registered (a profiler): Triton's own path calls it."""
-    runtime = triton.knobs.runtime
-    return any(h is not None and getattr(h, "calls", True) for h in (runtime.launch_enter_hook, runtime.launch_exit_hook))
-
-
-def _launch(kernel, grid, *args, **kwargs):
-    """``kernel[grid](*args, **kwargs)`` with less host work per launch.
-
-    The first launch of each specialisation goes through Triton (which compiles and caches); later ones
-    call the compiled kernel's launcher directly, skipping Triton's argument binding, cache-key
-    computation and hooks — tens of microseconds per launch, which add up over a few hundred launches
-    per training step. ``args`` are the kernel's leading parameters, ``kwargs`` its remaining
-    (constexpr) parameters by name and the launch options (``num_warps``…). Launch hooks (profilers)
-    or another Triton version take Triton's own path every time."""
-    if not (_DIRECT_LAUNCH and isinstance(kernel, triton.runtime.jit.JITFunction)) or _launch_hooks_set():
-        return kernel[grid](*args, **kwargs)  # also Triton's CPU interpreter
-    device = torch.cuda.current_device()
-    key = (kernel, device, tuple(_spec(a) for a in args), tuple(kwargs.items()))
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        compiled = kernel[grid](*args, **kwargs)
-        if hasattr(compiled, "result"):
-            compiled = compiled.result()
-        _COMPILED[key] = compiled
-        return compiled
-    names = kernel.arg_names
-    full = (*args, *(kwargs[n] for n in names[len(args) :]))  # every parameter, in order (constexprs included)
-    stream = torch._C._cuda_getCurrentRawStream(device)
-    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                 compiled.function, compiled.packed_metadata, None, None, None, *full)  # fmt: skip
-    return compiled
-
-
 @triton.jit
 def _sddmm_kernel(GT, XT, ROWS, COLS, OUT, nnz, T, stride_g, stride_x, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
     pid = tl.program_id(0)
@@ -107,7 +52,7 @@ def sddmm(grad_out2d: torch.Tensor, x2d: torch.Tensor, rows: torch.Tensor, cols:
     xt = x2d.t().contiguous()  # (in, tokens)
     block_n, block_t = 64, 64
     grid = (triton.cdiv(nnz, block_n),)
-    _launch(_sddmm_kernel, grid, gt, xt, rows, cols, out, nnz, tokens, gt.stride(0), xt.stride(0), BLOCK_N=block_n, BLOCK_T=block_t)
+    _sddmm_kernel[grid](gt, xt, rows, cols, out, nnz, tokens, gt.stride(0), xt.stride(0), BLOCK_N=block_n, BLOCK_T=block_t)
     return out
 
 
@@ -208,10 +153,9 @@ def block_sddmm(
     out = torch.empty(splits, n, bh, bw, dtype=torch.float32, device=g.device)
     grid = (n, splits)
     if bh == 1:
-        _launch(_row_block_sddmm_kernel, grid, g, x, block_rows, block_cols, out, tokens, per, n, g.stride(0), x.stride(0), BW=bw, BLOCK_T=block_t)
+        _row_block_sddmm_kernel[grid](g, x, block_rows, block_cols, out, tokens, per, n, g.stride(0), x.stride(0), BW=bw, BLOCK_T=block_t)
     else:
-        _launch(
-            _block_sddmm_kernel, grid,
+        _block_sddmm_kernel[grid](
             g, x, block_rows, block_cols, out, tokens, per, n, g.stride(0), x.stride(0), BH=bh, BW=bw, BLOCK_T=block_t
         )  # fmt: skip
     return out[0] if splits == 1 else out.sum(0)
@@ -299,8 +243,7 @@ def scatter_add_into(out: torch.Tensor, indices: torch.Tensor, values: torch.Ten
     if source is not None and not source.is_contiguous():
         source = source.contiguous()
     grid = (triton.cdiv(numel, _COMPOSE_BLOCK),)
-    _launch(
-        _compose_kernel, grid,
+    _compose_kernel[grid](
         source if source is not None else out, out, indices, values, numel, nnz, _search_rounds(nnz, _SEARCH_K),
         COPY=source is not None, BLOCK=_COMPOSE_BLOCK, CHUNK=_COMPOSE_CHUNK, SBLOCK=512, K=_SEARCH_K, num_warps=8,
     )  # fmt: skip
@@ -322,7 +265,7 @@ def scatter_sum_into(out: torch.Tensor, indices: torch.Tensor, base: torch.Tenso
     nnz = indices.numel()
     if nnz:
         block = 1024
-        _launch(_scatter_sum_kernel, (triton.cdiv(nnz, block),), out, indices, base, values, nnz, BLOCK=block)
+        _scatter_sum_kernel[(triton.cdiv(nnz, block),)](out, indices, base, values, nnz, BLOCK=block)
     return out
 
 
@@ -376,8 +319,7 @@ def sm3_sparse_step(
         row_new, col_new = row_acc.clone(), col_acc.clone()
     if n:
         block = 1024
-        _launch(
-            _sm3_sparse_kernel, (triton.cdiv(n, block),),
+        _sm3_sparse_kernel[(triton.cdiv(n, block),)](
             values, grad, indices, row_acc, col_acc, row_new, col_new,
             momentum_buffer if momentum_buffer is not None else values, n, in_features, lr, momentum, eps,
             1.0 - lr * weight_decay, HAS_MOMENTUM=momentum_buffer is not None, BLOCK=block,
@@ -410,7 +352,7 @@ def scaled_product(scale: torch.Tensor, full: torch.Tensor, per_row: torch.Tenso
     if out.numel():
         block_r, block_h = 16, 256
         grid = (triton.cdiv(n_rows, block_r), triton.cdiv(h, block_h))
-        _launch(_scaled_product_kernel, grid, out, full, per_row, scale, n_rows, h, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
+        _scaled_product_kernel[grid](out, full, per_row, scale, n_rows, h, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
     return out
 
 
@@ -466,8 +408,7 @@ class MultiScatterSum:
 
     def __call__(self) -> None:
         if self.programs:
-            _launch(
-                _multi_scatter_sum_kernel, (self.programs,),
+            _multi_scatter_sum_kernel[(self.programs,)](
                 *self.tables, self.counts, self.prog_tensor, self.prog_start, *self.templates, BLOCK=_MULTI_BLOCK
             )
 
@@ -537,8 +478,7 @@ def nf4_compose(packed, code, absmax, nested, blocksize, shape, dtype, indices=N
         absmax_q, absmax2, code2, blocksize2, offset = absmax, absmax, code, 1, 0.0
     nnz = indices.numel()
     grid = (triton.cdiv(numel, _COMPOSE_BLOCK),)
-    _launch(
-        _nf4_compose_kernel, grid,
+    _nf4_compose_kernel[grid](
         packed, code, absmax, absmax_q, absmax2, code2, float(offset), out, indices, values, numel, nnz,
         _search_rounds(nnz, _SEARCH_K), BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested is not None,
         BLOCK=_COMPOSE_BLOCK, CHUNK=_COMPOSE_CHUNK, SBLOCK=512, K=_SEARCH_K, num_warps=8, enable_fp_fusion=False,
