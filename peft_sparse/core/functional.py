@@ -266,7 +266,9 @@ class SparseDeltaLinear(torch.autograd.Function):
         need_x, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_values = ctx.needs_input_grad[8 + n :]
         dtype = ctx.dtype
-        g2 = grad_out.reshape(-1, ctx.out_features).to(dtype)  # (tokens, out)
+        g2 = grad_out.reshape(-1, ctx.out_features)  # (tokens, out)
+        if g2.dtype != dtype:
+            g2 = g2.to(dtype)
 
         grad_x = None
         if need_x:
@@ -280,12 +282,16 @@ class SparseDeltaLinear(torch.autograd.Function):
                 merged = _fused_weight(ctx.hooks, ctx.owned, None, indices, values, dtype)
                 if merged is None:
                     merged = _pass_weight(ctx.weight_fn(), indices, values, dtype, ctx.owned)
-            grad_x = g2.mm(merged).view(*ctx.x_shape[:-1], ctx.in_features).to(ctx.x_dtype)  # (..., in)
+            grad_x = g2.mm(merged).view(*ctx.x_shape[:-1], ctx.in_features)  # (..., in)
+            if grad_x.dtype != ctx.x_dtype:
+                grad_x = grad_x.to(ctx.x_dtype)
             del merged
 
         value_grads = [None] * n
         if any(need_values):
-            x2 = x.reshape(-1, ctx.in_features).to(dtype)  # (tokens, in)
+            x2 = x.reshape(-1, ctx.in_features)  # (tokens, in)
+            if x2.dtype != dtype:
+                x2 = x2.to(dtype)
             hooks = ctx.hooks
             consumer = hooks.dense_grad_consumer if hooks is not None else None
             if consumer is not None:
@@ -295,7 +301,7 @@ class SparseDeltaLinear(torch.autograd.Function):
                 flat = dW.view(-1)
                 for a in range(n):
                     if need_values[a]:
-                        value_grads[a] = flat[indices[a]].to(values[a].dtype)
+                        value_grads[a] = flat.index_select(0, indices[a]).to(values[a].dtype)
                 del dW, flat
             else:
                 method = hooks.value_grad_method if hooks is not None else "auto"
@@ -311,10 +317,10 @@ class SparseDeltaLinear(torch.autograd.Function):
                         rows, cols, slots, (bh, bw) = block
                         tiles = kernels.block_sddmm(g2, x2, rows, cols, bh, bw)  # (blocks, bh, bw)
                         grad = torch.empty(values[a].numel(), dtype=tiles.dtype, device=tiles.device)
-                        grad[slots] = tiles.reshape(-1)
+                        grad.index_copy_(0, slots, tiles.reshape(-1))
                     else:
                         grad = kernels.value_gradient(g2, x2, indices[a], ctx.out_features, ctx.in_features, method)
-                    value_grads[a] = grad.to(values[a].dtype)
+                    value_grads[a] = grad if grad.dtype == values[a].dtype else grad.to(values[a].dtype)
 
         grad_bias = g2.sum(0).to(grad_out.dtype) if need_bias else None
         return (grad_x, grad_bias, None, None, None, None, None, None, *([None] * n), *value_grads)

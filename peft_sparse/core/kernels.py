@@ -314,7 +314,9 @@ def value_gradient(
     if method == "auto":
         method = COST_MODEL.choose(grad_out2d.device, grad_out2d.shape[0], out_features, in_features, indices.numel())
     if method == "dense":
-        return dense_weight_gradient(grad_out2d, x2d).view(-1)[indices].to(accumulation_dtype(grad_out2d.dtype))
+        grad = dense_weight_gradient(grad_out2d, x2d).view(-1).index_select(0, indices)
+        acc = accumulation_dtype(grad_out2d.dtype)
+        return grad if grad.dtype == acc else grad.to(acc)
     if method == "sddmm":
         rows, cols = rows_cols(indices, in_features)
         return sddmm(grad_out2d, x2d, rows, cols)

@@ -430,6 +430,20 @@ class SparseLayer(BaseTunerLayer):
             del _VALUES_OWNER[key]  # forget parameters that no longer exist
         _VALUES_OWNER[id(values)] = (weakref.ref(values), weakref.ref(self), adapter_name)
 
+    def get_base_layer(self) -> nn.Module:
+        """The innermost base layer (PEFT's definition: follow ``base_layer`` while there is one), without
+        the attribute-lookup exceptions of PEFT's loop — it runs on every forward pass."""
+        base = self._modules["base_layer"]
+        while True:
+            inner = base._modules.get("base_layer") if isinstance(base, nn.Module) else None
+            if inner is None:
+                if isinstance(base, nn.Module) and "base_layer" not in base.__dict__ and not hasattr(type(base), "base_layer"):
+                    return base  # a plain module (checked without a failing attribute lookup)
+                if not hasattr(base, "base_layer"):
+                    return base
+                inner = base.base_layer
+            base = inner
+
     def _base_device(self) -> torch.device:
         base = self.get_base_layer()
         return base.weight.device
@@ -660,20 +674,21 @@ class SparseLayer(BaseTunerLayer):
             return self._base_forward(x, *args, **kwargs)
         if self.merged:
             return self.base_layer(x, *args, **kwargs)
-        active = [a for a in self.active_adapters if a in self.sparse_values]
+        values_of = self.sparse_values
+        active = [a for a in self.active_adapters if a in values_of]
         if not active:
             self.release_training_merge()
             return self._base_forward(x, *args, **kwargs)
-        ready = self._ready
-        for name in active:
-            values = self.sparse_values[name]
-            if ready.get(name) is not values or values.dtype != self.values_dtype[name]:
+        values = [values_of[a] for a in active]
+        ready, wanted = self._ready, self.values_dtype
+        for name, v in zip(active, values):
+            if ready.get(name) is not v or v.dtype != wanted[name]:
                 self._check_ready(name)
         if self.training_observer is not None and self.training and torch.is_grad_enabled():
             self.training_observer(self)
         base = self.get_base_layer()
-        indices = [self.sparse_indices[a] for a in active]
-        values = [self.sparse_values[a] for a in active]
+        indices_of = self.sparse_indices
+        indices = [indices_of[a] for a in active]
         if self.quantization_backend is None and base.weight.requires_grad:
             # the base weight itself is being trained: let autograd keep what it needs
             return sparse_delta_linear_reference(x, self.logical_weight(), base.bias, indices, values)

@@ -1,0 +1,101 @@
+"""Host time per layer call on a GPU host: forward and backward of one projection, plain and sparse.
+
+    python benchmarks/host_layer.py [--calls 500] [--size 256] [--tokens 64]
+
+With small shapes the GPU finishes each kernel faster than the host issues the next, so the time per
+call is what the host spends issuing it — the cost that bounds a training step whose kernels are
+short (qSpIEL on an H100). Variants: ``linear`` (nn.Linear, bf16), ``linear4bit`` (bitsandbytes NF4,
+double quantization), ``sparse`` (SpIEL over nn.Linear: merged in place), ``sparse-4bit`` (SpIEL over
+the NF4 layer: fused dequantization + delta), each forward (graph built) and backward (input and, for
+sparse layers, value gradients).
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+class One(nn.Module):
+    def __init__(self, proj):
+        super().__init__()
+        self.proj = proj
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def build(variant: str, size: int):
+    from peft import get_peft_model
+
+    import peft_sparse
+
+    if "4bit" in variant:
+        import bitsandbytes as bnb
+
+        proj = bnb.nn.Linear4bit(size, size, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4", compress_statistics=True)
+        proj.weight = bnb.nn.Params4bit(torch.randn(size, size, dtype=torch.bfloat16) * 0.02, requires_grad=False, quant_type="nf4", compress_statistics=True)
+        proj = proj.cuda()
+    else:
+        proj = nn.Linear(size, size, bias=False, dtype=torch.bfloat16, device="cuda")
+    proj.weight.requires_grad_(False)
+    model = One(proj)
+    if variant.startswith("sparse"):
+        model = get_peft_model(model, peft_sparse.SparseFTConfig(target_modules=["proj"], density=0.05))
+    model.train()
+    return model
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--variants", default="linear,linear4bit,sparse,sparse-4bit")
+    args = parser.parse_args()
+    print(f"{torch.cuda.get_device_name()}: host µs per call (median of 5 rounds of {args.calls}), {args.tokens}×{args.size}")
+    for variant in args.variants.split(","):
+        model = build(variant, args.size)
+        x = torch.randn(args.tokens, args.size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(args.tokens, args.size, device="cuda", dtype=torch.bfloat16)
+        fwd, bwd = [], []
+        for _ in range(6):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            ys = [model(x) for _ in range(args.calls)]
+            mid = time.perf_counter()
+            for y in ys:
+                y.backward(g)
+            end = time.perf_counter()
+            torch.cuda.synchronize()
+            fwd.append((mid - start) / args.calls * 1e6)
+            bwd.append((end - mid) / args.calls * 1e6)
+            del ys
+        print(f"  {variant:<12} forward {statistics.median(fwd[1:]):6.1f}  backward {statistics.median(bwd[1:]):6.1f}", flush=True)
+        if variant == "sparse-4bit":  # the fused weight alone, and bitsandbytes' dequantization alone
+            import bitsandbytes.functional as bnb_f
+
+            layer = model.base_model.model.proj
+            idx, val = [layer.sparse_indices["default"]], [layer.sparse_values["default"]]
+            weight = layer.get_base_layer().weight
+            for label, fn in (("fused weight", lambda: layer.fused_merged_weight(idx, val, None)),
+                              ("bnb dequantize_4bit", lambda: bnb_f.dequantize_4bit(weight.data, weight.quant_state))):  # fmt: skip
+                times = []
+                for _ in range(6):
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    for _ in range(args.calls):
+                        fn()
+                    times.append((time.perf_counter() - start) / args.calls * 1e6)
+                    torch.cuda.synchronize()
+                print(f"    {label:<22} {statistics.median(times[1:]):6.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
