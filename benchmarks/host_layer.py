@@ -58,6 +58,7 @@ def main():
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--variants", default="linear,linear4bit,sparse,sparse-4bit")
+    parser.add_argument("--cprofile", action="store_true", help="then the host time's top functions per variant (cProfile)")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}: host µs per call (median of 5 rounds of {args.calls}), {args.tokens}×{args.size}")
     for variant in args.variants.split(","):
@@ -78,6 +79,27 @@ def main():
             bwd.append((end - mid) / args.calls * 1e6)
             del ys
         print(f"  {variant:<12} forward {statistics.median(fwd[1:]):6.1f}  backward {statistics.median(bwd[1:]):6.1f}", flush=True)
+        if args.cprofile:
+            import cProfile
+            import io
+            import pstats
+
+            for phase in ("forward", "backward"):
+                ys = [model(x) for _ in range(args.calls)] if phase == "backward" else None
+                profiler = cProfile.Profile()
+                profiler.enable()
+                if phase == "forward":
+                    ys = [model(x) for _ in range(args.calls)]
+                else:
+                    for y in ys:
+                        y.backward(g)
+                profiler.disable()
+                torch.cuda.synchronize()
+                text = io.StringIO()
+                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(12)
+                lines = [ln for ln in text.getvalue().splitlines() if ln.strip() and "Ordered" not in ln and "List reduced" not in ln]
+                print(f"    cProfile {phase}, {args.calls} calls:\n" + "\n".join("      " + ln[:150] for ln in lines))
+                del ys
         if variant == "sparse-4bit":  # the fused weight alone, and bitsandbytes' dequantization alone
             import bitsandbytes.functional as bnb_f
 
