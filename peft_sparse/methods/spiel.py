@@ -710,10 +710,6 @@ class _WindowStatistics:
         self.step_sum: Optional[torch.Tensor] = None  # Σ over this step's micro-batches
         self.grad_sum: Optional[torch.Tensor] = None  # Σ_steps g
         self.grad_sq_sum: Optional[torch.Tensor] = None  # Σ_steps g²
-        # block adapters, once the candidates are chosen: what the block kernel needs to compute the
-        # candidates' gradients without the dense dW — (block rows, block cols, slots, block shape), where
-        # slots[b·bh·bw + i·bw + j] is the position in ``candidates`` of element (i, j) of block b
-        self.candidate_blocks: Optional[tuple] = None
 
     def __call__(self, layer: SparseLayer, dense_grad: torch.Tensor) -> None:
         flat = dense_grad.reshape(-1)
@@ -730,23 +726,11 @@ class _WindowStatistics:
                 self.candidate_units = chosen_units
                 chosen = self.grid.expand(chosen_units)
                 self.candidates = chosen.to(index_dtype(flat.numel()))
-                self.index_candidate_blocks()
             zeros = torch.zeros(chosen.numel(), dtype=self.dtype, device=flat.device)
             self.step_sum, self.grad_sum, self.grad_sq_sum = zeros, zeros.clone(), zeros.clone()
             if _distributed():
                 flat = dense_grad.reshape(-1)
         self.step_sum += flat.index_select(0, self.candidates)
-
-    def index_candidate_blocks(self) -> None:
-        """Set ``candidate_blocks`` from ``candidate_units`` and ``candidates`` (block adapters)."""
-        g, units = self.grid, self.candidate_units.long()
-        slots = torch.searchsorted(self.candidates.long(), g.block_major(units).reshape(-1))
-        self.candidate_blocks = ((units // g.cols).to(torch.int32), (units % g.cols).to(torch.int32), slots, (g.bh, g.bw))
-
-    def add_candidate_tiles(self, tiles: torch.Tensor) -> None:
-        """One micro-batch's gradient at the candidate blocks, as (blocks, bh, bw) tiles from the block
-        kernel (``candidate_blocks``) instead of the dense dW."""
-        self.step_sum.index_add_(0, self.candidate_blocks[2], tiles.reshape(-1).to(self.dtype))
 
     def end_step(self) -> None:
         if self.candidates is None:
@@ -1128,7 +1112,6 @@ class SpIELScheduler:
                     stats.candidates = tensors["candidates"].to(device_of(name), copy=True)
                     if "candidate_units" in tensors:
                         stats.candidate_units = tensors["candidate_units"].to(device_of(name), copy=True)
-                        stats.index_candidate_blocks()
                     stats.step_sum = tensors["step_sum"].to(device_of(name), copy=True)
                     stats.grad_sum = tensors["grad_sum"].to(device_of(name), copy=True)
                     stats.grad_sq_sum = tensors["grad_sq_sum"].to(device_of(name), copy=True)
