@@ -15,9 +15,15 @@ The storage layout of the base layer never leaks into the indices: GPT-2 ``Conv1
 transient copy of W, built in forward and again in backward. While one adapter trains on a plain
 ``nn.Linear`` (float weight not shared with other parameters, no quantization, no sharding wrapper,
 not an ``nn.DataParallel`` replica), the layer instead keeps the merged weight in the base weight's
-own storage: it saves θ₀[η] (d_φ entries) once, and before every training forward writes θ₀[η] + φ
-at η (d_φ entries, not W) — so forward and backward read W in place and no W-sized copy is made.
-The entries are rounded exactly as the copy would round them, so outputs are bit-identical. θ₀ is
+own storage: it saves θ₀[η] (d_φ entries) once and writes θ₀[η] + φ at η (d_φ entries, not W)
+whenever φ changed — so forward and backward read W in place and no W-sized copy is made. The write
+happens right after each optimizer step that updated φ (one batched launch for all layers, while the
+GPU still works through the step; a hook every ``torch.optim.Optimizer`` runs), and in a training
+forward whenever φ's version counter or storage moved since the last write (an in-place edit outside
+the optimizer). Edits through ``.data`` or raw kernels outside an optimizer step are invisible to
+both: call ``release_training_merge()`` after them. A backward whose stored weight was rewritten
+since its forward builds its own merged weight. The entries are rounded exactly as the copy would
+round them, so outputs are bit-identical. θ₀ is
 written back (``release_training_merge``) whenever anything else may look at the
 base weight: ``eval()``, ``state_dict()``, ``load_state_dict()``, ``.to()``/``.cuda()``, merging,
 unloading, disabling or deleting adapters, ``logical_weight()``, ``nn.DataParallel`` replication
