@@ -142,3 +142,63 @@ def test_block_metadata_after_a_batched_reselection_equals_a_fresh_computation()
         layer._block_metadata.pop("default")
         fresh = layer.block_metadata("default")  # recomputed from the indices alone
         assert all(torch.equal(a, b) for a, b in zip(cached[:3], fresh[:3])) and cached[3] == fresh[3]
+
+
+def test_block_ag_window_gathers_candidate_gradients_with_the_block_kernel(monkeypatch):
+    """After the window's first micro-batch chose the candidate blocks, their gradients come from the
+    block kernel, not a dense dW: the same statistics (up to summation order) and the same reselection,
+    one dense dW per layer and window."""
+    from peft_sparse.core import kernels
+    from peft_sparse.methods import spiel
+
+    def run(sparse_windows: bool):
+        if not sparse_windows:
+            monkeypatch.setattr(spiel._WindowStatistics, "index_candidate_blocks", lambda self: None)
+        dense_calls = []
+        original = kernels.dense_weight_gradient
+        monkeypatch.setattr(kernels, "dense_weight_gradient", lambda g, x: dense_calls.append(1) or original(g, x))
+        config = SpIELConfig(target_modules=["gate_proj", "down_proj"], density=0.03, growth="ag", block_shape=(16, 16),
+                             reselection_steps=4, gradient_estimation_steps=3)  # fmt: skip
+        model = get_peft_model(tiny_llama(hidden_size=128, intermediate_size=256), config)
+        randomize_values(model, scale=0.05)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-2)
+        scheduler = SpIELScheduler(model, opt, total_steps=8)
+        model.train()
+        snapshots = []
+        for step in range(1, 4):
+            x = inputs(seed=step)
+            model(x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 3:  # the window's statistics, before the reselection consumes them
+                snapshots = {n: {k: v.clone() for k, v in s.tensors().items()} for n, s in scheduler.statistics.items()}
+            scheduler.step()
+        monkeypatch.undo()
+        return snapshots, [l.sparse_indices["default"].clone() for l in sparse_layers(model)], len(dense_calls)
+
+    sparse_stats, sparse_indices, sparse_dense = run(True)
+    dense_stats, dense_indices, dense_dense = run(False)
+    layers = len(sparse_indices)
+    assert dense_dense == 3 * layers and sparse_dense == layers  # one dense dW per layer: the first micro-batch
+    for name, tensors in dense_stats.items():
+        assert torch.equal(sparse_stats[name]["candidates"], tensors["candidates"])
+        for key in ("grad_sum", "grad_sq_sum"):
+            torch.testing.assert_close(sparse_stats[name][key], tensors[key], rtol=1e-4, atol=1e-7)
+    for a, b in zip(sparse_indices, dense_indices):
+        assert torch.equal(a, b)
+
+
+def test_candidate_slots_formula_matches_a_search():
+    """Element (i, j) of each candidate block at its place in the ascending flat candidates: the
+    O(blocks) formula == searching every element, for rows with one, several or no candidate blocks."""
+    from peft_sparse.methods.spiel import _WindowStatistics
+
+    for shape, block, units in (((8, 12), (2, 3), [0, 1, 3, 5, 6, 7]), ((6, 8), (3, 4), [1, 2]), ((4, 8), (1, 4), [0, 1, 3, 6, 7])):
+        grid = BlockGrid(*shape, block)
+        stats = _WindowStatistics(len(units), grid)
+        stats.candidate_units = torch.tensor(units)
+        stats.candidates = grid.expand(stats.candidate_units)
+        stats.index_candidate_blocks()
+        want = torch.searchsorted(stats.candidates, grid.block_major(stats.candidate_units).reshape(-1))
+        assert torch.equal(stats.candidate_slots(), want), (shape, block, units)

@@ -294,6 +294,13 @@ class SparseDeltaLinear(torch.autograd.Function):
                 x2 = x2.to(dtype)
             hooks = ctx.hooks
             consumer = hooks.dense_grad_consumer if hooks is not None else None
+            wanted = getattr(consumer, "candidate_blocks", None) if consumer is not None else None
+            if wanted is not None:  # the consumer's candidates are known blocks: its gradients from the block kernel
+                rows, cols, _, _, (bh, bw) = wanted
+                if kernels.COST_MODEL.choose_block(g2.device, g2.shape[0], ctx.out_features, ctx.in_features, rows.numel() * bh * bw, (bh, bw)) == "block":
+                    consumer.add_candidate_tiles(kernels.block_sddmm(g2, x2, rows, cols, bh, bw))
+                    hooks.dense_grad_count += 1
+                    consumer = None  # the values' gradients as outside a window
             if consumer is not None:
                 dW = kernels.dense_weight_gradient(g2, x2)  # (out, in), freed on return
                 hooks.dense_grad_count += 1

@@ -710,6 +710,10 @@ class _WindowStatistics:
         self.step_sum: Optional[torch.Tensor] = None  # Σ over this step's micro-batches
         self.grad_sum: Optional[torch.Tensor] = None  # Σ_steps g
         self.grad_sq_sum: Optional[torch.Tensor] = None  # Σ_steps g²
+        # block adapters, once the candidates are chosen: what the block kernel needs to compute the
+        # candidates' gradients without the dense dW — (block rows, block cols, base, stride, block shape):
+        # element (i, j) of candidate block b sits at base[b] + i·stride[b] + j in ``candidates``
+        self.candidate_blocks: Optional[tuple] = None
 
     def __call__(self, layer: SparseLayer, dense_grad: torch.Tensor) -> None:
         flat = dense_grad.reshape(-1)
@@ -726,11 +730,39 @@ class _WindowStatistics:
                 self.candidate_units = chosen_units
                 chosen = self.grid.expand(chosen_units)
                 self.candidates = chosen.to(index_dtype(flat.numel()))
+                self.index_candidate_blocks()
             zeros = torch.zeros(chosen.numel(), dtype=self.dtype, device=flat.device)
             self.step_sum, self.grad_sum, self.grad_sq_sum = zeros, zeros.clone(), zeros.clone()
             if _distributed():
                 flat = dense_grad.reshape(-1)
         self.step_sum += flat.index_select(0, self.candidates)
+
+    def index_candidate_blocks(self) -> None:
+        """Set ``candidate_blocks`` from the ascending ``candidate_units`` (block adapters).
+
+        In ascending flat order a block row's candidate elements come row by row, each row holding
+        bw entries of every candidate block of that block row in block order: element (i, j) of the
+        block of rank r among the n candidate blocks of its block row, whose block row starts at
+        candidate element s, is at s + i·n·bw + r·bw + j. Two numbers per block, O(blocks) to find."""
+        g, units = self.grid, self.candidate_units.long()
+        block_rows = units // g.cols
+        first = torch.searchsorted(block_rows, block_rows)  # first candidate block of the same block row
+        count = torch.searchsorted(block_rows, block_rows, right=True) - first
+        rank = torch.arange(units.numel(), device=units.device) - first
+        base = first * g.unit + rank * g.bw
+        self.candidate_blocks = (block_rows.to(torch.int32), (units % g.cols).to(torch.int32), base, count * g.bw, (g.bh, g.bw))
+
+    def candidate_slots(self) -> torch.Tensor:
+        """Position in ``candidates`` of element (i, j) of candidate block b, at [b·bh·bw + i·bw + j]."""
+        _, _, base, stride, (bh, bw) = self.candidate_blocks
+        i = torch.arange(bh, device=base.device)
+        j = torch.arange(bw, device=base.device)
+        return (base[:, None, None] + i[None, :, None] * stride[:, None, None] + j[None, None, :]).reshape(-1)
+
+    def add_candidate_tiles(self, tiles: torch.Tensor) -> None:
+        """One micro-batch's gradient at the candidate blocks, as (blocks, bh, bw) tiles from the block
+        kernel (``candidate_blocks``) instead of the dense dW."""
+        self.step_sum.index_add_(0, self.candidate_slots(), tiles.reshape(-1).to(self.dtype))
 
     def end_step(self) -> None:
         if self.candidates is None:
@@ -1112,6 +1144,7 @@ class SpIELScheduler:
                     stats.candidates = tensors["candidates"].to(device_of(name), copy=True)
                     if "candidate_units" in tensors:
                         stats.candidate_units = tensors["candidate_units"].to(device_of(name), copy=True)
+                        stats.index_candidate_blocks()
                     stats.step_sum = tensors["step_sum"].to(device_of(name), copy=True)
                     stats.grad_sum = tensors["grad_sum"].to(device_of(name), copy=True)
                     stats.grad_sq_sum = tensors["grad_sq_sum"].to(device_of(name), copy=True)
