@@ -350,8 +350,9 @@ def test_optimizer_step_rewrites_the_merge_and_the_next_forward_does_not(monkeyp
 
 
 def test_values_changed_outside_an_optimizer_step_are_rewritten_in_forward(monkeypatch):
-    """In-place edits (version bump) and replaced storage are seen by the next forward; an optimizer
-    that holds none of the values rewrites nothing."""
+    """A forward pass trusts the stored weight only after the step hook of an optimizer holding the
+    values wrote it and nothing moved since; in-place edits, replaced storage and forward-written
+    merges are written again; an optimizer that holds none of the values writes nothing."""
     model = _spiel()
     theta0 = _base_weights(model)
     randomize_values(model, scale=0.1)
@@ -362,7 +363,12 @@ def test_values_changed_outside_an_optimizer_step_are_rewritten_in_forward(monke
     values = layer.sparse_values["default"]
     writes = _count_writes(monkeypatch)
     model(x)
-    assert writes["single"] == 0  # unchanged: nothing written
+    assert writes["single"] == len(sparse_layers(model))  # written by a forward: not trusted, written again
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1).step()  # no gradients: values stay
+    writes["single"] = 0
+    model(x)
+    model(x)
+    assert writes["single"] == 0  # written by the step hook and unchanged: nothing written
     with torch.no_grad():
         values.mul_(2)
     model(x)
@@ -370,12 +376,99 @@ def test_values_changed_outside_an_optimizer_step_are_rewritten_in_forward(monke
     assert torch.equal(layer.get_base_layer().weight, _expected_merged(theta0[layer.module_name], layer))
     values.data = values.data + 1  # new storage
     model(x)
-    assert writes["single"] == 2
+    assert writes["single"] == 2  # this layer only: the others still hold what the step hook wrote
     assert torch.equal(layer.get_base_layer().weight, _expected_merged(theta0[layer.module_name], layer))
     other = torch.nn.Parameter(torch.zeros(3))
     other.grad = torch.ones(3)
     torch.optim.SGD([other], lr=0.1).step()
-    assert writes["many"] == 0
+    assert writes["many"] == len(sparse_layers(model))  # only the first SGD step wrote
+
+
+def _same_as_transient(model, x):
+    reference = copy.deepcopy(model)
+    for layer in sparse_layers(reference):
+        layer.merge_for_training = False
+    return torch.equal(model(x).logits, reference(x).logits)
+
+
+def test_values_written_by_a_master_weight_wrapper_are_seen():
+    """A wrapper in the style of mixed-precision master weights (an inner optimizer over float32 copies,
+    then ``p.data.copy_(master)``: no version bump, and the inner optimizer does not hold φ) — every
+    forward pass rewrites, so training equals the transient copy step for step."""
+
+    class MasterWeights:
+        def __init__(self, params):
+            self.params = list(params)
+            self.masters = [p.detach().clone().requires_grad_() for p in self.params]
+            self.inner = torch.optim.SGD(self.masters, lr=1.0)
+
+        def step(self):
+            for p, m in zip(self.params, self.masters):
+                m.grad = p.grad.clone()
+            self.inner.step()
+            for p, m in zip(self.params, self.masters):
+                p.data.copy_(m.data)
+                p.grad = None
+
+    model = _spiel(growth="ma")
+    randomize_values(model, scale=0.1)
+    reference = copy.deepcopy(model)
+    for layer in sparse_layers(reference):
+        layer.merge_for_training = False
+    x = inputs()
+    model.train()
+    reference.train()
+    optimizers = [MasterWeights(p for p in m.parameters() if p.requires_grad) for m in (model, reference)]
+    for _ in range(3):
+        losses = []
+        for m, opt in zip((model, reference), optimizers):
+            loss = m(x, labels=x).loss
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        assert torch.equal(losses[0], losses[1])
+
+
+def test_replaced_weight_storage_and_reused_value_addresses_are_seen():
+    """The base weight's storage replaced through ``.data`` (new θ₀) starts a new merge instead of
+    dropping the delta; values replaced twice through ``.data``, so that the allocator could hand the
+    first address back, are still seen as changed."""
+    model = _spiel()
+    randomize_values(model, scale=0.1)
+    x = inputs()
+    model.train()
+    model(x)
+    layer = sparse_layers(model)[0]
+    weight = layer.get_base_layer().weight
+    layer.release_training_merge()
+    theta0 = weight.detach().clone()
+    model(x)
+    weight.data = theta0.clone()  # a fresh storage holding θ₀
+    assert _same_as_transient(model, x)
+    values = layer.sparse_values["default"]
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1).step()  # the step hook writes
+    written = values.data_ptr()
+    for _ in range(20):  # the written storage is held, so no replacement can land at its address
+        values.data = values.detach() + 1.0
+        values.data = values.detach() + 1.0
+        assert values.data_ptr() != written
+    assert _same_as_transient(model, x)
+
+
+def test_merge_write_plans_keep_no_tensor_alive():
+    """A batched-write plan keeps only addresses and element types: a deleted model's tensors are freed."""
+    import gc
+    import weakref
+
+    model = _spiel()
+    x = inputs()
+    model.train()
+    model(x)
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1).step()
+    weight = weakref.ref(sparse_layers(model)[0].get_base_layer().weight)
+    del model
+    gc.collect()
+    assert weight() is None
 
 
 def test_backward_after_a_rewrite_since_its_forward_builds_its_own_weight():

@@ -14,6 +14,7 @@ layer, the layer calls :func:`dense_weight_gradient` itself and hands the dense 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -74,6 +75,14 @@ def scatter_add_reference(
     return scatter_sum_reference(out, indices, out.view(-1)[indices], values)
 
 
+def on_device(tensor: torch.Tensor):
+    """A context making ``tensor``'s GPU the current one (Triton launches on the current device), or a
+    no-op when it already is or ``tensor`` is not on a CUDA device."""
+    if tensor.device.type == "cuda" and tensor.device.index is not None and tensor.device.index != torch.cuda.current_device():
+        return torch.cuda.device(tensor.device)
+    return contextlib.nullcontext()
+
+
 def _gpu_kernel(registry: dict, out: torch.Tensor, *operands: Optional[torch.Tensor]):
     """The registered kernel for ``out``'s device when it applies (contiguous ``out``, operands in types
     the Triton kernels compute in float32), else None."""
@@ -90,7 +99,10 @@ def scatter_add_into(
     """:func:`scatter_add_reference` for sorted distinct indices into a contiguous ``out``; on CUDA one
     fused Triton launch (copy and scatter together) instead of five torch operations."""
     kernel = _gpu_kernel(SCATTER_ADD_KERNELS, out, values, source)
-    return kernel(out, indices, values, source) if kernel is not None else scatter_add_reference(out, indices, values, source)
+    if kernel is None:
+        return scatter_add_reference(out, indices, values, source)
+    with on_device(out):
+        return kernel(out, indices, values, source)
 
 
 def scatter_sum_into(out: torch.Tensor, indices: torch.Tensor, base: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -99,7 +111,8 @@ def scatter_sum_into(out: torch.Tensor, indices: torch.Tensor, base: torch.Tenso
     values there. On CUDA one Triton launch."""
     kernel = _gpu_kernel(SCATTER_SUM_KERNELS, out, values)
     if kernel is not None:
-        kernel(out.view(-1), indices, base, values)
+        with on_device(out):
+            kernel(out.view(-1), indices, base, values)
         return out
     return scatter_sum_reference(out, indices, base, values)
 
@@ -125,9 +138,10 @@ def scatter_sum_many(outs, indices, bases, values) -> None:
     for key, ks in groups.items():
         args = ([outs[k].view(-1) for k in ks], [indices[k] for k in ks], [bases[k] for k in ks], [values[k] for k in ks])
         plan = _MULTI_SCATTER_PLANS.get(key)
-        if plan is None or plan.key != MultiScatterSum.key_of(*args):
-            plan = _MULTI_SCATTER_PLANS[key] = MultiScatterSum(*args)
-        plan()
+        with on_device(args[0][0]):
+            if plan is None or plan.key != MultiScatterSum.key_of(*args):
+                plan = _MULTI_SCATTER_PLANS[key] = MultiScatterSum(*args)
+            plan()
 
 
 def nf4_dequantize_reference(packed, code, absmax, nested, blocksize: int, shape, dtype) -> torch.Tensor:
@@ -152,7 +166,8 @@ def nf4_compose(packed, code, absmax, nested, blocksize: int, shape, dtype, indi
     if packed.device.type == "cuda":
         _load_gpu_kernels()
         if NF4_COMPOSE_KERNELS.get("cuda") is not None and dtype in _KERNEL_FLOAT_TYPES:
-            return NF4_COMPOSE_KERNELS["cuda"](packed, code, absmax, nested, blocksize, shape, dtype, indices, values)
+            with on_device(packed):
+                return NF4_COMPOSE_KERNELS["cuda"](packed, code, absmax, nested, blocksize, shape, dtype, indices, values)
     out = nf4_dequantize_reference(packed, code, absmax, nested, blocksize, shape, dtype)
     if indices is not None:
         scatter_add_reference(out, indices, values)
@@ -183,7 +198,8 @@ def scaled_product(scale: torch.Tensor, p: torch.Tensor, q: torch.Tensor, dtype:
             and scale.numel() == h and scale.shape[-1] == h and scale.dim() <= full.dim()
             and full.device == per_row.device == scale.device
         ):  # fmt: skip
-            return kernel(scale, full, per_row, dtype)
+            with on_device(full):
+                return kernel(scale, full, per_row, dtype)
     return scaled_product_reference(scale, p, q, dtype)
 
 
@@ -225,7 +241,8 @@ def sddmm(grad_out2d: torch.Tensor, x2d: torch.Tensor, rows: torch.Tensor, cols:
         _load_gpu_kernels()
     kernel = SDDMM_KERNELS.get(grad_out2d.device.type)
     if kernel is not None:
-        return kernel(grad_out2d, x2d, rows, cols)
+        with on_device(grad_out2d):
+            return kernel(grad_out2d, x2d, rows, cols)
     return sddmm_reference(grad_out2d, x2d, rows, cols)
 
 
@@ -253,7 +270,8 @@ def block_sddmm(grad_out2d, x2d, block_rows, block_cols, bh: int, bw: int) -> to
     kernel = BLOCK_SDDMM_KERNELS.get(grad_out2d.device.type)
     pow2 = all(v & (v - 1) == 0 for v in (bh, bw))
     if kernel is not None and pow2 and (bh == 1 or min(bh, bw) >= 16):
-        return kernel(grad_out2d, x2d, block_rows, block_cols, bh, bw)
+        with on_device(grad_out2d):
+            return kernel(grad_out2d, x2d, block_rows, block_cols, bh, bw)
     return block_sddmm_reference(grad_out2d, x2d, block_rows, block_cols, bh, bw)
 
 

@@ -17,13 +17,15 @@ transient copy of W, built in forward and again in backward. While one adapter t
 not an ``nn.DataParallel`` replica), the layer instead keeps the merged weight in the base weight's
 own storage: it saves θ₀[η] (d_φ entries) once and writes θ₀[η] + φ at η (d_φ entries, not W)
 whenever φ changed — so forward and backward read W in place and no W-sized copy is made. The write
-happens right after each optimizer step that updated φ (one batched launch for all layers, while the
-GPU still works through the step; a hook every ``torch.optim.Optimizer`` runs), and in a training
-forward whenever φ's version counter or storage moved since the last write (an in-place edit outside
-the optimizer). Edits through ``.data`` or raw kernels outside an optimizer step are invisible to
-both: call ``release_training_merge()`` after them. A backward whose stored weight was rewritten
-since its forward builds its own merged weight. The entries are rounded exactly as the copy would
-round them, so outputs are bit-identical. θ₀ is
+happens right after each step of an optimizer that holds φ (one batched launch for all layers, while
+the GPU still works through the step; a hook every ``torch.optim.Optimizer`` runs). A training forward
+trusts that write only while φ's version counter, data pointer and storage are unchanged since;
+otherwise — φ updated by anything else, e.g. a mixed-precision wrapper copying master weights into
+``.data`` — it writes θ₀[η] + φ itself. Edits through ``.data`` that keep φ's storage, made between an
+optimizer step and the next forward, are the one thing not seen: call ``release_training_merge()``
+after them. A replaced base-weight storage starts a new merge; a backward whose stored weight was
+rewritten since its forward builds its own merged weight. The entries are rounded exactly as the copy
+would round them, so outputs are bit-identical. θ₀ is
 written back (``release_training_merge``) whenever anything else may look at the
 base weight: ``eval()``, ``state_dict()``, ``load_state_dict()``, ``.to()``/``.cuda()``, merging,
 unloading, disabling or deleting adapters, ``logical_weight()``, ``nn.DataParallel`` replication
@@ -167,39 +169,72 @@ def add_delta_to_base(
 class _TrainingMerge:
     """The state of an adapter merged into its base weight's storage for training (see the module docstring).
 
-    ``written``: (version, data pointer) of the values at the last write — while they are unchanged the
-    stored weight is current; ``generation`` counts the writes (a backward checks that its forward's
-    weight is still the stored one)."""
+    ``written``: what the values were at the last write — version counter, data pointer, and the
+    storage itself (held, so its address cannot be handed to another tensor while it is compared) —
+    and whether that write came from the step hook of an optimizer holding them (``by_step``). Only
+    then may a forward pass trust the stored weight without rewriting it: values changed by anything
+    else (a master-weight wrapper copying into ``.data`` after its inner optimizer stepped, say) may not
+    move their version counter. ``weight_ptr``: the base weight's storage when θ₀ was read.
+    ``generation`` counts the writes (a backward checks that its forward's weight is still the stored one)."""
 
-    __slots__ = ("adapter", "indices", "weight", "base", "active", "written", "generation")
+    __slots__ = ("adapter", "indices", "weight", "weight_ptr", "base", "active", "written", "by_step", "generation")
 
     def __init__(self, adapter: str, indices: torch.Tensor, weight: torch.Tensor):
         self.adapter, self.indices, self.weight, self.active = adapter, indices, weight, True
+        self.weight_ptr = weight.data_ptr()
         self.base = weight.data.view(-1)[indices]  # θ₀ at η
-        self.written: Optional[tuple[int, int]] = None
+        self.written: Optional[tuple] = None
+        self.by_step = False
         self.generation = 0
+
+    # copies (deepcopy, pickling) rebuild the weight with its own storage, which holds what this one held
+    def __getstate__(self):
+        return {k: getattr(self, k) for k in self.__slots__ if k != "weight_ptr"}
+
+    def __setstate__(self, state):
+        for k, v in state.items():
+            setattr(self, k, v)
+        self.weight_ptr = self.weight.data_ptr()
+
+    def check_indices(self) -> None:
+        if self.indices.shape != self.base.shape:
+            raise RuntimeError(f"the indices of adapter {self.adapter!r} were resized while merged for training")
 
     def write(self, values: torch.Tensor) -> None:
         """Store θ₀[η] + φ at η (d_φ entries, rounded as the transient copy rounds them)."""
+        self.check_indices()
         kernels.scatter_sum_into(self.weight.data.view(-1), self.indices, self.base, values.detach())
-        self.written_now(values)
+        self.written_now(values, by_step=False)
 
-    def written_now(self, values: torch.Tensor) -> None:
+    def written_now(self, values: torch.Tensor, by_step: bool) -> None:
         """Bookkeeping of a write of ``values`` (by :meth:`write` or a batched write of many layers)."""
         # anything autograd saved of this weight (e.g. a pass with the adapter disabled) now errors instead
         # of silently using the changed values
         torch.autograd.graph.increment_version(self.weight)
         self.generation += 1
-        self.written = (values._version, values.data_ptr())
+        self.written = (values._version, values.data_ptr(), values.untyped_storage())
+        self.by_step = by_step
 
     def current(self, values: torch.Tensor) -> bool:
-        """Whether the stored weight holds these values: unchanged since the last write."""
-        return self.written is not None and self.written == (values._version, values.data_ptr())
+        """Whether the stored weight is known to hold these values: written by the step hook of an
+        optimizer that holds them, and their version, data pointer and storage unchanged since."""
+        written = self.written
+        return (
+            self.by_step
+            and written is not None
+            and written[0] == values._version
+            and written[1] == values.data_ptr()
+            and written[2].data_ptr() == values.untyped_storage().data_ptr()
+        )
+
+    def stored_in_weight(self) -> bool:
+        """Whether the base weight still uses the storage θ₀ was read from (not replaced through ``.data``)."""
+        return self.weight.data_ptr() == self.weight_ptr
 
     def still_merged(self, generation: int) -> bool:
         """False once θ₀ was written back or the values rewritten since the pass that saw ``generation``:
         a backward pass must then build its merged weight itself."""
-        return self.active and self.generation == generation
+        return self.active and self.generation == generation and self.stored_in_weight()
 
     def stored_weight(self) -> torch.Tensor:
         return self.weight
@@ -208,38 +243,31 @@ class _TrainingMerge:
 # layers holding a training merge, refreshed after every optimizer step that updates their values
 _MERGED_LAYERS: "weakref.WeakSet[SparseLayer]" = weakref.WeakSet()
 _STEP_HOOK = None
-# optimizer → (number of parameters, ids of its parameters) when last looked at
-_OPTIMIZER_PARAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _optimizer_param_ids(optimizer) -> frozenset:
-    groups = getattr(optimizer, "param_groups", None) or []
-    count = sum(len(g["params"]) for g in groups)
-    cached = _OPTIMIZER_PARAMS.get(optimizer)
-    if cached is None or cached[0] != count:
-        cached = (count, frozenset(id(p) for g in groups for p in g["params"]))
-        _OPTIMIZER_PARAMS[optimizer] = cached
-    return cached[1]
 
 
 def _refresh_after_step(optimizer, args, kwargs) -> None:
-    """After any optimizer step: rewrite the training merges of the layers whose values it updated.
+    """After any optimizer step: rewrite the training merges of the layers whose values it holds.
 
     The rewrite then runs while the GPU still works through the step, not in the next forward pass
-    (whose host time bounds the step when kernels are short). A forward pass still rewrites whenever
-    the values changed after this (their version or storage differ from the write's)."""
+    (whose host time bounds the step when kernels are short). A forward pass rewrites again whenever
+    the values changed after this, or were not written by such a step (see ``_TrainingMerge.current``)."""
     if not _MERGED_LAYERS:
         return
-    ids = _optimizer_param_ids(optimizer)
-    due = []  # (merge, values) updated by this step
+    ids = {id(p) for g in getattr(optimizer, "param_groups", None) or [] for p in g["params"]}
+    due = []  # (merge, values) this step updated
     for layer in list(_MERGED_LAYERS):
         merge = layer._training_merge
         if merge is None:
             _MERGED_LAYERS.discard(layer)
             continue
         values = layer.sparse_values[merge.adapter] if merge.adapter in layer.sparse_values else None
-        if values is not None and id(values) in ids and merge.indices is layer.sparse_indices[merge.adapter]:
-            due.append((merge, values.detach()))
+        if values is None or id(values) not in ids:
+            continue
+        if merge.indices is not layer.sparse_indices[merge.adapter] or not merge.stored_in_weight():
+            layer.release_training_merge()  # stale: the next training forward sets it up again
+            continue
+        merge.check_indices()
+        due.append((merge, values.detach()))
     if not due:
         return
     with torch.no_grad():
@@ -247,7 +275,7 @@ def _refresh_after_step(optimizer, args, kwargs) -> None:
             [m.weight.data.view(-1) for m, _ in due], [m.indices for m, _ in due], [m.base for m, _ in due], [v for _, v in due]
         )  # fmt: skip
     for merge, values in due:
-        merge.written_now(values)
+        merge.written_now(values, by_step=True)
 
 
 def _register_step_hook() -> None:
@@ -443,7 +471,12 @@ class SparseLayer(BaseTunerLayer):
         while True:
             inner = base._modules.get("base_layer") if isinstance(base, nn.Module) else None
             if inner is None:
-                if isinstance(base, nn.Module) and "base_layer" not in base.__dict__ and not hasattr(type(base), "base_layer"):
+                if (
+                    isinstance(base, nn.Module)
+                    and type(base).__getattr__ is nn.Module.__getattr__  # no attribute forwarding (as wrappers do)
+                    and "base_layer" not in base.__dict__
+                    and not hasattr(type(base), "base_layer")
+                ):
                     return base  # a plain module (checked without a failing attribute lookup)
                 if not hasattr(base, "base_layer"):
                     return base
@@ -563,8 +596,9 @@ class SparseLayer(BaseTunerLayer):
             return
         if merge.indices.shape != merge.base.shape:
             raise RuntimeError(f"{self.module_name}: the indices of adapter {merge.adapter!r} were resized while merged for training")
-        merge.weight.data.view(-1).index_put_((merge.indices,), merge.base)
-        torch.autograd.graph.increment_version(merge.weight)
+        if merge.stored_in_weight():  # (storage replaced through .data: the merged one is gone, the new one is θ₀)
+            merge.weight.data.view(-1).index_put_((merge.indices,), merge.base)
+            torch.autograd.graph.increment_version(merge.weight)
         self._training_merge = None
         merge.active = False
         _MERGED_LAYERS.discard(self)
@@ -613,7 +647,7 @@ class SparseLayer(BaseTunerLayer):
         values = self.sparse_values[name]
         weight = base.weight
         merge = self._training_merge
-        if merge is None or merge.adapter != name or merge.indices is not indices or merge.weight is not weight:
+        if merge is None or merge.adapter != name or merge.indices is not indices or merge.weight is not weight or not merge.stored_in_weight():
             self.release_training_merge()
             if not self._can_merge_in_place(base, values):
                 return None
@@ -623,7 +657,7 @@ class SparseLayer(BaseTunerLayer):
         if _compute_dtype(x, weight.dtype) != weight.dtype:  # autocast to another dtype: the transient copy converts
             self.release_training_merge()
             return None
-        if not merge.current(values):  # changed since the last write (by the optimizer step hook or a pass)
+        if not merge.current(values):  # not known to be what the optimizer step hook last wrote
             merge.write(values)
         return merge
 

@@ -387,7 +387,8 @@ class MultiScatterSum:
     def __init__(self, outs, indices, bases, values):
         device = outs[0].device
         self.key = self.key_of(outs, indices, bases, values)
-        self.templates = (outs[0], indices[0], bases[0], values[0])
+        # element types only: the plan must not keep the tensors themselves alive
+        self.templates = tuple(torch.empty(0, dtype=t.dtype, device=device) for t in (outs[0], indices[0], bases[0], values[0]))
         counts = [i.numel() for i in indices]
         blocks = [-(-n // _MULTI_BLOCK) for n in counts]
         self.programs = sum(blocks)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.kernels import rows_cols
+from ..core.kernels import on_device, rows_cols
 from ..core.layer import sparse_owner
 
 
@@ -122,11 +122,12 @@ class SM3(torch.optim.Optimizer):
         torch._foreach_copy_(buffers, accumulators)
         for param, state, (indices, _, in_features), group in items:
             row_new, col_new = scratch[param]
-            _fused_kernel()(
-                param, param.grad, indices, in_features, state["row_accumulator"], state["col_accumulator"],
-                state.get("momentum_buffer"), group["lr"], group["momentum"], group["eps"], group["weight_decay"],
-                row_new=row_new, col_new=col_new,
-            )  # fmt: skip
+            with on_device(param):
+                _fused_kernel()(
+                    param, param.grad, indices, in_features, state["row_accumulator"], state["col_accumulator"],
+                    state.get("momentum_buffer"), group["lr"], group["momentum"], group["eps"], group["weight_decay"],
+                    row_new=row_new, col_new=col_new,
+                )  # fmt: skip
             torch.autograd.graph.increment_version(param)  # written by the kernel: as an in-place op would mark it
             # the updated copies become the accumulators; the previous ones are next step's scratch
             scratch[param] = (state["row_accumulator"], state["col_accumulator"])
