@@ -4,9 +4,11 @@
 
 For TinyLlama's projection shapes at the benchmark's density, times (median, ``triton.testing.do_bench``)
 the dense path (GEMM + gather) and ``block_sddmm`` for every combination of token step (``BLOCK_T``),
-warps, pipeline stages and token slicing (``target_programs``: none, the default, twice the default),
-with two load orientations of ∂L/∂Y (transposed tile as shipped, or row-major tile and a transposed
-dot). Every result is checked against the dense product first. Prints the best settings per shape.
+warps, pipeline stages and token slicing (``target_programs``: none, the default, twice the default).
+Every result is checked against the dense product first. Prints the best settings per shape. (A
+row-major load of ∂L/∂Y with a transposed dot was swept too in the run recorded in
+``benchmarks/results/2026-11-26-h100-tune-block.txt``; it never reached the five best settings of any
+shape and is no longer swept.)
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -27,28 +27,6 @@ from value_grad import shapes  # noqa: E402
 
 from peft_sparse.core import kernels, triton_kernels  # noqa: E402
 from peft_sparse.core.selection import BlockGrid  # noqa: E402
-
-
-@triton.jit
-def _block_sddmm_rowmajor_kernel(
-    G, X, BLOCK_ROWS, BLOCK_COLS, OUT, T, split_tokens, n_blocks, stride_g, stride_x,
-    BH: tl.constexpr, BW: tl.constexpr, BLOCK_T: tl.constexpr,
-):  # fmt: skip
-    b = tl.program_id(0)
-    s = tl.program_id(1)
-    rows = tl.load(BLOCK_ROWS + b).to(tl.int64) * BH + tl.arange(0, BH)
-    cols = tl.load(BLOCK_COLS + b).to(tl.int64) * BW + tl.arange(0, BW)
-    acc = tl.zeros((BH, BW), dtype=tl.float32)
-    t_start = s * split_tokens
-    t_end = tl.minimum(T, t_start + split_tokens)
-    for t0 in range(t_start, t_end, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)
-        tm = t < t_end
-        g = tl.load(G + t[:, None].to(tl.int64) * stride_g + rows[None, :], mask=tm[:, None], other=0.0)  # (BLOCK_T, BH)
-        x = tl.load(X + t[:, None].to(tl.int64) * stride_x + cols[None, :], mask=tm[:, None], other=0.0)  # (BLOCK_T, BW)
-        acc += tl.dot(tl.trans(g), x)
-    offs = (s * n_blocks + b).to(tl.int64) * BH * BW + tl.arange(0, BH)[:, None] * BW + tl.arange(0, BW)[None, :]
-    tl.store(OUT + offs, acc)
 
 
 def run(kernel, g, x, br, bc, bh, bw, block_t, warps, stages, target):
@@ -71,7 +49,7 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     bh = bw = args.block
     default_target = triton_kernels._target_programs(torch.device("cuda"))
-    kernels_ = {"shipped": triton_kernels._block_sddmm_kernel, "rowmajor": _block_sddmm_rowmajor_kernel}
+    kernels_ = {"shipped": triton_kernels._block_sddmm_kernel}
     print(f"{torch.cuda.get_device_name()}, tokens={args.tokens}, density={args.density}, block {bh}×{bw}; ms (median)")
     total = {}
     for name, (out_f, in_f) in shapes("tinyllama").items():

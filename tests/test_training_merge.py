@@ -27,6 +27,23 @@ def _base_weights(model):
     return {layer.module_name: layer.get_base_layer().weight.detach().clone() for layer in sparse_layers(model)}
 
 
+def _merged_after_one_forward():
+    """(model, θ₀ per layer, inputs, first sparse layer) after one training forward with non-zero values."""
+    model = _spiel()
+    theta0 = _base_weights(model)
+    randomize_values(model, scale=0.1)
+    x = inputs()
+    model.train()
+    model(x)
+    return model, theta0, x, sparse_layers(model)[0]
+
+
+def _expected_merged(theta0, layer):
+    want = theta0.clone()
+    want.view(-1)[layer.sparse_indices["default"].long()] += layer.sparse_values["default"].detach()
+    return want
+
+
 def _train(model, growth, steps=8):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = SM3(params, lr=1e-2) if growth == "ma" else torch.optim.AdamW(params, lr=1e-2)
@@ -61,17 +78,9 @@ def test_training_is_bit_identical_to_the_transient_copy(dtype, growth):
 
 
 def test_base_weight_holds_the_merged_weight_only_while_training():
-    model = _spiel()
-    theta0 = _base_weights(model)
-    randomize_values(model, scale=0.1)
-    x = inputs()
-    model.train()
-    model(x)
-    layer = sparse_layers(model)[0]
+    model, theta0, x, layer = _merged_after_one_forward()
     stored = layer.get_base_layer().weight.detach().clone()
-    want = theta0[layer.module_name].clone()
-    want.view(-1)[layer.sparse_indices["default"].long()] += layer.sparse_values["default"].detach()
-    assert torch.equal(stored, want)  # merged in place, with the transient copy's rounding
+    assert torch.equal(stored, _expected_merged(theta0[layer.module_name], layer))  # merged in place, with the transient copy's rounding
     # every way of looking at the base weight sees θ₀
     sd = model.state_dict()
     for l in sparse_layers(model):
@@ -292,12 +301,6 @@ def test_weight_tied_after_wrapping_is_not_merged_in_place():
     assert head._training_merge is None and torch.equal(embed.weight, before)
 
 
-def _expected_merged(theta0, layer):
-    want = theta0.clone()
-    want.view(-1)[layer.sparse_indices["default"].long()] += layer.sparse_values["default"].detach()
-    return want
-
-
 def _count_writes(monkeypatch):
     from peft_sparse.core import kernels
 
@@ -353,13 +356,7 @@ def test_values_changed_outside_an_optimizer_step_are_rewritten_in_forward(monke
     """A forward pass trusts the stored weight only after the step hook of an optimizer holding the
     values wrote it and nothing moved since; in-place edits, replaced storage and forward-written
     merges are written again; an optimizer that holds none of the values writes nothing."""
-    model = _spiel()
-    theta0 = _base_weights(model)
-    randomize_values(model, scale=0.1)
-    x = inputs()
-    model.train()
-    model(x)
-    layer = sparse_layers(model)[0]
+    model, theta0, x, layer = _merged_after_one_forward()
     values = layer.sparse_values["default"]
     writes = _count_writes(monkeypatch)
     model(x)
@@ -433,12 +430,7 @@ def test_replaced_weight_storage_and_reused_value_addresses_are_seen():
     """The base weight's storage replaced through ``.data`` (new θ₀) starts a new merge instead of
     dropping the delta; values replaced twice through ``.data``, so that the allocator could hand the
     first address back, are still seen as changed."""
-    model = _spiel()
-    randomize_values(model, scale=0.1)
-    x = inputs()
-    model.train()
-    model(x)
-    layer = sparse_layers(model)[0]
+    model, _, x, layer = _merged_after_one_forward()
     weight = layer.get_base_layer().weight
     layer.release_training_merge()
     theta0 = weight.detach().clone()
