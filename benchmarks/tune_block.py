@@ -1,14 +1,19 @@
-"""Launch settings of the block value-gradient kernel per layer shape (GPU).
+"""Launch settings of the grouped block value-gradient kernel per layer shape (GPU).
 
     python benchmarks/tune_block.py [--density 0.052] [--block 32] [--tokens 8192]
 
-For TinyLlama's projection shapes at the benchmark's density, times (median, ``triton.testing.do_bench``)
-the dense path (GEMM + gather) and ``block_sddmm`` for every combination of token step (``BLOCK_T``),
-warps, pipeline stages and token slicing (``target_programs``: none, the default, twice the default).
-Every result is checked against the dense product first. Prints the best settings per shape. (A
-row-major load of ∂L/∂Y with a transposed dot was swept too in the run recorded in
-``benchmarks/results/2026-11-26-h100-tune-block.txt``; it never reached the five best settings of any
-shape and is no longer swept.)
+For TinyLlama's projection shapes at the benchmark's density, times (median, ``triton.testing.do_bench``):
+
+* ``dense``: the dense path (GEMM + gather of the active elements);
+* ``per-block``: the one-block-per-program kernel ``block_sddmm`` followed by the placement of its
+  tiles in the values' order (``index_copy_``), the path before the grouped kernel;
+* ``grouped``: ``block_sddmm_into`` as shipped;
+
+then every combination of group size (blocks sharing one block row or column per program),
+orientation (shared rows, columns, or chosen by the shape as shipped), token step (``BLOCK_T``),
+pipeline stages and token slicing (``target_programs``: none or the default), with 4 warps; and the
+settings with the least time per layer (all 7 projections) over the shipped orientation rule.
+Every result is checked against the dense product first.
 """
 
 from __future__ import annotations
@@ -29,13 +34,19 @@ from peft_sparse.core import kernels, triton_kernels  # noqa: E402
 from peft_sparse.core.selection import BlockGrid  # noqa: E402
 
 
-def run(kernel, g, x, br, bc, bh, bw, block_t, warps, stages, target):
-    n, tokens = br.numel(), g.shape[0]
-    splits, per = triton_kernels.token_splits(n, tokens, block_t, target) if target else (1, tokens)
-    out = torch.empty(splits, n, bh, bw, dtype=torch.float32, device=g.device)
-    kernel[(n, splits)](g, x, br, bc, out, tokens, per, n, g.stride(0), x.stride(0), BH=bh, BW=bw, BLOCK_T=block_t,
-                        num_warps=warps, num_stages=stages)  # fmt: skip
-    return out[0] if splits == 1 else out.sum(0)
+def run(layout, plan, g, x, out, block_t, warps, stages, target):
+    bh, bw = layout.block_shape
+    tokens = g.shape[0]
+    splits, per = triton_kernels.token_splits(plan.size, tokens, block_t, target) if target else (1, tokens)
+    dest = out if splits == 1 else torch.empty(splits, out.numel(), dtype=torch.float32, device=out.device)
+    triton_kernels._grouped_block_sddmm_kernel[(plan.size, splits)](
+        g, x, plan.line, plan.other, plan.base, plan.stride, dest, tokens, per, out.numel(), g.stride(0), x.stride(0),
+        SHARE_ROWS=plan.share_rows, BH=bh, BW=bw, GROUP=plan.group, BLOCK_T=block_t, ACCUMULATE=False,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    if splits > 1:
+        torch.sum(dest, 0, out=out)
+    return out
 
 
 def main():
@@ -49,7 +60,6 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     bh = bw = args.block
     default_target = triton_kernels._target_programs(torch.device("cuda"))
-    kernels_ = {"shipped": triton_kernels._block_sddmm_kernel}
     print(f"{torch.cuda.get_device_name()}, tokens={args.tokens}, density={args.density}, block {bh}×{bw}; ms (median)")
     total = {}
     for name, (out_f, in_f) in shapes("tinyllama").items():
@@ -58,30 +68,42 @@ def main():
         grid = BlockGrid(out_f, in_f, (bh, bw))
         nb = max(1, int(args.density * grid.numel))
         blocks = torch.randperm(grid.numel, device="cuda", generator=gen)[:nb].sort().values
-        br, bc = (blocks // grid.cols).to(torch.int32), (blocks % grid.cols).to(torch.int32)
-        want = go.float().t().mm(x.float()).view(grid.rows, bh, grid.cols, bw).permute(0, 2, 1, 3)[br.long(), bc.long()]
-        idx = grid.block_major(blocks.long()).reshape(-1)
-        dense = do_bench(lambda: kernels.dense_weight_gradient(go, x).view(-1)[idx].float(), warmup=5, rep=30, return_mode="median")
-        shipped = do_bench(lambda: triton_kernels.block_sddmm(go, x, br, bc, bh, bw), warmup=5, rep=30, return_mode="median")
+        idx = grid.expand(blocks)
+        layout = kernels.BlockLayout.of_blocks(blocks, out_f, in_f, (bh, bw))
+        slots = layout.slots()
+        want = go.float().t().mm(x.float()).view(-1)[idx]
+        out = torch.empty(idx.numel(), device="cuda")
+
+        def per_block():
+            tiles = triton_kernels.block_sddmm(go, x, layout.rows, layout.cols, bh, bw)
+            return torch.empty_like(out).index_copy_(0, slots, tiles.reshape(-1))
+
+        dense = do_bench(lambda: kernels.dense_weight_gradient(go, x).view(-1).index_select(0, idx).float(), warmup=5, rep=30, return_mode="median")
+        old = do_bench(per_block, warmup=5, rep=30, return_mode="median")
+        torch.testing.assert_close(triton_kernels.block_sddmm_into(go, x, layout, out), want, rtol=2e-2, atol=2e-1)
+        shipped = do_bench(lambda: triton_kernels.block_sddmm_into(go, x, layout, out), warmup=5, rep=30, return_mode="median")
         results = []
-        for kname, block_t, warps, stages in itertools.product(kernels_, (32, 64, 128), (2, 4, 8), (2, 3, 4)):
-            for target in (0, default_target, 2 * default_target):
-                try:
-                    got = run(kernels_[kname], go, x, br, bc, bh, bw, block_t, warps, stages, target)
-                except Exception as e:  # out of shared memory etc.
-                    print(f"  {kname} T{block_t} w{warps} s{stages}: {type(e).__name__}")
-                    break
-                torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-1)
-                ms = do_bench(lambda: run(kernels_[kname], go, x, br, bc, bh, bw, block_t, warps, stages, target), warmup=5, rep=30, return_mode="median")
-                results.append((ms, kname, block_t, warps, stages, target))
+        for group, orient, block_t, stages, target in itertools.product((2, 4), ("auto", "rows", "cols"), (32, 64), (2, 3), (0, default_target)):
+            share_rows = (grid.rows <= grid.cols) if orient == "auto" else orient == "rows"
+            plan = triton_kernels.BlockGroups(layout.rows, layout.cols, layout.base, layout.stride,
+                                              grid.rows if share_rows else grid.cols, share_rows, group)  # fmt: skip
+            got = run(layout, plan, go, x, out, block_t, 4, stages, target)
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-1)
+            ms = do_bench(lambda: run(layout, plan, go, x, out, block_t, 4, stages, target), warmup=5, rep=30, return_mode="median")
+            results.append((ms, (group, orient, block_t, stages, target)))
+        by_config = {c: ms for ms, c in results}
         results.sort()
-        print(f"{name:<14} blocks {nb:5d}  dense {dense:.4f}  shipped {shipped:.4f}  best:")
-        for r in results[:5]:
-            print(f"    {r[0]:.4f}  {r[1]:<9} BLOCK_T={r[2]:<4} warps={r[3]} stages={r[4]} target={r[5]}")
-        total[name] = (dense, shipped, results[0])
-    print("per shape: dense / shipped / best")
-    for name, (d, s, b) in total.items():
-        print(f"  {name:<14} {d:.4f} / {s:.4f} / {b[0]:.4f} {b[1:]}")
+        print(f"{name:<14} blocks {nb:5d}  dense {dense:.4f}  per-block {old:.4f}  grouped {shipped:.4f}  best (group, orientation, BLOCK_T, stages, target; 4 warps):")
+        for ms, c in results[:5]:
+            print(f"    {ms:.4f}  {c}")
+        total[name] = (dense, old, shipped, by_config)
+    # one setting for every shape, orientation chosen by the shape: the sum over a layer's projections
+    per_layer = {"q/o (h,h)": 2, "k/v (kv,h)": 2, "gate/up (i,h)": 2, "down (h,i)": 1}
+    layer = {c: sum(per_layer[n] * t[3][c] for n, t in total.items()) for c in next(iter(total.values()))[3] if c[1] == "auto"}
+    print("ms per layer (q, k, v, o, gate, up, down): dense {:.4f}, per-block {:.4f}, grouped as shipped {:.4f}".format(
+        *(sum(per_layer[n] * t[i] for n, t in total.items()) for i in range(3))))  # fmt: skip
+    for c, ms in sorted(layer.items(), key=lambda kv: kv[1])[:8]:
+        print(f"    {ms:.4f}  {c}")
 
 
 if __name__ == "__main__":

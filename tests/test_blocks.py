@@ -141,7 +141,13 @@ def test_block_metadata_after_a_batched_reselection_equals_a_fresh_computation()
         cached = layer.block_metadata("default")  # as the reselection left it
         layer._block_metadata.pop("default")
         fresh = layer.block_metadata("default")  # recomputed from the indices alone
-        assert all(torch.equal(a, b) for a, b in zip(cached[:3], fresh[:3])) and cached[3] == fresh[3]
+        for key in ("rows", "cols", "base", "stride"):
+            assert torch.equal(getattr(cached, key), getattr(fresh, key)), (layer.module_name, key)
+        assert (cached.block_shape, cached.out_features, cached.in_features) == (fresh.block_shape, fresh.out_features, fresh.in_features)
+        grid = BlockGrid(layer.out_features, layer.in_features, (16, 16))
+        units = cached.rows.long() * grid.cols + cached.cols.long()
+        # every element's place in the values, as a search over the indices finds it
+        assert torch.equal(cached.slots(), torch.searchsorted(layer.sparse_indices["default"].long(), grid.block_major(units).reshape(-1)))
 
 
 def test_block_ag_window_gathers_candidate_gradients_with_the_block_kernel(monkeypatch):
@@ -201,4 +207,4 @@ def test_candidate_slots_formula_matches_a_search():
         stats.candidates = grid.expand(stats.candidate_units)
         stats.index_candidate_blocks()
         want = torch.searchsorted(stats.candidates, grid.block_major(stats.candidate_units).reshape(-1))
-        assert torch.equal(stats.candidate_slots(), want), (shape, block, units)
+        assert torch.equal(stats.candidate_blocks.slots(), want), (shape, block, units)

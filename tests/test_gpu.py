@@ -219,3 +219,35 @@ def test_fused_nf4_weight_on_cuda_is_bitsandbytes_dequantization_plus_delta(tmp_
     assert torch.equal(runs[0][0], runs[1][0])
     for a, b in zip(runs[0][1], runs[1][1]):
         assert torch.equal(a, b)
+
+
+def test_sm3_multi_tensor_launch_on_cuda_matches_the_torch_step(monkeypatch):
+    """SM3's one launch per parameter group, with momentum, weight decay, two groups of different
+    learning rates (changed between steps) and accumulators alternating between buffers, against its
+    torch step: the same values, momenta and accumulators."""
+    from peft_sparse.optim import sm3
+
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(sm3, "_fused_kernel", lambda: None)
+        torch.manual_seed(0)
+        config = SpIELConfig(target_modules=["q_proj", "k_proj", "gate_proj", "down_proj"], density=0.2, growth="ma")
+        model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128), config).cuda()
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in named if "mlp" in n], "lr": 0.05}, {"params": [p for n, p in named if "mlp" not in n]}]
+        opt = SM3(groups, lr=0.02, momentum=0.5, weight_decay=0.1)
+        x = torch.randint(0, 97, (2, 9), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+        for step in range(4):
+            model(x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            opt.param_groups[0]["lr"] *= 0.5
+        states = [opt.state[p] for _, p in named]
+        runs.append(([p.detach().clone() for _, p in named], states))
+    (v_fused, s_fused), (v_torch, s_torch) = runs
+    for a, b in zip(v_fused, v_torch):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(s_fused, s_torch):
+        for key in ("row_accumulator", "col_accumulator", "momentum_buffer"):
+            torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-7)

@@ -334,3 +334,86 @@ def test_nf4_compose_matches_reference(tk, nested):
         untouched = torch.ones(want.numel(), dtype=torch.bool)
         untouched[idx.long()] = False
         assert torch.equal(got.cpu().view(-1)[untouched], plain.cpu().view(-1)[untouched])
+
+
+@pytest.mark.parametrize("out_blocks, in_blocks", [(6, 3), (3, 6), (4, 4)])
+@pytest.mark.parametrize("group, target", [(4, None), (2, 40)])
+def test_block_sddmm_into_writes_dense_dw_at_the_active_elements(tk, out_blocks, in_blocks, group, target):
+    """Grouped by block row (wide matrices) or column (tall), padded groups, token slices and the
+    accumulate mode: every active element of the values' ascending order gets dW's entry, bit for
+    bit the slot the index search finds, nothing else is touched."""
+    from peft_sparse.core.selection import BlockGrid
+
+    bh = bw = 16
+    g = torch.Generator().manual_seed(out_blocks * 10 + in_blocks + group)
+    tokens, out_f, in_f = 300, out_blocks * bh, in_blocks * bw
+    grid = BlockGrid(out_f, in_f, (bh, bw))
+    blocks = torch.randperm(grid.numel, generator=g)[: grid.numel // 2 + 1].sort().values
+    indices = grid.expand(blocks)
+    layout = kernels.BlockLayout.of_blocks(blocks.to(_device()), out_f, in_f, (bh, bw))
+    assert torch.equal(layout.slots().cpu(), torch.searchsorted(indices, grid.block_major(blocks).reshape(-1)))
+    go = torch.randn(tokens, out_f, generator=g).to(_device())
+    x = torch.randn(tokens, in_f, generator=g).to(_device())
+    want = go.double().t().mm(x.double()).reshape(-1)[indices.to(_device())].float()
+    out = torch.full((indices.numel(),), float("nan"), device=_device())
+    tk.block_sddmm_into(go, x, layout, out, group=group, target_programs=target)
+    tol = 2e-2 if _device() == "cuda" else 1e-4
+    torch.testing.assert_close(out, want, rtol=tol, atol=tol)
+    start = torch.randn(indices.numel(), generator=g).to(_device())
+    acc = start.clone()
+    tk.block_sddmm_into(go, x, layout, acc, accumulate=True, group=group, target_programs=target)
+    torch.testing.assert_close(acc, start + want, rtol=tol, atol=tol)
+    ref = kernels.block_sddmm_into_reference(go, x, layout, torch.zeros_like(out))
+    torch.testing.assert_close(ref, want, rtol=1e-4, atol=1e-4)
+
+
+def test_block_sddmm_into_bf16_and_empty_layout(tk):
+    # bf16 operands on a GPU (the interpreter's tl.dot has no bf16), float32 on CPU
+    dtype = torch.bfloat16 if _device() == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(5)
+    go = torch.randn(130, 64, generator=g).to(_device(), dtype)
+    x = torch.randn(130, 96, generator=g).to(_device(), dtype)
+    blocks = torch.tensor([0, 2, 3, 5])
+    from peft_sparse.core.selection import BlockGrid
+
+    grid = BlockGrid(64, 96, (32, 32))
+    indices = grid.expand(blocks).to(_device())
+    layout = kernels.BlockLayout.of_blocks(blocks.to(_device()), 64, 96, (32, 32))
+    out = tk.block_sddmm_into(go, x, layout, torch.empty(indices.numel(), device=_device()))
+    want = go.float().t().mm(x.float()).reshape(-1)[indices]
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    empty = kernels.BlockLayout.of_blocks(torch.zeros(0, dtype=torch.long, device=_device()), 64, 96, (32, 32))
+    assert tk.block_sddmm_into(go, x, empty, torch.empty(0, device=_device())).numel() == 0
+    with pytest.raises(ValueError, match=r"at least 16×16, got \(1, 64\)"):
+        tk.block_sddmm_into(go, x, kernels.BlockLayout.of_blocks(blocks, 64, 128, (1, 64)), torch.empty(4 * 64))
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_multi_tensor_sm3_step_equals_one_launch_per_tensor(tk, momentum):
+    """Tensors of different sizes (one over several programs) and widths in one launch: values,
+    momentum and both accumulators exactly as the per-tensor kernel leaves them."""
+    g = torch.Generator().manual_seed(11)
+    shapes = [(12, 20, 70), (40, 100, 2500), (8, 8, 1)]
+    per, multi = [], []
+    for out_f, in_f, nnz in shapes:
+        idx = random_indices(out_f * in_f, nnz, g).to(torch.int32).to(_device())
+        tensors = dict(
+            values=torch.randn(nnz, generator=g), grad=torch.randn(nnz, generator=g), row=torch.rand(out_f, generator=g),
+            col=torch.rand(in_f, generator=g), mom=torch.randn(nnz, generator=g) if momentum else None,
+        )  # fmt: skip
+        tensors = {k: v.to(_device()) if v is not None else None for k, v in tensors.items()}
+        for store in (per, multi):
+            store.append((idx, in_f, {k: v.clone() if v is not None else None for k, v in tensors.items()}))
+    want = []
+    for idx, in_f, t in per:
+        r, c = tk.sm3_sparse_step(t["values"], t["grad"], idx, in_f, t["row"], t["col"], t["mom"], 0.1, momentum, 1e-30, 0.01)
+        want.append((t["values"], t["mom"], r, c))
+    ts = [t for _, _, t in multi]
+    row_new, col_new = [t["row"].clone() for t in ts], [t["col"].clone() for t in ts]
+    plan = tk.MultiSM3([t["values"] for t in ts], [t["grad"] for t in ts], [i for i, _, _ in multi], [f for _, f, _ in multi],
+                       [t["row"] for t in ts], [t["col"] for t in ts], row_new, col_new, [t["mom"] for t in ts])  # fmt: skip
+    assert plan.programs == 1 + 3 + 1
+    plan(0.1, momentum, 1e-30, 0.01)
+    for (v, m, r, c), t, rn, cn in zip(want, ts, row_new, col_new):
+        assert torch.equal(t["values"], v) and torch.equal(rn, r) and torch.equal(cn, c)
+        assert m is None or torch.equal(t["mom"], m)

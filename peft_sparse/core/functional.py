@@ -296,9 +296,9 @@ class SparseDeltaLinear(torch.autograd.Function):
             consumer = hooks.dense_grad_consumer if hooks is not None else None
             wanted = getattr(consumer, "candidate_blocks", None) if consumer is not None else None
             if wanted is not None:  # the consumer's candidates are known blocks: its gradients from the block kernel
-                rows, cols, _, _, (bh, bw) = wanted
-                if kernels.COST_MODEL.choose_block(g2.device, g2.shape[0], ctx.out_features, ctx.in_features, rows.numel() * bh * bw, (bh, bw)) == "block":
-                    consumer.add_candidate_tiles(kernels.block_sddmm(g2, x2, rows, cols, bh, bw))
+                bh, bw = wanted.block_shape
+                if kernels.COST_MODEL.choose_block(g2.device, g2.shape[0], ctx.out_features, ctx.in_features, wanted.rows.numel() * bh * bw, (bh, bw)) == "block":
+                    consumer.add_candidate_gradients(g2, x2)
                     hooks.dense_grad_count += 1
                     consumer = None  # the values' gradients as outside a window
             if consumer is not None:
@@ -317,14 +317,11 @@ class SparseDeltaLinear(torch.autograd.Function):
                         continue
                     block = ctx.blocks[a] if ctx.blocks else None
                     if block is not None and method == "auto":
-                        shape = block[3]
-                        if kernels.COST_MODEL.choose_block(g2.device, g2.shape[0], ctx.out_features, ctx.in_features, values[a].numel(), shape) == "dense":
+                        if kernels.COST_MODEL.choose_block(g2.device, g2.shape[0], ctx.out_features, ctx.in_features, values[a].numel(), block.block_shape) == "dense":
                             block = None
-                    if block is not None and method != "dense":
-                        rows, cols, slots, (bh, bw) = block
-                        tiles = kernels.block_sddmm(g2, x2, rows, cols, bh, bw)  # (blocks, bh, bw)
-                        grad = torch.empty(values[a].numel(), dtype=tiles.dtype, device=tiles.device)
-                        grad.index_copy_(0, slots, tiles.reshape(-1))
+                    if block is not None and method != "dense":  # straight into the values' order
+                        grad = torch.empty(values[a].numel(), dtype=kernels.accumulation_dtype(g2.dtype), device=g2.device)
+                        kernels.block_sddmm_into(g2, x2, block, grad)
                     else:
                         grad = kernels.value_gradient(g2, x2, indices[a], ctx.out_features, ctx.in_features, method)
                     value_grads[a] = grad if grad.dtype == values[a].dtype else grad.to(values[a].dtype)

@@ -23,6 +23,8 @@ import torch
 SDDMM_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 # device type → callable(grad_out2d, x2d, block_rows, block_cols, bh, bw) -> (nblocks, bh, bw) float32
 BLOCK_SDDMM_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
+# device type → callable(grad_out2d, x2d, layout, out, accumulate) -> out (see block_sddmm_into)
+BLOCK_SDDMM_INTO_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 # device type → callable(out, indices, values, source) -> out (see scatter_add_into)
 SCATTER_ADD_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 # device type → callable(out, indices, base, values) -> out (see scatter_sum_into)
@@ -46,6 +48,7 @@ def _load_gpu_kernels() -> None:
         return
     SDDMM_KERNELS.setdefault("cuda", triton_kernels.sddmm)
     BLOCK_SDDMM_KERNELS.setdefault("cuda", triton_kernels.block_sddmm)
+    BLOCK_SDDMM_INTO_KERNELS.setdefault("cuda", triton_kernels.block_sddmm_into)
     SCATTER_ADD_KERNELS.setdefault("cuda", triton_kernels.scatter_add_into)
     SCATTER_SUM_KERNELS.setdefault("cuda", triton_kernels.scatter_sum_into)
     SCALED_PRODUCT_KERNELS.setdefault("cuda", triton_kernels.scaled_product)
@@ -273,6 +276,82 @@ def block_sddmm(grad_out2d, x2d, block_rows, block_cols, bh: int, bw: int) -> to
         with on_device(grad_out2d):
             return kernel(grad_out2d, x2d, block_rows, block_cols, bh, bw)
     return block_sddmm_reference(grad_out2d, x2d, block_rows, block_cols, bh, bw)
+
+
+class BlockLayout:
+    """Where the active (bh, bw) blocks of an (out, in) matrix sit in its ascending flat indices.
+
+    Over ascending indices a block row's elements come row by row, each row holding bw entries of
+    every active block of that block row in block order: element (i, j) of the block of rank q among
+    the n active blocks of its block row, whose elements start at position s, is at
+    s + i·n·bw + q·bw + j. So two numbers per block — ``base`` (s + q·bw) and ``stride`` (n·bw) —
+    place every element, found in O(blocks). ``plans`` caches kernel launch plans for this layout."""
+
+    __slots__ = ("rows", "cols", "base", "stride", "block_shape", "out_features", "in_features", "plans")
+
+    def __init__(self, rows, cols, base, stride, block_shape, out_features: int, in_features: int):
+        self.rows, self.cols, self.base, self.stride = rows, cols, base, stride
+        self.block_shape = tuple(block_shape)
+        self.out_features, self.in_features = out_features, in_features
+        self.plans: dict = {}
+
+    @classmethod
+    def of_blocks(cls, blocks: torch.Tensor, out_features: int, in_features: int, block_shape) -> "BlockLayout":
+        """The layout of the ascending block numbers ``blocks`` (row-major on the block grid)."""
+        bh, bw = block_shape
+        blocks = blocks.long()
+        block_rows = blocks // (in_features // bw)
+        first = torch.searchsorted(block_rows, block_rows)  # first active block of the same block row
+        count = torch.searchsorted(block_rows, block_rows, right=True) - first
+        rank = torch.arange(blocks.numel(), device=blocks.device) - first
+        return cls(
+            block_rows.to(torch.int32), (blocks % (in_features // bw)).to(torch.int32),
+            first * (bh * bw) + rank * bw, (count * bw).to(torch.int32), (bh, bw), out_features, in_features,
+        )  # fmt: skip
+
+    def slots(self) -> torch.Tensor:
+        """Position of element (i, j) of block b at [b·bh·bw + i·bw + j]."""
+        bh, bw = self.block_shape
+        i = torch.arange(bh, device=self.base.device)
+        j = torch.arange(bw, device=self.base.device)
+        return (self.base[:, None, None] + i[None, :, None] * self.stride.long()[:, None, None] + j[None, None, :]).reshape(-1)
+
+    def __getstate__(self):
+        return {k: getattr(self, k) for k in self.__slots__ if k != "plans"}
+
+    def __setstate__(self, state):
+        for k, v in state.items():
+            setattr(self, k, v)
+        self.plans = {}
+
+
+def _place_tiles(out: torch.Tensor, layout: BlockLayout, tiles: torch.Tensor, accumulate: bool) -> torch.Tensor:
+    tiles = tiles.reshape(-1).to(out.dtype)
+    if accumulate:
+        return out.index_add_(0, layout.slots(), tiles)
+    return out.index_copy_(0, layout.slots(), tiles)
+
+
+def block_sddmm_into_reference(grad_out2d, x2d, layout: BlockLayout, out: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
+    """``out[slots] (+)= `` the block-sparse dW of ``layout``'s blocks (see :func:`block_sddmm_reference`)."""
+    bh, bw = layout.block_shape
+    return _place_tiles(out, layout, block_sddmm_reference(grad_out2d, x2d, layout.rows, layout.cols, bh, bw), accumulate)
+
+
+def block_sddmm_into(grad_out2d, x2d, layout: BlockLayout, out: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
+    """The value gradient of a block adapter straight into ``out`` (ascending element order, float32):
+    on CUDA one grouped Triton launch for blocks of at least 16×16 (blocks sharing a block row or
+    column read its tile once); otherwise :func:`block_sddmm`'s tiles, placed. ``accumulate`` adds to
+    ``out`` instead of overwriting it."""
+    if grad_out2d.device.type == "cuda":
+        _load_gpu_kernels()
+    kernel = BLOCK_SDDMM_INTO_KERNELS.get(grad_out2d.device.type)
+    bh, bw = layout.block_shape
+    pow2 = all(v & (v - 1) == 0 for v in (bh, bw))
+    if kernel is not None and pow2 and min(bh, bw) >= 16 and out.dtype == torch.float32 and out.is_contiguous():
+        with on_device(grad_out2d):
+            return kernel(grad_out2d, x2d, layout, out, accumulate)
+    return _place_tiles(out, layout, block_sddmm(grad_out2d, x2d, layout.rows, layout.cols, bh, bw), accumulate)
 
 
 class CostModel:

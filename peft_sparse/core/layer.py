@@ -511,8 +511,8 @@ class SparseLayer(BaseTunerLayer):
         self._ready.pop(adapter_name, None)
 
     def block_metadata(self, adapter_name: str):
-        """For a block adapter: (block rows, block cols, slots, block_shape) with ``slots[b·bh·bw + i·bw + j]``
-        the values slot of element (i, j) of the b-th block (blocks ascending); None when unstructured.
+        """For a block adapter: its :class:`~peft_sparse.core.kernels.BlockLayout` (block rows and
+        columns, ascending, and where each block's elements sit in the values); None when unstructured.
 
         Cached until the indices change (their version counter moves on every in-place edit)."""
         bh, bw = self.block_shape.get(adapter_name, (1, 1))
@@ -533,22 +533,15 @@ class SparseLayer(BaseTunerLayer):
     def _indices_key(indices: torch.Tensor) -> tuple:
         return (indices.data_ptr(), indices._version, indices.numel())
 
-    def set_block_metadata(self, adapter_name: str, blocks: torch.Tensor, metadata: Optional[tuple] = None):
-        """Cache the block metadata for the (ascending) active block numbers ``blocks`` (``metadata``:
-        already computed for the current indices, e.g. by a batched reselection)."""
-        bh, bw = self.block_shape[adapter_name]
+    def set_block_metadata(self, adapter_name: str, blocks: torch.Tensor, metadata=None):
+        """Cache the block layout of the (ascending) active block numbers ``blocks`` (``metadata``: a
+        :class:`~peft_sparse.core.kernels.BlockLayout` already computed for the current indices, e.g.
+        by a batched reselection)."""
         indices = self.sparse_indices[adapter_name]
-        if metadata is not None:
-            self._block_metadata[adapter_name] = (self._indices_key(indices), metadata)
-            return metadata
-        from .selection import BlockGrid
-
-        grid = BlockGrid(self.out_features, self.in_features, (bh, bw))
-        blocks = blocks.long()
-        slots = torch.searchsorted(indices.long(), grid.block_major(blocks).reshape(-1))
-        meta = ((blocks // grid.cols).to(torch.int32), (blocks % grid.cols).to(torch.int32), slots, (bh, bw))
-        self._block_metadata[adapter_name] = (self._indices_key(indices), meta)
-        return meta
+        if metadata is None:
+            metadata = kernels.BlockLayout.of_blocks(blocks, self.out_features, self.in_features, self.block_shape[adapter_name])
+        self._block_metadata[adapter_name] = (self._indices_key(indices), metadata)
+        return metadata
 
     # ----------------------------------------------------------------------------------- merge
     def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:

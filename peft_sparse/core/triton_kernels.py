@@ -162,6 +162,143 @@ def block_sddmm(
 
 
 @triton.jit
+def _grouped_block_sddmm_kernel(
+    G, X, LINE, OTHER, BASE, STRIDE, OUT, T, split_tokens, split_stride, stride_g, stride_x,
+    SHARE_ROWS: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+):  # fmt: skip
+    # program (p, s): group p — up to GROUP blocks on one block row (SHARE_ROWS: one ∂L/∂Y tile read
+    # for all of them) or one block column (one X tile) — over the token slice s. Element (i, j) of a
+    # block goes to OUT[s·split_stride + base + i·stride + j] (ascending element order of the values)
+    p = tl.program_id(0)
+    s = tl.program_id(1)
+    line = tl.load(LINE + p).to(tl.int64)
+    if line < 0:  # the plan's spare rows (its size is a bound, known without a host sync)
+        return
+    t_start = s * split_tokens
+    t_end = tl.minimum(T, t_start + split_tokens)
+    if SHARE_ROWS:  # acc (BH, GROUP·BW) = G[:, row block]ᵀ · X[:, the members' column blocks]
+        k = tl.arange(0, GROUP * BW)
+        member = k // BW
+        other = tl.load(OTHER + p * GROUP + member)
+        valid = other >= 0
+        rows = line * BH + tl.arange(0, BH)
+        cols = other.to(tl.int64) * BW + k % BW
+        acc = tl.zeros((BH, GROUP * BW), dtype=tl.float32)
+        for t0 in range(t_start, t_end, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            tm = t < t_end
+            gt = tl.load(G + t[None, :].to(tl.int64) * stride_g + rows[:, None], mask=tm[None, :], other=0.0)
+            x = tl.load(X + t[:, None].to(tl.int64) * stride_x + cols[None, :], mask=tm[:, None] & valid[None, :], other=0.0)
+            acc += tl.dot(gt, x)
+        base = tl.load(BASE + p * GROUP + member, mask=valid, other=0)
+        stride = tl.load(STRIDE + p * GROUP + member, mask=valid, other=0).to(tl.int64)
+        offs = base[None, :] + tl.arange(0, BH)[:, None].to(tl.int64) * stride[None, :] + (k % BW)[None, :]
+        mask = valid[None, :]
+    else:  # acc (GROUP·BH, BW) = G[:, the members' row blocks]ᵀ · X[:, column block]
+        k = tl.arange(0, GROUP * BH)
+        member = k // BH
+        other = tl.load(OTHER + p * GROUP + member)
+        valid = other >= 0
+        rows = other.to(tl.int64) * BH + k % BH
+        cols = line * BW + tl.arange(0, BW)
+        acc = tl.zeros((GROUP * BH, BW), dtype=tl.float32)
+        for t0 in range(t_start, t_end, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            tm = t < t_end
+            gt = tl.load(G + t[None, :].to(tl.int64) * stride_g + rows[:, None], mask=tm[None, :] & valid[:, None], other=0.0)
+            x = tl.load(X + t[:, None].to(tl.int64) * stride_x + cols[None, :], mask=tm[:, None], other=0.0)
+            acc += tl.dot(gt, x)
+        base = tl.load(BASE + p * GROUP + member, mask=valid, other=0)
+        stride = tl.load(STRIDE + p * GROUP + member, mask=valid, other=0).to(tl.int64)
+        offs = base[:, None] + (k % BH)[:, None].to(tl.int64) * stride[:, None] + tl.arange(0, BW)[None, :]
+        mask = valid[:, None]
+    offs += s.to(tl.int64) * split_stride
+    if ACCUMULATE:
+        acc += tl.load(OUT + offs, mask=mask, other=0.0)
+    tl.store(OUT + offs, acc, mask=mask)
+
+
+class BlockGroups:
+    """The launch plan of :func:`block_sddmm_into` for one block layout: the active blocks cut into
+    groups of up to ``group`` blocks that share a block row (``share_rows``) or a block column, so
+    that each group reads the shared operand's tile once for all its blocks.
+
+    Built on the device with a handful of torch operations and no host synchronisation: the number of
+    groups is bounded by ``n // group + lines`` and the spare rows of the plan hold line −1."""
+
+    def __init__(self, rows, cols, base, stride, lines: int, share_rows: bool, group: int):
+        line, other = (rows, cols) if share_rows else (cols, rows)
+        line, other = line.long(), other.long()
+        n = line.numel()
+        if not share_rows:  # blocks come in (row, col) order: a stable sort by column gives (col, row)
+            line, order = torch.sort(line, stable=True)
+            other, base, stride = other[order], base[order], stride[order]
+        rank = torch.arange(n, device=line.device) - torch.searchsorted(line, line)
+        slot = rank % group
+        gid = torch.cumsum(slot == 0, 0) - 1
+        size = max(1, n // group + min(lines, n))
+        self.line = torch.full((size,), -1, dtype=torch.int32, device=line.device)
+        self.line[gid] = line.to(torch.int32)
+        self.other = torch.full((size, group), -1, dtype=torch.int32, device=line.device)
+        self.other[gid, slot] = other.to(torch.int32)
+        self.base = torch.zeros((size, group), dtype=torch.int64, device=line.device)
+        self.base[gid, slot] = base.long()
+        self.stride = torch.zeros((size, group), dtype=torch.int32, device=line.device)
+        self.stride[gid, slot] = stride.to(torch.int32)
+        self.share_rows, self.group, self.size = share_rows, group, size
+
+
+def block_group_plan(layout, group: int = 4) -> BlockGroups:
+    """The :class:`BlockGroups` of ``layout`` (a :class:`~peft_sparse.core.kernels.BlockLayout`),
+    cached on it: groups share the operand whose block lines hold more active blocks on average."""
+    share_rows = layout.out_features // layout.block_shape[0] <= layout.in_features // layout.block_shape[1]
+    key = (share_rows, group)
+    plan = layout.plans.get(key)
+    if plan is None:
+        lines = layout.out_features // layout.block_shape[0] if share_rows else layout.in_features // layout.block_shape[1]
+        plan = layout.plans[key] = BlockGroups(layout.rows, layout.cols, layout.base, layout.stride, lines, share_rows, group)
+    return plan
+
+
+def block_sddmm_into(
+    grad_out2d: torch.Tensor, x2d: torch.Tensor, layout, out: torch.Tensor, accumulate: bool = False,
+    group: int = 4, target_programs: Optional[int] = None,
+) -> torch.Tensor:  # fmt: skip
+    """The block-sparse dW of ``layout``'s blocks written (or, ``accumulate``, added) into the float32
+    ``out`` in ascending element order — the values' order — without an intermediate tile tensor:
+    element (i, j) of block b lands at ``layout.base[b] + i·layout.stride[b] + j``."""
+    bh, bw = layout.block_shape
+    if bh < 16 or bw < 16:
+        raise ValueError(f"block_sddmm_into supports blocks of at least 16×16, got {(bh, bw)}")
+    tokens = grad_out2d.shape[0]
+    if layout.rows.numel() == 0:
+        return out
+    if tokens == 0:
+        return out if accumulate else out.zero_()
+    g = grad_out2d.contiguous()
+    x = x2d.contiguous()
+    if g.dtype != x.dtype:
+        x = x.to(g.dtype)
+    plan = block_group_plan(layout, group)
+    block_t = 64
+    target = target_programs or (_target_programs(g.device) if g.is_cuda else 1)
+    splits, per = token_splits(plan.size, tokens, block_t, target)
+    dest = out if splits == 1 else torch.empty(splits, out.numel(), dtype=torch.float32, device=out.device)
+    _grouped_block_sddmm_kernel[(plan.size, splits)](
+        g, x, plan.line, plan.other, plan.base, plan.stride, dest, tokens, per, out.numel(), g.stride(0), x.stride(0),
+        SHARE_ROWS=plan.share_rows, BH=bh, BW=bw, GROUP=group, BLOCK_T=block_t, ACCUMULATE=accumulate and splits == 1,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    if splits > 1:
+        if accumulate:
+            out += dest.sum(0)
+        else:
+            torch.sum(dest, 0, out=out)
+    return out
+
+
+@triton.jit
 def _lower_bound(IDX, n, target, n_iter, K: tl.constexpr):
     """First j in [0, n] with IDX[j] ≥ target (IDX ascending), by K-ary search: each round loads K
     evenly spaced entries of the bracket at once (one memory round trip, not one per halving) and
@@ -327,6 +464,90 @@ def sm3_sparse_step(
     return row_new, col_new
 
 
+_MULTI_BLOCK = 1024  # entries per program of the multi-tensor kernels
+
+
+@triton.jit
+def _multi_sm3_kernel(
+    VALUES_PTRS, GRAD_PTRS, IDX_PTRS, ROW_OLD_PTRS, COL_OLD_PTRS, ROW_NEW_PTRS, COL_NEW_PTRS, MOM_PTRS, COUNTS, IN_FEATURES,
+    PROG_TENSOR, PROG_START, VALUES_T, GRAD_T, IDX_T, ACC_T, lr, momentum, eps, decay,
+    HAS_MOMENTUM: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # :func:`_sm3_sparse_kernel` for many tensors: program p takes entries [PROG_START[p], +BLOCK) of
+    # tensor PROG_TENSOR[p], reached through tables of addresses (element types from the *_T templates)
+    p = tl.program_id(0)
+    t = tl.load(PROG_TENSOR + p)
+    start = tl.load(PROG_START + p)
+    n = tl.load(COUNTS + t)
+    in_features = tl.load(IN_FEATURES + t)
+    values = tl.load(VALUES_PTRS + t).to(tl.pointer_type(VALUES_T.dtype.element_ty))
+    grad = tl.load(GRAD_PTRS + t).to(tl.pointer_type(GRAD_T.dtype.element_ty))
+    idx_ptr = tl.load(IDX_PTRS + t).to(tl.pointer_type(IDX_T.dtype.element_ty))
+    row_old = tl.load(ROW_OLD_PTRS + t).to(tl.pointer_type(ACC_T.dtype.element_ty))
+    col_old = tl.load(COL_OLD_PTRS + t).to(tl.pointer_type(ACC_T.dtype.element_ty))
+    row_new = tl.load(ROW_NEW_PTRS + t).to(tl.pointer_type(ACC_T.dtype.element_ty))
+    col_new = tl.load(COL_NEW_PTRS + t).to(tl.pointer_type(ACC_T.dtype.element_ty))
+    offs = start + tl.arange(0, BLOCK)
+    m = offs < n
+    idx = tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
+    r = idx // in_features
+    c = idx % in_features
+    g = tl.load(grad + offs, mask=m, other=0.0).to(tl.float32)
+    nu = tl.minimum(tl.load(row_old + r, mask=m, other=0.0), tl.load(col_old + c, mask=m, other=0.0)) + g * g
+    _, run_max = tl.associative_scan((r, nu), 0, _segment_max)
+    next_idx = tl.load(idx_ptr + offs + 1, mask=offs + 1 < n, other=-1).to(tl.int64)
+    last_of_run = (next_idx // in_features != r) | (tl.arange(0, BLOCK) == BLOCK - 1) | (offs + 1 >= n)
+    tl.atomic_max(row_new + r, run_max, mask=m & last_of_run, sem="relaxed")
+    tl.atomic_max(col_new + c, nu, mask=m, sem="relaxed")
+    update = g / tl.sqrt(nu + eps)
+    if HAS_MOMENTUM:
+        mom = tl.load(MOM_PTRS + t).to(tl.pointer_type(ACC_T.dtype.element_ty))
+        buf = tl.load(mom + offs, mask=m, other=0.0) * momentum + (1 - momentum) * update
+        tl.store(mom + offs, buf, mask=m)
+        update = buf
+    v = tl.load(values + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(values + offs, (v * decay - lr * update).to(VALUES_T.dtype.element_ty), mask=m)
+
+
+class MultiSM3:
+    """:func:`sm3_sparse_step` for many sparse values tensors of one element-type combination in one
+    launch. Arguments are per tensor: values, grads, indices, in_features, previous (row, col)
+    accumulators, the buffers the updated ones go to (already holding copies of the previous ones),
+    momentum buffers (or None). The address tables are built once and kept while no tensor moves
+    (:meth:`key_of`); only element types are kept, never the tensors."""
+
+    def __init__(self, values, grads, indices, in_features, row_old, col_old, row_new, col_new, moms):
+        device = values[0].device
+        self.key = self.key_of(values, grads, indices, row_old, col_old, row_new, col_new, moms)
+        self.templates = tuple(torch.empty(0, dtype=t.dtype, device=device) for t in (values[0], grads[0], indices[0], row_old[0]))
+        self.has_momentum = moms[0] is not None
+        counts = [v.numel() for v in values]
+        blocks = [-(-n // _MULTI_BLOCK) for n in counts]
+        self.programs = sum(blocks)
+
+        def table(tensors):
+            return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(device)
+
+        self.tables = [table(x) for x in (values, grads, indices, row_old, col_old, row_new, col_new, moms if self.has_momentum else values)]
+        self.counts = torch.tensor(counts, dtype=torch.int64).to(device)
+        self.in_features = torch.tensor(in_features, dtype=torch.int64).to(device)
+        tensor_of = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), torch.tensor(blocks, dtype=torch.int64))
+        first = torch.tensor([0] + blocks[:-1], dtype=torch.int64).cumsum(0)
+        start = (torch.arange(self.programs, dtype=torch.int64) - first.repeat_interleave(torch.tensor(blocks))) * _MULTI_BLOCK
+        self.prog_tensor, self.prog_start = tensor_of.to(device), start.to(device)
+
+    @staticmethod
+    def key_of(*lists) -> tuple:
+        return tuple(tuple(t.data_ptr() if t is not None else 0 for t in ts) for ts in lists) + (tuple(v.numel() for v in lists[0]),)
+
+    def __call__(self, lr: float, momentum: float, eps: float, weight_decay: float) -> None:
+        if self.programs:
+            _multi_sm3_kernel[(self.programs,)](
+                *self.tables, self.counts, self.in_features, self.prog_tensor, self.prog_start, *self.templates,
+                lr, momentum, eps, 1.0 - lr * weight_decay, HAS_MOMENTUM=self.has_momentum, BLOCK=_MULTI_BLOCK,
+            )  # fmt: skip
+
+
 @triton.jit
 def _scaled_product_kernel(OUT, P, Q, S, n_rows, H, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     # OUT[r, h] = S[h] · (P[r, h] · Q[r]).to(OUT) — the product in float32, then each rounding torch makes
@@ -375,8 +596,6 @@ def _multi_scatter_sum_kernel(
     v = _round_to(tl.load(val_ptr + offs, mask=m, other=0.0).to(tl.float32), OUT_T).to(tl.float32)
     tl.store(out + i, _round_to(base + v, OUT_T), mask=m)
 
-
-_MULTI_BLOCK = 1024
 
 
 class MultiScatterSum:

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from peft.utils import PeftType
 from safetensors.torch import load_file, save_file
 
+from ..core import kernels
 from ..core.config import SparseConfig
 from ..core.layer import SparseLayer, index_dtype
 from ..core.selection import BlockGrid, module_generator, random_indices, segmented_rank
@@ -452,7 +453,7 @@ class AllReselections:
     ok: torch.Tensor
     changed: torch.Tensor  # how many new indices were not active before (device scalar)
     per_tensor_ok: Optional[torch.Tensor] = None
-    block_metadata: Optional[list] = None  # per block tensor: (block rows, block cols, slots, block_shape)
+    block_metadata: Optional[list] = None  # per block tensor: its BlockLayout
     shortfall: int = 0  # weights not replaced for want of eligible candidates (checked path only)
 
     @property
@@ -691,9 +692,19 @@ def reselect_all(items: list, growth: str) -> AllReselections:
         units = list(torch.split(local, u_sizes))
         rows = (local // grid_cols[seg_nu]).to(torch.int32)
         cols = (local % grid_cols[seg_nu]).to(torch.int32)
-        slots = torch.searchsorted(new_eid, block_major(all_units)) - d_start_t[seg_nu][:, None]
-        pieces = zip(torch.split(rows, u_sizes), torch.split(cols, u_sizes), torch.split(slots.reshape(-1), [u * unit for u in u_sizes]))
-        metadata = [(r, c, sl, (bh, bw)) for r, c, sl in pieces]
+        # where each block's elements sit in its tensor's new values (see BlockLayout): the blocks
+        # before its block row, then its rank in that row
+        row_key = seg_nu * (1 + max(it.grid.rows for it in items)) + rows.long()  # ascending
+        first = torch.searchsorted(row_key, row_key)
+        count = torch.searchsorted(row_key, row_key, right=True) - first
+        rank = torch.arange(row_key.numel(), device=dev) - first
+        base = (first - u_start_t[seg_nu]) * unit + rank * bw
+        stride = (count * bw).to(torch.int32)
+        pieces = zip(*(torch.split(t, u_sizes) for t in (rows, cols, base, stride)))
+        metadata = [
+            kernels.BlockLayout(r, c, b, st, (bh, bw), it.grid.out_features, it.grid.in_features)
+            for (r, c, b, st), it in zip(pieces, items)
+        ]  # fmt: skip
     return AllReselections(d, source, grown_from, new_flat, units, [k_i * unit for k_i in k], ok, changed, per_tensor_ok, metadata)
 
 
@@ -738,31 +749,15 @@ class _WindowStatistics:
         self.step_sum += flat.index_select(0, self.candidates)
 
     def index_candidate_blocks(self) -> None:
-        """Set ``candidate_blocks`` from the ascending ``candidate_units`` (block adapters).
+        """Set ``candidate_blocks``, the :class:`~peft_sparse.core.kernels.BlockLayout` of the ascending
+        ``candidate_units`` (block adapters): where each candidate block's elements sit in ``candidates``."""
+        g = self.grid
+        self.candidate_blocks = kernels.BlockLayout.of_blocks(self.candidate_units, g.out_features, g.in_features, (g.bh, g.bw))
 
-        In ascending flat order a block row's candidate elements come row by row, each row holding
-        bw entries of every candidate block of that block row in block order: element (i, j) of the
-        block of rank r among the n candidate blocks of its block row, whose block row starts at
-        candidate element s, is at s + i·n·bw + r·bw + j. Two numbers per block, O(blocks) to find."""
-        g, units = self.grid, self.candidate_units.long()
-        block_rows = units // g.cols
-        first = torch.searchsorted(block_rows, block_rows)  # first candidate block of the same block row
-        count = torch.searchsorted(block_rows, block_rows, right=True) - first
-        rank = torch.arange(units.numel(), device=units.device) - first
-        base = first * g.unit + rank * g.bw
-        self.candidate_blocks = (block_rows.to(torch.int32), (units % g.cols).to(torch.int32), base, count * g.bw, (g.bh, g.bw))
-
-    def candidate_slots(self) -> torch.Tensor:
-        """Position in ``candidates`` of element (i, j) of candidate block b, at [b·bh·bw + i·bw + j]."""
-        _, _, base, stride, (bh, bw) = self.candidate_blocks
-        i = torch.arange(bh, device=base.device)
-        j = torch.arange(bw, device=base.device)
-        return (base[:, None, None] + i[None, :, None] * stride[:, None, None] + j[None, None, :]).reshape(-1)
-
-    def add_candidate_tiles(self, tiles: torch.Tensor) -> None:
-        """One micro-batch's gradient at the candidate blocks, as (blocks, bh, bw) tiles from the block
-        kernel (``candidate_blocks``) instead of the dense dW."""
-        self.step_sum.index_add_(0, self.candidate_slots(), tiles.reshape(-1).to(self.dtype))
+    def add_candidate_gradients(self, grad_out2d: torch.Tensor, x2d: torch.Tensor) -> None:
+        """Add one micro-batch's gradient at the candidate blocks (``candidate_blocks``) to ``step_sum``
+        from the block kernel, instead of from the dense dW."""
+        kernels.block_sddmm_into(grad_out2d, x2d, self.candidate_blocks, self.step_sum, accumulate=True)
 
     def end_step(self) -> None:
         if self.candidates is None:
@@ -983,8 +978,8 @@ class SpIELScheduler:
         """The ascending active blocks of a block adapter, from the layer's cached metadata."""
         if grid.unit == 1:
             return None
-        rows, cols, _, _ = layer.block_metadata(self.adapter_name)
-        return rows.long() * grid.cols + cols.long()
+        layout = layer.block_metadata(self.adapter_name)
+        return layout.rows.long() * grid.cols + layout.cols.long()
 
     @torch.no_grad()
     def _reselect(self, t: int) -> dict:

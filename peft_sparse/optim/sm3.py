@@ -11,9 +11,9 @@ The accumulators R (out) and C (in) cover the *whole* matrix, not only the activ
 survive SpIEL reselections unchanged and give SpIEL-MA its growth score √⁴(R_i·C_k) (thesis Eq. 7.7).
 Memory: out + in floats per matrix (plus d_φ with momentum), against Adam's 2·d_φ.
 
-On CUDA the sparse step is one fused Triton kernel (accumulators updated with atomic max into
-copies of the previous ones, so the result equals the sequential definition); elsewhere it runs as
-torch operations. Dense parameters (e.g. ``modules_to_save``) get the same SM3-II with one accumulator per row and
+On CUDA the sparse step is one fused Triton kernel for all sparse values tensors of a parameter group
+(accumulators updated with atomic max into copies of the previous ones, so the result equals the
+sequential definition); elsewhere it runs as torch operations. Dense parameters (e.g. ``modules_to_save``) get the same SM3-II with one accumulator per row and
 column (2-D; higher ranks are viewed as (first dim, rest)) or a plain Adagrad accumulator (1-D).
 Weight decay is decoupled (AdamW-style): φ ← φ·(1 − lr·λ).
 """
@@ -40,6 +40,9 @@ def _fused_kernel():
     return _FUSED[0]
 
 
+_PLANS_KEPT = 4  # launch plans kept per group: the accumulators alternate between two sets of buffers
+
+
 class SM3(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, eps: float = 1e-30, weight_decay: float = 0.0):
         if not lr > 0.0:
@@ -54,6 +57,8 @@ class SM3(torch.optim.Optimizer):
         # param → (row, col) buffers of the accumulators' shapes that the fused step writes into (swapped
         # with the accumulators afterwards); not state: they hold nothing between steps
         self._scratch: dict = {}
+        # launch plans of the multi-tensor step (address tables), per group of element types
+        self._plans: dict = {}
 
     @staticmethod
     def sparse_layout(param: torch.Tensor):
@@ -110,28 +115,50 @@ class SM3(torch.optim.Optimizer):
         return loss
 
     def _fused_steps(self, items) -> None:
+        """One multi-tensor Triton launch per group of values with the same hyper-parameters, device
+        and element types (usually one for the whole model), after one multi-tensor copy of the
+        accumulators into the buffers the updated ones go to."""
+        from ..core.triton_kernels import MultiSM3
+
         scratch = self._scratch
         accumulators, buffers = [], []
-        for param, state, _, _ in items:
+        groups: dict = {}
+        for item in items:
+            param, state, (indices, _, _), group = item
             pair = scratch.get(param)
             acc = (state["row_accumulator"], state["col_accumulator"])
             if pair is None or any(b.shape != a.shape or b.dtype != a.dtype or b.device != a.device for a, b in zip(acc, pair)):
                 pair = scratch[param] = (torch.empty_like(acc[0]), torch.empty_like(acc[1]))
             accumulators.extend(acc)
             buffers.extend(pair)
+            mom = state.get("momentum_buffer")
+            key = (param.device, param.dtype, param.grad.dtype, indices.dtype, acc[0].dtype, mom is not None,
+                   group["lr"], group["momentum"], group["eps"], group["weight_decay"])  # fmt: skip
+            groups.setdefault(key, []).append(item)
         torch._foreach_copy_(buffers, accumulators)
-        for param, state, (indices, _, in_features), group in items:
-            row_new, col_new = scratch[param]
-            with on_device(param):
-                _fused_kernel()(
-                    param, param.grad, indices, in_features, state["row_accumulator"], state["col_accumulator"],
-                    state.get("momentum_buffer"), group["lr"], group["momentum"], group["eps"], group["weight_decay"],
-                    row_new=row_new, col_new=col_new,
-                )  # fmt: skip
-            torch.autograd.graph.increment_version(param)  # written by the kernel: as an in-place op would mark it
-            # the updated copies become the accumulators; the previous ones are next step's scratch
-            scratch[param] = (state["row_accumulator"], state["col_accumulator"])
-            state["row_accumulator"], state["col_accumulator"] = row_new, col_new
+        for key, members in groups.items():
+            lists = (
+                [p for p, _, _, _ in members], [p.grad for p, _, _, _ in members], [lay[0] for _, _, lay, _ in members],
+                [lay[2] for _, _, lay, _ in members], [s["row_accumulator"] for _, s, _, _ in members],
+                [s["col_accumulator"] for _, s, _, _ in members], [scratch[p][0] for p, _, _, _ in members],
+                [scratch[p][1] for p, _, _, _ in members], [s.get("momentum_buffer") for _, s, _, _ in members],
+            )  # fmt: skip
+            tensors = lists[:3] + lists[4:]
+            plans = self._plans.setdefault(key[:6] + key[7:], {})  # not by lr, which schedules change
+            ptrs = MultiSM3.key_of(*tensors)
+            plan = plans.get(ptrs)
+            with on_device(members[0][0]):
+                if plan is None:
+                    while len(plans) >= _PLANS_KEPT:
+                        plans.pop(next(iter(plans)))
+                    plan = plans[ptrs] = MultiSM3(*lists)
+                plan(*key[6:])
+            for param, state, _, _ in members:
+                torch.autograd.graph.increment_version(param)  # written by the kernel: as an in-place op would mark it
+                # the updated copies become the accumulators; the previous ones are next step's scratch
+                row_new, col_new = scratch[param]
+                scratch[param] = (state["row_accumulator"], state["col_accumulator"])
+                state["row_accumulator"], state["col_accumulator"] = row_new, col_new
 
     @staticmethod
     def _torch_step(param, state, layout, lr, momentum, eps, wd) -> None:
