@@ -159,7 +159,7 @@ def test_block_ag_window_gathers_candidate_gradients_with_the_block_kernel(monke
 
     def run(sparse_windows: bool):
         if not sparse_windows:
-            monkeypatch.setattr(spiel._WindowStatistics, "index_candidate_blocks", lambda self: None)
+            monkeypatch.setattr(spiel._WindowStatistics, "block_kernel", False)
         dense_calls = []
         original = kernels.dense_weight_gradient
         monkeypatch.setattr(kernels, "dense_weight_gradient", lambda g, x: dense_calls.append(1) or original(g, x))

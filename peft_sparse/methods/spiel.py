@@ -721,10 +721,14 @@ class _WindowStatistics:
         self.step_sum: Optional[torch.Tensor] = None  # Σ over this step's micro-batches
         self.grad_sum: Optional[torch.Tensor] = None  # Σ_steps g
         self.grad_sq_sum: Optional[torch.Tensor] = None  # Σ_steps g²
-        # block adapters, once the candidates are chosen: what the block kernel needs to compute the
-        # candidates' gradients without the dense dW — (block rows, block cols, base, stride, block shape):
-        # element (i, j) of candidate block b sits at base[b] + i·stride[b] + j in ``candidates``
-        self.candidate_blocks: Optional[tuple] = None
+        # block adapters, once the candidates are chosen: their BlockLayout, what the block kernel needs
+        # to compute the candidates' gradients without the dense dW (element (i, j) of candidate block b
+        # sits at base[b] + i·stride[b] + j in ``candidates``)
+        self.candidate_blocks = None
+
+    # whether the window's later micro-batches take the candidate blocks' gradients from the block
+    # kernel (off: from the dense dW, as the first micro-batch does)
+    block_kernel: ClassVar[bool] = True
 
     def __call__(self, layer: SparseLayer, dense_grad: torch.Tensor) -> None:
         flat = dense_grad.reshape(-1)
@@ -737,22 +741,30 @@ class _WindowStatistics:
             if self.grid.unstructured:  # units are the weights: keep one (narrow) copy
                 self.candidates = chosen_units.to(index_dtype(flat.numel()))
                 chosen = self.candidates
-            else:
+            else:  # each candidate block's elements put at their places in ascending order: no sort
                 self.candidate_units = chosen_units
-                chosen = self.grid.expand(chosen_units)
+                layout = self.candidate_layout()
+                chosen = torch.empty(chosen_units.numel() * self.grid.unit, dtype=torch.long, device=flat.device)
+                chosen[layout.slots()] = self.grid.block_major(chosen_units).reshape(-1)
                 self.candidates = chosen.to(index_dtype(flat.numel()))
-                self.index_candidate_blocks()
+                if self.block_kernel:
+                    self.candidate_blocks = layout
             zeros = torch.zeros(chosen.numel(), dtype=self.dtype, device=flat.device)
             self.step_sum, self.grad_sum, self.grad_sq_sum = zeros, zeros.clone(), zeros.clone()
             if _distributed():
                 flat = dense_grad.reshape(-1)
         self.step_sum += flat.index_select(0, self.candidates)
 
-    def index_candidate_blocks(self) -> None:
-        """Set ``candidate_blocks``, the :class:`~peft_sparse.core.kernels.BlockLayout` of the ascending
-        ``candidate_units`` (block adapters): where each candidate block's elements sit in ``candidates``."""
+    def candidate_layout(self):
+        """The :class:`~peft_sparse.core.kernels.BlockLayout` of the ascending ``candidate_units`` (block
+        adapters): where each candidate block's elements sit in ``candidates``."""
         g = self.grid
-        self.candidate_blocks = kernels.BlockLayout.of_blocks(self.candidate_units, g.out_features, g.in_features, (g.bh, g.bw))
+        return kernels.BlockLayout.of_blocks(self.candidate_units, g.out_features, g.in_features, (g.bh, g.bw))
+
+    def index_candidate_blocks(self) -> None:
+        """Set ``candidate_blocks`` (see :meth:`candidate_layout`), unless ``block_kernel`` is off."""
+        if self.block_kernel:
+            self.candidate_blocks = self.candidate_layout()
 
     def add_candidate_gradients(self, grad_out2d: torch.Tensor, x2d: torch.Tensor) -> None:
         """Add one micro-batch's gradient at the candidate blocks (``candidate_blocks``) to ``step_sum``
