@@ -246,8 +246,9 @@ def test_sm3_multi_tensor_launch_on_cuda_matches_the_torch_step(monkeypatch):
         states = [opt.state[p] for _, p in named]
         runs.append(([p.detach().clone() for _, p in named], states))
     (v_fused, s_fused), (v_torch, s_torch) = runs
+    # the kernel may contract a·b + c into one rounding where torch rounds twice: float32 ulps
     for a, b in zip(v_fused, v_torch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     for a, b in zip(s_fused, s_torch):
         for key in ("row_accumulator", "col_accumulator", "momentum_buffer"):
-            torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
