@@ -467,6 +467,15 @@ def sm3_sparse_step(
 _MULTI_BLOCK = 1024  # entries per program of the multi-tensor kernels
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor (a launch plan's table) on ``device`` without waiting for the device: from
+    pinned memory, copied asynchronously (a copy from pageable memory would synchronise the host with
+    every kernel queued before it). Torch's pinned-memory cache keeps the source until the copy ran."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @triton.jit
 def _multi_sm3_kernel(
     VALUES_PTRS, GRAD_PTRS, IDX_PTRS, ROW_OLD_PTRS, COL_OLD_PTRS, ROW_NEW_PTRS, COL_NEW_PTRS, MOM_PTRS, COUNTS, IN_FEATURES,
@@ -526,15 +535,15 @@ class MultiSM3:
         self.programs = sum(blocks)
 
         def table(tensors):
-            return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(device)
+            return _to_device(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64), device)
 
         self.tables = [table(x) for x in (values, grads, indices, row_old, col_old, row_new, col_new, moms if self.has_momentum else values)]
-        self.counts = torch.tensor(counts, dtype=torch.int64).to(device)
-        self.in_features = torch.tensor(in_features, dtype=torch.int64).to(device)
+        self.counts = _to_device(torch.tensor(counts, dtype=torch.int64), device)
+        self.in_features = _to_device(torch.tensor(in_features, dtype=torch.int64), device)
         tensor_of = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), torch.tensor(blocks, dtype=torch.int64))
         first = torch.tensor([0] + blocks[:-1], dtype=torch.int64).cumsum(0)
         start = (torch.arange(self.programs, dtype=torch.int64) - first.repeat_interleave(torch.tensor(blocks))) * _MULTI_BLOCK
-        self.prog_tensor, self.prog_start = tensor_of.to(device), start.to(device)
+        self.prog_tensor, self.prog_start = _to_device(tensor_of, device), _to_device(start, device)
 
     @staticmethod
     def key_of(*lists) -> tuple:
@@ -613,14 +622,14 @@ class MultiScatterSum:
         self.programs = sum(blocks)
 
         def table(tensors):
-            return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(device)
+            return _to_device(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64), device)
 
         self.tables = [table(outs), table(indices), table(bases), table(values)]
-        self.counts = torch.tensor(counts, dtype=torch.int64).to(device)
+        self.counts = _to_device(torch.tensor(counts, dtype=torch.int64), device)
         tensor_of = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), torch.tensor(blocks, dtype=torch.int64))
         first = torch.tensor([0] + blocks[:-1], dtype=torch.int64).cumsum(0)  # first program of each tensor
         start = (torch.arange(self.programs, dtype=torch.int64) - first.repeat_interleave(torch.tensor(blocks))) * _MULTI_BLOCK
-        self.prog_tensor, self.prog_start = tensor_of.to(device), start.to(device)
+        self.prog_tensor, self.prog_start = _to_device(tensor_of, device), _to_device(start, device)
 
     @staticmethod
     def key_of(outs, indices, bases, values) -> tuple:
