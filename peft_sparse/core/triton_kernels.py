@@ -412,34 +412,6 @@ def _segment_max(row_a, value_a, row_b, value_b):
     return row_b, tl.where(row_a == row_b, tl.maximum(value_a, value_b), value_b)
 
 
-@triton.jit
-def _sm3_sparse_kernel(
-    VALUES, GRAD, IDX, ROW_OLD, COL_OLD, ROW_NEW, COL_NEW, MOM, n, in_features, lr, momentum, eps, decay,
-    HAS_MOMENTUM: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    idx = tl.load(IDX + offs, mask=m, other=0).to(tl.int64)
-    r = idx // in_features
-    c = idx % in_features
-    g = tl.load(GRAD + offs, mask=m, other=0.0).to(tl.float32)
-    nu = tl.minimum(tl.load(ROW_OLD + r, mask=m, other=0.0), tl.load(COL_OLD + c, mask=m, other=0.0)) + g * g
-    # indices are sorted, so a block holds a few runs of one row each: reduce each run with a scan and
-    # issue one atomic per run (its last element) instead of one per element on the same address
-    _, run_max = tl.associative_scan((r, nu), 0, _segment_max)
-    next_idx = tl.load(IDX + offs + 1, mask=offs + 1 < n, other=-1).to(tl.int64)
-    last_of_run = (next_idx // in_features != r) | (tl.arange(0, BLOCK) == BLOCK - 1) | (offs + 1 >= n)
-    tl.atomic_max(ROW_NEW + r, run_max, mask=m & last_of_run, sem="relaxed")  # max commutes: no ordering needed
-    tl.atomic_max(COL_NEW + c, nu, mask=m, sem="relaxed")
-    update = g / tl.sqrt(nu + eps)
-    if HAS_MOMENTUM:
-        buf = tl.load(MOM + offs, mask=m, other=0.0) * momentum + (1 - momentum) * update
-        tl.store(MOM + offs, buf, mask=m)
-        update = buf
-    v = tl.load(VALUES + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(VALUES + offs, (v * decay - lr * update).to(VALUES.dtype.element_ty), mask=m)
-
-
 def sm3_sparse_step(
     values, grad, indices, in_features, row_acc, col_acc, momentum_buffer, lr, momentum, eps, weight_decay,
     row_new=None, col_new=None,
@@ -448,19 +420,14 @@ def sm3_sparse_step(
 
     ν is read from the previous accumulators and the max-updates go to copies (atomic max), so no
     element sees another's update of the same step — the same result as the sequential definition.
-    ``row_new``/``col_new``: buffers already holding copies of the accumulators (the optimizer fills
-    all of them with one multi-tensor copy); by default they are cloned here.
+    ``row_new``/``col_new``: buffers already holding copies of the accumulators; by default they are
+    cloned here. (:class:`MultiSM3` with one tensor; the optimizer batches all its tensors.)
     """
-    n = values.numel()
     if row_new is None or col_new is None:
         row_new, col_new = row_acc.clone(), col_acc.clone()
-    if n:
-        block = 1024
-        _sm3_sparse_kernel[(triton.cdiv(n, block),)](
-            values, grad, indices, row_acc, col_acc, row_new, col_new,
-            momentum_buffer if momentum_buffer is not None else values, n, in_features, lr, momentum, eps,
-            1.0 - lr * weight_decay, HAS_MOMENTUM=momentum_buffer is not None, BLOCK=block,
-        )  # fmt: skip
+    if values.numel():
+        plan = MultiSM3([values], [grad], [indices], [in_features], [row_acc], [col_acc], [row_new], [col_new], [momentum_buffer])
+        plan(lr, momentum, eps, weight_decay)
     return row_new, col_new
 
 
@@ -476,14 +443,33 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def _address_table(tensors, device: torch.device) -> torch.Tensor:
+    """The tensors' data addresses, on ``device`` (the multi-tensor kernels reach the tensors through it)."""
+    return _to_device(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64), device)
+
+
+def _program_map(counts: list, device: torch.device) -> tuple:
+    """(programs, counts, tensor of each program, first entry of each program) for tensors of ``counts``
+    entries, ``_MULTI_BLOCK`` entries per program."""
+    blocks = [-(-n // _MULTI_BLOCK) for n in counts]
+    programs = sum(blocks)
+    tensor_of = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), torch.tensor(blocks, dtype=torch.int64))
+    first = torch.tensor([0] + blocks[:-1], dtype=torch.int64).cumsum(0)  # first program of each tensor
+    start = (torch.arange(programs, dtype=torch.int64) - first.repeat_interleave(torch.tensor(blocks))) * _MULTI_BLOCK
+    counts_t = torch.tensor(counts, dtype=torch.int64)
+    return programs, _to_device(counts_t, device), _to_device(tensor_of, device), _to_device(start, device)
+
+
 @triton.jit
 def _multi_sm3_kernel(
     VALUES_PTRS, GRAD_PTRS, IDX_PTRS, ROW_OLD_PTRS, COL_OLD_PTRS, ROW_NEW_PTRS, COL_NEW_PTRS, MOM_PTRS, COUNTS, IN_FEATURES,
     PROG_TENSOR, PROG_START, VALUES_T, GRAD_T, IDX_T, ACC_T, lr, momentum, eps, decay,
     HAS_MOMENTUM: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # :func:`_sm3_sparse_kernel` for many tensors: program p takes entries [PROG_START[p], +BLOCK) of
-    # tensor PROG_TENSOR[p], reached through tables of addresses (element types from the *_T templates)
+    # one SM3-II step (see :func:`sm3_sparse_step`) for many tensors: program p takes entries
+    # [PROG_START[p], +BLOCK) of tensor PROG_TENSOR[p], reached through tables of addresses (element
+    # types from the *_T templates). Indices are sorted, so a block holds a few runs of one row each:
+    # each run is reduced with a scan and issues one atomic (its last element) instead of one per element
     p = tl.program_id(0)
     t = tl.load(PROG_TENSOR + p)
     start = tl.load(PROG_START + p)
@@ -506,7 +492,7 @@ def _multi_sm3_kernel(
     _, run_max = tl.associative_scan((r, nu), 0, _segment_max)
     next_idx = tl.load(idx_ptr + offs + 1, mask=offs + 1 < n, other=-1).to(tl.int64)
     last_of_run = (next_idx // in_features != r) | (tl.arange(0, BLOCK) == BLOCK - 1) | (offs + 1 >= n)
-    tl.atomic_max(row_new + r, run_max, mask=m & last_of_run, sem="relaxed")
+    tl.atomic_max(row_new + r, run_max, mask=m & last_of_run, sem="relaxed")  # max commutes: no ordering needed
     tl.atomic_max(col_new + c, nu, mask=m, sem="relaxed")
     update = g / tl.sqrt(nu + eps)
     if HAS_MOMENTUM:
@@ -530,20 +516,10 @@ class MultiSM3:
         self.key = self.key_of(values, grads, indices, row_old, col_old, row_new, col_new, moms)
         self.templates = tuple(torch.empty(0, dtype=t.dtype, device=device) for t in (values[0], grads[0], indices[0], row_old[0]))
         self.has_momentum = moms[0] is not None
-        counts = [v.numel() for v in values]
-        blocks = [-(-n // _MULTI_BLOCK) for n in counts]
-        self.programs = sum(blocks)
-
-        def table(tensors):
-            return _to_device(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64), device)
-
-        self.tables = [table(x) for x in (values, grads, indices, row_old, col_old, row_new, col_new, moms if self.has_momentum else values)]
-        self.counts = _to_device(torch.tensor(counts, dtype=torch.int64), device)
+        tables = (values, grads, indices, row_old, col_old, row_new, col_new, moms if self.has_momentum else values)
+        self.tables = [_address_table(t, device) for t in tables]
         self.in_features = _to_device(torch.tensor(in_features, dtype=torch.int64), device)
-        tensor_of = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), torch.tensor(blocks, dtype=torch.int64))
-        first = torch.tensor([0] + blocks[:-1], dtype=torch.int64).cumsum(0)
-        start = (torch.arange(self.programs, dtype=torch.int64) - first.repeat_interleave(torch.tensor(blocks))) * _MULTI_BLOCK
-        self.prog_tensor, self.prog_start = _to_device(tensor_of, device), _to_device(start, device)
+        self.programs, self.counts, self.prog_tensor, self.prog_start = _program_map([v.numel() for v in values], device)
 
     @staticmethod
     def key_of(*lists) -> tuple:
@@ -617,19 +593,8 @@ class MultiScatterSum:
         self.key = self.key_of(outs, indices, bases, values)
         # element types only: the plan must not keep the tensors themselves alive
         self.templates = tuple(torch.empty(0, dtype=t.dtype, device=device) for t in (outs[0], indices[0], bases[0], values[0]))
-        counts = [i.numel() for i in indices]
-        blocks = [-(-n // _MULTI_BLOCK) for n in counts]
-        self.programs = sum(blocks)
-
-        def table(tensors):
-            return _to_device(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64), device)
-
-        self.tables = [table(outs), table(indices), table(bases), table(values)]
-        self.counts = _to_device(torch.tensor(counts, dtype=torch.int64), device)
-        tensor_of = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), torch.tensor(blocks, dtype=torch.int64))
-        first = torch.tensor([0] + blocks[:-1], dtype=torch.int64).cumsum(0)  # first program of each tensor
-        start = (torch.arange(self.programs, dtype=torch.int64) - first.repeat_interleave(torch.tensor(blocks))) * _MULTI_BLOCK
-        self.prog_tensor, self.prog_start = _to_device(tensor_of, device), _to_device(start, device)
+        self.tables = [_address_table(t, device) for t in (outs, indices, bases, values)]
+        self.programs, self.counts, self.prog_tensor, self.prog_start = _program_map([i.numel() for i in indices], device)
 
     @staticmethod
     def key_of(outs, indices, bases, values) -> tuple:
