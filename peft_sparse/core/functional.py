@@ -212,7 +212,9 @@ def _new_rebuild(node, x: torch.Tensor) -> Optional[InputRebuild]:
 
 class SparseDeltaLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, bias, weight_fn, owned, hooks, blocks, premerged, n_adapters, *indices_and_values):
+    def forward(ctx, x, bias, spec, *indices_and_values):
+        # spec: the pass's non-tensor arguments in one (each argument of apply costs host time)
+        weight_fn, owned, hooks, blocks, premerged, n_adapters = spec
         indices = indices_and_values[:n_adapters]
         values = indices_and_values[n_adapters:]
         autocast = torch.is_autocast_enabled(x.device.type)
@@ -244,7 +246,7 @@ class SparseDeltaLinear(torch.autograd.Function):
         # X is needed only for the value gradients; when autograd already keeps what X is made of
         # (InputRebuild), backward rebuilds X from that instead
         ctx.x_rebuild = None
-        if not any(ctx.needs_input_grad[8 + n_adapters :]):
+        if not any(ctx.needs_input_grad[3 + n_adapters :]):
             ctx.x_saved = False
             ctx.save_for_backward(*indices, *values)
         elif (rebuild := input_rebuild(x, getattr(hooks, "rebuild_inputs", "all"))) is not None:
@@ -264,7 +266,7 @@ class SparseDeltaLinear(torch.autograd.Function):
         n = ctx.n_adapters
         indices, values = rest[:n], rest[n:]
         need_x, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_values = ctx.needs_input_grad[8 + n :]
+        need_values = ctx.needs_input_grad[3 + n :]
         dtype = ctx.dtype
         g2 = grad_out.reshape(-1, ctx.out_features)  # (tokens, out)
         if g2.dtype != dtype:
@@ -327,7 +329,7 @@ class SparseDeltaLinear(torch.autograd.Function):
                     value_grads[a] = grad if grad.dtype == values[a].dtype else grad.to(values[a].dtype)
 
         grad_bias = g2.sum(0).to(grad_out.dtype) if need_bias else None
-        return (grad_x, grad_bias, None, None, None, None, None, None, *([None] * n), *value_grads)
+        return (grad_x, grad_bias, None, *([None] * n), *value_grads)
 
 
 def sparse_delta_linear(
@@ -351,7 +353,7 @@ def sparse_delta_linear(
     so neither pass builds a merged copy; backward builds one if the stored weight was written back or
     rewritten since forward (``still_merged`` False for the forward's generation).
     """
-    return SparseDeltaLinear.apply(x, bias, weight_fn, owned, hooks, blocks, premerged, len(indices), *indices, *values)
+    return SparseDeltaLinear.apply(x, bias, (weight_fn, owned, hooks, blocks, premerged, len(indices)), *indices, *values)
 
 
 def sparse_delta_linear_reference(
