@@ -274,3 +274,32 @@ def test_rank_one_counts_in_tensor_chunks_give_the_same_growth(monkeypatch):
     monkeypatch.setattr(spiel, "_COUNT_CHUNK", 40)  # one tensor per chunk
     test_reselect_all_equals_reselecting_each_tensor("ma", (1, 1), False)
     test_reselect_all_equals_reselecting_each_tensor("ma", (2, 4), True)
+
+
+def test_window_steps_of_many_tensors_end_as_each_would_alone():
+    """The batched end of a window step (multi-tensor operations over every tensor's statistics) leaves
+    the same sums, bit for bit, as ending each tensor's step on its own; unarmed statistics are skipped."""
+    from peft_sparse.core.selection import BlockGrid
+    from peft_sparse.methods.spiel import _end_steps, _WindowStatistics
+
+    g = torch.Generator().manual_seed(0)
+    batched, alone = [], []
+    for n, dtype in ((7, torch.float32), (300, torch.float32), (5, torch.float64)):
+        for store in (batched, alone):
+            stats = _WindowStatistics(n, BlockGrid(1, 1), dtype)
+            stats.candidates = torch.arange(n)
+            stats.step_sum, stats.grad_sum, stats.grad_sq_sum = (torch.zeros(n, dtype=dtype) for _ in range(3))
+            store.append(stats)
+    idle = _WindowStatistics(3, BlockGrid(1, 1))  # never armed: no candidates
+    for _ in range(3):
+        for a, b in zip(batched, alone):
+            step = torch.randn(a.step_sum.numel(), generator=g, dtype=torch.float64).to(a.dtype)
+            a.step_sum.copy_(step)
+            b.step_sum.copy_(step)
+        _end_steps(batched + [idle])
+        for b in alone:
+            b.end_step()
+    for a, b in zip(batched, alone):
+        for key in ("step_sum", "grad_sum", "grad_sq_sum"):
+            assert torch.equal(getattr(a, key), getattr(b, key)), key
+    assert idle.step_sum is None

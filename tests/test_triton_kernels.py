@@ -417,3 +417,21 @@ def test_multi_tensor_sm3_step_equals_one_launch_per_tensor(tk, momentum):
     for (v, m, r, c), t, rn, cn in zip(want, ts, row_new, col_new):
         assert torch.equal(t["values"], v) and torch.equal(rn, r) and torch.equal(cn, c)
         assert m is None or torch.equal(t["mom"], m)
+
+
+@pytest.mark.parametrize("bh, bw", [(64, 64), (128, 32), (16, 128)])
+def test_block_sddmm_into_large_blocks(tk, bh, bw):
+    """Larger blocks take fewer blocks per program (the tile stays within 128 rows or columns)."""
+    from peft_sparse.core.selection import BlockGrid
+
+    g = torch.Generator().manual_seed(bh + bw)
+    grid = BlockGrid(3 * bh, 2 * bw, (bh, bw))
+    blocks = torch.tensor([0, 3, 4, 5])
+    indices = grid.expand(blocks)
+    go = torch.randn(70, 3 * bh, generator=g).to(_device())
+    x = torch.randn(70, 2 * bw, generator=g).to(_device())
+    layout = kernels.BlockLayout.of_blocks(blocks.to(_device()), 3 * bh, 2 * bw, (bh, bw))
+    out = tk.block_sddmm_into(go, x, layout, torch.empty(indices.numel(), device=_device()))
+    want = go.double().t().mm(x.double()).reshape(-1)[indices.to(_device())].float()
+    tol = 2e-2 if _device() == "cuda" else 1e-4
+    torch.testing.assert_close(out, want, rtol=tol, atol=tol)

@@ -263,11 +263,13 @@ def block_group_plan(layout, group: int = 4) -> BlockGroups:
 
 def block_sddmm_into(
     grad_out2d: torch.Tensor, x2d: torch.Tensor, layout, out: torch.Tensor, accumulate: bool = False,
-    group: int = 4, target_programs: Optional[int] = None,
+    group: Optional[int] = None, target_programs: Optional[int] = None,
 ) -> torch.Tensor:  # fmt: skip
     """The block-sparse dW of ``layout``'s blocks written (or, ``accumulate``, added) into the float32
     ``out`` in ascending element order — the values' order — without an intermediate tile tensor:
-    element (i, j) of block b lands at ``layout.base[b] + i·layout.stride[b] + j``."""
+    element (i, j) of block b lands at ``layout.base[b] + i·layout.stride[b] + j``. ``group`` (default:
+    4 blocks of up to 32×32, fewer for larger blocks, so a program's tile stays within 128 rows or
+    columns) caps the blocks per program."""
     bh, bw = layout.block_shape
     if bh < 16 or bw < 16:
         raise ValueError(f"block_sddmm_into supports blocks of at least 16×16, got {(bh, bw)}")
@@ -280,8 +282,10 @@ def block_sddmm_into(
     x = x2d.contiguous()
     if g.dtype != x.dtype:
         x = x.to(g.dtype)
+    if group is None:
+        group = max(1, 128 // max(bh, bw))
     plan = block_group_plan(layout, group)
-    block_t = 64
+    block_t = 64 if max(bh, bw) <= 64 else 32
     target = target_programs or (_target_programs(g.device) if g.is_cuda else 1)
     splits, per = token_splits(plan.size, tokens, block_t, target)
     dest = out if splits == 1 else torch.empty(splits, out.numel(), dtype=torch.float32, device=out.device)

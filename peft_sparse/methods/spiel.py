@@ -787,6 +787,20 @@ class _WindowStatistics:
         return tensors
 
 
+def _end_steps(statistics: list) -> None:
+    """:meth:`_WindowStatistics.end_step` of many tensors with a few multi-tensor launches (one group per
+    device and dtype) instead of four launches each; the same operations, so the same bits."""
+    groups: dict = {}
+    for stats in statistics:
+        if stats.candidates is not None:
+            groups.setdefault((stats.step_sum.device, stats.step_sum.dtype), []).append(stats)
+    for members in groups.values():
+        step = [m.step_sum for m in members]
+        torch._foreach_add_([m.grad_sum for m in members], step)
+        torch._foreach_add_([m.grad_sq_sum for m in members], torch._foreach_mul(step, step))
+        torch._foreach_zero_(step)
+
+
 class DeferredSeeding:
     """Seeds the optimizer moments of grown slots at the *next* optimizer step, in that step's gradient units.
 
@@ -982,8 +996,7 @@ class SpIELScheduler:
                 flat /= dist.get_world_size()
                 for s, part in zip(live, flat.split([s.step_sum.numel() for s in live])):
                     s.step_sum.copy_(part)
-        for stats in self.statistics.values():
-            stats.end_step()
+        _end_steps(list(self.statistics.values()))
         self.steps_in_window += 1
 
     def _active_units(self, layer: SparseLayer, grid: BlockGrid) -> Optional[torch.Tensor]:
