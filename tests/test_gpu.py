@@ -223,8 +223,8 @@ def test_fused_nf4_weight_on_cuda_is_bitsandbytes_dequantization_plus_delta(tmp_
 
 def test_sm3_multi_tensor_launch_on_cuda_matches_the_torch_step(monkeypatch):
     """SM3's one launch per parameter group, with momentum, weight decay, two groups of different
-    learning rates (changed between steps) and accumulators alternating between buffers, against its
-    torch step: the same values, momenta and accumulators."""
+    learning rates (changed between steps), accumulators alternating between buffers and a reload of
+    the optimizer's own state mid-way, against its torch step: the same values, momenta and accumulators."""
     from peft_sparse.optim import sm3
 
     runs = []
@@ -238,11 +238,13 @@ def test_sm3_multi_tensor_launch_on_cuda_matches_the_torch_step(monkeypatch):
         groups = [{"params": [p for n, p in named if "mlp" in n], "lr": 0.05}, {"params": [p for n, p in named if "mlp" not in n]}]
         opt = SM3(groups, lr=0.02, momentum=0.5, weight_decay=0.1)
         x = torch.randint(0, 97, (2, 9), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
-        for step in range(4):
+        for step in range(5):
             model(x, labels=x).loss.backward()
             opt.step()
             opt.zero_grad()
             opt.param_groups[0]["lr"] *= 0.5
+            if step == 2:  # reloading its own state: the accumulators are then the step's scratch buffers too
+                opt.load_state_dict(opt.state_dict())
         states = [opt.state[p] for _, p in named]
         runs.append(([p.detach().clone() for _, p in named], states))
     (v_fused, s_fused), (v_torch, s_torch) = runs

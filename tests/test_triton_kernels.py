@@ -413,10 +413,23 @@ def test_multi_tensor_sm3_step_equals_one_launch_per_tensor(tk, momentum):
     plan = tk.MultiSM3([t["values"] for t in ts], [t["grad"] for t in ts], [i for i, _, _ in multi], [f for _, f, _ in multi],
                        [t["row"] for t in ts], [t["col"] for t in ts], row_new, col_new, [t["mom"] for t in ts])  # fmt: skip
     assert plan.programs == 1 + 3 + 1
-    plan(0.1, momentum, 1e-30, 0.01)
+    plan([t["grad"] for t in ts], 0.1, momentum, 1e-30, 0.01)
     for (v, m, r, c), t, rn, cn in zip(want, ts, row_new, col_new):
         assert torch.equal(t["values"], v) and torch.equal(rn, r) and torch.equal(cn, c)
         assert m is None or torch.equal(t["mom"], m)
+    # a second step with fresh gradient tensors (new addresses) through the same plan: the gradients'
+    # table is written at each call, so the plan stays valid
+    fresh = [torch.randn(t["grad"].numel(), generator=g).to(_device()) for t in ts]
+    want2 = []
+    for (idx, in_f, t), (_, _, r, c), grad in zip(per, want, fresh):
+        want2.append(tk.sm3_sparse_step(t["values"], grad, idx, in_f, r, c, t["mom"], 0.1, momentum, 1e-30, 0.01))
+    for t, rn, cn in zip(ts, row_new, col_new):  # the plan's "previous" buffers now hold step 1's accumulators
+        t["row"].copy_(rn)
+        t["col"].copy_(cn)
+    plan([grad.clone() for grad in fresh], 0.1, momentum, 1e-30, 0.01)
+    for (_, _, want_t), (r2, c2), t, rn, cn in zip(per, want2, ts, row_new, col_new):
+        assert torch.equal(t["values"], want_t["values"]) and torch.equal(rn, r2) and torch.equal(cn, c2)
+        assert want_t["mom"] is None or torch.equal(t["mom"], want_t["mom"])
 
 
 @pytest.mark.parametrize("bh, bw", [(64, 64), (128, 32), (16, 128)])

@@ -431,7 +431,7 @@ def sm3_sparse_step(
         row_new, col_new = row_acc.clone(), col_acc.clone()
     if values.numel():
         plan = MultiSM3([values], [grad], [indices], [in_features], [row_acc], [col_acc], [row_new], [col_new], [momentum_buffer])
-        plan(lr, momentum, eps, weight_decay)
+        plan([grad], lr, momentum, eps, weight_decay)
     return row_new, col_new
 
 
@@ -510,29 +510,35 @@ def _multi_sm3_kernel(
 
 class MultiSM3:
     """:func:`sm3_sparse_step` for many sparse values tensors of one element-type combination in one
-    launch. Arguments are per tensor: values, grads, indices, in_features, previous (row, col)
-    accumulators, the buffers the updated ones go to (already holding copies of the previous ones),
-    momentum buffers (or None). The address tables are built once and kept while no tensor moves
-    (:meth:`key_of`); only element types are kept, never the tensors."""
+    launch. Arguments are per tensor: values, grads (for their element type), indices, in_features,
+    previous (row, col) accumulators, the buffers the updated ones go to (already holding copies of the
+    previous ones), momentum buffers (or None). The address tables are built once and kept while no
+    tensor moves (:meth:`key_of`); only element types are kept, never the tensors. A call takes the
+    step's gradients."""
 
     def __init__(self, values, grads, indices, in_features, row_old, col_old, row_new, col_new, moms):
-        device = values[0].device
-        self.key = self.key_of(values, grads, indices, row_old, col_old, row_new, col_new, moms)
+        device = self.device = values[0].device
+        self.key = self.key_of(values, indices, in_features, row_old, col_old, row_new, col_new, moms)
         self.templates = tuple(torch.empty(0, dtype=t.dtype, device=device) for t in (values[0], grads[0], indices[0], row_old[0]))
         self.has_momentum = moms[0] is not None
-        tables = (values, grads, indices, row_old, col_old, row_new, col_new, moms if self.has_momentum else values)
+        tables = (values, indices, row_old, col_old, row_new, col_new, moms if self.has_momentum else values)
         self.tables = [_address_table(t, device) for t in tables]
         self.in_features = _to_device(torch.tensor(in_features, dtype=torch.int64), device)
         self.programs, self.counts, self.prog_tensor, self.prog_start = _program_map([v.numel() for v in values], device)
 
     @staticmethod
-    def key_of(*lists) -> tuple:
-        return tuple(tuple(t.data_ptr() if t is not None else 0 for t in ts) for ts in lists) + (tuple(v.numel() for v in lists[0]),)
+    def key_of(values, indices, in_features, *accumulators_and_moms) -> tuple:
+        """What the plan depends on: every tensor's address, the sizes and widths. Not the gradients:
+        they are fresh tensors at every step, so their table is written at every call."""
+        pointers = tuple(tuple(t.data_ptr() if t is not None else 0 for t in ts) for ts in (values, indices, *accumulators_and_moms))
+        return pointers + (tuple(v.numel() for v in values), tuple(in_features))
 
-    def __call__(self, lr: float, momentum: float, eps: float, weight_decay: float) -> None:
+    def __call__(self, grads, lr: float, momentum: float, eps: float, weight_decay: float) -> None:
         if self.programs:
+            values, indices, *rest = self.tables
             _multi_sm3_kernel[(self.programs,)](
-                *self.tables, self.counts, self.in_features, self.prog_tensor, self.prog_start, *self.templates,
+                values, _address_table(grads, self.device), indices, *rest, self.counts, self.in_features,
+                self.prog_tensor, self.prog_start, *self.templates,
                 lr, momentum, eps, 1.0 - lr * weight_decay, HAS_MOMENTUM=self.has_momentum, BLOCK=_MULTI_BLOCK,
             )  # fmt: skip
 

@@ -127,12 +127,14 @@ class SM3(torch.optim.Optimizer):
             param, state, (indices, _, _), group = item
             pair = scratch.get(param)
             acc = (state["row_accumulator"], state["col_accumulator"])
-            if pair is None or any(b.shape != a.shape or b.dtype != a.dtype or b.device != a.device for a, b in zip(acc, pair)):
+            if pair is None or any(
+                b is a or b.shape != a.shape or b.dtype != a.dtype or b.device != a.device for a, b in zip(acc, pair)
+            ):  # (b is a: a state loaded from this very dict, whose accumulator is now the scratch buffer too)
                 pair = scratch[param] = (torch.empty_like(acc[0]), torch.empty_like(acc[1]))
             accumulators.extend(acc)
             buffers.extend(pair)
             mom = state.get("momentum_buffer")
-            key = (param.device, param.dtype, param.grad.dtype, indices.dtype, acc[0].dtype, mom is not None,
+            key = (param.device, param.dtype, param.grad.dtype, indices.dtype, acc[0].dtype, mom.dtype if mom is not None else None,
                    group["lr"], group["momentum"], group["eps"], group["weight_decay"])  # fmt: skip
             groups.setdefault(key, []).append(item)
         torch._foreach_copy_(buffers, accumulators)
@@ -143,16 +145,17 @@ class SM3(torch.optim.Optimizer):
                 [s["col_accumulator"] for _, s, _, _ in members], [scratch[p][0] for p, _, _, _ in members],
                 [scratch[p][1] for p, _, _, _ in members], [s.get("momentum_buffer") for _, s, _, _ in members],
             )  # fmt: skip
-            tensors = lists[:3] + lists[4:]
-            plans = self._plans.setdefault(key[:6] + key[7:], {})  # not by lr, which schedules change
-            ptrs = MultiSM3.key_of(*tensors)
+            # plans per launch group (its members, not its lr, which schedules change); each alternates
+            # between two sets of accumulator buffers
+            plans = self._plans.setdefault(key[:6] + key[7:] + (tuple(id(p) for p in lists[0]),), {})
+            ptrs = MultiSM3.key_of(lists[0], *lists[2:])
             plan = plans.get(ptrs)
             with on_device(members[0][0]):
                 if plan is None:
                     while len(plans) >= _PLANS_KEPT:
                         plans.pop(next(iter(plans)))
                     plan = plans[ptrs] = MultiSM3(*lists)
-                plan(*key[6:])
+                plan(lists[1], *key[6:])
             for param, state, _, _ in members:
                 torch.autograd.graph.increment_version(param)  # written by the kernel: as an in-place op would mark it
                 # the updated copies become the accumulators; the previous ones are next step's scratch
