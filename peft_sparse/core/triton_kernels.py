@@ -1,14 +1,20 @@
 """Triton kernels for the value gradient ∂L/∂φ without the dense dW (thesis App. E.4).
 
-Both compute entries of dW = Gᵀ·X (G = ∂L/∂Y, (tokens, out); X, (tokens, in)) at given positions:
+They compute entries of dW = Gᵀ·X (G = ∂L/∂Y, (tokens, out); X, (tokens, in)) at given positions:
 
 * :func:`sddmm` — unstructured: one dot product over tokens per index, on CUDA cores. Costs
   nnz·tokens multiply-adds; G and X are transposed once so each dot product reads two contiguous
   rows (consecutive sorted indices share a row of Gᵀ, which stays in cache).
-* :func:`block_sddmm` — (bh, bw) blocks: one ``tl.dot`` tile product per block over token chunks,
-  on tensor cores when bh, bw ≥ 16; cost ∝ density. bh = 1 uses a row-vector × tile product. When
-  a layer has few active blocks, the token axis is cut into slices (one program per block and
-  slice, partial tiles summed afterwards) so that the launch still fills the GPU.
+* :func:`block_sddmm_into` — (bh, bw) blocks of at least 16×16, what block adapters use: ``tl.dot``
+  tile products on tensor cores over token chunks, cost ∝ density. Each program takes up to 4 blocks
+  sharing a block row or column (:class:`BlockGroups`), so the shared operand's tile is read once,
+  and writes the results straight into the values' order (:class:`~peft_sparse.core.kernels.BlockLayout`).
+* :func:`block_sddmm` — one program per block, tiles out (also bh = 1, a row-vector × tile product).
+
+When a layer has few active blocks, the token axis is cut into slices (partial results summed
+afterwards) so that the launch still fills the GPU. Besides these: the merged-weight and scatter
+kernels, SM3's step for many tensors in one launch (:class:`MultiSM3`), the RMSNorm-output rebuild
+and the NF4 dequantization fused with the delta.
 
 Shipped as Python source (compiled by Triton at first use); the torch references in
 :mod:`peft_sparse.core.kernels` compute the same values and are what the tests compare against
