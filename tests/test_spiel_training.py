@@ -1,5 +1,6 @@
 """SpIEL in training loops: optimizer surgery, SM3, windows, accumulation, learning, errors."""
 
+import copy
 import warnings
 
 import pytest
@@ -412,3 +413,31 @@ def test_a_shortfall_is_reselected_tensor_by_tensor_and_reported():
     grown = want.source < 0
     assert torch.equal(new_values[grown], torch.zeros(int(grown.sum())))
     assert torch.equal(new_values[~grown], values[want.source[~grown]])
+
+
+def test_sm3_state_reloads_exactly_over_bfloat16_values():
+    """A saved SM3 state loads back with its float32 accumulators and momentum unrounded (torch's loader
+    would cast them to the bfloat16 parameters' dtype), into tensors of its own, and training resumes
+    exactly as it would have gone on."""
+    torch.manual_seed(0)
+    values = torch.nn.Parameter(torch.zeros(30, dtype=torch.bfloat16))
+    dense = torch.nn.Parameter(torch.zeros(4, 5, dtype=torch.bfloat16))
+    opt = SM3([values, dense], lr=0.05, momentum=0.5)
+    grads = [(torch.randn(30).bfloat16(), torch.randn(4, 5).bfloat16()) for _ in range(4)]
+    for gv, gd in grads[:2]:
+        values.grad, dense.grad = gv.clone(), gd.clone()
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    twin_values, twin_dense = (torch.nn.Parameter(p.detach().clone()) for p in (values, dense))
+    twin = SM3([twin_values, twin_dense], lr=0.05, momentum=0.5)
+    twin.load_state_dict(saved)
+    for p, q in ((values, twin_values), (dense, twin_dense)):
+        for key, value in opt.state[p].items():
+            if key != "step":
+                assert value.dtype == torch.float32 and torch.equal(twin.state[q][key], value), key
+                assert twin.state[q][key].data_ptr() != saved["state"][0 if p is values else 1][key].data_ptr()
+    for gv, gd in grads[2:]:
+        for o, (v, d) in ((opt, (values, dense)), (twin, (twin_values, twin_dense))):
+            v.grad, d.grad = gv.clone(), gd.clone()
+            o.step()
+    assert torch.equal(values, twin_values) and torch.equal(dense, twin_dense)

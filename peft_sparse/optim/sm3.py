@@ -69,6 +69,26 @@ class SM3(torch.optim.Optimizer):
         layer, adapter = owner
         return layer.sparse_indices[adapter], layer.out_features, layer.in_features
 
+    _ACCUMULATOR_KEYS = ("row_accumulator", "col_accumulator", "accumulator", "momentum_buffer")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As ``torch.optim.Optimizer.load_state_dict``, except that the accumulators and momentum keep
+        their float32 precision over 16-bit parameters (torch casts every floating state tensor to its
+        parameter's dtype, which would round them to bfloat16). The tensors are copies: nothing is shared
+        with ``state_dict``."""
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        kept = {}
+        for pid, param in zip(saved_ids, params):
+            entry = state_dict["state"].get(pid, {})
+            kept[param] = {k: v for k, v in entry.items() if k in self._ACCUMULATOR_KEYS and isinstance(v, torch.Tensor)}
+        super().load_state_dict(state_dict)
+        for param, tensors in kept.items():
+            for key, value in tensors.items():
+                dtype = torch.float32 if param.dtype in (torch.float16, torch.bfloat16) and value.is_floating_point() else None
+                self.state[param][key] = value.to(device=param.device, dtype=dtype or value.dtype, copy=True)
+        self._scratch = {}  # buffers of the previous state's shapes and identities
+
     def _init_state(self, param, state, layout, momentum: float):
         state["step"] = torch.zeros((), dtype=torch.float32)
         acc_dtype = torch.float32 if param.dtype in (torch.float16, torch.bfloat16) else param.dtype
