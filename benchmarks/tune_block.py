@@ -34,21 +34,6 @@ from peft_sparse.core import kernels, triton_kernels  # noqa: E402
 from peft_sparse.core.selection import BlockGrid  # noqa: E402
 
 
-def run(layout, plan, g, x, out, block_t, warps, stages, target):
-    bh, bw = layout.block_shape
-    tokens = g.shape[0]
-    splits, per = triton_kernels.token_splits(plan.size, tokens, block_t, target) if target else (1, tokens)
-    dest = out if splits == 1 else torch.empty(splits, out.numel(), dtype=torch.float32, device=out.device)
-    triton_kernels._grouped_block_sddmm_kernel[(plan.size, splits)](
-        g, x, plan.line, plan.other, plan.base, plan.stride, dest, tokens, per, out.numel(), g.stride(0), x.stride(0),
-        SHARE_ROWS=plan.share_rows, BH=bh, BW=bw, GROUP=plan.group, BLOCK_T=block_t, ACCUMULATE=False,
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    if splits > 1:
-        torch.sum(dest, 0, out=out)
-    return out
-
-
 def main():
     from triton.testing import do_bench
 
@@ -87,9 +72,9 @@ def main():
             share_rows = (grid.rows <= grid.cols) if orient == "auto" else orient == "rows"
             plan = triton_kernels.BlockGroups(layout.rows, layout.cols, layout.base, layout.stride,
                                               grid.rows if share_rows else grid.cols, share_rows, group)  # fmt: skip
-            got = run(layout, plan, go, x, out, block_t, 4, stages, target)
+            got = triton_kernels.launch_grouped(go, x, (bh, bw), plan, out, False, block_t, target, 4, stages)
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-1)
-            ms = do_bench(lambda: run(layout, plan, go, x, out, block_t, 4, stages, target), warmup=5, rep=30, return_mode="median")
+            ms = do_bench(lambda: triton_kernels.launch_grouped(go, x, (bh, bw), plan, out, False, block_t, target, 4, stages), warmup=5, rep=30, return_mode="median")
             results.append((ms, (group, orient, block_t, stages, target)))
         by_config = {c: ms for ms, c in results}
         results.sort()

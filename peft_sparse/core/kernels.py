@@ -295,19 +295,27 @@ class BlockLayout:
         self.out_features, self.in_features = out_features, in_features
         self.plans: dict = {}
 
+    @staticmethod
+    def positions(row_key: torch.Tensor, block_shape, start: Optional[torch.Tensor] = None) -> tuple:
+        """(base, stride) of ascending blocks whose block rows are ``row_key`` (ascending; blocks of the
+        same block row share a key), the values starting at block ``start`` (per block; default 0) —
+        the formula of the class docstring. Many tensors at once: give each its own keys and starts."""
+        bh, bw = block_shape
+        first = torch.searchsorted(row_key, row_key)  # first active block of the same block row
+        count = torch.searchsorted(row_key, row_key, right=True) - first
+        rank = torch.arange(row_key.numel(), device=row_key.device) - first
+        if start is not None:
+            first = first - start
+        return first * (bh * bw) + rank * bw, (count * bw).to(torch.int32)
+
     @classmethod
     def of_blocks(cls, blocks: torch.Tensor, out_features: int, in_features: int, block_shape) -> "BlockLayout":
         """The layout of the ascending block numbers ``blocks`` (row-major on the block grid)."""
-        bh, bw = block_shape
+        cols = in_features // block_shape[1]
         blocks = blocks.long()
-        block_rows = blocks // (in_features // bw)
-        first = torch.searchsorted(block_rows, block_rows)  # first active block of the same block row
-        count = torch.searchsorted(block_rows, block_rows, right=True) - first
-        rank = torch.arange(blocks.numel(), device=blocks.device) - first
-        return cls(
-            block_rows.to(torch.int32), (blocks % (in_features // bw)).to(torch.int32),
-            first * (bh * bw) + rank * bw, (count * bw).to(torch.int32), (bh, bw), out_features, in_features,
-        )  # fmt: skip
+        block_rows = blocks // cols
+        base, stride = cls.positions(block_rows, block_shape)
+        return cls(block_rows.to(torch.int32), (blocks % cols).to(torch.int32), base, stride, block_shape, out_features, in_features)
 
     def slots(self) -> torch.Tensor:
         """Position of element (i, j) of block b at [b·bh·bw + i·bw + j]."""

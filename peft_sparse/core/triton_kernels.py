@@ -290,15 +290,23 @@ def block_sddmm_into(
         x = x.to(g.dtype)
     if group is None:
         group = max(1, 128 // max(bh, bw))
-    plan = block_group_plan(layout, group)
     block_t = 64 if max(bh, bw) <= 64 else 32
     target = target_programs or (_target_programs(g.device) if g.is_cuda else 1)
-    splits, per = token_splits(plan.size, tokens, block_t, target)
+    return launch_grouped(g, x, layout.block_shape, block_group_plan(layout, group), out, accumulate, block_t, target)
+
+
+def launch_grouped(g, x, block_shape, plan: BlockGroups, out, accumulate: bool, block_t: int, target: int,
+                   num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:  # fmt: skip
+    """One launch of the grouped block kernel with explicit settings (``target`` 0: no token slices);
+    :func:`block_sddmm_into` picks them, ``benchmarks/tune_block.py`` sweeps them."""
+    bh, bw = block_shape
+    tokens = g.shape[0]
+    splits, per = token_splits(plan.size, tokens, block_t, target) if target else (1, tokens)
     dest = out if splits == 1 else torch.empty(splits, out.numel(), dtype=torch.float32, device=out.device)
     _grouped_block_sddmm_kernel[(plan.size, splits)](
         g, x, plan.line, plan.other, plan.base, plan.stride, dest, tokens, per, out.numel(), g.stride(0), x.stride(0),
-        SHARE_ROWS=plan.share_rows, BH=bh, BW=bw, GROUP=group, BLOCK_T=block_t, ACCUMULATE=accumulate and splits == 1,
-        num_warps=4, num_stages=2,
+        SHARE_ROWS=plan.share_rows, BH=bh, BW=bw, GROUP=plan.group, BLOCK_T=block_t, ACCUMULATE=accumulate and splits == 1,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:
         if accumulate:

@@ -695,11 +695,7 @@ def reselect_all(items: list, growth: str) -> AllReselections:
         # where each block's elements sit in its tensor's new values (see BlockLayout): the blocks
         # before its block row, then its rank in that row
         row_key = seg_nu * (1 + max(it.grid.rows for it in items)) + rows.long()  # ascending
-        first = torch.searchsorted(row_key, row_key)
-        count = torch.searchsorted(row_key, row_key, right=True) - first
-        rank = torch.arange(row_key.numel(), device=dev) - first
-        base = (first - u_start_t[seg_nu]) * unit + rank * bw
-        stride = (count * bw).to(torch.int32)
+        base, stride = kernels.BlockLayout.positions(row_key, (bh, bw), start=u_start_t[seg_nu])
         pieces = zip(*(torch.split(t, u_sizes) for t in (rows, cols, base, stride)))
         metadata = [
             kernels.BlockLayout(r, c, b, st, (bh, bw), it.grid.out_features, it.grid.in_features)

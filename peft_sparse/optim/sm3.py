@@ -30,13 +30,14 @@ _FUSED = []
 
 
 def _fused_kernel():
-    """The fused Triton step for CUDA sparse values (None without Triton)."""
+    """The fused Triton step for CUDA sparse values, :class:`~peft_sparse.core.triton_kernels.MultiSM3`
+    (None without Triton)."""
     if not _FUSED:
         try:
-            from ..core.triton_kernels import sm3_sparse_step
+            from ..core.triton_kernels import MultiSM3
         except ImportError:
-            sm3_sparse_step = None
-        _FUSED.append(sm3_sparse_step)
+            MultiSM3 = None
+        _FUSED.append(MultiSM3)
     return _FUSED[0]
 
 
@@ -138,8 +139,7 @@ class SM3(torch.optim.Optimizer):
         """One multi-tensor Triton launch per group of values with the same hyper-parameters, device
         and element types (usually one for the whole model), after one multi-tensor copy of the
         accumulators into the buffers the updated ones go to."""
-        from ..core.triton_kernels import MultiSM3
-
+        MultiSM3 = _fused_kernel()
         scratch = self._scratch
         accumulators, buffers = [], []
         groups: dict = {}
