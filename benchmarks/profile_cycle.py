@@ -1,0 +1,77 @@
+"""Where a SpIEL cycle's extra time goes, step by step (GPU): windows, reselections, the step after.
+
+    python benchmarks/profile_cycle.py spiel-ag-block [--rows 12] [--size tinyllama]
+
+Runs the benchmark's schedule (S=20, γ=5, T=46: windows 1–5, 21–25, 41–45; reselections at 5, 25,
+45). Steps 7–26 run as in ``bench_step.py`` and print, per step, the wall time (synchronised) and the
+host's issue time per phase (forward, backward, optimizer, scheduler hook; without synchronising):
+when the host's total is close to the wall, the GPU waits for the host. Steps 35 (steady), 41 (a
+window's first step), 42 (a later window step), 45 (reselection) and 46 (the step after) then run under
+the profiler, one at a time: their kernel count, summed kernel time, and the top kernels and top host
+operations (own CPU time) of each.
+"""
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_step import profiling_setup  # noqa: E402
+
+PROFILED = {35: "steady", 41: "window, first step", 42: "window, later step", 45: "reselection", 46: "after reselection"}
+
+
+def main():
+    args, model, optimizer, hook, ids = profiling_setup(rows=12)
+
+    def phases():
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        if hook is not None:
+            hook()
+        t4 = time.perf_counter()
+        return [(b - a) * 1e3 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4))]
+
+    print(f"{args.variant}: step  wall ms  | host ms: forward backward optimizer hook (total)")
+    walls = {}
+    for t in range(1, 47):
+        torch.cuda.synchronize()
+        if t in PROFILED:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
+                host = phases()
+                torch.cuda.synchronize()
+            events = prof.key_averages()
+            kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+            n = sum(e.count for e in kernels)
+            gpu = sum(e.self_device_time_total for e in kernels) / 1e3
+            print(f"\n== step {t} ({PROFILED[t]}), profiled: {n} kernels, {gpu:.1f} ms of kernels; host ms "
+                  + " ".join(f"{h:.1f}" for h in host) + f" ({sum(host):.1f})")  # fmt: skip
+            for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[: args.rows]:
+                print(f"   gpu {e.self_device_time_total / 1e3:8.2f} ms {e.count:6d}×  {e.key[:80]}")
+            cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+            for e in sorted(cpu, key=lambda e: -e.self_cpu_time_total)[: args.rows]:
+                print(f"   cpu {e.self_cpu_time_total / 1e3:8.2f} ms {e.count:6d}×  {e.key[:80]}")
+            continue
+        start = time.perf_counter()
+        host = phases()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e3
+        walls[t] = wall
+        if t >= 7 and t <= 26:
+            print(f"  {t:3d}  {wall:7.1f}  | " + " ".join(f"{h:7.1f}" for h in host) + f"  ({sum(host):.1f})")
+    steady = [walls[t] for t in range(7, 21)]
+    print(f"\nsteady steps 7–20: median {statistics.median(steady):.1f} ms; cycle 7–26 mean {statistics.fmean(walls[t] for t in range(7, 27)):.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
