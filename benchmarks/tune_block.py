@@ -9,6 +9,8 @@ For TinyLlama's projection shapes at the benchmark's density, times (median, ``t
   tiles in the values' order (``index_copy_``), the path before the grouped kernel;
 * ``grouped``: ``block_sddmm_into`` as shipped;
 
+for ``down_proj``, whose input is the gated activation silu(gate) ⊙ up: that product formed by torch
+and then the kernel, against the kernel forming it tile by tile from the two factors (as training does);
 then every combination of group size (blocks sharing one block row or column per program),
 orientation (shared rows, columns, or chosen by the shape as shipped), token step (``BLOCK_T``),
 pipeline stages and token slicing (``target_programs``: none or the default), with 4 warps; and the
@@ -69,13 +71,23 @@ def main():
         shipped = do_bench(lambda: triton_kernels.block_sddmm_into(go, x, layout, out), warmup=5, rep=30, return_mode="median")
         results = []
         for group, orient, block_t, stages, target in itertools.product((2, 4), ("auto", "rows", "cols"), (32, 64), (2, 3), (0, default_target)):
-            share_rows = (grid.rows <= grid.cols) if orient == "auto" else orient == "rows"
-            plan = triton_kernels.BlockGroups(layout.rows, layout.cols, layout.base, layout.stride,
-                                              grid.rows if share_rows else grid.cols, share_rows, group)  # fmt: skip
+            if orient == "auto":  # the shipped rule
+                plan = triton_kernels.block_group_plan(layout, group)
+            else:
+                share_rows = orient == "rows"
+                plan = triton_kernels.BlockGroups(layout.rows, layout.cols, layout.base, layout.stride,
+                                                  grid.rows if share_rows else grid.cols, share_rows, group)  # fmt: skip
             got = triton_kernels.launch_grouped(go, x, (bh, bw), plan, out, False, block_t, target, 4, stages)
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-1)
             ms = do_bench(lambda: triton_kernels.launch_grouped(go, x, (bh, bw), plan, out, False, block_t, target, 4, stages), warmup=5, rep=30, return_mode="median")
             results.append((ms, (group, orient, block_t, stages, target)))
+        if name.startswith("down"):  # X = silu(gate) ⊙ up: formed by torch first, or tile by tile in the kernel
+            a = torch.randn(args.tokens, in_f, device="cuda", dtype=torch.bfloat16, generator=gen)
+            formed = do_bench(lambda: triton_kernels.block_sddmm_into(go, a * x, layout, out), warmup=5, rep=30, return_mode="median")
+            assert torch.equal(triton_kernels.block_sddmm_into(go, a, layout, out.clone(), x_factor=x),
+                               triton_kernels.block_sddmm_into(go, a * x, layout, out.clone()))  # fmt: skip
+            fused = do_bench(lambda: triton_kernels.block_sddmm_into(go, a, layout, out, x_factor=x), warmup=5, rep=30, return_mode="median")
+            print(f"{name:<14} X as two factors: product then kernel {formed:.4f}, kernel forming the product {fused:.4f}")
         by_config = {c: ms for ms, c in results}
         results.sort()
         print(f"{name:<14} blocks {nb:5d}  dense {dense:.4f}  per-block {old:.4f}  grouped {shipped:.4f}  best (group, orientation, BLOCK_T, stages, target; 4 warps):")

@@ -150,9 +150,9 @@ def test_autocast_bfloat16_cpu():
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=5e-2)
 
 
-def _inputs_kept_case(rebuild, monkeypatch, dtype, device: str = "cpu"):
+def _inputs_kept_case(rebuild, monkeypatch, dtype, device: str = "cpu", block_shape=(1, 1)):
     """Train-mode forward of a tiny Llama; which layer inputs are still alive after forward, and the
-    value gradients after backward."""
+    value gradients after backward. Block adapters take the block kernel whatever the cost model says."""
     import gc
     import weakref
 
@@ -166,12 +166,15 @@ def _inputs_kept_case(rebuild, monkeypatch, dtype, device: str = "cpu"):
     if rebuild is False:
         monkeypatch.setattr(functional, "input_rebuild", lambda x, mode="all": None)
     targets = ["q_proj", "k_proj", "gate_proj", "up_proj", "down_proj"]
-    model = get_peft_model(tiny_llama(dtype=dtype), SpIELConfig(target_modules=targets, density=0.3)).to(device)
+    config = SpIELConfig(target_modules=targets, density=0.3, block_shape=block_shape)
+    model = get_peft_model(tiny_llama(dtype=dtype), config).to(device)
     randomize_values(model, scale=0.1)
     model.train()
-    if isinstance(rebuild, str):
-        for layer in sparse_layers(model):
+    for layer in sparse_layers(model):
+        if isinstance(rebuild, str):
             layer.rebuild_inputs = rebuild
+        if block_shape != (1, 1):
+            layer.value_grad_method = "block"
     seen, handles = {}, []
     for layer in sparse_layers(model):
         if ".layers.1." in layer.module_name:  # layer 0 reads the embeddings, which need no gradient
@@ -199,6 +202,23 @@ def test_layer_inputs_are_rebuilt_not_kept(monkeypatch, dtype):
     norm_rebuilt = dtype == torch.bfloat16
     for kind in ("q_proj", "k_proj", "gate_proj", "up_proj"):
         assert alive[kind] is not norm_rebuilt, kind
+    for a, b in zip(grads, grads_kept):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_kernel_forms_the_gated_activation_from_its_factors(monkeypatch, dtype):
+    """A block adapter on down_proj takes silu(gate) and up instead of their product (the kernel
+    multiplies tile by tile); the value gradients are bit-identical to keeping the product."""
+    from peft_sparse.core import functional
+
+    taken = []
+    original = functional.InputRebuild.factors
+    monkeypatch.setattr(functional.InputRebuild, "factors", lambda self: taken.append(original(self)) or taken[-1])
+    alive, grads = _inputs_kept_case(True, monkeypatch, dtype, block_shape=(16, 16))
+    assert not alive["down_proj"] and sum(f is not None for f in taken) == 2  # down_proj of both layers
+    alive_kept, grads_kept = _inputs_kept_case(False, monkeypatch, dtype, block_shape=(16, 16))
+    assert all(alive_kept.values())
     for a, b in zip(grads, grads_kept):
         assert torch.equal(a, b)
 

@@ -181,6 +181,23 @@ def test_layer_inputs_rebuilt_on_cuda_are_bit_identical(monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_block_kernel_product_input_on_cuda_is_bit_identical(monkeypatch):
+    """Block adapters on CUDA: the grouped kernel forms down_proj's input silu(gate) ⊙ up from its
+    factors tile by tile, with the value gradients of a kept (torch-formed) input, bit for bit."""
+    from peft_sparse.core import functional
+
+    from .test_functional import _inputs_kept_case
+
+    taken = []
+    original = functional.InputRebuild.factors
+    monkeypatch.setattr(functional.InputRebuild, "factors", lambda self: taken.append(original(self)) or taken[-1])
+    _, grads = _inputs_kept_case(True, monkeypatch, torch.bfloat16, "cuda", block_shape=(16, 16))
+    assert sum(f is not None for f in taken) == 2
+    _, grads_kept = _inputs_kept_case(False, monkeypatch, torch.bfloat16, "cuda", block_shape=(16, 16))
+    for a, b in zip(grads, grads_kept):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("nested", [True, False])
 def test_fused_nf4_weight_on_cuda_is_bitsandbytes_dequantization_plus_delta(tmp_path, monkeypatch, nested):
     """qSpIEL's fused pass (NF4 dequantization and scatter in one launch) gives bit for bit the same

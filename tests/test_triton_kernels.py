@@ -388,6 +388,59 @@ def test_block_sddmm_into_bf16_and_empty_layout(tk):
         tk.block_sddmm_into(go, x, kernels.BlockLayout.of_blocks(blocks, 64, 128, (1, 64)), torch.empty(4 * 64))
 
 
+@pytest.mark.parametrize("out_blocks, in_blocks, plans", [(4, 12, 2), (12, 4, 1)])
+def test_block_sddmm_into_forms_a_product_input_tile_by_tile(tk, out_blocks, in_blocks, plans):
+    """X given as two factors (the gated MLP's silu(gate) and up): bit for bit the result for X = A ⊙ B
+    formed by torch, with the blocks grouped by row or by column (the plan weighs X's double read)."""
+    from peft_sparse.core.selection import BlockGrid
+
+    dtype = torch.bfloat16 if _device() == "cuda" else torch.float32  # the interpreter's tl.dot has no bf16
+    bh = bw = 16
+    g = torch.Generator().manual_seed(out_blocks)
+    out_f, in_f = out_blocks * bh, in_blocks * bw
+    grid = BlockGrid(out_f, in_f, (bh, bw))
+    blocks = torch.randperm(grid.numel, generator=g)[:20].sort().values
+    layout = kernels.BlockLayout.of_blocks(blocks.to(_device()), out_f, in_f, (bh, bw))
+    go, a, b = (torch.randn(150, n, generator=g).to(_device(), dtype) for n in (out_f, in_f, in_f))
+    fused = tk.block_sddmm_into(go, a, layout, torch.empty(20 * bh * bw, device=_device()), group=4, x_factor=b)
+    formed = tk.block_sddmm_into(go, a * b, layout, torch.empty(20 * bh * bw, device=_device()), group=4)
+    assert torch.equal(fused, formed)
+    assert len(layout.plans) == plans  # wide: block rows shared when X is read once, block columns for two factors
+    ref = kernels.block_sddmm_into(go.cpu(), a.cpu(), _cpu_layout(layout), torch.empty(fused.numel()), x_factor=b.cpu())
+    torch.testing.assert_close(fused.cpu(), ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-4, atol=2e-2 if dtype == torch.bfloat16 else 1e-4)
+    with pytest.raises(ValueError, match="x_factor must match"):
+        tk.block_sddmm_into(go, a, layout, torch.empty(20 * bh * bw, device=_device()), x_factor=b[:, :16])
+
+
+def _cpu_layout(layout):
+    return kernels.BlockLayout(*(t.cpu() for t in (layout.rows, layout.cols, layout.base, layout.stride)),
+                               layout.block_shape, layout.out_features, layout.in_features)  # fmt: skip
+
+
+def test_block_kernels_follow_torch_float32_matmul_precision(tk):
+    """float32 operands: full precision unless torch allows TF32 (then TF32, as torch's own matmul)."""
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert tk.dot_precision(torch.float32) == "ieee"
+        if _device() == "cuda":  # compiled: within float32 rounding of a float64 product
+            from peft_sparse.core.selection import BlockGrid
+
+            g = torch.Generator().manual_seed(3)
+            grid = BlockGrid(64, 64, (32, 32))
+            blocks = torch.tensor([0, 3])
+            layout = kernels.BlockLayout.of_blocks(blocks.cuda(), 64, 64, (32, 32))
+            go, x = torch.randn(4096, 64, generator=g).cuda(), torch.randn(4096, 64, generator=g).cuda()
+            out = tk.block_sddmm_into(go, x, layout, torch.empty(2048, device="cuda"))
+            want = go.double().t().mm(x.double()).reshape(-1)[grid.expand(blocks).cuda()]
+            torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-4)
+        torch.set_float32_matmul_precision("high")
+        assert tk.dot_precision(torch.float32) == "tf32"
+        assert tk.dot_precision(torch.bfloat16) == "tf32"  # 16-bit operands: exact products either way
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_multi_tensor_sm3_step_equals_one_launch_per_tensor(tk, momentum):
     """Tensors of different sizes (one over several programs) and widths in one launch: values,

@@ -114,6 +114,18 @@ class InputRebuild:
         self.value = value if self.pending > 0 else None
         return value
 
+    def factors(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(A, B) with X = A ⊙ B, both of X's shape and dtype, for the last reader when X = A ⊙ B is not
+        formed yet (counted as its read): a consumer that multiplies tile by tile never writes X out.
+        None otherwise — then :meth:`get`."""
+        if self.inner is not None or self.value is not None or self.pending != 1:
+            return None
+        a, b = self.node._saved_self, self.node._saved_other
+        if a.shape != b.shape or a.dtype != self.dtype or b.dtype != self.dtype:
+            return None
+        self.pending = 0
+        return a, b
+
 
 # id(autograd node) → its rebuild record while some layer's backward may still need it (the record
 # holds the node, so an id cannot be reused while its entry lives)
@@ -261,8 +273,6 @@ class SparseDeltaLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors
         x, rest = (saved[0], saved[1:]) if ctx.x_saved else (None, saved)
-        if x is None and ctx.x_rebuild is not None:
-            x = ctx.x_rebuild.get()  # the same elementwise operations on the same tensors: the same bits
         n = ctx.n_adapters
         indices, values = rest[:n], rest[n:]
         need_x, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -291,11 +301,30 @@ class SparseDeltaLinear(torch.autograd.Function):
 
         value_grads = [None] * n
         if any(need_values):
-            x2 = x.reshape(-1, ctx.in_features)  # (tokens, in)
-            if x2.dtype != dtype:
-                x2 = x2.to(dtype)
             hooks = ctx.hooks
             consumer = hooks.dense_grad_consumer if hooks is not None else None
+            method = hooks.value_grad_method if hooks is not None else "auto"
+            blocks = [ctx.blocks[a] if ctx.blocks and need_values[a] else None for a in range(n)]
+            if method != "dense":
+                for a, block in enumerate(blocks):
+                    if block is not None and method == "auto":
+                        if kernels.COST_MODEL.choose_block(g2.device, g2.shape[0], ctx.out_features, ctx.in_features, values[a].numel(), block.block_shape) == "dense":
+                            blocks[a] = None
+            else:
+                blocks = [None] * n
+            factors = None
+            if x is None and ctx.x_rebuild is not None:
+                # X = A ⊙ B read only by the block kernel: the kernel forms it tile by tile (the same bits)
+                if consumer is None and n == 1 and blocks[0] is not None and g2.dtype == ctx.x_dtype == dtype:
+                    factors = ctx.x_rebuild.factors()
+                if factors is None:
+                    x = ctx.x_rebuild.get()  # the same elementwise operations on the same tensors: the same bits
+            if factors is not None:
+                x2, x2_factor = (f.reshape(-1, ctx.in_features) for f in factors)  # (tokens, in) each
+            else:
+                x2, x2_factor = x.reshape(-1, ctx.in_features), None  # (tokens, in)
+                if x2.dtype != dtype:
+                    x2 = x2.to(dtype)
             wanted = getattr(consumer, "candidate_blocks", None) if consumer is not None else None
             if wanted is not None:  # the consumer's candidates are known blocks: its gradients from the block kernel
                 bh, bw = wanted.block_shape
@@ -313,17 +342,12 @@ class SparseDeltaLinear(torch.autograd.Function):
                         value_grads[a] = flat.index_select(0, indices[a]).to(values[a].dtype)
                 del dW, flat
             else:
-                method = hooks.value_grad_method if hooks is not None else "auto"
                 for a in range(n):
                     if not need_values[a]:
                         continue
-                    block = ctx.blocks[a] if ctx.blocks else None
-                    if block is not None and method == "auto":
-                        if kernels.COST_MODEL.choose_block(g2.device, g2.shape[0], ctx.out_features, ctx.in_features, values[a].numel(), block.block_shape) == "dense":
-                            block = None
-                    if block is not None and method != "dense":  # straight into the values' order
+                    if blocks[a] is not None:  # straight into the values' order
                         grad = torch.empty(values[a].numel(), dtype=kernels.accumulation_dtype(g2.dtype), device=g2.device)
-                        kernels.block_sddmm_into(g2, x2, block, grad)
+                        kernels.block_sddmm_into(g2, x2, blocks[a], grad, x_factor=x2_factor)
                     else:
                         grad = kernels.value_gradient(g2, x2, indices[a], ctx.out_features, ctx.in_features, method)
                     value_grads[a] = grad if grad.dtype == values[a].dtype else grad.to(values[a].dtype)

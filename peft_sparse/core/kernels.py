@@ -346,11 +346,13 @@ def block_sddmm_into_reference(grad_out2d, x2d, layout: BlockLayout, out: torch.
     return _place_tiles(out, layout, block_sddmm_reference(grad_out2d, x2d, layout.rows, layout.cols, bh, bw), accumulate)
 
 
-def block_sddmm_into(grad_out2d, x2d, layout: BlockLayout, out: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
+def block_sddmm_into(grad_out2d, x2d, layout: BlockLayout, out: torch.Tensor, accumulate: bool = False,
+                     x_factor: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
     """The value gradient of a block adapter straight into ``out`` (ascending element order, float32):
     on CUDA one grouped Triton launch for blocks of at least 16×16 (blocks sharing a block row or
     column read its tile once); otherwise :func:`block_sddmm`'s tiles, placed. ``accumulate`` adds to
-    ``out`` instead of overwriting it."""
+    ``out`` instead of overwriting it. ``x_factor``: the layer input is the product ``x2d ⊙ x_factor``
+    (same shape and dtype), which the kernel forms tile by tile — the same bits as multiplying first."""
     if grad_out2d.device.type == "cuda":
         _load_gpu_kernels()
     kernel = BLOCK_SDDMM_INTO_KERNELS.get(grad_out2d.device.type)
@@ -358,7 +360,9 @@ def block_sddmm_into(grad_out2d, x2d, layout: BlockLayout, out: torch.Tensor, ac
     pow2 = all(v & (v - 1) == 0 for v in (bh, bw))
     if kernel is not None and pow2 and min(bh, bw) >= 16 and out.dtype == torch.float32 and out.is_contiguous():
         with on_device(grad_out2d):
-            return kernel(grad_out2d, x2d, layout, out, accumulate)
+            return kernel(grad_out2d, x2d, layout, out, accumulate, x_factor=x_factor)
+    if x_factor is not None:
+        x2d = x2d * x_factor
     return _place_tiles(out, layout, block_sddmm(grad_out2d, x2d, layout.rows, layout.cols, bh, bw), accumulate)
 
 

@@ -65,7 +65,7 @@ def sddmm(grad_out2d: torch.Tensor, x2d: torch.Tensor, rows: torch.Tensor, cols:
 @triton.jit
 def _block_sddmm_kernel(
     G, X, BLOCK_ROWS, BLOCK_COLS, OUT, T, split_tokens, n_blocks, stride_g, stride_x,
-    BH: tl.constexpr, BW: tl.constexpr, BLOCK_T: tl.constexpr,
+    BH: tl.constexpr, BW: tl.constexpr, BLOCK_T: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # program (b, s): block b over the token range [s·split_tokens, (s+1)·split_tokens)
     b = tl.program_id(0)
@@ -80,7 +80,7 @@ def _block_sddmm_kernel(
         tm = t < t_end
         gt = tl.load(G + t[None, :].to(tl.int64) * stride_g + rows[:, None], mask=tm[None, :], other=0.0)  # (BH, BLOCK_T)
         x = tl.load(X + t[:, None].to(tl.int64) * stride_x + cols[None, :], mask=tm[:, None], other=0.0)  # (BLOCK_T, BW)
-        acc += tl.dot(gt, x)
+        acc += tl.dot(gt, x, input_precision=PRECISION)
     offs = (s * n_blocks + b).to(tl.int64) * BH * BW + tl.arange(0, BH)[:, None] * BW + tl.arange(0, BW)[None, :]
     tl.store(OUT + offs, acc)
 
@@ -162,20 +162,33 @@ def block_sddmm(
         _row_block_sddmm_kernel[grid](g, x, block_rows, block_cols, out, tokens, per, n, g.stride(0), x.stride(0), BW=bw, BLOCK_T=block_t)
     else:
         _block_sddmm_kernel[grid](
-            g, x, block_rows, block_cols, out, tokens, per, n, g.stride(0), x.stride(0), BH=bh, BW=bw, BLOCK_T=block_t
+            g, x, block_rows, block_cols, out, tokens, per, n, g.stride(0), x.stride(0), BH=bh, BW=bw, BLOCK_T=block_t,
+            PRECISION=dot_precision(g.dtype),
         )  # fmt: skip
     return out[0] if splits == 1 else out.sum(0)
 
 
 @triton.jit
+def _x_tile(X, X2, offs, mask, PRODUCT: tl.constexpr):
+    """A tile of X, or of X ⊙ X2 rounded to X's type as torch's multiplication rounds it (float32
+    product, one rounding)."""
+    x = tl.load(X + offs, mask=mask, other=0.0)
+    if PRODUCT:
+        x = _round_to(x.to(tl.float32) * tl.load(X2 + offs, mask=mask, other=0.0).to(tl.float32), X)
+    return x
+
+
+@triton.jit
 def _grouped_block_sddmm_kernel(
-    G, X, LINE, OTHER, BASE, STRIDE, OUT, T, split_tokens, split_stride, stride_g, stride_x,
+    G, X, X2, LINE, OTHER, BASE, STRIDE, OUT, T, split_tokens, split_stride, stride_g, stride_x,
     SHARE_ROWS: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, PRODUCT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # program (p, s): group p — up to GROUP blocks on one block row (SHARE_ROWS: one ∂L/∂Y tile read
     # for all of them) or one block column (one X tile) — over the token slice s. Element (i, j) of a
-    # block goes to OUT[s·split_stride + base + i·stride + j] (ascending element order of the values)
+    # block goes to OUT[s·split_stride + base + i·stride + j] (ascending element order of the values).
+    # PRODUCT: X is the elementwise product X ⊙ X2 (same layout), formed tile by tile as torch's
+    # multiplication rounds it, so that the product never goes through memory
     p = tl.program_id(0)
     s = tl.program_id(1)
     line = tl.load(LINE + p).to(tl.int64)
@@ -195,8 +208,8 @@ def _grouped_block_sddmm_kernel(
             t = t0 + tl.arange(0, BLOCK_T)
             tm = t < t_end
             gt = tl.load(G + t[None, :].to(tl.int64) * stride_g + rows[:, None], mask=tm[None, :], other=0.0)
-            x = tl.load(X + t[:, None].to(tl.int64) * stride_x + cols[None, :], mask=tm[:, None] & valid[None, :], other=0.0)
-            acc += tl.dot(gt, x)
+            x = _x_tile(X, X2, t[:, None].to(tl.int64) * stride_x + cols[None, :], tm[:, None] & valid[None, :], PRODUCT)
+            acc += tl.dot(gt, x, input_precision=PRECISION)
         base = tl.load(BASE + p * GROUP + member, mask=valid, other=0)
         stride = tl.load(STRIDE + p * GROUP + member, mask=valid, other=0).to(tl.int64)
         offs = base[None, :] + tl.arange(0, BH)[:, None].to(tl.int64) * stride[None, :] + (k % BW)[None, :]
@@ -213,8 +226,8 @@ def _grouped_block_sddmm_kernel(
             t = t0 + tl.arange(0, BLOCK_T)
             tm = t < t_end
             gt = tl.load(G + t[None, :].to(tl.int64) * stride_g + rows[:, None], mask=tm[None, :] & valid[:, None], other=0.0)
-            x = tl.load(X + t[:, None].to(tl.int64) * stride_x + cols[None, :], mask=tm[:, None], other=0.0)
-            acc += tl.dot(gt, x)
+            x = _x_tile(X, X2, t[:, None].to(tl.int64) * stride_x + cols[None, :], tm[:, None], PRODUCT)
+            acc += tl.dot(gt, x, input_precision=PRECISION)
         base = tl.load(BASE + p * GROUP + member, mask=valid, other=0)
         stride = tl.load(STRIDE + p * GROUP + member, mask=valid, other=0).to(tl.int64)
         offs = base[:, None] + (k % BH)[:, None].to(tl.int64) * stride[:, None] + tl.arange(0, BW)[None, :]
@@ -255,27 +268,45 @@ class BlockGroups:
         self.share_rows, self.group, self.size = share_rows, group, size
 
 
-def block_group_plan(layout, group: int = 4) -> BlockGroups:
+def block_group_plan(layout, group: int = 4, x_reads: int = 1) -> BlockGroups:
     """The :class:`BlockGroups` of ``layout`` (a :class:`~peft_sparse.core.kernels.BlockLayout`),
-    cached on it: groups share the operand whose block lines hold more active blocks on average."""
-    share_rows = layout.out_features // layout.block_shape[0] <= layout.in_features // layout.block_shape[1]
+    cached on it. Groups share the operand whose sharing saves more reads: per block, a program reads
+    bh/m rows of ∂L/∂Y and x_reads·bw of X when ``m`` blocks share a block row (m = the group size, or
+    fewer when block rows hold fewer active blocks on average), or x_reads·bw/m and bh when they share
+    a block column. ``x_reads`` is 2 when X is formed from two factors in the kernel."""
+    bh, bw = layout.block_shape
+    rows, cols = layout.out_features // bh, layout.in_features // bw
+    n = layout.rows.numel()
+    by_rows = bh / min(group, max(1.0, n / rows)) + x_reads * bw
+    by_cols = x_reads * bw / min(group, max(1.0, n / cols)) + bh
+    share_rows = by_rows <= by_cols
     key = (share_rows, group)
     plan = layout.plans.get(key)
     if plan is None:
-        lines = layout.out_features // layout.block_shape[0] if share_rows else layout.in_features // layout.block_shape[1]
+        lines = rows if share_rows else cols
         plan = layout.plans[key] = BlockGroups(layout.rows, layout.cols, layout.base, layout.stride, lines, share_rows, group)
     return plan
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s input precision for float32 operands that follows torch's matmul setting: full
+    float32 unless TF32 is allowed (``torch.backends.cuda.matmul.allow_tf32`` /
+    ``torch.set_float32_matmul_precision``); 16-bit operands are exact either way."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
 def block_sddmm_into(
     grad_out2d: torch.Tensor, x2d: torch.Tensor, layout, out: torch.Tensor, accumulate: bool = False,
-    group: Optional[int] = None, target_programs: Optional[int] = None,
+    group: Optional[int] = None, target_programs: Optional[int] = None, x_factor: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:  # fmt: skip
     """The block-sparse dW of ``layout``'s blocks written (or, ``accumulate``, added) into the float32
     ``out`` in ascending element order — the values' order — without an intermediate tile tensor:
     element (i, j) of block b lands at ``layout.base[b] + i·layout.stride[b] + j``. ``group`` (default:
     4 blocks of up to 32×32, fewer for larger blocks, so a program's tile stays within 128 rows or
-    columns) caps the blocks per program."""
+    columns) caps the blocks per program. ``x_factor`` (X's shape and dtype): X is ``x2d ⊙ x_factor``,
+    formed tile by tile in the kernel with torch's rounding."""
     bh, bw = layout.block_shape
     if bh < 16 or bw < 16:
         raise ValueError(f"block_sddmm_into supports blocks of at least 16×16, got {(bh, bw)}")
@@ -286,27 +317,37 @@ def block_sddmm_into(
         return out if accumulate else out.zero_()
     g = grad_out2d.contiguous()
     x = x2d.contiguous()
-    if g.dtype != x.dtype:
+    if x_factor is not None:
+        if x_factor.shape != x.shape or x_factor.dtype != x.dtype:
+            raise ValueError(f"x_factor must match x2d's shape and dtype, got {tuple(x_factor.shape)} {x_factor.dtype} "
+                             f"against {tuple(x.shape)} {x.dtype}")  # fmt: skip
+        x_factor = x_factor.contiguous()
+        if x.dtype != g.dtype:  # the product in X's type first, as torch forms it
+            x, x_factor = (x * x_factor).to(g.dtype), None
+    elif g.dtype != x.dtype:
         x = x.to(g.dtype)
     if group is None:
         group = max(1, 128 // max(bh, bw))
     block_t = 64 if max(bh, bw) <= 64 else 32
     target = target_programs or (_target_programs(g.device) if g.is_cuda else 1)
-    return launch_grouped(g, x, layout.block_shape, block_group_plan(layout, group), out, accumulate, block_t, target)
+    plan = block_group_plan(layout, group, 1 if x_factor is None else 2)
+    return launch_grouped(g, x, layout.block_shape, plan, out, accumulate, block_t, target, x_factor=x_factor)
 
 
 def launch_grouped(g, x, block_shape, plan: BlockGroups, out, accumulate: bool, block_t: int, target: int,
-                   num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:  # fmt: skip
+                   num_warps: int = 4, num_stages: int = 2, x_factor: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
     """One launch of the grouped block kernel with explicit settings (``target`` 0: no token slices);
-    :func:`block_sddmm_into` picks them, ``benchmarks/tune_block.py`` sweeps them."""
+    :func:`block_sddmm_into` picks them, ``benchmarks/tune_block.py`` sweeps them. ``x_factor``: X is
+    ``x ⊙ x_factor`` (same strides)."""
     bh, bw = block_shape
     tokens = g.shape[0]
     splits, per = token_splits(plan.size, tokens, block_t, target) if target else (1, tokens)
     dest = out if splits == 1 else torch.empty(splits, out.numel(), dtype=torch.float32, device=out.device)
     _grouped_block_sddmm_kernel[(plan.size, splits)](
-        g, x, plan.line, plan.other, plan.base, plan.stride, dest, tokens, per, out.numel(), g.stride(0), x.stride(0),
+        g, x, x if x_factor is None else x_factor, plan.line, plan.other, plan.base, plan.stride, dest, tokens, per,
+        out.numel(), g.stride(0), x.stride(0),
         SHARE_ROWS=plan.share_rows, BH=bh, BW=bw, GROUP=plan.group, BLOCK_T=block_t, ACCUMULATE=accumulate and splits == 1,
-        num_warps=num_warps, num_stages=num_stages,
+        PRODUCT=x_factor is not None, PRECISION=dot_precision(g.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:
         if accumulate:
