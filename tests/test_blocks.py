@@ -208,3 +208,28 @@ def test_candidate_slots_formula_matches_a_search():
         stats.index_candidate_blocks()
         want = torch.searchsorted(stats.candidates, grid.block_major(stats.candidate_units).reshape(-1))
         assert torch.equal(stats.candidate_blocks.slots(), want), (shape, block, units)
+
+
+def test_window_first_step_picks_the_top_blocks_by_float32_gradient_sums():
+    """Hand-built ∂L/∂W: the candidates are the K blocks of largest Σ|g| (ties → lower block number),
+    in ascending element order, with this micro-batch's gradients there and empty window sums."""
+    from peft_sparse.methods.spiel import _WindowStatistics
+
+    grid = BlockGrid(4, 6, (2, 2))  # 2 × 3 blocks
+    dense = torch.zeros(4, 6, dtype=torch.bfloat16)
+    dense[0:2, 2:4] = -0.5  # block 1: Σ|g| 2.0
+    dense[2:4, 0:2] = 0.5  # block 3: 2.0 (ties block 1, which is lower)
+    dense[2:4, 4:6] = torch.tensor([[1.0, -1.0], [0.25, 0.5]])  # block 5: 2.75
+    dense[0, 0] = 1.5  # block 0: 1.5
+    stats = _WindowStatistics(2, grid)
+    stats(None, dense)
+    assert stats.candidate_units.tolist() == [1, 5]
+    assert stats.candidates.tolist() == [2, 3, 8, 9, 16, 17, 22, 23]
+    assert torch.equal(stats.step_sum, dense.reshape(-1)[stats.candidates.long()].float())
+    assert stats.grad_sum.tolist() == [0.0] * 8 and stats.grad_sq_sum.tolist() == [0.0] * 8
+    assert torch.equal(stats.candidate_blocks.slots(), torch.searchsorted(stats.candidates.long(), grid.block_major(stats.candidate_units).reshape(-1)))
+    stats3 = _WindowStatistics(3, grid)
+    stats3(None, dense)
+    assert stats3.candidate_units.tolist() == [1, 3, 5]  # both tied blocks once K reaches them
+    stats(None, dense)  # a second micro-batch of the same step adds to the step's sum
+    assert torch.equal(stats.step_sum, 2 * dense.reshape(-1)[stats.candidates.long()].float())

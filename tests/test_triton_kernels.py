@@ -412,6 +412,42 @@ def test_block_sddmm_into_forms_a_product_input_tile_by_tile(tk, out_blocks, in_
         tk.block_sddmm_into(go, a, layout, torch.empty(20 * bh * bw, device=_device()), x_factor=b[:, :16])
 
 
+@pytest.mark.parametrize("block_shape", [(16, 32), (32, 32), (1, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_score_keys_and_gather_blocks_match_the_references(tk, block_shape, dtype):
+    """Keys: the block number bit for bit, Σ|g| up to float32 summation order (a near-tie may flip);
+    gathered blocks: layout, ascending indices (int32 and int64) and values bit for bit."""
+    bh, bw = block_shape
+    g = torch.Generator().manual_seed(bh + bw)
+    dense = torch.randn(4 * max(bh, 16), 5 * bw, generator=g).to(dtype)
+    want = kernels.block_score_keys_reference(dense, block_shape)
+    got = tk.block_score_keys(dense.to(_device()), block_shape).cpu()
+    assert torch.equal(got & 0xFFFFFFFF, want & 0xFFFFFFFF)
+    as_float = lambda k: (k >> 32).to(torch.int32).view(torch.float32)  # noqa: E731
+    torch.testing.assert_close(as_float(got), as_float(want), rtol=1e-6, atol=0)
+    units = kernels.top_blocks(want, 7)
+    assert units.tolist() == sorted(units.tolist()) and len(set(units.tolist())) == 7
+    for index_dtype in (torch.int32, torch.int64):
+        layout, idx, vals = kernels.gather_blocks_reference(dense, units, block_shape, index_dtype)
+        t_layout, t_idx, t_vals = tk.gather_blocks(dense.to(_device()), units.to(_device()), block_shape, index_dtype)
+        for name in ("rows", "cols", "base", "stride"):
+            a, b = getattr(layout, name), getattr(t_layout, name).cpu()
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+        assert t_idx.dtype == index_dtype and torch.equal(t_idx.cpu(), idx) and torch.equal(t_vals.cpu(), vals)
+    from peft_sparse.core.selection import BlockGrid
+
+    assert torch.equal(idx, BlockGrid(*dense.shape, block_shape).expand(units))
+
+
+def test_top_blocks_breaks_ties_toward_lower_blocks():
+    sums = torch.tensor([1.0, 3.0, 2.0, 3.0, 0.0, 2.0])
+    keys = (sums.view(torch.int32).long() << 32) | (0xFFFFFFFF - torch.arange(6))
+    assert kernels.top_blocks(keys, 1).tolist() == [1]
+    assert kernels.top_blocks(keys, 3).tolist() == [1, 2, 3]
+    assert kernels.top_blocks(keys, 4).tolist() == [1, 2, 3, 5]
+    assert kernels.top_blocks(keys, 9).tolist() == [0, 1, 2, 3, 4, 5]
+
+
 def _cpu_layout(layout):
     return kernels.BlockLayout(*(t.cpu() for t in (layout.rows, layout.cols, layout.base, layout.stride)),
                                layout.block_shape, layout.out_features, layout.in_features)  # fmt: skip

@@ -33,6 +33,10 @@ SCATTER_SUM_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 SCALED_PRODUCT_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 # device type → callable(packed, code, absmax, nested, blocksize, shape, dtype, indices, values) (see nf4_compose)
 NF4_COMPOSE_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
+# device type → callable(dense, block_shape) -> keys (see block_score_keys)
+BLOCK_SCORE_KEYS_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
+# device type → callable(dense, units, block_shape, index_dtype) -> (layout, indices, values) (see gather_blocks)
+GATHER_BLOCKS_KERNELS: dict[str, Callable[..., tuple]] = {}
 _GPU_KERNELS_TRIED = False
 
 
@@ -53,6 +57,8 @@ def _load_gpu_kernels() -> None:
     SCATTER_SUM_KERNELS.setdefault("cuda", triton_kernels.scatter_sum_into)
     SCALED_PRODUCT_KERNELS.setdefault("cuda", triton_kernels.scaled_product)
     NF4_COMPOSE_KERNELS.setdefault("cuda", triton_kernels.nf4_compose)
+    BLOCK_SCORE_KEYS_KERNELS.setdefault("cuda", triton_kernels.block_score_keys)
+    GATHER_BLOCKS_KERNELS.setdefault("cuda", triton_kernels.gather_blocks)
 
 # bytes of scratch memory the reference SDDMM may use per chunk
 _REFERENCE_CHUNK_BYTES = 64 * 2**20
@@ -364,6 +370,64 @@ def block_sddmm_into(grad_out2d, x2d, layout: BlockLayout, out: torch.Tensor, ac
     if x_factor is not None:
         x2d = x2d * x_factor
     return _place_tiles(out, layout, block_sddmm(grad_out2d, x2d, layout.rows, layout.cols, bh, bw), accumulate)
+
+
+def block_score_keys_reference(dense: torch.Tensor, block_shape) -> torch.Tensor:
+    """int64 keys of the (bh, bw) blocks of the (out, in) ``dense``, row-major on the block grid: the
+    float32 Σ|entries| of the block in the high 32 bits (non-negative floats order like their bit
+    patterns), 2³²−1 − block number in the low ones. Larger key ⇔ larger sum, ties → lower block: one
+    ``topk`` over them picks an exact, deterministic set."""
+    out_f, in_f = dense.shape
+    bh, bw = block_shape
+    sums = dense.abs().reshape(out_f // bh, bh, in_f // bw, bw).sum(dim=(1, 3), dtype=torch.float32).reshape(-1)
+    low = 0xFFFFFFFF - torch.arange(sums.numel(), device=dense.device, dtype=torch.int64)
+    return (sums.view(torch.int32).to(torch.int64) << 32) | low
+
+
+def block_score_keys(dense: torch.Tensor, block_shape) -> torch.Tensor:
+    """:func:`block_score_keys_reference`; on CUDA one Triton launch (no |dense| copy, no separate sum)."""
+    if dense.device.type == "cuda":
+        _load_gpu_kernels()
+    kernel = BLOCK_SCORE_KEYS_KERNELS.get(dense.device.type)
+    bh, bw = block_shape
+    if kernel is not None and bh & (bh - 1) == 0 and bw & (bw - 1) == 0 and dense.dtype in _KERNEL_FLOAT_TYPES:
+        with on_device(dense):
+            return kernel(dense.contiguous(), block_shape)
+    return block_score_keys_reference(dense, block_shape)
+
+
+def top_blocks(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending block numbers of the k largest :func:`block_score_keys` (ties → lower blocks)."""
+    k = min(k, keys.numel())
+    top = torch.topk(keys, k, sorted=False).values
+    return (0xFFFFFFFF - (top & 0xFFFFFFFF)).sort().values
+
+
+def gather_blocks_reference(dense: torch.Tensor, units: torch.Tensor, block_shape, index_dtype: torch.dtype):
+    """For ascending blocks ``units`` of the (out, in) ``dense``: their :class:`BlockLayout`, their
+    elements' flat indices in ascending order (``index_dtype``), and ``dense`` there in float32."""
+    out_f, in_f = dense.shape
+    bh, bw = block_shape
+    layout = BlockLayout.of_blocks(units, out_f, in_f, block_shape)
+    i = torch.arange(bh, device=dense.device)[None, :, None]
+    j = torch.arange(bw, device=dense.device)[None, None, :]
+    block_major = (layout.rows.long() * bh)[:, None, None] + i
+    block_major = (block_major * in_f + (layout.cols.long() * bw)[:, None, None] + j).reshape(-1)
+    flat = torch.empty_like(block_major)
+    flat[layout.slots()] = block_major
+    return layout, flat.to(index_dtype), dense.reshape(-1).index_select(0, flat).float()
+
+
+def gather_blocks(dense: torch.Tensor, units: torch.Tensor, block_shape, index_dtype: torch.dtype):
+    """:func:`gather_blocks_reference`; on CUDA one Triton launch for the layout, the indices and the values."""
+    if dense.device.type == "cuda":
+        _load_gpu_kernels()
+    kernel = GATHER_BLOCKS_KERNELS.get(dense.device.type)
+    bh, bw = block_shape
+    if kernel is not None and bh & (bh - 1) == 0 and bw & (bw - 1) == 0 and dense.dtype in _KERNEL_FLOAT_TYPES:
+        with on_device(dense):
+            return kernel(dense.contiguous(), units, block_shape, index_dtype)
+    return gather_blocks_reference(dense, units, block_shape, index_dtype)
 
 
 class CostModel:

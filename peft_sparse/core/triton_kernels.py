@@ -384,6 +384,76 @@ def _search_rounds(n: int, k: int) -> int:
 
 
 @triton.jit
+def _block_score_keys_kernel(DENSE, KEYS, in_features, grid_cols, BH: tl.constexpr, BW: tl.constexpr):
+    # program u: block u of the grid (row-major); key = float32 bits of Σ|block| << 32 | (2³²−1 − u)
+    u = tl.program_id(0).to(tl.int64)
+    r = u // grid_cols
+    c = u % grid_cols
+    offs = (r * BH + tl.arange(0, BH))[:, None] * in_features + c * BW + tl.arange(0, BW)[None, :]
+    total = tl.sum(tl.sum(tl.abs(tl.load(DENSE + offs).to(tl.float32)), axis=1), axis=0)
+    bits = total.to(tl.int32, bitcast=True).to(tl.int64)
+    tl.store(KEYS + u, (bits << 32) | (tl.full((), 4294967295, tl.int64) - u))
+
+
+def block_score_keys(dense: torch.Tensor, block_shape) -> torch.Tensor:
+    """:func:`~peft_sparse.core.kernels.block_score_keys_reference` in one launch (contiguous ``dense``)."""
+    bh, bw = block_shape
+    out_f, in_f = dense.shape
+    n = (out_f // bh) * (in_f // bw)
+    keys = torch.empty(n, dtype=torch.int64, device=dense.device)
+    if n:
+        _block_score_keys_kernel[(n,)](dense, keys, in_f, in_f // bw, BH=bh, BW=bw, num_warps=4)
+    return keys
+
+
+@triton.jit
+def _gather_blocks_kernel(
+    UNITS, n, n_iter, grid_cols, DENSE, in_features, ROWS, COLS, BASE, STRIDE, IDX, OUT,
+    BH: tl.constexpr, BW: tl.constexpr, K: tl.constexpr,
+):  # fmt: skip
+    # program b: the b-th of the ascending blocks UNITS. Its block row's first active block and count
+    # come from two searches of UNITS; its layout entry (see BlockLayout) places its elements, whose
+    # flat indices and dense entries land at those places
+    b = tl.program_id(0).to(tl.int64)
+    u = tl.load(UNITS + b).to(tl.int64)
+    r = u // grid_cols
+    c = u % grid_cols
+    first = _lower_bound(UNITS, n, r * grid_cols, n_iter, K)
+    count = _lower_bound(UNITS, n, (r + 1) * grid_cols, n_iter, K) - first
+    base = first * (BH * BW) + (b - first) * BW
+    stride = count * BW
+    tl.store(ROWS + b, r.to(tl.int32))
+    tl.store(COLS + b, c.to(tl.int32))
+    tl.store(BASE + b, base)
+    tl.store(STRIDE + b, stride.to(tl.int32))
+    i = tl.arange(0, BH).to(tl.int64)[:, None]
+    j = tl.arange(0, BW).to(tl.int64)[None, :]
+    pos = base + i * stride + j
+    elem = (r * BH + i) * in_features + c * BW + j
+    tl.store(IDX + pos, elem.to(IDX.dtype.element_ty))
+    tl.store(OUT + pos, tl.load(DENSE + elem).to(tl.float32))
+
+
+def gather_blocks(dense: torch.Tensor, units: torch.Tensor, block_shape, index_dtype: torch.dtype):
+    """:func:`~peft_sparse.core.kernels.gather_blocks_reference` in one launch (contiguous ``dense``)."""
+    from .kernels import BlockLayout
+
+    bh, bw = block_shape
+    out_f, in_f = dense.shape
+    n = units.numel()
+    dev = dense.device
+    rows, cols, stride = (torch.empty(n, dtype=torch.int32, device=dev) for _ in range(3))
+    base = torch.empty(n, dtype=torch.int64, device=dev)
+    idx = torch.empty(n * bh * bw, dtype=index_dtype, device=dev)
+    out = torch.empty(n * bh * bw, dtype=torch.float32, device=dev)
+    if n:
+        _gather_blocks_kernel[(n,)](
+            units, n, _search_rounds(n, 64), in_f // bw, dense, in_f, rows, cols, base, stride, idx, out, BH=bh, BW=bw, K=64,
+        )  # fmt: skip
+    return BlockLayout(rows, cols, base, stride, block_shape, out_f, in_f), idx, out
+
+
+@triton.jit
 def _round_to(x, OUT):
     """float32 → OUT's element type, rounding to nearest even like torch's conversions."""
     if OUT.dtype.element_ty == tl.float32:

@@ -732,21 +732,25 @@ class _WindowStatistics:
             if _distributed():
                 flat = flat.clone()
                 dist.all_reduce(flat)  # identical candidates on every rank
-            unit_scores = self.grid.reduce(flat.abs().view(self.grid.out_features, self.grid.in_features))
-            chosen_units = top_k_set(unit_scores, self.num_candidate_units)  # ascending
-            if self.grid.unstructured:  # units are the weights: keep one (narrow) copy
-                self.candidates = chosen_units.to(index_dtype(flat.numel()))
-                chosen = self.candidates
-            else:  # each candidate block's elements put at their places in ascending order: no sort
-                self.candidate_units = chosen_units
-                layout = self.candidate_layout()
-                chosen = torch.empty(chosen_units.numel() * self.grid.unit, dtype=torch.long, device=flat.device)
-                chosen[layout.slots()] = self.grid.block_major(chosen_units).reshape(-1)
-                self.candidates = chosen.to(index_dtype(flat.numel()))
+            g = self.grid
+            if g.unstructured:  # units are the weights: keep one (narrow) copy
+                self.candidates = top_k_set(flat.abs(), self.num_candidate_units).to(index_dtype(flat.numel()))  # ascending
+                n = self.candidates.numel()
+            else:  # blocks by Σ|∂L/∂W| (float32), then their layout, elements and first gradients in one pass
+                block_shape = (g.bh, g.bw)
+                keys = kernels.block_score_keys(flat.view(g.out_features, g.in_features), block_shape)
+                self.candidate_units = kernels.top_blocks(keys, self.num_candidate_units)  # ascending
+                own = dense_grad.reshape(g.out_features, g.in_features)  # this rank's gradient
+                layout, self.candidates, first = kernels.gather_blocks(own, self.candidate_units, block_shape, index_dtype(flat.numel()))
                 if self.block_kernel:
                     self.candidate_blocks = layout
-            zeros = torch.zeros(chosen.numel(), dtype=self.dtype, device=flat.device)
-            self.step_sum, self.grad_sum, self.grad_sq_sum = zeros, zeros.clone(), zeros.clone()
+                n = self.candidates.numel()
+            self.grad_sum = torch.zeros(n, dtype=self.dtype, device=flat.device)
+            self.grad_sq_sum = torch.zeros(n, dtype=self.dtype, device=flat.device)
+            if not g.unstructured and self.dtype == torch.float32:
+                self.step_sum = first
+                return
+            self.step_sum = torch.zeros(n, dtype=self.dtype, device=flat.device)
             if _distributed():
                 flat = dense_grad.reshape(-1)
         self.step_sum += flat.index_select(0, self.candidates)
