@@ -75,8 +75,7 @@ def main():
                 plan = triton_kernels.block_group_plan(layout, group)
             else:
                 share_rows = orient == "rows"
-                plan = triton_kernels.BlockGroups(layout.rows, layout.cols, layout.base, layout.stride,
-                                                  grid.rows if share_rows else grid.cols, share_rows, group)  # fmt: skip
+                plan = triton_kernels.BlockGroups.of_layouts([layout], share_rows, group)[0]
             got = triton_kernels.launch_grouped(go, x, (bh, bw), plan, out, False, block_t, target, 4, stages)
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-1)
             ms = do_bench(lambda: triton_kernels.launch_grouped(go, x, (bh, bw), plan, out, False, block_t, target, 4, stages), warmup=5, rep=30, return_mode="median")

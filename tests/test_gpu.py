@@ -181,6 +181,44 @@ def test_layer_inputs_rebuilt_on_cuda_are_bit_identical(monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("growth", ["ma", "ag"])
+def test_block_plans_are_built_for_all_layers_at_once(growth, monkeypatch):
+    """After a reselection the new block layouts already hold the plans their predecessors used, and
+    after an AG window's first step the candidate layouts hold theirs — built in one batch per kind
+    (none inside the next backward pass)."""
+    from peft_sparse.core import triton_kernels
+
+    from .models import inputs
+
+    config = SpIELConfig(target_modules=["q_proj", "gate_proj", "down_proj"], density=0.1, growth=growth,
+                         block_shape=(16, 16), reselection_steps=3, gradient_estimation_steps=2)  # fmt: skip
+    model = get_peft_model(tiny_llama(hidden_size=128, intermediate_size=256), config).cuda()
+    layers = sparse_layers(model)
+    for layer in layers:
+        layer.value_grad_method = "block"
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = SM3(params, lr=1e-2) if growth == "ma" else torch.optim.AdamW(params, lr=1e-2)
+    scheduler = SpIELScheduler(model, opt, total_steps=7)
+    batches = []
+    original = triton_kernels.BlockGroups.of_layouts
+    monkeypatch.setattr(triton_kernels.BlockGroups, "of_layouts", staticmethod(lambda ls, *a: batches.append(len(ls)) or original(ls, *a)))
+    model.train()
+    for step in range(1, 5):
+        x = inputs(seed=step).cuda()
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        before = [dict(layer.cached_block_metadata("default").plans) for layer in layers]
+        scheduler.step()
+        if step == 2:  # the first reselection (t = γ = 2): new layouts, with their predecessors' plans
+            for layer, old in zip(layers, before):
+                new = layer.cached_block_metadata("default")
+                assert set(new.plans) == set(old) and old and all(new.plans[k] is not old[k] for k in old)
+        if growth == "ag" and scheduler.statistics and scheduler.steps_in_window == 1:
+            assert all(s.candidate_blocks.plans for s in scheduler.statistics.values())
+    assert batches and max(batches) == len(layers)
+
+
 def test_block_kernel_product_input_on_cuda_is_bit_identical(monkeypatch):
     """Block adapters on CUDA: the grouped kernel forms down_proj's input silu(gate) ⊙ up from its
     factors tile by tile, with the value gradients of a kept (torch-formed) input, bit for bit."""

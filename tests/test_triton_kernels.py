@@ -448,6 +448,34 @@ def test_top_blocks_breaks_ties_toward_lower_blocks():
     assert kernels.top_blocks(keys, 9).tolist() == [0, 1, 2, 3, 4, 5]
 
 
+def test_plans_of_many_layouts_equal_the_plans_one_by_one(tk):
+    """Layouts of several shapes (one empty) planned together: each plan equals its own one-layout plan,
+    and every active block sits once in a group of its block row (column) with its base and stride."""
+    from peft_sparse.core.selection import BlockGrid
+
+    g = torch.Generator().manual_seed(4)
+    layouts = []
+    for out_f, in_f, share in ((64, 160, 0.4), (160, 64, 0.5), (32, 32, 0.0), (128, 128, 0.2)):
+        grid = BlockGrid(out_f, in_f, (16, 16))
+        blocks = torch.randperm(grid.numel, generator=g)[: int(share * grid.numel)].sort().values
+        layouts.append(kernels.BlockLayout.of_blocks(blocks, out_f, in_f, (16, 16)))
+    for share_rows in (True, False):
+        many = tk.BlockGroups.of_layouts(layouts, share_rows, 4)
+        for layout, plan in zip(layouts, many):
+            one = tk.BlockGroups.of_layouts([layout], share_rows, 4)[0]
+            for name in ("line", "other", "base", "stride"):
+                assert torch.equal(getattr(plan, name), getattr(one, name)), name
+            seen = {}
+            for p in range(plan.size):
+                members = [m for m in range(4) if plan.other[p, m] >= 0]
+                assert (plan.line[p] >= 0) == bool(members)
+                for m in members:
+                    line, other = int(plan.line[p]), int(plan.other[p, m])
+                    seen[(line, other) if share_rows else (other, line)] = (int(plan.base[p, m]), int(plan.stride[p, m]))
+            want = {(int(r), int(c)): (int(b), int(st)) for r, c, b, st in zip(layout.rows, layout.cols, layout.base, layout.stride)}
+            assert seen == want and len(seen) == layout.rows.numel()
+
+
 def _cpu_layout(layout):
     return kernels.BlockLayout(*(t.cpu() for t in (layout.rows, layout.cols, layout.base, layout.stride)),
                                layout.block_shape, layout.out_features, layout.in_features)  # fmt: skip

@@ -326,9 +326,9 @@ class SparseDeltaLinear(torch.autograd.Function):
                 if x2.dtype != dtype:
                     x2 = x2.to(dtype)
             wanted = getattr(consumer, "candidate_blocks", None) if consumer is not None else None
-            if wanted is not None:  # the consumer's candidates are known blocks: its gradients from the block kernel
+            if wanted is not None and method != "dense":  # the consumer's candidates are known blocks: the block kernel
                 bh, bw = wanted.block_shape
-                if kernels.COST_MODEL.choose_block(g2.device, g2.shape[0], ctx.out_features, ctx.in_features, wanted.rows.numel() * bh * bw, (bh, bw)) == "block":
+                if method != "auto" or kernels.COST_MODEL.choose_block(g2.device, g2.shape[0], ctx.out_features, ctx.in_features, wanted.rows.numel() * bh * bw, (bh, bw)) == "block":
                     consumer.add_candidate_gradients(g2, x2)
                     hooks.dense_grad_count += 1
                     consumer = None  # the values' gradients as outside a window

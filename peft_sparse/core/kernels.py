@@ -430,6 +430,31 @@ def gather_blocks(dense: torch.Tensor, units: torch.Tensor, block_shape, index_d
     return gather_blocks_reference(dense, units, block_shape, index_dtype)
 
 
+def prepare_block_plans(layouts: list, keys: Optional[list] = None) -> None:
+    """Build the grouped block kernel's launch plans of many :class:`BlockLayout` s at once, where that
+    kernel serves their device (CUDA): a fixed number of launches for all of them, instead of each
+    layout building its own at its first use inside a backward pass. ``keys[i]``: the plans (as in
+    ``layouts[i].plans``) to build for layout i; default: the one a plain product uses. Layouts the
+    kernel does not serve (other devices, block shapes) are skipped: they need no plan."""
+    chosen, chosen_keys = [], []
+    for i, layout in enumerate(layouts):
+        if layout is None or layout.rows.device.type != "cuda":
+            continue
+        bh, bw = layout.block_shape
+        if bh & (bh - 1) or bw & (bw - 1) or min(bh, bw) < 16:
+            continue
+        _load_gpu_kernels()
+        if "cuda" not in BLOCK_SDDMM_INTO_KERNELS:
+            return
+        from . import triton_kernels
+
+        for key in (keys[i] if keys is not None else [triton_kernels.plan_key(layout)]):
+            chosen.append(layout)
+            chosen_keys.append(key)
+    if chosen:
+        triton_kernels.build_plans(chosen, chosen_keys)
+
+
 class CostModel:
     """Chooses ``"dense"`` or ``"sddmm"`` for a layer from its shape, token count and number of indices.
 

@@ -533,6 +533,12 @@ class SparseLayer(BaseTunerLayer):
     def _indices_key(indices: torch.Tensor) -> tuple:
         return (indices.data_ptr(), indices._version, indices.numel())
 
+    def cached_block_metadata(self, adapter_name: str):
+        """The block layout cached for ``adapter_name`` (None: none), current or not — e.g. to learn which
+        kernel plans it used before a reselection replaces it."""
+        cached = self._block_metadata.get(adapter_name)
+        return cached[1] if cached is not None else None
+
     def set_block_metadata(self, adapter_name: str, blocks: torch.Tensor, metadata=None):
         """Cache the block layout of the (ascending) active block numbers ``blocks`` (``metadata``: a
         :class:`~peft_sparse.core.kernels.BlockLayout` already computed for the current indices, e.g.

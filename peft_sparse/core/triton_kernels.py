@@ -241,51 +241,109 @@ def _grouped_block_sddmm_kernel(
 class BlockGroups:
     """The launch plan of :func:`block_sddmm_into` for one block layout: the active blocks cut into
     groups of up to ``group`` blocks that share a block row (``share_rows``) or a block column, so
-    that each group reads the shared operand's tile once for all its blocks.
+    that each group reads the shared operand's tile once for all its blocks. Row p of the plan holds
+    group p's shared line and, per member, its other coordinate (−1: no member), base and stride.
 
-    Built on the device with a handful of torch operations and no host synchronisation: the number of
-    groups is bounded by ``n // group + lines`` and the spare rows of the plan hold line −1."""
+    Built on the device with a handful of torch operations and no host synchronisation (:meth:`of_layouts`,
+    for many layouts at once): the number of groups is bounded by ``n // group + lines`` and the spare
+    rows of the plan hold line −1."""
 
-    def __init__(self, rows, cols, base, stride, lines: int, share_rows: bool, group: int):
-        line, other = (rows, cols) if share_rows else (cols, rows)
-        line, other = line.long(), other.long()
-        n = line.numel()
-        if not share_rows:  # blocks come in (row, col) order: a stable sort by column gives (col, row)
-            line, order = torch.sort(line, stable=True)
-            other, base, stride = other[order], base[order], stride[order]
-        rank = torch.arange(n, device=line.device) - torch.searchsorted(line, line)
-        slot = rank % group
-        gid = torch.cumsum(slot == 0, 0) - 1
-        size = max(1, n // group + min(lines, n))
-        self.line = torch.full((size,), -1, dtype=torch.int32, device=line.device)
-        self.line[gid] = line.to(torch.int32)
-        self.other = torch.full((size, group), -1, dtype=torch.int32, device=line.device)
-        self.other[gid, slot] = other.to(torch.int32)
-        self.base = torch.zeros((size, group), dtype=torch.int64, device=line.device)
-        self.base[gid, slot] = base.long()
-        self.stride = torch.zeros((size, group), dtype=torch.int32, device=line.device)
-        self.stride[gid, slot] = stride.to(torch.int32)
-        self.share_rows, self.group, self.size = share_rows, group, size
+    __slots__ = ("line", "other", "base", "stride", "share_rows", "group", "size")
+
+    def __init__(self, line, other, base, stride, share_rows: bool, group: int):
+        self.line, self.other, self.base, self.stride = line, other, base, stride
+        self.share_rows, self.group, self.size = share_rows, group, line.numel()
+
+    @staticmethod
+    def of_layouts(layouts: list, share_rows: bool, group: int) -> list:
+        """The plans of ``layouts`` (one device and block shape) in one orientation, built together:
+        the launches do not grow with the number of layouts."""
+        bh, bw = layouts[0].block_shape
+        dev = layouts[0].rows.device
+        ns = [layout.rows.numel() for layout in layouts]
+        lines = [layout.out_features // bh if share_rows else layout.in_features // bw for layout in layouts]
+        sizes = [max(1, n // group + min(m, n)) for n, m in zip(ns, lines)]
+        total = sum(sizes)
+        line_t = torch.full((total,), -1, dtype=torch.int32, device=dev)
+        other_t = torch.full((total, group), -1, dtype=torch.int32, device=dev)
+        base_t = torch.zeros((total, group), dtype=torch.int64, device=dev)
+        stride_t = torch.zeros((total, group), dtype=torch.int32, device=dev)
+        n_all = sum(ns)
+        if n_all:
+            # blocks keyed by (layout, line); they come in (row, col) order, so a stable sort by the key
+            # groups them by column when columns are shared
+            seg = torch.repeat_interleave(torch.arange(len(layouts), device=dev), torch.tensor(ns, device=dev), output_size=n_all)
+            line = torch.cat([layout.rows if share_rows else layout.cols for layout in layouts]).long()
+            other = torch.cat([layout.cols if share_rows else layout.rows for layout in layouts])
+            base = torch.cat([layout.base for layout in layouts])
+            stride = torch.cat([layout.stride for layout in layouts])
+            key = (seg << 32) | line
+            if not share_rows:
+                key, order = torch.sort(key, stable=True)
+                line, other, base, stride = line[order], other[order], base[order], stride[order]
+            rank = torch.arange(n_all, device=dev) - torch.searchsorted(key, key)  # place on its line
+            slot = rank % group
+            gid = torch.cumsum(slot == 0, 0) - 1  # groups numbered over all layouts
+            first, offset, firsts, offsets = 0, 0, [], []
+            for n, size in zip(ns, sizes):
+                firsts.append(min(first, n_all - 1))
+                offsets.append(offset)
+                first, offset = first + n, offset + size
+            # each layout's first group goes to the first row of its own plan
+            shift = torch.tensor(offsets, device=dev) - gid[torch.tensor(firsts, device=dev)]
+            row = gid + shift[seg]
+            line_t[row] = line.to(torch.int32)
+            other_t[row, slot] = other.to(torch.int32)
+            base_t[row, slot] = base.long()
+            stride_t[row, slot] = stride.to(torch.int32)
+        parts = zip(line_t.split(sizes), other_t.split(sizes), base_t.split(sizes), stride_t.split(sizes))
+        return [BlockGroups(a, b, c, d, share_rows, group) for a, b, c, d in parts]
 
 
-def block_group_plan(layout, group: int = 4, x_reads: int = 1) -> BlockGroups:
-    """The :class:`BlockGroups` of ``layout`` (a :class:`~peft_sparse.core.kernels.BlockLayout`),
-    cached on it. Groups share the operand whose sharing saves more reads: per block, a program reads
-    bh/m rows of ∂L/∂Y and x_reads·bw of X when ``m`` blocks share a block row (m = the group size, or
-    fewer when block rows hold fewer active blocks on average), or x_reads·bw/m and bh when they share
-    a block column. ``x_reads`` is 2 when X is formed from two factors in the kernel."""
+def default_group(block_shape) -> int:
+    """Blocks per program: 4 of up to 32×32, fewer for larger blocks (a program's tile stays within
+    128 rows or columns)."""
+    return max(1, 128 // max(block_shape))
+
+
+def plan_key(layout, group: Optional[int] = None, x_reads: int = 1) -> tuple[bool, int]:
+    """(share_rows, group) of the plan :func:`block_group_plan` uses for ``layout``. Groups share the
+    operand whose sharing saves more reads: per block, a program reads bh/m rows of ∂L/∂Y and
+    x_reads·bw of X when ``m`` blocks share a block row (m = the group size, or fewer when block rows
+    hold fewer active blocks on average), or x_reads·bw/m and bh when they share a block column.
+    ``x_reads`` is 2 when X is formed from two factors in the kernel."""
     bh, bw = layout.block_shape
+    group = group or default_group(layout.block_shape)
     rows, cols = layout.out_features // bh, layout.in_features // bw
     n = layout.rows.numel()
     by_rows = bh / min(group, max(1.0, n / rows)) + x_reads * bw
     by_cols = x_reads * bw / min(group, max(1.0, n / cols)) + bh
-    share_rows = by_rows <= by_cols
-    key = (share_rows, group)
+    return by_rows <= by_cols, group
+
+
+def block_group_plan(layout, group: Optional[int] = None, x_reads: int = 1) -> BlockGroups:
+    """The :class:`BlockGroups` of ``layout`` (a :class:`~peft_sparse.core.kernels.BlockLayout`) for
+    :func:`plan_key`'s orientation, cached on it."""
+    key = plan_key(layout, group, x_reads)
     plan = layout.plans.get(key)
     if plan is None:
-        lines = rows if share_rows else cols
-        plan = layout.plans[key] = BlockGroups(layout.rows, layout.cols, layout.base, layout.stride, lines, share_rows, group)
+        build_plans([layout], [key])
+        plan = layout.plans[key]
     return plan
+
+
+def build_plans(layouts: list, keys: list) -> None:
+    """Cache ``layouts[i].plans[keys[i]]`` (keys: (share_rows, group)) where missing: for all layouts
+    of one key and device at once — a fixed number of launches, not one plan's worth per layout —
+    (:meth:`BlockGroups.of_layouts`)."""
+    todo: dict = {}
+    for layout, key in zip(layouts, keys):
+        if key not in layout.plans:
+            todo.setdefault((key, layout.rows.device, layout.block_shape), []).append(layout)
+    for ((share_rows, group), _, _), members in todo.items():
+        plans = BlockGroups.of_layouts(members, share_rows, group)
+        for layout, plan in zip(members, plans):
+            layout.plans[(share_rows, group)] = plan
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -326,8 +384,6 @@ def block_sddmm_into(
             x, x_factor = (x * x_factor).to(g.dtype), None
     elif g.dtype != x.dtype:
         x = x.to(g.dtype)
-    if group is None:
-        group = max(1, 128 // max(bh, bw))
     block_t = 64 if max(bh, bw) <= 64 else 32
     target = target_programs or (_target_programs(g.device) if g.is_cuda else 1)
     plan = block_group_plan(layout, group, 1 if x_factor is None else 2)

@@ -996,6 +996,8 @@ class SpIELScheduler:
                 flat /= dist.get_world_size()
                 for s, part in zip(live, flat.split([s.step_sum.numel() for s in live])):
                     s.step_sum.copy_(part)
+        if self.steps_in_window == 0:  # candidates chosen: their block kernel's plans, all layers at once
+            kernels.prepare_block_plans([s.candidate_blocks for s in self.statistics.values()])
         _end_steps(list(self.statistics.values()))
         self.steps_in_window += 1
 
@@ -1096,9 +1098,13 @@ class SpIELScheduler:
             for value, size, (s, g, s2) in zip(values, result.sizes, pieces):
                 self.seeding.pending[id(value)] = (s - start, g, s2)
                 start += size
+        layouts, plan_keys = [], []
         for layer, (_, item, _), units, meta in zip(layers, group, result.units, result.block_metadata):
             if units is not None and item.grid.unit > 1:
-                layer.set_block_metadata(name, units, meta)
+                old = layer.cached_block_metadata(name)
+                layouts.append(layer.set_block_metadata(name, units, meta))
+                plan_keys.append(list(old.plans) if old is not None else [])
+        kernels.prepare_block_plans(layouts, plan_keys)  # the plans the old layouts used, all layers at once
         totals["sums"].append(torch.stack([age_before - kept_age, kept_age, result.changed.to(age_before.device)]))
         totals["replaced"] += n_grown
         totals["shortfall"] += result.shortfall
