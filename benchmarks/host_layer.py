@@ -7,7 +7,8 @@ call is what the host spends issuing it — the cost that bounds a training step
 short (qSpIEL on an H100). Variants: ``linear`` (nn.Linear, bf16), ``linear4bit`` (bitsandbytes NF4,
 double quantization), ``sparse`` (SpIEL over nn.Linear: merged in place), ``sparse-4bit`` (SpIEL over
 the NF4 layer: fused dequantization + delta), each forward (graph built) and backward (input and, for
-sparse layers, value gradients).
+sparse layers, value gradients). ``sparse-block``: 32×32 blocks, value gradients from the grouped block
+kernel.
 """
 
 import argparse
@@ -47,7 +48,10 @@ def build(variant: str, size: int):
     proj.weight.requires_grad_(False)
     model = One(proj)
     if variant.startswith("sparse"):
-        model = get_peft_model(model, peft_sparse.SparseFTConfig(target_modules=["proj"], density=0.05))
+        block_shape = (32, 32) if variant == "sparse-block" else (1, 1)
+        model = get_peft_model(model, peft_sparse.SparseFTConfig(target_modules=["proj"], density=0.05, block_shape=block_shape))
+        if variant == "sparse-block":  # the block kernel, whatever the cost model says at these small shapes
+            model.base_model.model.proj.value_grad_method = "block"
     model.train()
     return model
 
@@ -57,7 +61,7 @@ def main():
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--variants", default="linear,linear4bit,sparse,sparse-4bit")
+    parser.add_argument("--variants", default="linear,linear4bit,sparse,sparse-block,sparse-4bit")
     parser.add_argument("--cprofile", action="store_true", help="then the host time's top functions per variant (cProfile)")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}: host µs per call (median of 5 rounds of {args.calls}), {args.tokens}×{args.size}")

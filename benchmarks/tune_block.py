@@ -83,10 +83,16 @@ def main():
         if name.startswith("down"):  # X = silu(gate) ⊙ up: formed by torch first, or tile by tile in the kernel
             a = torch.randn(args.tokens, in_f, device="cuda", dtype=torch.bfloat16, generator=gen)
             formed = do_bench(lambda: triton_kernels.block_sddmm_into(go, a * x, layout, out), warmup=5, rep=30, return_mode="median")
-            assert torch.equal(triton_kernels.block_sddmm_into(go, a, layout, out.clone(), x_factor=x),
-                               triton_kernels.block_sddmm_into(go, a * x, layout, out.clone()))  # fmt: skip
-            fused = do_bench(lambda: triton_kernels.block_sddmm_into(go, a, layout, out, x_factor=x), warmup=5, rep=30, return_mode="median")
-            print(f"{name:<14} X as two factors: product then kernel {formed:.4f}, kernel forming the product {fused:.4f}")
+            line = f"{name:<14} X as two factors: product, then the kernel {formed:.4f}; the kernel forming it, by"
+            for share_rows in (True, False):
+                plan = triton_kernels.BlockGroups.of_layouts([layout], share_rows, 4)[0]
+                dest = out.clone()
+                launch = lambda x2, f: triton_kernels.launch_grouped(go, x2, (bh, bw), plan, dest, False, 64, default_target, x_factor=f)  # noqa: E731
+                assert torch.equal(launch(a, x).clone(), launch(a * x, None))  # one plan: the same bits
+                ms = do_bench(lambda: launch(a, x), warmup=5, rep=30, return_mode="median")
+                line += f" {'rows' if share_rows else 'columns'} {ms:.4f}"
+            shipped = do_bench(lambda: triton_kernels.block_sddmm_into(go, a, layout, out, x_factor=x), warmup=5, rep=30, return_mode="median")
+            print(line + f"; as shipped {shipped:.4f}")
         by_config = {c: ms for ms, c in results}
         results.sort()
         print(f"{name:<14} blocks {nb:5d}  dense {dense:.4f}  per-block {old:.4f}  grouped {shipped:.4f}  best (group, orientation, BLOCK_T, stages, target; 4 warps):")

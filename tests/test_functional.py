@@ -209,7 +209,8 @@ def test_layer_inputs_are_rebuilt_not_kept(monkeypatch, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_kernel_forms_the_gated_activation_from_its_factors(monkeypatch, dtype):
     """A block adapter on down_proj takes silu(gate) and up instead of their product (the kernel
-    multiplies tile by tile); the value gradients are bit-identical to keeping the product."""
+    multiplies tile by tile); the value gradients are bit-identical to keeping the product (here the
+    blocks are grouped alike either way)."""
     from peft_sparse.core import functional
 
     taken = []

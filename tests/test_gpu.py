@@ -199,7 +199,7 @@ def test_block_plans_are_built_for_all_layers_at_once(growth, monkeypatch):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = SM3(params, lr=1e-2) if growth == "ma" else torch.optim.AdamW(params, lr=1e-2)
     scheduler = SpIELScheduler(model, opt, total_steps=7)
-    batches = []
+    batches = []  # layouts per plan batch
     original = triton_kernels.BlockGroups.of_layouts
     monkeypatch.setattr(triton_kernels.BlockGroups, "of_layouts", staticmethod(lambda ls, *a: batches.append(len(ls)) or original(ls, *a)))
     model.train()
@@ -209,14 +209,17 @@ def test_block_plans_are_built_for_all_layers_at_once(growth, monkeypatch):
         opt.step()
         opt.zero_grad()
         before = [dict(layer.cached_block_metadata("default").plans) for layer in layers]
+        batches.clear()
         scheduler.step()
         if step == 2:  # the first reselection (t = γ = 2): new layouts, with their predecessors' plans
             for layer, old in zip(layers, before):
                 new = layer.cached_block_metadata("default")
                 assert set(new.plans) == set(old) and old and all(new.plans[k] is not old[k] for k in old)
-        if growth == "ag" and scheduler.statistics and scheduler.steps_in_window == 1:
+            keys = [k for old in before for k in old]
+            assert sum(batches) == len(keys) and len(batches) == len(set(keys))  # one batch per kind of plan
+        if growth == "ag" and scheduler.statistics and scheduler.steps_in_window == 1:  # a window's first step
             assert all(s.candidate_blocks.plans for s in scheduler.statistics.values())
-    assert batches and max(batches) == len(layers)
+            assert sum(batches) == len(layers) and len(batches) <= 2
 
 
 def test_block_kernel_product_input_on_cuda_is_bit_identical(monkeypatch):

@@ -404,8 +404,12 @@ def test_block_sddmm_into_forms_a_product_input_tile_by_tile(tk, out_blocks, in_
     go, a, b = (torch.randn(150, n, generator=g).to(_device(), dtype) for n in (out_f, in_f, in_f))
     fused = tk.block_sddmm_into(go, a, layout, torch.empty(20 * bh * bw, device=_device()), group=4, x_factor=b)
     formed = tk.block_sddmm_into(go, a * b, layout, torch.empty(20 * bh * bw, device=_device()), group=4)
-    assert torch.equal(fused, formed)
     assert len(layout.plans) == plans  # wide: block rows shared when X is read once, block columns for two factors
+    plan = tk.block_group_plan(layout, 4, x_reads=2)
+    target = tk._target_programs(go.device) if go.is_cuda else 1  # block_sddmm_into's token slicing
+    same_plan = tk.launch_grouped(go, a * b, (bh, bw), plan, torch.empty_like(fused), False, 64, target)
+    assert torch.equal(fused, same_plan)  # the product's bits: those of torch's a * b
+    torch.testing.assert_close(fused, formed, rtol=1e-5, atol=1e-4)  # another grouping: float32 sums in another order
     ref = kernels.block_sddmm_into(go.cpu(), a.cpu(), _cpu_layout(layout), torch.empty(fused.numel()), x_factor=b.cpu())
     torch.testing.assert_close(fused.cpu(), ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-4, atol=2e-2 if dtype == torch.bfloat16 else 1e-4)
     with pytest.raises(ValueError, match="x_factor must match"):

@@ -314,7 +314,7 @@ class SparseDeltaLinear(torch.autograd.Function):
                 blocks = [None] * n
             factors = None
             if x is None and ctx.x_rebuild is not None:
-                # X = A ⊙ B read only by the block kernel: the kernel forms it tile by tile (the same bits)
+                # X = A ⊙ B read only by the block kernel: the kernel forms it tile by tile (X's bits as torch's)
                 if consumer is None and n == 1 and blocks[0] is not None and g2.dtype == ctx.x_dtype == dtype:
                     factors = ctx.x_rebuild.factors()
                 if factors is None:

@@ -358,7 +358,9 @@ def block_sddmm_into(grad_out2d, x2d, layout: BlockLayout, out: torch.Tensor, ac
     on CUDA one grouped Triton launch for blocks of at least 16×16 (blocks sharing a block row or
     column read its tile once); otherwise :func:`block_sddmm`'s tiles, placed. ``accumulate`` adds to
     ``out`` instead of overwriting it. ``x_factor``: the layer input is the product ``x2d ⊙ x_factor``
-    (same shape and dtype), which the kernel forms tile by tile — the same bits as multiplying first."""
+    (same shape and dtype), which the kernel forms tile by tile with the bits of torch's product; the
+    blocks may be grouped otherwise than for a formed X (X is read twice), which can change the order
+    of the float32 sums."""
     if grad_out2d.device.type == "cuda":
         _load_gpu_kernels()
     kernel = BLOCK_SDDMM_INTO_KERNELS.get(grad_out2d.device.type)
