@@ -7,8 +7,9 @@ Runs the benchmark's schedule (S=20, γ=5, T=46: windows 1–5, 21–25, 41–45
 host's issue time per phase (forward, backward, optimizer, scheduler hook; without synchronising):
 when the host's total is close to the wall, the GPU waits for the host. Steps 35 (steady), 41 (a
 window's first step), 42 (a later window step), 45 (reselection) and 46 (the step after) then run under
-the profiler, one at a time: their kernel count, summed kernel time, and the top kernels and top host
-operations (own CPU time) of each.
+the profiler, one at a time and in two parts (forward + backward; optimizer + scheduler hook), each
+synchronised: their kernel count, summed kernel time, the top kernels and top host operations (own
+CPU time) of each part, and the host time of the four phases.
 """
 
 import statistics
@@ -22,6 +23,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import profiling_setup  # noqa: E402
 
 PROFILED = {35: "steady", 41: "window, first step", 42: "window, later step", 45: "reselection", 46: "after reselection"}
+
+
+def _report(prof, title: str, rows: int) -> None:
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("Optimizer.")]
+    n = sum(e.count for e in kernels)
+    gpu = sum(e.self_device_time_total for e in kernels) / 1e3
+    print(f"\n== {title}, profiled: {n} kernels, {gpu:.1f} ms of kernels")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:rows]:
+        print(f"   gpu {e.self_device_time_total / 1e3:8.2f} ms {e.count:6d}×  {e.key[:80]}")
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    for e in sorted(cpu, key=lambda e: -e.self_cpu_time_total)[:rows]:
+        print(f"   cpu {e.self_cpu_time_total / 1e3:8.2f} ms {e.count:6d}×  {e.key[:80]}")
 
 
 def main():
@@ -47,20 +61,26 @@ def main():
     for t in range(1, 47):
         torch.cuda.synchronize()
         if t in PROFILED:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
-                host = phases()
-                torch.cuda.synchronize()
-            events = prof.key_averages()
-            kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-            n = sum(e.count for e in kernels)
-            gpu = sum(e.self_device_time_total for e in kernels) / 1e3
-            print(f"\n== step {t} ({PROFILED[t]}), profiled: {n} kernels, {gpu:.1f} ms of kernels; host ms "
-                  + " ".join(f"{h:.1f}" for h in host) + f" ({sum(host):.1f})")  # fmt: skip
-            for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[: args.rows]:
-                print(f"   gpu {e.self_device_time_total / 1e3:8.2f} ms {e.count:6d}×  {e.key[:80]}")
-            cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-            for e in sorted(cpu, key=lambda e: -e.self_cpu_time_total)[: args.rows]:
-                print(f"   cpu {e.self_cpu_time_total / 1e3:8.2f} ms {e.count:6d}×  {e.key[:80]}")
+            host = []
+            for part in ("forward + backward", "optimizer + scheduler"):  # profiled apart, each synchronised
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
+                    t0 = time.perf_counter()
+                    if part.startswith("forward"):
+                        loss = model(input_ids=ids, labels=ids).loss
+                        t1 = time.perf_counter()
+                        loss.backward()
+                    else:
+                        if optimizer is not None:
+                            optimizer.step()
+                            optimizer.zero_grad(set_to_none=True)
+                        t1 = time.perf_counter()
+                        if hook is not None:
+                            hook()
+                    t2 = time.perf_counter()
+                    torch.cuda.synchronize()
+                host += [(t1 - t0) * 1e3, (t2 - t1) * 1e3]
+                _report(prof, f"step {t} ({PROFILED[t]}), {part}", args.rows)
+            print("   host ms " + " ".join(f"{h:.1f}" for h in host) + f" ({sum(host):.1f})")
             continue
         start = time.perf_counter()
         host = phases()
