@@ -222,6 +222,39 @@ def test_block_plans_are_built_for_all_layers_at_once(growth, monkeypatch):
             assert sum(batches) == len(layers) and len(batches) <= 2
 
 
+@pytest.mark.parametrize("block_shape", [(1, 1), (16, 16)])
+def test_ag_reselection_and_seeding_wait_for_the_device_only_where_designed(block_shape):
+    """An AG reselection synchronises the host twice (the batched result's check, the report) and the
+    next optimizer step, which writes the seeds, not at all: small tables go through pinned memory."""
+    import warnings
+
+    from .models import inputs
+
+    config = SpIELConfig(target_modules=["q_proj", "gate_proj", "down_proj"], density=0.1, growth="ag",
+                         block_shape=block_shape, reselection_steps=3, gradient_estimation_steps=2)  # fmt: skip
+    model = get_peft_model(tiny_llama(hidden_size=128, intermediate_size=256), config).cuda()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
+    scheduler = SpIELScheduler(model, opt, total_steps=9)
+    model.train()
+    syncs = {}
+    for step in range(1, 7):
+        x = inputs(seed=step).cuda()
+        model(x, labels=x).loss.backward()
+        for phase, run in (("optimizer", lambda: (opt.step(), opt.zero_grad())), ("scheduler", scheduler.step)):
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    run()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs[(step, phase)] = sum("synchroniz" in str(w.message) for w in caught)
+    assert syncs[(5, "scheduler")] <= 2, syncs  # the second reselection (t = 5)
+    assert syncs[(6, "optimizer")] == 0, syncs  # its seeds written by the next step
+
+
 def test_block_kernel_product_input_on_cuda_is_bit_identical(monkeypatch):
     """Block adapters on CUDA: the grouped kernel forms down_proj's input silu(gate) ⊙ up from its
     factors tile by tile, with the value gradients of a kept (torch-formed) input, bit for bit."""

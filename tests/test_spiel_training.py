@@ -322,7 +322,7 @@ def test_seeds_are_written_at_the_next_step_in_the_units_the_optimizer_sees(max_
         scheduler.step()
     c = float(seen / raw)
     assert (c == 1.0) if max_norm is None else (c < 0.5)
-    assert scheduler.seeding.last_factor == pytest.approx(c, rel=1e-6)
+    assert float(scheduler.seeding.last_factor) == pytest.approx(c, rel=1e-6)
     t = gamma  # Adam's step count when the seeds were written
     for p in params:
         slots, g_hat, s_hat = pending[id(p)]

@@ -84,6 +84,21 @@ def scatter_add_reference(
     return scatter_sum_reference(out, indices, out.view(-1)[indices], values)
 
 
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor (a launch plan's or a selection's table) on ``device`` without waiting for
+    the device: from pinned memory, copied asynchronously (a copy from pageable memory would
+    synchronise the host with every kernel queued before it). Torch's pinned-memory cache keeps the
+    source until the copy ran."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def table(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype)`` on ``device`` through :func:`to_device_async`."""
+    return to_device_async(torch.tensor(values, dtype=dtype), torch.device(device))
+
+
 def on_device(tensor: torch.Tensor):
     """A context making ``tensor``'s GPU the current one (Triton launches on the current device), or a
     no-op when it already is or ``tensor`` is not on a CUDA device."""

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .kernels import to_device_async
+
 
 @triton.jit
 def _sddmm_kernel(GT, XT, ROWS, COLS, OUT, nnz, T, stride_g, stride_x, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -619,18 +621,9 @@ def sm3_sparse_step(
 _MULTI_BLOCK = 1024  # entries per program of the multi-tensor kernels
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor (a launch plan's table) on ``device`` without waiting for the device: from
-    pinned memory, copied asynchronously (a copy from pageable memory would synchronise the host with
-    every kernel queued before it). Torch's pinned-memory cache keeps the source until the copy ran."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 def _address_table(tensors, device: torch.device) -> torch.Tensor:
     """The tensors' data addresses, on ``device`` (the multi-tensor kernels reach the tensors through it)."""
-    return _to_device(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64), device)
+    return to_device_async(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64), device)
 
 
 def _program_map(counts: list, device: torch.device) -> tuple:
@@ -642,7 +635,7 @@ def _program_map(counts: list, device: torch.device) -> tuple:
     first = torch.tensor([0] + blocks[:-1], dtype=torch.int64).cumsum(0)  # first program of each tensor
     start = (torch.arange(programs, dtype=torch.int64) - first.repeat_interleave(torch.tensor(blocks))) * _MULTI_BLOCK
     counts_t = torch.tensor(counts, dtype=torch.int64)
-    return programs, _to_device(counts_t, device), _to_device(tensor_of, device), _to_device(start, device)
+    return programs, to_device_async(counts_t, device), to_device_async(tensor_of, device), to_device_async(start, device)
 
 
 @triton.jit
@@ -704,7 +697,7 @@ class MultiSM3:
         self.has_momentum = moms[0] is not None
         tables = (values, indices, row_old, col_old, row_new, col_new, moms if self.has_momentum else values)
         self.tables = [_address_table(t, device) for t in tables]
-        self.in_features = _to_device(torch.tensor(in_features, dtype=torch.int64), device)
+        self.in_features = to_device_async(torch.tensor(in_features, dtype=torch.int64), device)
         self.programs, self.counts, self.prog_tensor, self.prog_start = _program_map([v.numel() for v in values], device)
 
     @staticmethod

@@ -418,8 +418,8 @@ def reselect_ma(
 @dataclass
 class TensorReselection:
     """One tensor's inputs to :func:`reselect_all`: k units to replace and its growth statistics —
-    AG: ``candidates`` (ascending flat indices of whole units), ``candidate_units``, ``score`` (|Σg| per
-    candidate weight); MA: SM3's ``row_acc``, ``col_acc``."""
+    AG: ``candidates`` (ascending flat indices of whole units), ``candidate_units``, ``score`` (Σg per
+    candidate weight, or its magnitude: |score| ranks growth); MA: SM3's ``row_acc``, ``col_acc``."""
 
     values: torch.Tensor
     indices: torch.Tensor
@@ -509,7 +509,7 @@ def _grow_rank_one_all(
     big_m, big_c = max(m), max(c)
 
     def padded(xs, width, fill):
-        sizes = torch.tensor([x.numel() for x in xs], device=dev)
+        sizes = kernels.table([x.numel() for x in xs], dev)
         seg = torch.repeat_interleave(torch.arange(n, device=dev), sizes, output_size=sum(x.numel() for x in xs))
         starts = torch.cumsum(sizes, 0) - sizes
         table = torch.full((n, width), fill, dtype=torch.float64, device=dev)
@@ -519,10 +519,10 @@ def _grow_rank_one_all(
     a = padded(row_scores, big_m, 0.0)  # (n, M): zero rows count nothing
     b = padded(col_scores, big_c, -math.inf)  # (n, C): padding sorts first and is never above a threshold
     b_sorted, b_order = torch.sort(b, dim=1)
-    kept_t = torch.tensor(n_kept, device=dev)
-    k_t = torch.tensor(k, device=dev)
+    kept_t = kernels.table(n_kept, dev)
+    k_t = kernels.table(k, dev)
     need = kept_t + k_t  # per tensor: at least this many scores ≥ τ
-    inf = torch.tensor(math.inf, dtype=torch.float64, device=dev)
+    inf = kernels.table(math.inf, dev, torch.float64)
     lo = torch.log(torch.where(a > 0, a, inf).amin(1)) + torch.log(torch.where(b > 0, b, inf).amin(1)) - _MARGIN
     hi = torch.log(a.amax(1)) + torch.log(b.amax(1)) + _MARGIN
 
@@ -547,7 +547,7 @@ def _grow_rank_one_all(
     per_row = big_c - torch.searchsorted(b_sorted, (tau[:, None] / a).contiguous())  # (n, M)
     totals = per_row.sum(1)
     lowest = count_above(torch.exp(lo)[:, None])[:, 0]
-    size = torch.tensor([mi * ci for mi, ci in zip(m, c)], device=dev)
+    size = kernels.table([mi * ci for mi, ci in zip(m, c)], dev)
     valid = (lowest >= need) & torch.isfinite(tau) & (totals <= 2 * need + 4096) & (need <= size)
     valid_list, totals_list = torch.stack([valid.long(), totals]).tolist()
 
@@ -557,14 +557,14 @@ def _grow_rank_one_all(
     tensor, row = row_all // big_m, row_all % big_m
     start = torch.cumsum(per_row, 0) - per_row
     col = b_order.view(-1)[tensor * big_c + big_c - per_row[row_all] + torch.arange(total, device=dev) - start[row_all]]
-    gid = torch.tensor(u_off, device=dev)[tensor] + row * torch.tensor(c, device=dev)[tensor] + col
+    gid = kernels.table(u_off, dev)[tensor] + row * kernels.table(c, dev)[tensor] + col
     score = a.view(-1)[row_all] * b.view(-1)[tensor * big_c + col]
     gid, order = torch.sort(gid)
     score, tensor = score[order], tensor[order]
     descending = 0x7FFFFFFF - score.float().view(torch.int32).long()
     key = torch.where(_isin_sorted(gid, kept_gid), 0x80000000, descending)  # kept (excluded) rank last
     listed = [t if ok else 0 for t, ok in zip(totals_list, valid_list)]
-    starts = torch.tensor([sum(listed[:i]) for i in range(n)], device=dev)
+    starts = kernels.table([sum(listed[:i]) for i in range(n)], dev)
     chosen = segmented_rank(key, tensor, starts) < k_t[tensor]
     grown = [gid[torch.nonzero_static(chosen, size=sum(ki for ki, ok in zip(k, valid_list) if ok)).squeeze(1)]]
     kept_local = torch.split(kept_gid, n_kept)
@@ -587,8 +587,8 @@ def reselect_all(items: list, growth: str) -> AllReselections:
     blocks = unit > 1
     n = len(items)
 
-    def table(xs, dtype=torch.long):
-        return torch.tensor(xs, dtype=dtype, device=dev)
+    def table(xs, dtype=torch.long):  # without waiting for the device
+        return kernels.table(xs, dev, dtype)
 
     def segments(sizes):  # segment number per element, and each segment's start
         starts = [0]
@@ -648,7 +648,7 @@ def reselect_all(items: list, growth: str) -> AllReselections:
         c_sizes_e = [it.candidates.numel() for it in items]
         seg_ce, ce_start_t, _ = segments(c_sizes_e)
         cand_eid = torch.cat([it.candidates.long() for it in items]) + e_off_t[seg_ce]
-        score = torch.cat([it.score.float() for it in items])
+        score = torch.cat([it.score.float() for it in items]).abs()  # |ĝ| (Eq. 7.5)
         if blocks:
             cand_units = [it.candidate_units if it.candidate_units is not None else it.grid.units(it.candidates) for it in items]
             seg_c, c_start_t, _ = segments([c.numel() for c in cand_units])
@@ -821,7 +821,7 @@ class DeferredSeeding:
         # id(param) → (grown slots, ĝ, ŝ) waiting for the next step
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.raw: dict = {}  # after a backward: the ids of the parameters with gradients and Σ‖g‖²
-        self.last_factor: Optional[float] = None
+        self.last_factor = None  # c of the last seeding (a float, or a device scalar)
         self._queued = False
         self._handles = [p.register_post_accumulate_grad_hook(self._after_backward) for p in params]
         self._handles.append(optimizer.register_step_pre_hook(self._before_step))
@@ -845,13 +845,15 @@ class DeferredSeeding:
         with_grad = [p for p in self.params if p.grad is not None]
         self.raw = {"ids": {id(p) for p in with_grad}, "total": _squared_norm(with_grad)}
 
-    def factor(self) -> float:
+    def factor(self):
+        """c: 1.0, or a float64 device scalar (computed without waiting for the device)."""
         if not self.raw:
             return 1.0
         seen = [p for p in self.params if id(p) in self.raw["ids"] and p.grad is not None]
-        # the same reduction as the raw norms, so that no rescaling gives exactly 1; one host sync
-        raw, seen = torch.stack([self.raw["total"], _squared_norm(seen).to(self.raw["total"].device)]).tolist()
-        return 1.0 if raw == seen or raw == 0.0 else math.sqrt(seen / raw)
+        # the same reduction as the raw norms, so that no rescaling gives exactly 1
+        raw = self.raw["total"]
+        seen = _squared_norm(seen).to(raw.device)
+        return torch.where((raw == seen) | (raw == 0.0), 1.0, torch.sqrt(seen / torch.where(raw == 0.0, 1.0, raw)))
 
     @torch.no_grad()
     def _before_step(self, optimizer, args, kwargs) -> None:
@@ -860,8 +862,8 @@ class DeferredSeeding:
         c = self.factor()
         params = [p for p in self.params if id(p) in self.pending]
         entries = [self.pending[id(p)] for p in params]
-        seed_optimizer_states(self.optimizer, params, [e[0] for e in entries], [e[1] * c for e in entries],
-                              [e[2] * (c * c) for e in entries])  # fmt: skip
+        seed_optimizer_states(self.optimizer, params, [e[0] for e in entries], [e[1] for e in entries],
+                              [e[2] for e in entries], scale=c)  # fmt: skip
         self.pending, self.raw, self.last_factor = {}, {}, c
 
     def remove(self) -> None:
@@ -1034,7 +1036,7 @@ class SpIELScheduler:
                 if stats is None or stats.candidates is None:
                     warnings.warn(f"SpIEL: {layer.module_name} got no gradient in the estimation window; not reselected")
                     continue
-                item.candidates, item.score = stats.candidates, stats.grad_sum.abs()  # |ĝ| up to the factor 1/γ
+                item.candidates, item.score = stats.candidates, stats.grad_sum  # ĝ up to the factor 1/γ: |·| ranks
                 item.candidate_units = stats.candidate_units if grid.unit > 1 else None
             else:
                 state = self.optimizer.state.get(values)
@@ -1051,7 +1053,7 @@ class SpIELScheduler:
         for at, (group, result, ok) in enumerate(results):
             if not ok:  # a shortfall or a non-finite score somewhere: tensor by tensor, checked (raises on NaN)
                 items = [it for _, it, _ in group]
-                per_tensor = [reselect_ag(it.values, it.indices, it.k, it.candidates, it.score, it.grid, it.units, it.candidate_units)
+                per_tensor = [reselect_ag(it.values, it.indices, it.k, it.candidates, it.score.abs(), it.grid, it.units, it.candidate_units)
                               for it in items]  # fmt: skip
                 checked[at] = AllReselections.of_tensors(items, per_tensor)
         totals = {"replaced": 0, "shortfall": 0, "sums": []}  # nothing is edited before every group is checked

@@ -22,6 +22,8 @@ import itertools
 
 import torch
 
+from ..core import kernels
+
 from .sm3 import SM3
 
 
@@ -97,9 +99,11 @@ def seed_optimizer_state(
     seed_optimizer_states(optimizer, [param], [slots], [grad_mean], [grad_sq_mean])
 
 
-def seed_optimizer_states(optimizer, params: list, slots: list, grad_means: list, grad_sq_means: list) -> None:
+def seed_optimizer_states(optimizer, params: list, slots: list, grad_means: list, grad_sq_means: list, scale=1.0) -> None:
     """:func:`seed_optimizer_state` for many parameters at once: one scatter per moment for all those
-    whose state lives on one device in one dtype. Parameters without state yet have nothing to seed."""
+    whose state lives on one device in one dtype. Parameters without state yet have nothing to seed.
+    ``scale`` (c: a float or a device scalar) multiplies the ĝ seeds, c² the ŝ seeds (a clip factor).
+    No host synchronisation."""
     opt = check_supported(optimizer)
     if not isinstance(opt, (torch.optim.AdamW, torch.optim.Adam)):
         return
@@ -111,21 +115,28 @@ def seed_optimizer_states(optimizer, params: list, slots: list, grad_means: list
     betas_of = {id(p): g["betas"] for g in opt.param_groups for p in g["params"]}
     for (_, device), entries in groups.items():
         params, slots, grad_means, grad_sq_means, states = zip(*entries)
-        betas = torch.tensor([betas_of[id(p)] for p in params], dtype=torch.float64, device=device)  # (n, 2)
+        betas = kernels.table([betas_of[id(p)] for p in params], device, torch.float64)  # (n, 2)
         steps = [s["step"] for s in states]  # device tensors for fused/capturable Adam: no host sync
-        if all(isinstance(t, torch.Tensor) for t in steps):
+        if all(isinstance(t, torch.Tensor) and t.device == device for t in steps):
+            t = torch.stack([t.reshape(()) for t in steps]).to(torch.float64)
+        elif all(isinstance(t, torch.Tensor) for t in steps):
             t = torch.stack([t.to(device=device, dtype=torch.float64).reshape(()) for t in steps])
         else:
-            t = torch.tensor([float(x) for x in steps], dtype=torch.float64, device=device)
-        counts = torch.tensor([sl.numel() for sl in slots], device=device)
-        total = sum(sl.numel() for sl in slots)
-        bias1 = (1 - torch.pow(betas[:, 0], t)).repeat_interleave(counts, output_size=total)  # 1 − β₁ᵗ per seeded slot
-        bias2 = (1 - torch.pow(betas[:, 1], t)).repeat_interleave(counts, output_size=total)
+            t = kernels.table([float(x) for x in steps], device, torch.float64)
         sizes = [p.numel() for p in params]
-        offsets = [0, *itertools.accumulate(sizes[:-1])]
-        where = torch.cat([sl.long().to(device) + off for sl, off in zip(slots, offsets)])
-        for key, values, bias in (("exp_avg", grad_means, bias1), ("exp_avg_sq", grad_sq_means, bias2)):
+        counts = [sl.numel() for sl in slots]
+        total = sum(counts)
+        counts_t = kernels.table(counts, device)
+        bias1 = (1 - torch.pow(betas[:, 0], t)).repeat_interleave(counts_t, output_size=total)  # 1 − β₁ᵗ per seeded slot
+        bias2 = (1 - torch.pow(betas[:, 1], t)).repeat_interleave(counts_t, output_size=total)
+        offsets = kernels.table([0, *itertools.accumulate(sizes[:-1])], device)
+        where = torch.cat([sl.to(device) for sl in slots]).long() + offsets.repeat_interleave(counts_t, output_size=total)
+        scales = (scale, scale * scale)
+        for (key, values, bias), c in zip((("exp_avg", grad_means, bias1), ("exp_avg_sq", grad_sq_means, bias2)), scales):
             tensors = [s[key] for s in states]
             flat = torch.cat(tensors)
-            flat[where] = (torch.cat([v.to(device) for v in values]).double() * bias).to(flat.dtype)
+            seeds = torch.cat([v.to(device) for v in values])
+            if not (isinstance(c, float) and c == 1.0):
+                seeds = seeds * c  # in the seeds' dtype, as ĝ·c per tensor
+            flat[where] = (seeds.double() * bias).to(flat.dtype)
             torch._foreach_copy_(tensors, list(torch.split(flat, sizes)))
