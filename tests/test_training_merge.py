@@ -484,3 +484,42 @@ def test_backward_after_a_rewrite_since_its_forward_builds_its_own_weight():
     assert torch.equal(loss, ref_loss)
     for a, b in zip(sparse_layers(model), sparse_layers(reference)):
         assert torch.equal(a.sparse_values["default"].grad, b.sparse_values["default"].grad)
+
+
+@pytest.mark.parametrize("growth", ["ag", "ma"])
+def test_reselection_rewrites_every_merge_in_batches_and_the_next_forward_writes_nothing(monkeypatch, growth):
+    """A reselection writes θ₀ back at the old positions of every layer (bit for bit, −0.0 included) and
+    θ₀ + φ at the new ones, each in one batched write; the next forward uses them as they are."""
+    model = _spiel(growth=growth)
+    layers = sparse_layers(model)
+    first = layers[0].get_base_layer().weight
+    with torch.no_grad():  # a signed zero of θ₀ under an active index must come back as it was
+        first.view(-1)[layers[0].sparse_indices["default"][:3].long()] = -0.0
+    theta0 = _base_weights(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = SM3(params, lr=1e-2) if growth == "ma" else torch.optim.AdamW(params, lr=1e-2)
+    scheduler = SpIELScheduler(model, opt, total_steps=8)
+    x = inputs()
+    model.train()
+    for step in (1, 2):  # the first reselection at t = γ = 2
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 2:
+            before = [layer.sparse_indices["default"].clone() for layer in layers]
+            writes = _count_writes(monkeypatch)
+        scheduler.step()
+    assert writes == {"single": 0, "many": 2 * len(layers)}  # θ₀ back, then θ₀ + φ: one batch each
+    for layer, old in zip(layers, before):
+        assert not torch.equal(layer.sparse_indices["default"], old)
+        assert layer._training_merge is not None
+        stored = layer.get_base_layer().weight.detach()
+        assert torch.equal(stored, _expected_merged(theta0[layer.module_name], layer))
+    model(x, labels=x)
+    assert writes == {"single": 0, "many": 2 * len(layers)}  # nothing written in forward
+    model.eval()
+    for layer in layers:
+        restored = layer.get_base_layer().weight
+        assert torch.equal(restored.view(torch.int32) if restored.dtype == torch.float32 else restored,
+                           theta0[layer.module_name].view(torch.int32))  # fmt: skip
+    assert torch.signbit(first.view(-1)[before[0][:3].long()]).all()

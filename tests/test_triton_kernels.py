@@ -286,6 +286,24 @@ def test_multi_tensor_scatter_sum_matches_per_tensor(tk, out_dtype):
     assert plan.key != tk.MultiScatterSum.key_of(moved, *args)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_multi_tensor_scatter_without_values_stores_the_bases_bit_for_bit(tk, out_dtype):
+    """values None (θ₀ written back): every base lands as it is, −0.0 and subnormals included."""
+    g = torch.Generator().manual_seed(6)
+    dev = _device()
+    sizes, counts = [3000, 1500], [1100, 7]
+    outs = [torch.randn(n, generator=g).to(out_dtype).to(dev) for n in sizes]
+    idx = [random_indices(n, c, g).to(torch.int32).to(dev) for n, c in zip(sizes, counts)]
+    bases = [torch.randn(c, generator=g).to(out_dtype) for c in counts]
+    bases[0][:4] = torch.tensor([-0.0, 0.0, torch.finfo(out_dtype).tiny / 4, -torch.finfo(out_dtype).tiny / 4])
+    bases = [b.to(dev) for b in bases]
+    want = [o.clone().index_put_((i.long(),), b) for o, i, b in zip(outs, idx, bases)]
+    tk.MultiScatterSum(outs, idx, bases)()
+    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+    for a, b in zip(outs, want):
+        assert torch.equal(a.view(bits), b.view(bits))
+
+
 def _nf4_case(shape, blocksize, nested, seed=0):
     """A bitsandbytes NF4 quantization (CPU) of a random weight, as nf4_compose operands."""
     bnb_f = pytest.importorskip("bitsandbytes.functional")

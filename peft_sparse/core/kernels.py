@@ -147,20 +147,26 @@ _MULTI_SCATTER_PLANS: dict = {}
 
 def scatter_sum_many(outs, indices, bases, values) -> None:
     """:func:`scatter_sum_into` for each ``(outs[k], indices[k], bases[k], values[k])``; on CUDA one Triton
-    launch per group of tensors of the same device and element types, not one per tensor."""
+    launch per group of tensors of the same device and element types, not one per tensor. ``values``
+    None: ``outs[k].view(-1)[indices[k]] = bases[k]`` exactly (bases in the outputs' dtype)."""
     groups: dict = {}
     for k, out in enumerate(outs):
-        if _gpu_kernel(SCATTER_SUM_KERNELS, out, values[k], bases[k]) is None:
-            scatter_sum_into(out, indices[k], bases[k], values[k])
+        value = values[k] if values is not None else None
+        if _gpu_kernel(SCATTER_SUM_KERNELS, out, value, bases[k]) is None:
+            if value is None:
+                out.view(-1).index_put_((indices[k],), bases[k])
+            else:
+                scatter_sum_into(out, indices[k], bases[k], value)
             continue
-        key = (out.device, out.dtype, indices[k].dtype, bases[k].dtype, values[k].dtype)
+        key = (out.device, out.dtype, indices[k].dtype, bases[k].dtype, value.dtype if value is not None else None)
         groups.setdefault(key, []).append(k)
     if not groups:
         return
     from .triton_kernels import MultiScatterSum
 
     for key, ks in groups.items():
-        args = ([outs[k].view(-1) for k in ks], [indices[k] for k in ks], [bases[k] for k in ks], [values[k] for k in ks])
+        vals = [values[k] for k in ks] if values is not None else None
+        args = ([outs[k].view(-1) for k in ks], [indices[k] for k in ks], [bases[k] for k in ks], vals)
         plan = _MULTI_SCATTER_PLANS.get(key)
         with on_device(args[0][0]):
             if plan is None or plan.key != MultiScatterSum.key_of(*args):

@@ -278,6 +278,56 @@ def _refresh_after_step(optimizer, args, kwargs) -> None:
         merge.written_now(values, by_step=True)
 
 
+def release_training_merges(layers: list) -> list:
+    """:meth:`SparseLayer.release_training_merge` of many layers, θ₀ written back in one launch per
+    group of like tensors (bit for bit). Returns the layers that were merged, with their adapters."""
+    released, outs, indices, bases = [], [], [], []
+    for layer in layers:
+        merge = layer._training_merge
+        if merge is None:
+            continue
+        if merge.indices.shape != merge.base.shape:
+            raise RuntimeError(f"{layer.module_name}: the indices of adapter {merge.adapter!r} were resized while merged for training")
+        if merge.stored_in_weight():
+            outs.append(merge.weight.data)
+            indices.append(merge.indices)
+            bases.append(merge.base)
+        released.append((layer, merge.adapter))
+    if outs:
+        kernels.scatter_sum_many(outs, indices, bases, None)
+    for layer, _ in released:
+        merge = layer._training_merge
+        if merge.stored_in_weight():
+            torch.autograd.graph.increment_version(merge.weight)
+        layer._training_merge = None
+        merge.active = False
+        _MERGED_LAYERS.discard(layer)
+    return released
+
+
+def merge_for_training_many(layers: list) -> None:
+    """Set up the training merges of ``(layer, adapter)`` pairs as their next training forward passes
+    would (θ₀ read at the current indices, θ₀[η] + φ written at η), all writes in one launch per group
+    of like tensors — e.g. right after a reselection changed every layer's indices. Layers that cannot
+    merge in place are left to their forward pass."""
+    due = []
+    for layer, adapter in layers:
+        base = layer.get_base_layer()
+        values = layer.sparse_values[adapter]
+        if layer._training_merge is not None or not layer.merge_for_training or not layer._can_merge_in_place(base, values):
+            continue
+        merge = layer._training_merge = _TrainingMerge(adapter, layer.sparse_indices[adapter], base.weight)
+        _MERGED_LAYERS.add(layer)
+        due.append((merge, values.detach()))
+    if not due:
+        return
+    _register_step_hook()
+    with torch.no_grad():
+        kernels.scatter_sum_many([m.weight.data.view(-1) for m, _ in due], [m.indices for m, _ in due], [m.base for m, _ in due], [v for _, v in due])
+    for merge, values in due:
+        merge.written_now(values, by_step=True)
+
+
 def _register_step_hook() -> None:
     global _STEP_HOOK
     if _STEP_HOOK is None:

@@ -748,10 +748,12 @@ def scaled_product(scale: torch.Tensor, full: torch.Tensor, per_row: torch.Tenso
 
 @triton.jit
 def _multi_scatter_sum_kernel(
-    OUT_PTRS, IDX_PTRS, BASE_PTRS, VAL_PTRS, COUNTS, PROG_TENSOR, PROG_START, OUT_T, IDX_T, BASE_T, VAL_T, BLOCK: tl.constexpr
-):
+    OUT_PTRS, IDX_PTRS, BASE_PTRS, VAL_PTRS, COUNTS, PROG_TENSOR, PROG_START, OUT_T, IDX_T, BASE_T, VAL_T, BLOCK: tl.constexpr,
+    ADD: tl.constexpr,
+):  # fmt: skip
     # program p: entries [PROG_START[p], PROG_START[p] + BLOCK) of tensor PROG_TENSOR[p]; the tensors are
-    # reached through tables of their addresses, their element types are those of the *_T templates
+    # reached through tables of their addresses, their element types are those of the *_T templates.
+    # ADD off: the bases are stored as they are (bit for bit, −0.0 included)
     p = tl.program_id(0)
     t = tl.load(PROG_TENSOR + p)
     offs = tl.load(PROG_START + p) + tl.arange(0, BLOCK)
@@ -761,19 +763,25 @@ def _multi_scatter_sum_kernel(
     base_ptr = tl.load(BASE_PTRS + t).to(tl.pointer_type(BASE_T.dtype.element_ty))
     val_ptr = tl.load(VAL_PTRS + t).to(tl.pointer_type(VAL_T.dtype.element_ty))
     i = tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
-    base = tl.load(base_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    v = _round_to(tl.load(val_ptr + offs, mask=m, other=0.0).to(tl.float32), OUT_T).to(tl.float32)
-    tl.store(out + i, _round_to(base + v, OUT_T), mask=m)
+    if ADD:
+        base = tl.load(base_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        v = _round_to(tl.load(val_ptr + offs, mask=m, other=0.0).to(tl.float32), OUT_T).to(tl.float32)
+        tl.store(out + i, _round_to(base + v, OUT_T), mask=m)
+    else:
+        tl.store(out + i, tl.load(base_ptr + offs, mask=m, other=0.0), mask=m)
 
 
 
 class MultiScatterSum:
     """:func:`scatter_sum_into` for many tensors in one launch: ``outs[k].view(-1)[indices[k]] = bases[k] +
-    values[k].to(outs[k].dtype)``. Every list holds one element type (the caller groups them). The
-    address tables are built once and kept while the tensors' storage does not move (:meth:`key`)."""
+    values[k].to(outs[k].dtype)``, or with ``values`` None ``= bases[k]`` (bases in the outputs' type,
+    stored bit for bit). Every list holds one element type (the caller groups them). The address tables
+    are built once and kept while the tensors' storage does not move (:meth:`key`)."""
 
-    def __init__(self, outs, indices, bases, values):
+    def __init__(self, outs, indices, bases, values=None):
         device = outs[0].device
+        self.add = values is not None
+        values = values if values is not None else bases
         self.key = self.key_of(outs, indices, bases, values)
         # element types only: the plan must not keep the tensors themselves alive
         self.templates = tuple(torch.empty(0, dtype=t.dtype, device=device) for t in (outs[0], indices[0], bases[0], values[0]))
@@ -781,13 +789,15 @@ class MultiScatterSum:
         self.programs, self.counts, self.prog_tensor, self.prog_start = _program_map([i.numel() for i in indices], device)
 
     @staticmethod
-    def key_of(outs, indices, bases, values) -> tuple:
-        return tuple((o.data_ptr(), i.data_ptr(), b.data_ptr(), v.data_ptr(), i.numel()) for o, i, b, v in zip(outs, indices, bases, values))
+    def key_of(outs, indices, bases, values=None) -> tuple:
+        values = values if values is not None else [None] * len(outs)
+        return tuple((o.data_ptr(), i.data_ptr(), b.data_ptr(), v.data_ptr() if v is not None else None, i.numel())
+                     for o, i, b, v in zip(outs, indices, bases, values))  # fmt: skip
 
     def __call__(self) -> None:
         if self.programs:
             _multi_scatter_sum_kernel[(self.programs,)](
-                *self.tables, self.counts, self.prog_tensor, self.prog_start, *self.templates, BLOCK=_MULTI_BLOCK
+                *self.tables, self.counts, self.prog_tensor, self.prog_start, *self.templates, BLOCK=_MULTI_BLOCK, ADD=self.add
             )
 
 

@@ -45,7 +45,7 @@ from safetensors.torch import load_file, save_file
 
 from ..core import kernels
 from ..core.config import SparseConfig
-from ..core.layer import SparseLayer, index_dtype
+from ..core.layer import SparseLayer, index_dtype, merge_for_training_many, release_training_merges
 from ..core.selection import BlockGrid, module_generator, random_indices, segmented_rank
 from ..core.tuner import SparseTuner
 from ..optim.sm3 import SM3
@@ -1080,13 +1080,13 @@ class SpIELScheduler:
         new_values[grown] = 0
         torch._foreach_copy_([v.data for v in values], list(torch.split(new_values, result.sizes)))
         torch._foreach_copy_(ages, list(torch.split(new_ages, result.sizes)))
-        for layer in layers:  # θ₀ back at the old positions before they change (SparseLayer docstring)
-            layer.release_training_merge()
+        merged = release_training_merges(layers)  # θ₀ back at the old positions before they change (SparseLayer docstring)
         if len({i.dtype for i in indices}) == 1:
             torch._foreach_copy_(indices, list(torch.split(result.new_indices.to(indices[0].dtype), result.sizes)))
         else:  # int32 and int64 indices (tensors of 2³¹ weights or more) side by side
             for index, new in zip(indices, result.indices):
                 index.copy_(new)
+        merge_for_training_many(merged)  # and θ₀[η] + φ at the new ones, for the next forward pass
         reindex_optimizer_states(self.optimizer, values, source)
         n_grown = sum(result.dropped)
         if group[0][2] is not None:  # AG: seeds for the next optimizer step, from the window's ĝ, ŝ
