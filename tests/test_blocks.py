@@ -233,3 +233,17 @@ def test_window_first_step_picks_the_top_blocks_by_float32_gradient_sums():
     assert stats3.candidate_units.tolist() == [1, 3, 5]  # both tied blocks once K reaches them
     stats(None, dense)  # a second micro-batch of the same step adds to the step's sum
     assert torch.equal(stats.step_sum, 2 * dense.reshape(-1)[stats.candidates.long()].float())
+
+
+def test_window_first_step_picks_the_top_weights_by_gradient_magnitude():
+    """Unstructured: the K weights of largest |g| (ties → lower flat index), ascending, with this
+    micro-batch's gradients there."""
+    from peft_sparse.methods.spiel import _WindowStatistics
+
+    dense = torch.tensor([[0.5, -2.0, 0.0, 1.0], [-1.0, 0.25, 1.0, -0.0]], dtype=torch.bfloat16)
+    stats = _WindowStatistics(3, BlockGrid(2, 4))
+    stats(None, dense)
+    assert stats.candidates.tolist() == [1, 3, 4]  # |−2|, then three tied at 1.0: positions 3 and 4 first
+    assert stats.candidates.dtype == torch.int32
+    assert stats.step_sum.tolist() == [-2.0, 1.0, -1.0] and stats.step_sum.dtype == torch.float32
+    assert stats.grad_sum.tolist() == [0.0] * 3

@@ -461,6 +461,28 @@ def test_block_score_keys_and_gather_blocks_match_the_references(tk, block_shape
     assert torch.equal(idx, BlockGrid(*dense.shape, block_shape).expand(units))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n, k", [(10000, 37), (9001, 4500), (13000, 1), (4096, 4095)])
+def test_top_magnitudes_radix_selection_matches_the_reference(tk, dtype, n, k):
+    """The k largest |x| (ties → lowest index, −0.0 ties +0.0), across chunk boundaries: the same
+    ascending indices (int32 and int64) and float32 entries as the topk-threshold reference."""
+    g = torch.Generator().manual_seed(n + k)
+    dense = (torch.randn(n, generator=g) * 0.01).to(dtype)
+    dense[::7] = dense[3]  # a magnitude shared by many entries, the k-th largest for some k
+    dense[1::11] = -dense[3]
+    dense[5], dense[6] = -0.0, 0.0
+    for index_dtype in (torch.int32, torch.int64):
+        want_idx, want_vals = kernels.top_magnitudes_reference(dense, k, index_dtype)
+        got_idx, got_vals = tk.top_magnitudes(dense.to(_device()), k, index_dtype)
+        assert got_idx.dtype == index_dtype and torch.equal(got_idx.cpu(), want_idx)
+        assert torch.equal(got_vals.cpu(), want_vals)
+    big = dense.abs().float()
+    chosen = big[want_idx.long()]
+    rest = torch.ones(n, dtype=torch.bool)
+    rest[want_idx.long()] = False
+    assert chosen.min() >= big[rest].max()  # really the k largest
+
+
 def test_top_blocks_breaks_ties_toward_lower_blocks():
     sums = torch.tensor([1.0, 3.0, 2.0, 3.0, 0.0, 2.0])
     keys = (sums.view(torch.int32).long() << 32) | (0xFFFFFFFF - torch.arange(6))

@@ -33,6 +33,8 @@ SCATTER_SUM_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 SCALED_PRODUCT_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 # device type → callable(packed, code, absmax, nested, blocksize, shape, dtype, indices, values) (see nf4_compose)
 NF4_COMPOSE_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
+# device type → callable(dense, k, index_dtype) -> (indices, values) (see top_magnitudes)
+TOP_MAGNITUDES_KERNELS: dict[str, Callable[..., tuple]] = {}
 # device type → callable(dense, block_shape) -> keys (see block_score_keys)
 BLOCK_SCORE_KEYS_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 # device type → callable(dense, units, block_shape, index_dtype) -> (layout, indices, values) (see gather_blocks)
@@ -59,6 +61,7 @@ def _load_gpu_kernels() -> None:
     NF4_COMPOSE_KERNELS.setdefault("cuda", triton_kernels.nf4_compose)
     BLOCK_SCORE_KEYS_KERNELS.setdefault("cuda", triton_kernels.block_score_keys)
     GATHER_BLOCKS_KERNELS.setdefault("cuda", triton_kernels.gather_blocks)
+    TOP_MAGNITUDES_KERNELS.setdefault("cuda", triton_kernels.top_magnitudes)
 
 # bytes of scratch memory the reference SDDMM may use per chunk
 _REFERENCE_CHUNK_BYTES = 64 * 2**20
@@ -393,6 +396,28 @@ def block_sddmm_into(grad_out2d, x2d, layout: BlockLayout, out: torch.Tensor, ac
     if x_factor is not None:
         x2d = x2d * x_factor
     return _place_tiles(out, layout, block_sddmm(grad_out2d, x2d, layout.rows, layout.cols, bh, bw), accumulate)
+
+
+def top_magnitudes_reference(dense: torch.Tensor, k: int, index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k entries of ``dense`` with the largest |entry| (ties → lowest flat index): their ascending
+    flat indices (``index_dtype``) and the entries there in float32."""
+    from .selection import top_k_set
+
+    flat = dense.reshape(-1)
+    idx = top_k_set(flat.abs(), k)
+    return idx.to(index_dtype), flat.index_select(0, idx).float()
+
+
+def top_magnitudes(dense: torch.Tensor, k: int, index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_magnitudes_reference`; on CUDA for 16-bit ``dense`` a radix selection in a handful of
+    Triton launches and four passes over ``dense`` (no |dense| copy, no sort, no weight-sized scan)."""
+    if dense.device.type == "cuda":
+        _load_gpu_kernels()
+    kernel = TOP_MAGNITUDES_KERNELS.get(dense.device.type)
+    if kernel is not None and dense.dtype in (torch.float16, torch.bfloat16) and 0 < k < dense.numel():
+        with on_device(dense):
+            return kernel(dense.contiguous(), k, index_dtype)
+    return top_magnitudes_reference(dense, k, index_dtype)
 
 
 def block_score_keys_reference(dense: torch.Tensor, block_shape) -> torch.Tensor:

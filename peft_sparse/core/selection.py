@@ -86,6 +86,28 @@ def check_sparse_tensors(
             )
 
 
+def top_k_set(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending element numbers of the k largest ``scores`` (ties → lowest element numbers), without
+    a host sync: a top-k threshold, then the tied elements ranked by a cumulative count.
+
+    Cheaper than :func:`~peft_sparse.methods.spiel.top_k_positions` on weight-sized inputs (no 64-bit
+    keys; the scores keep their dtype), for callers that need the set, not its order.
+    """
+    flat = scores.reshape(-1)
+    n = flat.numel()
+    k = min(k, n)
+    if k <= 0:
+        return torch.empty(0, dtype=torch.long, device=flat.device)
+    if k == n:
+        return torch.arange(n, device=flat.device)
+    kth = torch.topk(flat, k, sorted=False).values.min()
+    above = flat > kth
+    tied = flat == kth
+    need = k - above.sum()
+    chosen = above | (tied & (torch.cumsum(tied, 0, dtype=torch.int64) <= need))
+    return torch.nonzero_static(chosen, size=k).squeeze(1)
+
+
 class BlockGrid:
     """The (out/bh) × (in/bw) grid of (bh, bw) blocks of an (out, in) matrix; (1, 1) is unstructured.
 

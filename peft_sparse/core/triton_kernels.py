@@ -464,6 +464,106 @@ def block_score_keys(dense: torch.Tensor, block_shape) -> torch.Tensor:
     return keys
 
 
+# top_magnitudes: |x| of a 16-bit float as a 15-bit integer key (sign bit cleared: non-negative floats
+# order like their bit patterns), selected in two radix levels of 8 and 7 bits
+_HIGH_BINS, _LOW_BINS, _SELECT_BLOCK = 256, 128, 4096
+
+
+@triton.jit
+def _magnitude_keys(X, offs, m):
+    return tl.load(X + offs, mask=m, other=0.0).to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
+
+
+@triton.jit
+def _radix_bin(HIST, k, NBINS: tl.constexpr):
+    """(bin, count above it): the bin, from the top, where the k-th largest key falls."""
+    rev = tl.load(HIST + NBINS - 1 - tl.arange(0, NBINS)).to(tl.int64)  # counts from the highest bin down
+    upto = tl.cumsum(rev, 0)
+    j = tl.sum((upto < k).to(tl.int32), axis=0)  # bins (from the top) holding fewer than k together
+    above = tl.sum(tl.where(tl.arange(0, NBINS) < j, rev, 0), axis=0)
+    return NBINS - 1 - j, above
+
+
+@triton.jit
+def _threshold(HIST, k, HIGH: tl.constexpr, LOW: tl.constexpr):
+    """(key, count of keys above it) of the k-th largest key, from both levels' histograms."""
+    high, above_high = _radix_bin(HIST, k, HIGH)
+    low, above_low = _radix_bin(HIST + HIGH, k - above_high, LOW)
+    return high * LOW + low, above_high + above_low
+
+
+@triton.jit
+def _magnitude_histogram_kernel(X, n, HIST, k, LEVEL: tl.constexpr, HIGH: tl.constexpr, LOW: tl.constexpr, BLOCK: tl.constexpr):
+    # LEVEL 0: histogram of the keys' high 8 bits; LEVEL 1: of the low 7 bits of the keys whose high bits
+    # are those of the k-th largest key (each program finds that bin from the first histogram)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    key = _magnitude_keys(X, offs, m)
+    if LEVEL == 0:
+        tl.atomic_add(HIST + tl.arange(0, HIGH), tl.histogram(key // LOW, HIGH, mask=m))
+    else:
+        high, _ = _radix_bin(HIST, k, HIGH)
+        sel = m & (key // LOW == high)
+        tl.atomic_add(HIST + HIGH + tl.arange(0, LOW), tl.histogram(key % LOW, LOW, mask=sel))
+
+
+@triton.jit
+def _magnitude_counts_kernel(X, n, HIST, k, COUNTS, n_chunks, HIGH: tl.constexpr, LOW: tl.constexpr, BLOCK: tl.constexpr):
+    # per chunk: how many keys lie above the k-th largest key, and how many equal it
+    c = tl.program_id(0)
+    offs = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    key = _magnitude_keys(X, offs, m)
+    kth, _ = _threshold(HIST, k, HIGH, LOW)
+    tl.store(COUNTS + c, tl.sum((m & (key > kth)).to(tl.int64), axis=0))
+    tl.store(COUNTS + n_chunks + c, tl.sum((m & (key == kth)).to(tl.int64), axis=0))
+
+
+@triton.jit
+def _magnitude_select_kernel(
+    X, n, HIST, k, PREFIX, n_chunks, IDX, OUT, HIGH: tl.constexpr, LOW: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # chunk c writes its chosen entries — all keys above the k-th largest, and the tied ones while fewer
+    # than the k − (count above) ties before them were taken — at their ranks among all chosen entries
+    c = tl.program_id(0)
+    offs = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(X + offs, mask=m, other=0.0)
+    key = x.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
+    kth, above_total = _threshold(HIST, k, HIGH, LOW)
+    need = k - above_total  # ties to take, lowest positions first
+    above = (m & (key > kth)).to(tl.int64)
+    tied = (m & (key == kth)).to(tl.int64)
+    above_before = tl.load(PREFIX + c)  # in earlier chunks (exclusive prefix sums)
+    tied_before = tl.load(PREFIX + n_chunks + c)
+    tied_rank = tied_before + tl.cumsum(tied, 0) - tied
+    chosen = (above + tied * (tied_rank < need).to(tl.int64)) > 0
+    pos = above_before + tl.minimum(tied_before, need) + tl.cumsum(chosen.to(tl.int64), 0) - chosen.to(tl.int64)
+    tl.store(IDX + pos, offs.to(IDX.dtype.element_ty), mask=chosen)
+    tl.store(OUT + pos, x.to(tl.float32), mask=chosen)
+
+
+def top_magnitudes(dense: torch.Tensor, k: int, index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~peft_sparse.core.kernels.top_magnitudes_reference` for a contiguous 16-bit ``dense`` and
+    0 < k < its size: two radix histograms of |x| find the k-th largest magnitude, per-chunk counts and
+    one prefix sum place every chosen entry — five launches besides the zeroing and the prefix sum."""
+    n = dense.numel()
+    dev = dense.device
+    flat = dense.view(-1)
+    hist = torch.zeros(_HIGH_BINS + _LOW_BINS, dtype=torch.int32, device=dev)
+    chunks = triton.cdiv(n, _SELECT_BLOCK)
+    consts = dict(HIGH=_HIGH_BINS, LOW=_LOW_BINS, BLOCK=_SELECT_BLOCK)
+    for level in (0, 1):
+        _magnitude_histogram_kernel[(chunks,)](flat, n, hist, k, LEVEL=level, **consts)
+    counts = torch.empty(2, chunks, dtype=torch.int64, device=dev)
+    _magnitude_counts_kernel[(chunks,)](flat, n, hist, k, counts, chunks, **consts)
+    prefix = counts.cumsum(1) - counts  # exclusive, per row
+    idx = torch.empty(k, dtype=index_dtype, device=dev)
+    out = torch.empty(k, dtype=torch.float32, device=dev)
+    _magnitude_select_kernel[(chunks,)](flat, n, hist, k, prefix, chunks, idx, out, **consts)
+    return idx, out
+
+
 @triton.jit
 def _gather_blocks_kernel(
     UNITS, n, n_iter, grid_cols, DENSE, in_features, ROWS, COLS, BASE, STRIDE, IDX, OUT,

@@ -46,7 +46,7 @@ from safetensors.torch import load_file, save_file
 from ..core import kernels
 from ..core.config import SparseConfig
 from ..core.layer import SparseLayer, index_dtype, merge_for_training_many, release_training_merges
-from ..core.selection import BlockGrid, module_generator, random_indices, segmented_rank
+from ..core.selection import BlockGrid, module_generator, random_indices, segmented_rank, top_k_set
 from ..core.tuner import SparseTuner
 from ..optim.sm3 import SM3
 from ..optim.surgery import check_supported, reindex_optimizer_states, seed_optimizer_states
@@ -175,28 +175,6 @@ def top_k_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
     low = 0xFFFFFFFF - torch.arange(n, device=scores.device, dtype=torch.int64)  # lower element number → larger key
     keys = torch.topk((bits << 32) | low, k, sorted=True).values
     return 0xFFFFFFFF - (keys & 0xFFFFFFFF)
-
-
-def top_k_set(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Ascending element numbers of the k largest ``scores`` (ties → lowest element numbers), without
-    a host sync: a top-k threshold, then the tied elements ranked by a cumulative count.
-
-    Cheaper than :func:`top_k_positions` on weight-sized inputs (no 64-bit keys; the scores keep
-    their dtype), for callers that need the set, not its order.
-    """
-    flat = scores.reshape(-1)
-    n = flat.numel()
-    k = min(k, n)
-    if k <= 0:
-        return torch.empty(0, dtype=torch.long, device=flat.device)
-    if k == n:
-        return torch.arange(n, device=flat.device)
-    kth = torch.topk(flat, k, sorted=False).values.min()
-    above = flat > kth
-    tied = flat == kth
-    need = k - above.sum()
-    chosen = above | (tied & (torch.cumsum(tied, 0, dtype=torch.int64) <= need))
-    return torch.nonzero_static(chosen, size=k).squeeze(1)
 
 
 UNSTRUCTURED = BlockGrid(1, 1)  # units are single weights (only unit-size-independent methods are used)
@@ -733,9 +711,10 @@ class _WindowStatistics:
                 flat = flat.clone()
                 dist.all_reduce(flat)  # identical candidates on every rank
             g = self.grid
-            if g.unstructured:  # units are the weights: keep one (narrow) copy
-                self.candidates = top_k_set(flat.abs(), self.num_candidate_units).to(index_dtype(flat.numel()))  # ascending
-                n = self.candidates.numel()
+            if g.unstructured:  # units are the weights (one narrow copy of their indices), by |∂L/∂W|
+                self.candidates, first = kernels.top_magnitudes(flat, self.num_candidate_units, index_dtype(flat.numel()))
+                if _distributed():
+                    first = None  # the selection's gradients are all ranks' sum: this rank's are gathered below
             else:  # blocks by Σ|∂L/∂W| (float32), then their layout, elements and first gradients in one pass
                 block_shape = (g.bh, g.bw)
                 keys = kernels.block_score_keys(flat.view(g.out_features, g.in_features), block_shape)
@@ -744,10 +723,10 @@ class _WindowStatistics:
                 layout, self.candidates, first = kernels.gather_blocks(own, self.candidate_units, block_shape, index_dtype(flat.numel()))
                 if self.block_kernel:
                     self.candidate_blocks = layout
-                n = self.candidates.numel()
+            n = self.candidates.numel()
             self.grad_sum = torch.zeros(n, dtype=self.dtype, device=flat.device)
             self.grad_sq_sum = torch.zeros(n, dtype=self.dtype, device=flat.device)
-            if not g.unstructured and self.dtype == torch.float32:
+            if first is not None and self.dtype == torch.float32:  # this micro-batch's gradients at the candidates
                 self.step_sum = first
                 return
             self.step_sum = torch.zeros(n, dtype=self.dtype, device=flat.device)
