@@ -1,6 +1,6 @@
 """Where a SpIEL cycle's extra time goes, step by step (GPU): windows, reselections, the step after.
 
-    python benchmarks/profile_cycle.py spiel-ag-block [--rows 12] [--size tinyllama]
+    python benchmarks/profile_cycle.py spiel-ag-block [--rows 12] [--size tinyllama] [--hook-profile]
 
 Runs the benchmark's schedule (S=20, γ=5, T=46: windows 1–5, 21–25, 41–45; reselections at 5, 25,
 45). Steps 7–26 run as in ``bench_step.py`` and print, per step, the wall time (synchronised) and the
@@ -41,7 +41,7 @@ def _report(prof, title: str, rows: int) -> None:
 def main():
     args, model, optimizer, hook, ids = profiling_setup(rows=12)
 
-    def phases():
+    def phases(hook_profiler=None):
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         t1 = time.perf_counter()
@@ -52,7 +52,11 @@ def main():
             optimizer.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
         if hook is not None:
+            if hook_profiler is not None:
+                hook_profiler.enable()
             hook()
+            if hook_profiler is not None:
+                hook_profiler.disable()
         t4 = time.perf_counter()
         return [(b - a) * 1e3 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4))]
 
@@ -83,12 +87,25 @@ def main():
             print("   host ms " + " ".join(f"{h:.1f}" for h in host) + f" ({sum(host):.1f})")
             continue
         start = time.perf_counter()
-        host = phases()
+        if t == 25 and args.hook_profile:  # the first partial reselection's hook under cProfile
+            import cProfile
+            import io
+            import pstats
+
+            profiler = cProfile.Profile()
+            host = phases(profiler)
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.rows)
+            hook_report = text.getvalue()
+        else:
+            host = phases()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) * 1e3
         walls[t] = wall
         if t >= 7 and t <= 26:
             print(f"  {t:3d}  {wall:7.1f}  | " + " ".join(f"{h:7.1f}" for h in host) + f"  ({sum(host):.1f})")
+    if args.hook_profile:
+        print("\nstep 25's scheduler hook (the reselection) under cProfile:\n" + hook_report)
     steady = [walls[t] for t in range(7, 21)]
     print(f"\nsteady steps 7–20: median {statistics.median(steady):.1f} ms; cycle 7–26 mean {statistics.fmean(walls[t] for t in range(7, 27)):.1f} ms")
 
