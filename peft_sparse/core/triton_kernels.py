@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import to_device_async
+from .kernels import table, to_device_async
 
 
 @triton.jit
@@ -274,7 +274,7 @@ class BlockGroups:
         if n_all:
             # blocks keyed by (layout, line); they come in (row, col) order, so a stable sort by the key
             # groups them by column when columns are shared
-            seg = torch.repeat_interleave(torch.arange(len(layouts), device=dev), torch.tensor(ns, device=dev), output_size=n_all)
+            seg = torch.repeat_interleave(torch.arange(len(layouts), device=dev), table(ns, dev), output_size=n_all)
             line = torch.cat([layout.rows if share_rows else layout.cols for layout in layouts]).long()
             other = torch.cat([layout.cols if share_rows else layout.rows for layout in layouts])
             base = torch.cat([layout.base for layout in layouts])
@@ -292,7 +292,7 @@ class BlockGroups:
                 offsets.append(offset)
                 first, offset = first + n, offset + size
             # each layout's first group goes to the first row of its own plan
-            shift = torch.tensor(offsets, device=dev) - gid[torch.tensor(firsts, device=dev)]
+            shift = table(offsets, dev) - gid[table(firsts, dev)]
             row = gid + shift[seg]
             line_t[row] = line.to(torch.int32)
             other_t[row, slot] = other.to(torch.int32)

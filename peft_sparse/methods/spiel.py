@@ -465,7 +465,7 @@ def _segment_sums(flags: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     """Per segment (laid end to end, each non-empty, starting at ``starts``) the number of True flags:
     differences of a running count (no atomics: a scatter into a few bins would serialise)."""
     running = torch.cumsum(flags, 0)
-    ends = torch.cat([starts[1:], starts.new_tensor([flags.numel()])]) - 1
+    ends = torch.cat([starts[1:], starts.new_full((1,), flags.numel())]) - 1  # (a fill: no copy from the host)
     at_end = running[ends]
     return at_end - torch.cat([at_end.new_zeros(1), at_end[:-1]])
 
