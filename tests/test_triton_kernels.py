@@ -509,6 +509,7 @@ def test_plans_of_many_layouts_equal_the_plans_one_by_one(tk):
             one = tk.BlockGroups.of_layouts([layout], share_rows, 4)[0]
             for name in ("line", "other", "base", "stride"):
                 assert torch.equal(getattr(plan, name), getattr(one, name)), name
+            assert all(t.data_ptr() % 16 == 0 for t in (plan.line, plan.other, plan.base, plan.stride))  # one compiled variant
             seen = {}
             for p in range(plan.size):
                 members = [m for m in range(4) if plan.other[p, m] >= 0]

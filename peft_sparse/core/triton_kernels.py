@@ -264,7 +264,9 @@ class BlockGroups:
         dev = layouts[0].rows.device
         ns = [layout.rows.numel() for layout in layouts]
         lines = [layout.out_features // bh if share_rows else layout.in_features // bw for layout in layouts]
-        sizes = [max(1, n // group + min(m, n)) for n, m in zip(ns, lines)]
+        # rows per plan: a bound on its groups, rounded up to 4 so that every plan's arrays start 16-byte
+        # aligned inside the shared ones (Triton compiles a kernel variant per alignment of its pointers)
+        sizes = [-(-max(1, n // group + min(m, n)) // 4) * 4 for n, m in zip(ns, lines)]
         total = sum(sizes)
         line_t = torch.full((total,), -1, dtype=torch.int32, device=dev)
         other_t = torch.full((total, group), -1, dtype=torch.int32, device=dev)
