@@ -345,3 +345,19 @@ def test_sm3_multi_tensor_launch_on_cuda_matches_the_torch_step(monkeypatch):
     for a, b in zip(s_fused, s_torch):
         for key in ("row_accumulator", "col_accumulator", "momentum_buffer"):
             torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+
+
+def test_seeding_scale_on_another_device_than_the_states():
+    """The clip factor c lives on the device of the first gradient; states elsewhere (a model spread
+    over devices) get it moved, not a device mismatch: exp_avg = ĝ·c·(1−β₁ᵗ), exp_avg_sq = ŝ·c²·(1−β₂ᵗ)."""
+    from peft_sparse.optim.surgery import seed_optimizer_states
+
+    param = torch.nn.Parameter(torch.zeros(6))
+    opt = torch.optim.AdamW([param], lr=0.1)
+    param.grad = torch.ones(6)
+    opt.step()  # state on the CPU, step 1
+    slots, g_hat, s_hat = torch.tensor([1, 4]), torch.tensor([2.0, -4.0]), torch.tensor([9.0, 16.0])
+    seed_optimizer_states(opt, [param], [slots], [g_hat], [s_hat], scale=torch.tensor(0.5, dtype=torch.float64, device="cuda"))
+    state = opt.state[param]
+    torch.testing.assert_close(state["exp_avg"][slots], g_hat * 0.5 * (1 - 0.9))
+    torch.testing.assert_close(state["exp_avg_sq"][slots], s_hat * 0.25 * (1 - 0.999))

@@ -476,6 +476,13 @@ def test_top_magnitudes_radix_selection_matches_the_reference(tk, dtype, n, k):
         got_idx, got_vals = tk.top_magnitudes(dense.to(_device()), k, index_dtype)
         assert got_idx.dtype == index_dtype and torch.equal(got_idx.cpu(), want_idx)
         assert torch.equal(got_vals.cpu(), want_vals)
+    with_nan = dense.clone()
+    with_nan[[17, 40, 41]] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+    want_idx2, want_vals2 = kernels.top_magnitudes_reference(with_nan, k, torch.int64)
+    got_idx2, got_vals2 = tk.top_magnitudes(with_nan.to(_device()), k, torch.int64)
+    assert torch.equal(got_idx2.cpu(), want_idx2)  # NaN ranks above ±inf, which rank above every number
+    torch.testing.assert_close(got_vals2.cpu(), want_vals2, rtol=0, atol=0, equal_nan=True)
+    assert ({17, 40, 41} <= set(want_idx2.tolist())) if k >= 3 else want_idx2.tolist() == [17]
     big = dense.abs().float()
     chosen = big[want_idx.long()]
     rest = torch.ones(n, dtype=torch.bool)

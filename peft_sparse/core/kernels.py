@@ -400,11 +400,16 @@ def block_sddmm_into(grad_out2d, x2d, layout: BlockLayout, out: torch.Tensor, ac
 
 def top_magnitudes_reference(dense: torch.Tensor, k: int, index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The k entries of ``dense`` with the largest |entry| (ties → lowest flat index): their ascending
-    flat indices (``index_dtype``) and the entries there in float32."""
+    flat indices (``index_dtype``) and the entries there in float32. Magnitudes are ranked by their
+    bit patterns with the sign cleared — the order of |x| for numbers, −0.0 tying +0.0, NaN above
+    every number (as ``torch.topk`` ranks it), so a NaN gradient is chosen, not lost."""
     from .selection import top_k_set
 
     flat = dense.reshape(-1)
-    idx = top_k_set(flat.abs(), k)
+    bits = {2: (torch.int16, 0x7FFF), 4: (torch.int32, 0x7FFFFFFF), 8: (torch.int64, 0x7FFFFFFFFFFFFFFF)}
+    as_int, mask = bits[flat.element_size()]
+    keys = flat.view(as_int).to(torch.int64 if as_int != torch.int16 else torch.int32) & mask
+    idx = top_k_set(keys, k)
     return idx.to(index_dtype), flat.index_select(0, idx).float()
 
 

@@ -502,11 +502,11 @@ def _magnitude_histogram_kernel(X, n, HIST, k, LEVEL: tl.constexpr, HIGH: tl.con
     m = offs < n
     key = _magnitude_keys(X, offs, m)
     if LEVEL == 0:
-        tl.atomic_add(HIST + tl.arange(0, HIGH), tl.histogram(key // LOW, HIGH, mask=m))
+        tl.atomic_add(HIST + tl.arange(0, HIGH), tl.histogram(key // LOW, HIGH, mask=m).to(tl.int64))
     else:
         high, _ = _radix_bin(HIST, k, HIGH)
         sel = m & (key // LOW == high)
-        tl.atomic_add(HIST + HIGH + tl.arange(0, LOW), tl.histogram(key % LOW, LOW, mask=sel))
+        tl.atomic_add(HIST + HIGH + tl.arange(0, LOW), tl.histogram(key % LOW, LOW, mask=sel).to(tl.int64))
 
 
 @triton.jit
@@ -552,7 +552,7 @@ def top_magnitudes(dense: torch.Tensor, k: int, index_dtype: torch.dtype) -> tup
     n = dense.numel()
     dev = dense.device
     flat = dense.view(-1)
-    hist = torch.zeros(_HIGH_BINS + _LOW_BINS, dtype=torch.int32, device=dev)
+    hist = torch.zeros(_HIGH_BINS + _LOW_BINS, dtype=torch.int64, device=dev)  # (a bin may hold 2³¹ entries or more)
     chunks = triton.cdiv(n, _SELECT_BLOCK)
     consts = dict(HIGH=_HIGH_BINS, LOW=_LOW_BINS, BLOCK=_SELECT_BLOCK)
     for level in (0, 1):
@@ -882,9 +882,9 @@ class MultiScatterSum:
 
     def __init__(self, outs, indices, bases, values=None):
         device = outs[0].device
-        self.add = values is not None
-        values = values if values is not None else bases
         self.key = self.key_of(outs, indices, bases, values)
+        self.add = values is not None
+        values = values if values is not None else bases  # (not read without ADD)
         # element types only: the plan must not keep the tensors themselves alive
         self.templates = tuple(torch.empty(0, dtype=t.dtype, device=device) for t in (outs[0], indices[0], bases[0], values[0]))
         self.tables = [_address_table(t, device) for t in (outs, indices, bases, values)]

@@ -131,7 +131,8 @@ def seed_optimizer_states(optimizer, params: list, slots: list, grad_means: list
         bias2 = (1 - torch.pow(betas[:, 1], t)).repeat_interleave(counts_t, output_size=total)
         offsets = kernels.table([0, *itertools.accumulate(sizes[:-1])], device)
         where = torch.cat([sl.to(device) for sl in slots]).long() + offsets.repeat_interleave(counts_t, output_size=total)
-        scales = (scale, scale * scale)
+        factor = scale.to(device) if isinstance(scale, torch.Tensor) else scale  # (the states may span devices)
+        scales = (factor, factor * factor)
         for (key, values, bias), c in zip((("exp_avg", grad_means, bias1), ("exp_avg_sq", grad_sq_means, bias2)), scales):
             tensors = [s[key] for s in states]
             flat = torch.cat(tensors)
