@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import profiling_setup  # noqa: E402
+from bench_step import profiling_setup, train_step  # noqa: E402
 
 PROFILED = {35: "steady", 41: "window, first step", 42: "window, later step", 45: "reselection", 46: "after reselection"}
 
@@ -41,24 +41,8 @@ def _report(prof, title: str, rows: int) -> None:
 def main():
     args, model, optimizer, hook, ids = profiling_setup(rows=12)
 
-    def phases(hook_profiler=None):
-        t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        if hook is not None:
-            if hook_profiler is not None:
-                hook_profiler.enable()
-            hook()
-            if hook_profiler is not None:
-                hook_profiler.disable()
-        t4 = time.perf_counter()
-        return [(b - a) * 1e3 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4))]
+    def phases(hook_profiler=None):  # host ms of forward, backward, optimizer, hook
+        return [seconds * 1e3 for seconds in train_step(model, optimizer, hook, ids, hook_profiler)]
 
     print(f"{args.variant}: step  wall ms  | host ms: forward backward optimizer hook (total)")
     walls = {}

@@ -47,20 +47,8 @@ def main():
     phases = {"forward": [], "backward": [], "optimizer": [], "hook": []}
 
     def timed_step():  # step() with the host time of each phase (no synchronisation)
-        t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        if hook is not None:
-            hook()
-        t4 = time.perf_counter()
-        for name, a, b in (("forward", t0, t1), ("backward", t1, t2), ("optimizer", t2, t3), ("hook", t3, t4)):
-            phases[name].append(b - a)
+        for name, seconds in zip(phases, train_step(model, optimizer, hook, ids)):
+            phases[name].append(seconds)
 
     for _ in range(WARMUP):
         step()

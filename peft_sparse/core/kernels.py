@@ -110,6 +110,20 @@ def on_device(tensor: torch.Tensor):
     return contextlib.nullcontext()
 
 
+def _power_of_two_blocks(block_shape) -> bool:
+    """Whether both sides of the block shape are powers of two (the Triton block kernels' tiles)."""
+    return all(v & (v - 1) == 0 for v in block_shape)
+
+
+def _dense_block_kernel(registry: dict, dense: torch.Tensor, block_shape):
+    """The registered kernel reading blocks of ``dense`` for its device, when the blocks tile as Triton
+    tiles and ``dense`` is in a type the kernels read; else None (the torch reference serves)."""
+    if dense.device.type == "cuda":
+        _load_gpu_kernels()
+    kernel = registry.get(dense.device.type)
+    return kernel if kernel is not None and _power_of_two_blocks(block_shape) and dense.dtype in _KERNEL_FLOAT_TYPES else None
+
+
 def _gpu_kernel(registry: dict, out: torch.Tensor, *operands: Optional[torch.Tensor]):
     """The registered kernel for ``out``'s device when it applies (contiguous ``out``, operands in types
     the Triton kernels compute in float32), else None."""
@@ -153,16 +167,21 @@ def scatter_sum_many(outs, indices, bases, values) -> None:
     launch per group of tensors of the same device and element types, not one per tensor. ``values``
     None: ``outs[k].view(-1)[indices[k]] = bases[k]`` exactly (bases in the outputs' dtype)."""
     groups: dict = {}
+    alone = []  # on the per-tensor path: no multi-tensor kernel for the device, or a group of one
     for k, out in enumerate(outs):
         value = values[k] if values is not None else None
         if _gpu_kernel(SCATTER_SUM_KERNELS, out, value, bases[k]) is None:
-            if value is None:
-                out.view(-1).index_put_((indices[k],), bases[k])
-            else:
-                scatter_sum_into(out, indices[k], bases[k], value)
+            alone.append(k)
             continue
         key = (out.device, out.dtype, indices[k].dtype, bases[k].dtype, value.dtype if value is not None else None)
         groups.setdefault(key, []).append(k)
+    for key in [key for key, ks in groups.items() if len(ks) == 1]:
+        alone += groups.pop(key)
+    for k in alone:
+        if values is None:
+            outs[k].view(-1).index_put_((indices[k],), bases[k])
+        else:
+            scatter_sum_into(outs[k], indices[k], bases[k], values[k])
     if not groups:
         return
     from .triton_kernels import MultiScatterSum
@@ -301,8 +320,7 @@ def block_sddmm(grad_out2d, x2d, block_rows, block_cols, bh: int, bw: int) -> to
     if grad_out2d.device.type == "cuda":
         _load_gpu_kernels()
     kernel = BLOCK_SDDMM_KERNELS.get(grad_out2d.device.type)
-    pow2 = all(v & (v - 1) == 0 for v in (bh, bw))
-    if kernel is not None and pow2 and (bh == 1 or min(bh, bw) >= 16):
+    if kernel is not None and _power_of_two_blocks((bh, bw)) and (bh == 1 or min(bh, bw) >= 16):
         with on_device(grad_out2d):
             return kernel(grad_out2d, x2d, block_rows, block_cols, bh, bw)
     return block_sddmm_reference(grad_out2d, x2d, block_rows, block_cols, bh, bw)
@@ -389,8 +407,7 @@ def block_sddmm_into(grad_out2d, x2d, layout: BlockLayout, out: torch.Tensor, ac
         _load_gpu_kernels()
     kernel = BLOCK_SDDMM_INTO_KERNELS.get(grad_out2d.device.type)
     bh, bw = layout.block_shape
-    pow2 = all(v & (v - 1) == 0 for v in (bh, bw))
-    if kernel is not None and pow2 and min(bh, bw) >= 16 and out.dtype == torch.float32 and out.is_contiguous():
+    if kernel is not None and _power_of_two_blocks((bh, bw)) and min(bh, bw) >= 16 and out.dtype == torch.float32 and out.is_contiguous():
         with on_device(grad_out2d):
             return kernel(grad_out2d, x2d, layout, out, accumulate, x_factor=x_factor)
     if x_factor is not None:
@@ -408,8 +425,7 @@ def top_magnitudes_reference(dense: torch.Tensor, k: int, index_dtype: torch.dty
     flat = dense.reshape(-1)
     bits = {2: (torch.int16, 0x7FFF), 4: (torch.int32, 0x7FFFFFFF), 8: (torch.int64, 0x7FFFFFFFFFFFFFFF)}
     as_int, mask = bits[flat.element_size()]
-    keys = flat.view(as_int).to(torch.int64 if as_int != torch.int16 else torch.int32) & mask
-    idx = top_k_set(keys, k)
+    idx = top_k_set(flat.view(as_int) & mask, k)  # integer keys of the weight's own width
     return idx.to(index_dtype), flat.index_select(0, idx).float()
 
 
@@ -430,20 +446,17 @@ def block_score_keys_reference(dense: torch.Tensor, block_shape) -> torch.Tensor
     float32 Σ|entries| of the block in the high 32 bits (non-negative floats order like their bit
     patterns), 2³²−1 − block number in the low ones. Larger key ⇔ larger sum, ties → lower block: one
     ``topk`` over them picks an exact, deterministic set."""
-    out_f, in_f = dense.shape
-    bh, bw = block_shape
-    sums = dense.abs().reshape(out_f // bh, bh, in_f // bw, bw).sum(dim=(1, 3), dtype=torch.float32).reshape(-1)
+    from .selection import BlockGrid
+
+    sums = BlockGrid(*dense.shape, block_shape).reduce(dense.abs().float())  # Σ|entries| per block, float32
     low = 0xFFFFFFFF - torch.arange(sums.numel(), device=dense.device, dtype=torch.int64)
     return (sums.view(torch.int32).to(torch.int64) << 32) | low
 
 
 def block_score_keys(dense: torch.Tensor, block_shape) -> torch.Tensor:
     """:func:`block_score_keys_reference`; on CUDA one Triton launch (no |dense| copy, no separate sum)."""
-    if dense.device.type == "cuda":
-        _load_gpu_kernels()
-    kernel = BLOCK_SCORE_KEYS_KERNELS.get(dense.device.type)
-    bh, bw = block_shape
-    if kernel is not None and bh & (bh - 1) == 0 and bw & (bw - 1) == 0 and dense.dtype in _KERNEL_FLOAT_TYPES:
+    kernel = _dense_block_kernel(BLOCK_SCORE_KEYS_KERNELS, dense, block_shape)
+    if kernel is not None:
         with on_device(dense):
             return kernel(dense.contiguous(), block_shape)
     return block_score_keys_reference(dense, block_shape)
@@ -459,13 +472,10 @@ def top_blocks(keys: torch.Tensor, k: int) -> torch.Tensor:
 def gather_blocks_reference(dense: torch.Tensor, units: torch.Tensor, block_shape, index_dtype: torch.dtype):
     """For ascending blocks ``units`` of the (out, in) ``dense``: their :class:`BlockLayout`, their
     elements' flat indices in ascending order (``index_dtype``), and ``dense`` there in float32."""
-    out_f, in_f = dense.shape
-    bh, bw = block_shape
-    layout = BlockLayout.of_blocks(units, out_f, in_f, block_shape)
-    i = torch.arange(bh, device=dense.device)[None, :, None]
-    j = torch.arange(bw, device=dense.device)[None, None, :]
-    block_major = (layout.rows.long() * bh)[:, None, None] + i
-    block_major = (block_major * in_f + (layout.cols.long() * bw)[:, None, None] + j).reshape(-1)
+    from .selection import BlockGrid
+
+    layout = BlockLayout.of_blocks(units, *dense.shape, block_shape)
+    block_major = BlockGrid(*dense.shape, block_shape).block_major(units).reshape(-1)
     flat = torch.empty_like(block_major)
     flat[layout.slots()] = block_major
     return layout, flat.to(index_dtype), dense.reshape(-1).index_select(0, flat).float()
@@ -473,11 +483,8 @@ def gather_blocks_reference(dense: torch.Tensor, units: torch.Tensor, block_shap
 
 def gather_blocks(dense: torch.Tensor, units: torch.Tensor, block_shape, index_dtype: torch.dtype):
     """:func:`gather_blocks_reference`; on CUDA one Triton launch for the layout, the indices and the values."""
-    if dense.device.type == "cuda":
-        _load_gpu_kernels()
-    kernel = GATHER_BLOCKS_KERNELS.get(dense.device.type)
-    bh, bw = block_shape
-    if kernel is not None and bh & (bh - 1) == 0 and bw & (bw - 1) == 0 and dense.dtype in _KERNEL_FLOAT_TYPES:
+    kernel = _dense_block_kernel(GATHER_BLOCKS_KERNELS, dense, block_shape)
+    if kernel is not None:
         with on_device(dense):
             return kernel(dense.contiguous(), units, block_shape, index_dtype)
     return gather_blocks_reference(dense, units, block_shape, index_dtype)
@@ -493,8 +500,7 @@ def prepare_block_plans(layouts: list, keys: Optional[list] = None) -> None:
     for i, layout in enumerate(layouts):
         if layout is None or layout.rows.device.type != "cuda":
             continue
-        bh, bw = layout.block_shape
-        if bh & (bh - 1) or bw & (bw - 1) or min(bh, bw) < 16:
+        if not _power_of_two_blocks(layout.block_shape) or min(layout.block_shape) < 16:
             continue
         _load_gpu_kernels()
         if "cuda" not in BLOCK_SDDMM_INTO_KERNELS:

@@ -288,7 +288,7 @@ def release_training_merges(layers: list) -> list:
             continue
         if merge.indices.shape != merge.base.shape:
             raise RuntimeError(f"{layer.module_name}: the indices of adapter {merge.adapter!r} were resized while merged for training")
-        if merge.stored_in_weight():
+        if merge.stored_in_weight():  # (storage replaced through .data: the merged one is gone, the new one is θ₀)
             outs.append(merge.weight.data)
             indices.append(merge.indices)
             bases.append(merge.base)
@@ -316,12 +316,9 @@ def merge_for_training_many(layers: list) -> None:
         values = layer.sparse_values[adapter]
         if layer._training_merge is not None or not layer.merge_for_training or not layer._can_merge_in_place(base, values):
             continue
-        merge = layer._training_merge = _TrainingMerge(adapter, layer.sparse_indices[adapter], base.weight)
-        _MERGED_LAYERS.add(layer)
-        due.append((merge, values.detach()))
+        due.append((layer._start_training_merge(adapter, base.weight), values.detach()))
     if not due:
         return
-    _register_step_hook()
     with torch.no_grad():
         kernels.scatter_sum_many([m.weight.data.view(-1) for m, _ in due], [m.indices for m, _ in due], [m.base for m, _ in due], [v for _, v in due])
     for merge, values in due:
@@ -640,17 +637,16 @@ class SparseLayer(BaseTunerLayer):
     # ----------------------------------------------------------------------------------- merged for training
     def release_training_merge(self) -> None:
         """Write θ₀ back at the positions of the adapter merged for training (no-op when none is)."""
-        merge = self._training_merge
-        if merge is None:
-            return
-        if merge.indices.shape != merge.base.shape:
-            raise RuntimeError(f"{self.module_name}: the indices of adapter {merge.adapter!r} were resized while merged for training")
-        if merge.stored_in_weight():  # (storage replaced through .data: the merged one is gone, the new one is θ₀)
-            merge.weight.data.view(-1).index_put_((merge.indices,), merge.base)
-            torch.autograd.graph.increment_version(merge.weight)
-        self._training_merge = None
-        merge.active = False
-        _MERGED_LAYERS.discard(self)
+        if self._training_merge is not None:
+            release_training_merges([self])
+
+    def _start_training_merge(self, adapter: str, weight: torch.Tensor) -> _TrainingMerge:
+        """Read θ₀ at the adapter's indices and register the layer for the optimizer step's rewrites (the
+        caller writes θ₀[η] + φ)."""
+        merge = self._training_merge = _TrainingMerge(adapter, self.sparse_indices[adapter], weight)
+        _MERGED_LAYERS.add(self)
+        _register_step_hook()
+        return merge
 
     def _weight_is_shared(self, weight: torch.Tensor) -> bool:
         """Whether another parameter of the model uses the weight's storage (tied embeddings, views).
@@ -700,9 +696,7 @@ class SparseLayer(BaseTunerLayer):
             self.release_training_merge()
             if not self._can_merge_in_place(base, values):
                 return None
-            merge = self._training_merge = _TrainingMerge(name, indices, weight)
-            _MERGED_LAYERS.add(self)
-            _register_step_hook()
+            merge = self._start_training_merge(name, weight)
         if _compute_dtype(x, weight.dtype) != weight.dtype:  # autocast to another dtype: the transient copy converts
             self.release_training_merge()
             return None

@@ -472,8 +472,8 @@ _HIGH_BINS, _LOW_BINS, _SELECT_BLOCK = 256, 128, 4096
 
 
 @triton.jit
-def _magnitude_keys(X, offs, m):
-    return tl.load(X + offs, mask=m, other=0.0).to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
+def _magnitude_keys(x):
+    return x.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
 
 
 @triton.jit
@@ -500,7 +500,7 @@ def _magnitude_histogram_kernel(X, n, HIST, k, LEVEL: tl.constexpr, HIGH: tl.con
     # are those of the k-th largest key (each program finds that bin from the first histogram)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    key = _magnitude_keys(X, offs, m)
+    key = _magnitude_keys(tl.load(X + offs, mask=m, other=0.0))
     if LEVEL == 0:
         tl.atomic_add(HIST + tl.arange(0, HIGH), tl.histogram(key // LOW, HIGH, mask=m).to(tl.int64))
     else:
@@ -515,7 +515,7 @@ def _magnitude_counts_kernel(X, n, HIST, k, COUNTS, n_chunks, HIGH: tl.constexpr
     c = tl.program_id(0)
     offs = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    key = _magnitude_keys(X, offs, m)
+    key = _magnitude_keys(tl.load(X + offs, mask=m, other=0.0))
     kth, _ = _threshold(HIST, k, HIGH, LOW)
     tl.store(COUNTS + c, tl.sum((m & (key > kth)).to(tl.int64), axis=0))
     tl.store(COUNTS + n_chunks + c, tl.sum((m & (key == kth)).to(tl.int64), axis=0))
@@ -531,7 +531,7 @@ def _magnitude_select_kernel(
     offs = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     x = tl.load(X + offs, mask=m, other=0.0)
-    key = x.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
+    key = _magnitude_keys(x)
     kth, above_total = _threshold(HIST, k, HIGH, LOW)
     need = k - above_total  # ties to take, lowest positions first
     above = (m & (key > kth)).to(tl.int64)
