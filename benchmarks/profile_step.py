@@ -24,6 +24,7 @@ import pstats
 import statistics
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -67,10 +68,21 @@ def main():
         torch.cuda.set_sync_debug_mode("warn")
         step()
         torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message).splitlines()[0][:100] for w in caught if "synchron" in str(w.message).lower()]
+    syncs = [w for w in caught if "synchronizing CUDA operation" in str(w.message)]
     print(f"host-device synchronisations in one step: {len(syncs)}")
-    for s in sorted(set(syncs))[:10]:
-        print(f"  {syncs.count(s)}× {s}")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # where the first one is: its Python stack
+    try:
+        step()
+    except RuntimeError as error:
+        frames = [f for f in traceback.extract_tb(error.__traceback__) if "site-packages/torch/" not in f.filename]
+        print("  the first one, innermost frames last:")
+        for f in frames[-6:]:
+            print(f"    {f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}: {f.line}")
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -87,6 +99,11 @@ def main():
           f"device time summed over ops and kernels (kernels count twice) {total:.1f} ms")  # fmt: skip
     for e in events[: args.rows]:
         print(f"  {e.self_device_time_total / 3 / 1e3:8.2f} ms/step  {e.count // 3:6d}×  {e.key[:90]}")
+    if args.kernel_table:  # every GPU kernel, to compare variants
+        with open(args.kernel_table, "w") as f:
+            for e in events:
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0:
+                    f.write(f"{e.self_device_time_total / 3 / 1e3:.4f}\t{e.count // 3}\t{e.key}\n")
 
     gc_log = []  # (generation, seconds) of every garbage collection
     gc_start = {}

@@ -160,9 +160,11 @@ def test_block_ag_window_gathers_candidate_gradients_with_the_block_kernel(monke
     def run(sparse_windows: bool):
         if not sparse_windows:
             monkeypatch.setattr(spiel._WindowStatistics, "block_kernel", False)
-        dense_calls = []
+        dense_calls, factored = [], []
         original = kernels.dense_weight_gradient
         monkeypatch.setattr(kernels, "dense_weight_gradient", lambda g, x: dense_calls.append(1) or original(g, x))
+        add = spiel._WindowStatistics.add_candidate_gradients
+        monkeypatch.setattr(spiel._WindowStatistics, "add_candidate_gradients", lambda self, g, x, f=None: factored.append(f is not None) or add(self, g, x, f))
         config = SpIELConfig(target_modules=["gate_proj", "down_proj"], density=0.03, growth="ag", block_shape=(16, 16),
                              reselection_steps=4, gradient_estimation_steps=3)  # fmt: skip
         model = get_peft_model(tiny_llama(hidden_size=128, intermediate_size=256), config)
@@ -181,12 +183,15 @@ def test_block_ag_window_gathers_candidate_gradients_with_the_block_kernel(monke
                 snapshots = {n: {k: v.clone() for k, v in s.tensors().items()} for n, s in scheduler.statistics.items()}
             scheduler.step()
         monkeypatch.undo()
-        return snapshots, [l.sparse_indices["default"].clone() for l in sparse_layers(model)], len(dense_calls)
+        return snapshots, [l.sparse_indices["default"].clone() for l in sparse_layers(model)], len(dense_calls), factored
 
-    sparse_stats, sparse_indices, sparse_dense = run(True)
-    dense_stats, dense_indices, dense_dense = run(False)
+    sparse_stats, sparse_indices, sparse_dense, factored = run(True)
+    dense_stats, dense_indices, dense_dense, _ = run(False)
     layers = len(sparse_indices)
     assert dense_dense == 3 * layers and sparse_dense == layers  # one dense dW per layer: the first micro-batch
+    # the two later micro-batches: down_proj's silu(gate) ⊙ up formed by the kernel in the second layer
+    # (in the first, up is computed without gradient, its product keeps one factor and X is kept)
+    assert len(factored) == 2 * layers and sum(factored) == 2
     for name, tensors in dense_stats.items():
         assert torch.equal(sparse_stats[name]["candidates"], tensors["candidates"])
         for key in ("grad_sum", "grad_sq_sum"):

@@ -523,3 +523,77 @@ def test_reselection_rewrites_every_merge_in_batches_and_the_next_forward_writes
         assert torch.equal(restored.view(torch.int32) if restored.dtype == torch.float32 else restored,
                            theta0[layer.module_name].view(torch.int32))  # fmt: skip
     assert torch.signbit(first.view(-1)[before[0][:3].long()]).all()
+
+
+def test_steady_forward_skips_the_lookups_but_sees_every_change(monkeypatch):
+    """After an optimizer step a training forward reuses the last pass's decisions (no per-pass
+    lookups); anything that changes one of them sends the pass through the full path. Outputs always
+    equal the transient copy's."""
+    from peft_sparse.core.layer import SparseLayer
+
+    model = _spiel()
+    randomize_values(model, scale=0.1)
+    model.add_adapter("other", SpIELConfig(target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], density=0.1))
+    randomize_values(model, adapter_name="other", seed=3, scale=0.1)
+    model.base_model.set_adapter("default")
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    layers = sparse_layers(model)
+    x = inputs()
+    model.train()
+    full_passes = []
+    original = SparseLayer._merged_for_training
+    monkeypatch.setattr(SparseLayer, "_merged_for_training", lambda self, *a: full_passes.append(self) or original(self, *a))
+
+    def steady_again():  # merged by a forward, rewritten by an optimizer step (no gradients: it still rewrites)
+        model(x)
+        opt.step()
+
+    def check(steady, expect_full=None):
+        full_passes.clear()
+        out = model(x).logits
+        assert full_passes == (expect_full if expect_full is not None else ([] if steady else layers))
+        for layer in layers:  # the same forward through the transient copies
+            layer.merge_for_training = False
+        want = model(x).logits
+        for layer in layers:
+            layer.merge_for_training = True
+        assert torch.equal(out, want)
+        steady_again()
+
+    steady_again()
+    check(steady=True)
+    full_passes.clear()
+    model(x)
+    model(x)
+    assert not full_passes  # pass after pass
+    with torch.no_grad():
+        check(steady=False)
+    with model.disable_adapter():
+        full_passes.clear()
+        model(x)
+        assert not full_passes  # (the disabled path never reaches the merge)
+    check(steady=False)  # released by the disabled pass
+    model.base_model.set_adapter("other")
+    check(steady=False)
+    model.base_model.set_adapter("default")
+    check(steady=False)
+    check(steady=True)
+    with torch.no_grad():  # an in-place edit moves the values' version: rewritten by the next forward
+        layers[0].sparse_values["default"].mul_(2)
+    check(steady=False, expect_full=[layers[0]])
+    layers[1].sparse_indices["default"] = layers[1].sparse_indices["default"].clone()  # a new indices tensor
+    check(steady=False, expect_full=[layers[1]])
+    held = layers[2].sparse_values["default"]
+    layers[2].sparse_values["default"] = torch.nn.Parameter(held.detach() * 2)  # (not the optimizer's: never steady)
+    check(steady=False, expect_full=[layers[2]])
+    check(steady=False, expect_full=[layers[2]])
+    layers[2].sparse_values["default"] = held
+    check(steady=False, expect_full=[layers[2]])
+    layers[3].merge_for_training = False
+    check(steady=False, expect_full=[layers[3]])
+    layers[3].merge_for_training = True
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float32 weights, bf16 compute: the transient copy
+        check(steady=False)
+    model.eval()
+    check(steady=False)

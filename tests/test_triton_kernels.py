@@ -385,6 +385,39 @@ def test_block_sddmm_into_writes_dense_dw_at_the_active_elements(tk, out_blocks,
     torch.testing.assert_close(ref, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("share_rows", [True, False])
+def test_block_sddmm_into_token_slices_add_the_partials_of_each_slice(tk, share_rows):
+    """Token slices (several programs per group, a ragged last slice): bit for bit the partials of one
+    launch per slice, summed; with ``accumulate``, added to what ``out`` held."""
+    from peft_sparse.core.selection import BlockGrid
+
+    bh = bw = 16
+    g = torch.Generator().manual_seed(11)
+    tokens, out_f, in_f = 1100, 5 * bh, 4 * bw
+    grid = BlockGrid(out_f, in_f, (bh, bw))
+    blocks = torch.randperm(grid.numel, generator=g)[:9].sort().values
+    indices = grid.expand(blocks)
+    layout = kernels.BlockLayout.of_blocks(blocks.to(_device()), out_f, in_f, (bh, bw))
+    plan = tk.BlockGroups.of_layouts([layout], share_rows, 2)[0]
+    go = torch.randn(tokens, out_f, generator=g).to(_device())
+    x = torch.randn(tokens, in_f, generator=g).to(_device())
+    splits, per = tk.token_splits(plan.size, tokens, 64, 40)
+    assert splits == 4 and per == 320
+    partials = [
+        tk.launch_grouped(go[t : t + per].contiguous(), x[t : t + per].contiguous(), (bh, bw), plan, torch.empty(indices.numel(), device=_device()), False, 64, 0)
+        for t in range(0, tokens, per)
+    ]  # fmt: skip
+    want = torch.stack(partials).sum(0)
+    out = tk.launch_grouped(go, x, (bh, bw), plan, torch.full_like(want, float("nan")), False, 64, 40)
+    assert torch.equal(out, want)
+    start = torch.randn(indices.numel(), generator=g).to(_device())
+    acc = tk.launch_grouped(go, x, (bh, bw), plan, start.clone(), True, 64, 40)
+    assert torch.equal(acc, start + want)
+    exact = go.double().t().mm(x.double()).reshape(-1)[indices.to(_device())].float()
+    tol = 2e-2 if _device() == "cuda" else 1e-4
+    torch.testing.assert_close(out, exact, rtol=tol, atol=tol)
+
+
 def test_block_sddmm_into_bf16_and_empty_layout(tk):
     # bf16 operands on a GPU (the interpreter's tl.dot has no bf16), float32 on CPU
     dtype = torch.bfloat16 if _device() == "cuda" else torch.float32

@@ -229,109 +229,113 @@ class SparseDeltaLinear(torch.autograd.Function):
         weight_fn, owned, hooks, blocks, premerged, n_adapters = spec
         indices = indices_and_values[:n_adapters]
         values = indices_and_values[n_adapters:]
-        autocast = torch.is_autocast_enabled(x.device.type)
-        merged = _fused_weight(hooks, owned, premerged, indices, values, torch.get_autocast_dtype(x.device.type) if autocast else None)
-        if merged is not None:  # built in one fused pass (a 4-bit layer), transient (out, in)
-            dtype = merged.dtype
+        device = x.device.type
+        autocast = torch.is_autocast_enabled(device)
+        if premerged is not None:  # the stored weight already holds W + Σ scatter(η, φ) (see SparseLayer)
+            merged = weight_fn()
+            dtype = torch.get_autocast_dtype(device) if autocast else merged.dtype
         else:
-            weight = weight_fn()  # (out, in), frozen
-            dtype = torch.get_autocast_dtype(x.device.type) if autocast else weight.dtype
-            if premerged is not None:  # the stored weight already holds W + Σ scatter(η, φ) (see SparseLayer)
-                merged = weight
+            merged = _fused_weight(hooks, owned, premerged, indices, values, torch.get_autocast_dtype(device) if autocast else None)
+            if merged is not None:  # built in one fused pass (a 4-bit layer), transient (out, in)
+                dtype = merged.dtype
             else:
+                weight = weight_fn()  # (out, in), frozen
+                dtype = torch.get_autocast_dtype(device) if autocast else weight.dtype
                 merged = _pass_weight(weight, indices, values, dtype, owned)  # transient (out, in)
-            del weight
+                del weight
         x_in = x if x.dtype == dtype else x.to(dtype)
         b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
         if autocast:
-            with torch.autocast(x.device.type, enabled=False):
+            with torch.autocast(device, enabled=False):
                 y = F.linear(x_in, merged, b)  # (..., out)
         else:
             y = F.linear(x_in, merged, b)
         del merged, x_in
-        ctx.weight_fn, ctx.owned, ctx.hooks, ctx.n_adapters, ctx.dtype = weight_fn, owned, hooks, n_adapters, dtype
-        ctx.blocks = blocks
-        ctx.premerged = premerged
+        ctx.spec, ctx.dtype = spec, dtype
         ctx.generation = premerged.generation if premerged is not None else None
-        ctx.out_features, ctx.in_features = y.shape[-1], x.shape[-1]
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.x_meta = (x.shape, x.dtype)  # (and out_features = y.shape[-1], in_features = x.shape[-1])
         # X is needed only for the value gradients; when autograd already keeps what X is made of
         # (InputRebuild), backward rebuilds X from that instead
         ctx.x_rebuild = None
         if not any(ctx.needs_input_grad[3 + n_adapters :]):
             ctx.x_saved = False
-            ctx.save_for_backward(*indices, *values)
+            ctx.save_for_backward(*indices_and_values)
         elif (rebuild := input_rebuild(x, getattr(hooks, "rebuild_inputs", "all"))) is not None:
             ctx.x_saved, ctx.x_rebuild = False, rebuild
-            ctx.save_for_backward(*indices, *values)
+            ctx.save_for_backward(*indices_and_values)
         else:
             ctx.x_saved = True
-            ctx.save_for_backward(x, *indices, *values)
+            ctx.save_for_backward(x, *indices_and_values)
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors
         x, rest = (saved[0], saved[1:]) if ctx.x_saved else (None, saved)
-        n = ctx.n_adapters
+        weight_fn, owned, hooks, ctx_blocks, premerged, n = ctx.spec
         indices, values = rest[:n], rest[n:]
+        x_shape, x_dtype = ctx.x_meta
+        out_features, in_features = grad_out.shape[-1], x_shape[-1]
         need_x, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_values = ctx.needs_input_grad[3 + n :]
         dtype = ctx.dtype
-        g2 = grad_out.reshape(-1, ctx.out_features)  # (tokens, out)
+        g2 = grad_out.reshape(-1, out_features)  # (tokens, out)
         if g2.dtype != dtype:
             g2 = g2.to(dtype)
 
         grad_x = None
         if need_x:
-            premerged = ctx.premerged
             if premerged is not None and premerged.still_merged(ctx.generation):
-                merged = ctx.weight_fn()
+                merged = weight_fn()
             else:  # recomputed, transient — from θ₀: a later forward may have merged the layer in place since
-                release = getattr(ctx.hooks, "release_training_merge", None)
+                release = getattr(hooks, "release_training_merge", None)
                 if release is not None:
                     release()
-                merged = _fused_weight(ctx.hooks, ctx.owned, None, indices, values, dtype)
+                merged = _fused_weight(hooks, owned, None, indices, values, dtype)
                 if merged is None:
-                    merged = _pass_weight(ctx.weight_fn(), indices, values, dtype, ctx.owned)
-            grad_x = g2.mm(merged).view(*ctx.x_shape[:-1], ctx.in_features)  # (..., in)
-            if grad_x.dtype != ctx.x_dtype:
-                grad_x = grad_x.to(ctx.x_dtype)
+                    merged = _pass_weight(weight_fn(), indices, values, dtype, owned)
+            grad_x = g2.mm(merged).view(*x_shape[:-1], in_features)  # (..., in)
+            if grad_x.dtype != x_dtype:
+                grad_x = grad_x.to(x_dtype)
             del merged
 
         value_grads = [None] * n
         if any(need_values):
-            hooks = ctx.hooks
             consumer = hooks.dense_grad_consumer if hooks is not None else None
             method = hooks.value_grad_method if hooks is not None else "auto"
-            blocks = [ctx.blocks[a] if ctx.blocks and need_values[a] else None for a in range(n)]
+            blocks = [ctx_blocks[a] if ctx_blocks and need_values[a] else None for a in range(n)]
             if method != "dense":
                 for a, block in enumerate(blocks):
                     if block is not None and method == "auto":
-                        if kernels.COST_MODEL.choose_block(g2.device, g2.shape[0], ctx.out_features, ctx.in_features, values[a].numel(), block.block_shape) == "dense":
+                        if kernels.COST_MODEL.choose_block(g2.device, g2.shape[0], out_features, in_features, values[a].numel(), block.block_shape) == "dense":
                             blocks[a] = None
             else:
                 blocks = [None] * n
+            # an AG window whose candidates are known blocks: their gradients from the block kernel too
+            wanted = getattr(consumer, "candidate_blocks", None) if consumer is not None else None
+            if wanted is not None and method != "dense":
+                bh, bw = wanted.block_shape
+                if method == "auto" and kernels.COST_MODEL.choose_block(g2.device, g2.shape[0], out_features, in_features, wanted.rows.numel() * bh * bw, (bh, bw)) != "block":
+                    wanted = None
+            else:
+                wanted = None
             factors = None
             if x is None and ctx.x_rebuild is not None:
-                # X = A ⊙ B read only by the block kernel: the kernel forms it tile by tile (X's bits as torch's)
-                if consumer is None and n == 1 and blocks[0] is not None and g2.dtype == ctx.x_dtype == dtype:
+                # X = A ⊙ B read only by block kernels: they form it tile by tile (X's bits as torch's)
+                if (consumer is None or wanted is not None) and n == 1 and blocks[0] is not None and g2.dtype == x_dtype == dtype:
                     factors = ctx.x_rebuild.factors()
                 if factors is None:
                     x = ctx.x_rebuild.get()  # the same elementwise operations on the same tensors: the same bits
             if factors is not None:
-                x2, x2_factor = (f.reshape(-1, ctx.in_features) for f in factors)  # (tokens, in) each
+                x2, x2_factor = (f.reshape(-1, in_features) for f in factors)  # (tokens, in) each
             else:
-                x2, x2_factor = x.reshape(-1, ctx.in_features), None  # (tokens, in)
+                x2, x2_factor = x.reshape(-1, in_features), None  # (tokens, in)
                 if x2.dtype != dtype:
                     x2 = x2.to(dtype)
-            wanted = getattr(consumer, "candidate_blocks", None) if consumer is not None else None
-            if wanted is not None and method != "dense":  # the consumer's candidates are known blocks: the block kernel
-                bh, bw = wanted.block_shape
-                if method != "auto" or kernels.COST_MODEL.choose_block(g2.device, g2.shape[0], ctx.out_features, ctx.in_features, wanted.rows.numel() * bh * bw, (bh, bw)) == "block":
-                    consumer.add_candidate_gradients(g2, x2)
-                    hooks.dense_grad_count += 1
-                    consumer = None  # the values' gradients as outside a window
+            if wanted is not None:
+                consumer.add_candidate_gradients(g2, x2, x2_factor)
+                hooks.dense_grad_count += 1
+                consumer = None  # the values' gradients as outside a window
             if consumer is not None:
                 dW = kernels.dense_weight_gradient(g2, x2)  # (out, in), freed on return
                 hooks.dense_grad_count += 1
@@ -349,7 +353,7 @@ class SparseDeltaLinear(torch.autograd.Function):
                         grad = torch.empty(values[a].numel(), dtype=kernels.accumulation_dtype(g2.dtype), device=g2.device)
                         kernels.block_sddmm_into(g2, x2, blocks[a], grad, x_factor=x2_factor)
                     else:
-                        grad = kernels.value_gradient(g2, x2, indices[a], ctx.out_features, ctx.in_features, method)
+                        grad = kernels.value_gradient(g2, x2, indices[a], out_features, in_features, method)
                     value_grads[a] = grad if grad.dtype == values[a].dtype else grad.to(values[a].dtype)
 
         grad_bias = g2.sum(0).to(grad_out.dtype) if need_bias else None

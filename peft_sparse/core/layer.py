@@ -50,7 +50,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from . import kernels
-from .functional import _compute_dtype, compose_weight, sparse_delta_linear, sparse_delta_linear_reference
+from .functional import SparseDeltaLinear, _compute_dtype, compose_weight, sparse_delta_linear, sparse_delta_linear_reference
 
 
 # id(values Parameter) → (weakref to it, weakref to its layer, adapter name): lets optimizers (SM3)
@@ -300,6 +300,7 @@ def release_training_merges(layers: list) -> list:
         if merge.stored_in_weight():
             torch.autograd.graph.increment_version(merge.weight)
         layer._training_merge = None
+        layer._steady = None
         merge.active = False
         _MERGED_LAYERS.discard(layer)
     return released
@@ -375,6 +376,8 @@ class SparseLayer(BaseTunerLayer):
         self._model_ref = None  # weakref to the model (set by the tuner): who else uses the base weight's storage
         self._shared_check = None  # (weakref to the weight, its storage pointer, shared?) of the last scan
         self._training_merge: Optional[_TrainingMerge] = None
+        # the last pass's decisions while the single training adapter is merged in place (see forward)
+        self._steady: Optional[tuple] = None
         self._nf4_cache = None  # (weakref to the 4-bit weight, its storage pointer, its quant state, operands)
         # adapter → the values tensor that last passed _check_ready
         self._ready: dict[str, torch.Tensor] = {}
@@ -750,6 +753,38 @@ class SparseLayer(BaseTunerLayer):
         self._ready[adapter_name] = values
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        steady = self._steady
+        if steady is not None and not args and not kwargs:
+            # A training pass like the last one: the same single adapter (values, indices, blocks), still
+            # merged in place and current. Each decision of the full path below is checked again here,
+            # only without its lookups: the host time of a layer call bounds the step when kernels are short.
+            current, values, dtype, indices, indices_key, base, weight, merge, spec = steady
+            name = merge.adapter
+            if (
+                self.training
+                and self._active_adapter == current
+                and not self._disable_adapters
+                and not self.merged_adapters
+                and self._training_merge is merge
+                and self._modules["base_layer"] is base
+                and base._parameters.get("weight") is weight
+                and self._modules["sparse_values"]._parameters.get(name) is values
+                and self._ready.get(name) is values
+                and values.dtype is dtype
+                and self._modules["sparse_indices"]._buffers.get(name) is indices
+                and indices._version == indices_key[0]
+                and indices.data_ptr() == indices_key[1]
+                and self.merge_for_training
+                and torch.is_grad_enabled()
+                and (not torch.is_autocast_enabled(device := x.device.type) or torch.get_autocast_dtype(device) == weight.dtype)
+                and merge.stored_in_weight()
+                and not weight.requires_grad
+                and merge.current(values)
+            ):
+                if self.training_observer is not None:
+                    self.training_observer(self)
+                return SparseDeltaLinear.apply(x, base._parameters.get("bias"), spec, indices, values)
+        self._steady = None
         if self.disable_adapters:
             self.release_training_merge()
             if self.merged:
@@ -781,6 +816,12 @@ class SparseLayer(BaseTunerLayer):
             x, premerged.stored_weight if premerged is not None else self._stored_weight, base.bias, indices, values,
             hooks=self, owned=self.quantization_backend is not None, blocks=blocks, premerged=premerged,
         )  # fmt: skip
+        if premerged is not None and not args and not kwargs and len(self.active_adapters) == 1:
+            # (merged in place: a single adapter, nn.Linear, no quantization, no autocast to another dtype)
+            current, idx = self._active_adapter, indices[0]
+            current = current if isinstance(current, str) else list(current)  # (a copy: compared by value)
+            spec = (premerged.stored_weight, False, self, blocks, premerged, 1)
+            self._steady = (current, values[0], values[0].dtype, idx, (idx._version, idx.data_ptr()), base, base.weight, premerged, spec)
         return y.to(x.dtype) if self.quantization_backend is not None else y
 
     def _base_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

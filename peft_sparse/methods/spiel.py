@@ -745,10 +745,11 @@ class _WindowStatistics:
         if self.block_kernel:
             self.candidate_blocks = self.candidate_layout()
 
-    def add_candidate_gradients(self, grad_out2d: torch.Tensor, x2d: torch.Tensor) -> None:
+    def add_candidate_gradients(self, grad_out2d: torch.Tensor, x2d: torch.Tensor, x_factor: Optional[torch.Tensor] = None) -> None:
         """Add one micro-batch's gradient at the candidate blocks (``candidate_blocks``) to ``step_sum``
-        from the block kernel, instead of from the dense dW."""
-        kernels.block_sddmm_into(grad_out2d, x2d, self.candidate_blocks, self.step_sum, accumulate=True)
+        from the block kernel, instead of from the dense dW (``x_factor``: the layer input is
+        ``x2d ⊙ x_factor``, formed tile by tile; see :func:`~peft_sparse.core.kernels.block_sddmm_into`)."""
+        kernels.block_sddmm_into(grad_out2d, x2d, self.candidate_blocks, self.step_sum, accumulate=True, x_factor=x_factor)
 
     def end_step(self) -> None:
         if self.candidates is None:
