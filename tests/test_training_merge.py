@@ -597,3 +597,32 @@ def test_steady_forward_skips_the_lookups_but_sees_every_change(monkeypatch):
         check(steady=False)
     model.eval()
     check(steady=False)
+
+
+def test_a_steady_layer_is_freed_without_the_cycle_collector():
+    """What a steady layer remembers of its last pass holds no reference back to the layer: deleting
+    the model frees its layers and their merged base weights at once, not at the next collection."""
+    import gc
+    import weakref
+
+    model = _spiel()
+    randomize_values(model, scale=0.1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=1e-2)
+    x = inputs()
+    model.train()
+    for _ in range(2):
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    layer = sparse_layers(model)[0]
+    assert layer._steady is not None
+    layer_ref, weight_ref = weakref.ref(layer), weakref.ref(layer.get_base_layer().weight)
+    del layer, params
+    gc.collect()
+    gc.disable()
+    try:
+        del model, opt
+        assert layer_ref() is None and weight_ref() is None
+    finally:
+        gc.enable()

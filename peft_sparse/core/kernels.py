@@ -490,12 +490,13 @@ def gather_blocks(dense: torch.Tensor, units: torch.Tensor, block_shape, index_d
     return gather_blocks_reference(dense, units, block_shape, index_dtype)
 
 
-def prepare_block_plans(layouts: list, keys: Optional[list] = None) -> None:
+def prepare_block_plans(layouts: list, keys: Optional[list] = None, x_reads: tuple = (1,)) -> None:
     """Build the grouped block kernel's launch plans of many :class:`BlockLayout` s at once, where that
     kernel serves their device (CUDA): a fixed number of launches for all of them, instead of each
     layout building its own at its first use inside a backward pass. ``keys[i]``: the plans (as in
-    ``layouts[i].plans``) to build for layout i; default: the one a plain product uses. Layouts the
-    kernel does not serve (other devices, block shapes) are skipped: they need no plan."""
+    ``layouts[i].plans``) to build for layout i; default: the ones its products use with X read
+    ``x_reads`` times (1: X formed; 2: X formed from two factors in the kernel). Layouts the kernel
+    does not serve (other devices, block shapes) are skipped: they need no plan."""
     chosen, chosen_keys = [], []
     for i, layout in enumerate(layouts):
         if layout is None or layout.rows.device.type != "cuda":
@@ -507,7 +508,7 @@ def prepare_block_plans(layouts: list, keys: Optional[list] = None) -> None:
             return
         from . import triton_kernels
 
-        for key in (keys[i] if keys is not None else [triton_kernels.plan_key(layout)]):
+        for key in (keys[i] if keys is not None else {triton_kernels.plan_key(layout, x_reads=r) for r in x_reads}):
             chosen.append(layout)
             chosen_keys.append(key)
     if chosen:

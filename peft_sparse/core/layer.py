@@ -754,11 +754,16 @@ class SparseLayer(BaseTunerLayer):
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         steady = self._steady
+        observed = False
         if steady is not None and not args and not kwargs:
             # A training pass like the last one: the same single adapter (values, indices, blocks), still
             # merged in place and current. Each decision of the full path below is checked again here,
             # only without its lookups: the host time of a layer call bounds the step when kernels are short.
-            current, values, dtype, indices, indices_key, base, weight, merge, spec = steady
+            # (The observer runs first, as in the full path: whatever it changes is seen by the checks.)
+            if self.training_observer is not None and self.training and torch.is_grad_enabled() and not self._disable_adapters and not self.merged_adapters:
+                self.training_observer(self)
+                observed = True
+            current, values, dtype, indices, indices_key, base, weight, merge, blocks = steady
             name = merge.adapter
             if (
                 self.training
@@ -781,8 +786,7 @@ class SparseLayer(BaseTunerLayer):
                 and not weight.requires_grad
                 and merge.current(values)
             ):
-                if self.training_observer is not None:
-                    self.training_observer(self)
+                spec = (merge.stored_weight, False, self, blocks, merge, 1)  # (never kept: it holds the layer)
                 return SparseDeltaLinear.apply(x, base._parameters.get("bias"), spec, indices, values)
         self._steady = None
         if self.disable_adapters:
@@ -802,7 +806,7 @@ class SparseLayer(BaseTunerLayer):
         for name, v in zip(active, values):
             if ready.get(name) is not v or v.dtype != wanted[name]:
                 self._check_ready(name)
-        if self.training_observer is not None and self.training and torch.is_grad_enabled():
+        if self.training_observer is not None and self.training and torch.is_grad_enabled() and not observed:
             self.training_observer(self)
         base = self.get_base_layer()
         indices_of = self.sparse_indices
@@ -820,8 +824,7 @@ class SparseLayer(BaseTunerLayer):
             # (merged in place: a single adapter, nn.Linear, no quantization, no autocast to another dtype)
             current, idx = self._active_adapter, indices[0]
             current = current if isinstance(current, str) else list(current)  # (a copy: compared by value)
-            spec = (premerged.stored_weight, False, self, blocks, premerged, 1)
-            self._steady = (current, values[0], values[0].dtype, idx, (idx._version, idx.data_ptr()), base, base.weight, premerged, spec)
+            self._steady = (current, values[0], values[0].dtype, idx, (idx._version, idx.data_ptr()), base, base.weight, premerged, blocks)
         return y.to(x.dtype) if self.quantization_backend is not None else y
 
     def _base_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -979,7 +979,7 @@ class SpIELScheduler:
                 for s, part in zip(live, flat.split([s.step_sum.numel() for s in live])):
                     s.step_sum.copy_(part)
         if self.steps_in_window == 0:  # candidates chosen: their block kernel's plans, all layers at once
-            kernels.prepare_block_plans([s.candidate_blocks for s in self.statistics.values()])
+            kernels.prepare_block_plans([s.candidate_blocks for s in self.statistics.values()], x_reads=(1, 2))
         _end_steps(list(self.statistics.values()))
         self.steps_in_window += 1
 
