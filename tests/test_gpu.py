@@ -224,7 +224,10 @@ def test_block_plans_are_built_for_all_layers_at_once(growth, monkeypatch):
             for s in scheduler.statistics.values():  # X formed, or formed from two factors in the kernel
                 keys = {triton_kernels.plan_key(s.candidate_blocks, x_reads=r) for r in (1, 2)}
                 assert keys <= set(s.candidate_blocks.plans)
-            assert len(layers) <= sum(batches) <= 2 * len(layers) and len(batches) <= 4
+            for layer in layers:  # the values' plans for the later steps too
+                layout = layer.cached_block_metadata("default")
+                assert {triton_kernels.plan_key(layout, x_reads=r) for r in (1, 2)} <= set(layout.plans)
+            assert len(layers) <= sum(batches) <= 4 * len(layers) and len(batches) <= 4
 
 
 @pytest.mark.parametrize("block_shape", [(1, 1), (16, 16)])

@@ -978,8 +978,11 @@ class SpIELScheduler:
                 flat /= dist.get_world_size()
                 for s, part in zip(live, flat.split([s.step_sum.numel() for s in live])):
                     s.step_sum.copy_(part)
-        if self.steps_in_window == 0:  # candidates chosen: their block kernel's plans, all layers at once
-            kernels.prepare_block_plans([s.candidate_blocks for s in self.statistics.values()], x_reads=(1, 2))
+        if self.steps_in_window == 0:  # candidates chosen: their block kernel's plans, all layers at once —
+            # and the values' plans for the later steps, where both kernels may form X from two factors
+            layouts = [s.candidate_blocks for s in self.statistics.values()]
+            layouts += [layer.cached_block_metadata(self.adapter_name) for layer in self.layers]
+            kernels.prepare_block_plans(layouts, x_reads=(1, 2))
         _end_steps(list(self.statistics.values()))
         self.steps_in_window += 1
 
