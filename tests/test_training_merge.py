@@ -626,3 +626,25 @@ def test_a_steady_layer_is_freed_without_the_cycle_collector():
         assert layer_ref() is None and weight_ref() is None
     finally:
         gc.enable()
+
+
+def test_training_observer_runs_once_and_before_the_steady_checks():
+    """The observer runs once per training pass, steady or not, and what it changes is seen by that
+    pass (here it releases the in-place merge: the pass takes the full path and the transient copy)."""
+    model = _spiel()
+    randomize_values(model, scale=0.1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=1e-2)
+    x = inputs()
+    model.train()
+    model(x, labels=x).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    layer = sparse_layers(model)[0]
+    assert layer._steady is not None
+    calls = []
+    layer.training_observer = lambda lay: calls.append(lay) or (len(calls) == 2 and setattr(lay, "merge_for_training", False))
+    first = model(x).logits  # steady
+    second = model(x).logits  # the observer turns the in-place merge off before the checks
+    assert len(calls) == 2 and layer._training_merge is None and layer._steady is None
+    assert torch.equal(first, second)

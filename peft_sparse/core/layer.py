@@ -34,6 +34,13 @@ weight's version counter, so a pass that saved the weight itself errors instead 
 values; a backward whose forward ran merged but finds the merge released rebuilds W + scatter(η, φ)
 from θ₀. Code that edits ``sparse_indices`` in place must call ``release_training_merge()`` first. Set
 ``merge_for_training = False`` on a layer to always use the transient copy.
+
+**Steady passes.** Once such a merge was rewritten by an optimizer step, the layer remembers the
+decisions of its last pass (adapter, values, indices and their version, base layer and weight, block
+layout — nothing that refers back to the layer) and the next training forward checks each of them
+directly, without the lookups of the full path, before reusing them; any difference, and any other
+kind of pass, takes the full path. When kernels are short, the host time of a layer call bounds the
+training step.
 """
 
 from __future__ import annotations
