@@ -795,7 +795,7 @@ class SparseLayer(BaseTunerLayer):
             ):
                 spec = (merge.stored_weight, False, self, blocks, merge, 1)  # (never kept: it holds the layer)
                 return SparseDeltaLinear.apply(x, base._parameters.get("bias"), spec, indices, values)
-        self._steady = None
+            self._steady = None  # (assigned only when set: nn.Module.__setattr__ costs host time on every pass)
         if self.disable_adapters:
             self.release_training_merge()
             if self.merged:
