@@ -5,6 +5,7 @@ import torch
 from peft import PeftModel, get_peft_model
 
 from peft_sparse import SM3, SparseFTConfig, SpIELConfig, SpIELScheduler
+from peft_sparse.core import kernels
 from peft_sparse.core.selection import BlockGrid
 from peft_sparse.methods.spiel import reselect_ag, reselect_ma
 
@@ -146,6 +147,12 @@ def test_block_metadata_after_a_batched_reselection_equals_a_fresh_computation()
         assert (cached.block_shape, cached.out_features, cached.in_features) == (fresh.block_shape, fresh.out_features, fresh.in_features)
         grid = BlockGrid(layer.out_features, layer.in_features, (16, 16))
         units = cached.rows.long() * grid.cols + cached.cols.long()
+        # the block numbers the layouts carry (the reselection's, the fresh one's) and those computed
+        assert cached.units is not None and fresh.units is not None
+        assert torch.equal(cached.block_numbers(), units) and torch.equal(fresh.block_numbers(), units)
+        assert torch.equal(grid.units(layer.sparse_indices["default"]), units)
+        bare = kernels.BlockLayout(cached.rows, cached.cols, cached.base, cached.stride, (16, 16), cached.out_features, cached.in_features)
+        assert torch.equal(bare.block_numbers(), units)
         # every element's place in the values, as a search over the indices finds it
         assert torch.equal(cached.slots(), torch.searchsorted(layer.sparse_indices["default"].long(), grid.block_major(units).reshape(-1)))
 

@@ -485,9 +485,10 @@ def test_block_score_keys_and_gather_blocks_match_the_references(tk, block_shape
     for index_dtype in (torch.int32, torch.int64):
         layout, idx, vals = kernels.gather_blocks_reference(dense, units, block_shape, index_dtype)
         t_layout, t_idx, t_vals = tk.gather_blocks(dense.to(_device()), units.to(_device()), block_shape, index_dtype)
-        for name in ("rows", "cols", "base", "stride"):
+        for name in ("rows", "cols", "base", "stride", "units"):
             a, b = getattr(layout, name), getattr(t_layout, name).cpu()
             assert a.dtype == b.dtype and torch.equal(a, b), name
+        assert torch.equal(t_layout.block_numbers().cpu(), units)
         assert t_idx.dtype == index_dtype and torch.equal(t_idx.cpu(), idx) and torch.equal(t_vals.cpu(), vals)
     from peft_sparse.core.selection import BlockGrid
 

@@ -333,15 +333,24 @@ class BlockLayout:
     every active block of that block row in block order: element (i, j) of the block of rank q among
     the n active blocks of its block row, whose elements start at position s, is at
     s + i·n·bw + q·bw + j. So two numbers per block — ``base`` (s + q·bw) and ``stride`` (n·bw) —
-    place every element, found in O(blocks). ``plans`` caches kernel launch plans for this layout."""
+    place every element, found in O(blocks). ``plans`` caches kernel launch plans for this layout;
+    ``units`` holds the ascending block numbers (row-major on the block grid, int64) when the layout
+    was made from them, else None (:meth:`block_numbers` computes them)."""
 
-    __slots__ = ("rows", "cols", "base", "stride", "block_shape", "out_features", "in_features", "plans")
+    __slots__ = ("rows", "cols", "base", "stride", "block_shape", "out_features", "in_features", "plans", "units")
 
-    def __init__(self, rows, cols, base, stride, block_shape, out_features: int, in_features: int):
+    def __init__(self, rows, cols, base, stride, block_shape, out_features: int, in_features: int, units=None):
         self.rows, self.cols, self.base, self.stride = rows, cols, base, stride
         self.block_shape = tuple(block_shape)
         self.out_features, self.in_features = out_features, in_features
         self.plans: dict = {}
+        self.units = units
+
+    def block_numbers(self) -> torch.Tensor:
+        """The ascending active block numbers (int64), row-major on the block grid."""
+        if self.units is not None:
+            return self.units
+        return self.rows.long() * (self.in_features // self.block_shape[1]) + self.cols.long()
 
     @staticmethod
     def positions(row_key: torch.Tensor, block_shape, start: Optional[torch.Tensor] = None) -> tuple:
@@ -363,7 +372,7 @@ class BlockLayout:
         blocks = blocks.long()
         block_rows = blocks // cols
         base, stride = cls.positions(block_rows, block_shape)
-        return cls(block_rows.to(torch.int32), (blocks % cols).to(torch.int32), base, stride, block_shape, out_features, in_features)
+        return cls(block_rows.to(torch.int32), (blocks % cols).to(torch.int32), base, stride, block_shape, out_features, in_features, blocks)
 
     def slots(self) -> torch.Tensor:
         """Position of element (i, j) of block b at [b·bh·bw + i·bw + j]."""

@@ -610,7 +610,7 @@ def gather_blocks(dense: torch.Tensor, units: torch.Tensor, block_shape, index_d
         _gather_blocks_kernel[(n,)](
             units, n, _search_rounds(n, 64), in_f // bw, dense, in_f, rows, cols, base, stride, idx, out, BH=bh, BW=bw, K=64,
         )  # fmt: skip
-    return BlockLayout(rows, cols, base, stride, block_shape, out_f, in_f), idx, out
+    return BlockLayout(rows, cols, base, stride, block_shape, out_f, in_f, units.long()), idx, out
 
 
 @triton.jit

@@ -597,8 +597,9 @@ def reselect_all(items: list, growth: str) -> AllReselections:
         return (flat + e_off_t[tensor][:, None, None]).reshape(-1, unit)
 
     seg_e, d_start_t, _ = segments(d)
-    eid = torch.cat([it.indices.long() for it in items]) + e_off_t[seg_e]  # ascending
-    magnitude = torch.cat([it.values.detach().abs().float() for it in items])
+    # (concatenated first, then converted: one launch each, not one per tensor; the same values)
+    eid = torch.cat([it.indices for it in items]).long() + e_off_t[seg_e]  # ascending
+    magnitude = torch.cat([it.values.detach() for it in items]).abs().float()
 
     # DROP (§7.3.1): the k smallest Σ|φ| units of each tensor, ties → lowest unit
     if blocks:
@@ -625,8 +626,8 @@ def reselect_all(items: list, growth: str) -> AllReselections:
     if growth == "ag":  # Alg. 2: the k eligible candidates with the largest |ĝ| (Eq. 7.5)
         c_sizes_e = [it.candidates.numel() for it in items]
         seg_ce, ce_start_t, _ = segments(c_sizes_e)
-        cand_eid = torch.cat([it.candidates.long() for it in items]) + e_off_t[seg_ce]
-        score = torch.cat([it.score.float() for it in items]).abs()  # |ĝ| (Eq. 7.5)
+        cand_eid = torch.cat([it.candidates for it in items]).long() + e_off_t[seg_ce]
+        score = torch.cat([it.score for it in items]).float().abs()  # |ĝ| (Eq. 7.5)
         if blocks:
             cand_units = [it.candidate_units if it.candidate_units is not None else it.grid.units(it.candidates) for it in items]
             seg_c, c_start_t, _ = segments([c.numel() for c in cand_units])
@@ -644,8 +645,14 @@ def reselect_all(items: list, growth: str) -> AllReselections:
         ok = per_tensor_ok.all()
         grown_gid = cand_gid[torch.nonzero_static(grown_mask, size=sum(k)).squeeze(1)]  # ascending
     else:  # Alg. 3: the k units with the largest Σ√⁴(R_i·C_j) (Eq. 7.7)
-        row_scores = [it.grid.reduce_rows(it.row_acc.double().pow(0.25)) for it in items]
-        col_scores = [it.grid.reduce_cols(it.col_acc.double().pow(0.25)) for it in items]
+        # √⁴ of every accumulator in one pass; summed per block row / column tensor by tensor (the
+        # reductions of the per-tensor selection, shape for shape: the same sums to the last bit)
+        row_all = torch.cat([it.row_acc for it in items]).double().pow(0.25)
+        col_all = torch.cat([it.col_acc for it in items]).double().pow(0.25)
+        rows_each = torch.split(row_all, [it.grid.out_features for it in items])
+        cols_each = torch.split(col_all, [it.grid.in_features for it in items])
+        row_scores = [it.grid.reduce_rows(r) for it, r in zip(items, rows_each)]
+        col_scores = [it.grid.reduce_cols(c) for it, c in zip(items, cols_each)]
         grown_gid = _grow_rank_one_all(row_scores, col_scores, kept_gid, [u - k_i for u, k_i in zip(u_sizes, k)], k, u_off)
 
     # units → weights (global element numbers), ascending
@@ -676,8 +683,8 @@ def reselect_all(items: list, growth: str) -> AllReselections:
         base, stride = kernels.BlockLayout.positions(row_key, (bh, bw), start=u_start_t[seg_nu])
         pieces = zip(*(torch.split(t, u_sizes) for t in (rows, cols, base, stride)))
         metadata = [
-            kernels.BlockLayout(r, c, b, st, (bh, bw), it.grid.out_features, it.grid.in_features)
-            for (r, c, b, st), it in zip(pieces, items)
+            kernels.BlockLayout(r, c, b, st, (bh, bw), it.grid.out_features, it.grid.in_features, u)
+            for (r, c, b, st), it, u in zip(pieces, items, units)
         ]  # fmt: skip
     return AllReselections(d, source, grown_from, new_flat, units, [k_i * unit for k_i in k], ok, changed, per_tensor_ok, metadata)
 
@@ -990,8 +997,7 @@ class SpIELScheduler:
         """The ascending active blocks of a block adapter, from the layer's cached metadata."""
         if grid.unit == 1:
             return None
-        layout = layer.block_metadata(self.adapter_name)
-        return layout.rows.long() * grid.cols + layout.cols.long()
+        return layer.block_metadata(self.adapter_name).block_numbers()
 
     @torch.no_grad()
     def _reselect(self, t: int) -> dict:
