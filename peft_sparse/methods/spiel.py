@@ -1084,11 +1084,14 @@ class SpIELScheduler:
             rows = result.grown_from[slots]
             grad_mean = torch.cat([stats.grad_sum for _, _, stats in group])[rows] / n
             grad_sq_mean = torch.cat([stats.grad_sq_sum for _, _, stats in group])[rows] / n
-            start = 0
-            pieces = zip(torch.split(slots, result.dropped), torch.split(grad_mean, result.dropped), torch.split(grad_sq_mean, result.dropped))
-            for value, size, (s, g, s2) in zip(values, result.sizes, pieces):
-                self.seeding.pending[id(value)] = (s - start, g, s2)
-                start += size
+            starts = [0]  # each tensor's first slot: the grown slots become slots of their own tensor
+            for size in result.sizes[:-1]:
+                starts.append(starts[-1] + size)
+            dev = slots.device
+            local = slots - torch.repeat_interleave(kernels.table(starts, dev), kernels.table(result.dropped, dev), output_size=n_grown)
+            pieces = zip(torch.split(local, result.dropped), torch.split(grad_mean, result.dropped), torch.split(grad_sq_mean, result.dropped))
+            for value, (s, g, s2) in zip(values, pieces):
+                self.seeding.pending[id(value)] = (s, g, s2)
         layouts, plan_keys = [], []
         for layer, (_, item, _), units, meta in zip(layers, group, result.units, result.block_metadata):
             if units is not None and item.grid.unit > 1:
