@@ -599,26 +599,31 @@ def test_steady_forward_skips_the_lookups_but_sees_every_change(monkeypatch):
     check(steady=False)
 
 
+def _steady_after_steps(steps: int):
+    """(model, SGD optimizer, inputs) after ``steps`` training steps: every layer's pass is steady."""
+    model = _spiel()
+    randomize_values(model, scale=0.1)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    x = inputs()
+    model.train()
+    for _ in range(steps):
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(layer._steady is not None for layer in sparse_layers(model))
+    return model, opt, x
+
+
 def test_a_steady_layer_is_freed_without_the_cycle_collector():
     """What a steady layer remembers of its last pass holds no reference back to the layer: deleting
     the model frees its layers and their merged base weights at once, not at the next collection."""
     import gc
     import weakref
 
-    model = _spiel()
-    randomize_values(model, scale=0.1)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=1e-2)
-    x = inputs()
-    model.train()
-    for _ in range(2):
-        model(x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad()
+    model, opt, _ = _steady_after_steps(2)
     layer = sparse_layers(model)[0]
-    assert layer._steady is not None
     layer_ref, weight_ref = weakref.ref(layer), weakref.ref(layer.get_base_layer().weight)
-    del layer, params
+    del layer
     gc.collect()
     gc.disable()
     try:
@@ -631,17 +636,8 @@ def test_a_steady_layer_is_freed_without_the_cycle_collector():
 def test_training_observer_runs_once_and_before_the_steady_checks():
     """The observer runs once per training pass, steady or not, and what it changes is seen by that
     pass (here it releases the in-place merge: the pass takes the full path and the transient copy)."""
-    model = _spiel()
-    randomize_values(model, scale=0.1)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=1e-2)
-    x = inputs()
-    model.train()
-    model(x, labels=x).loss.backward()
-    opt.step()
-    opt.zero_grad()
+    model, _, x = _steady_after_steps(1)
     layer = sparse_layers(model)[0]
-    assert layer._steady is not None
     calls = []
     layer.training_observer = lambda lay: calls.append(lay) or (len(calls) == 2 and setattr(lay, "merge_for_training", False))
     first = model(x).logits  # steady
