@@ -305,6 +305,18 @@ def test_fused_nf4_weight_on_cuda_is_bitsandbytes_dequantization_plus_delta(tmp_
         kernels.scatter_add_reference(want, layer.sparse_indices["default"], layer.sparse_values["default"].detach())
         got = layer.fused_merged_weight([layer.sparse_indices["default"]], [layer.sparse_values["default"]], None)
         assert got is not None and torch.equal(got, want), layer.module_name
+    # the kept per-program slices of the indices follow an in-place rewrite (as a reselection makes)
+    layer = max(layers, key=lambda l: l.numel)  # (several programs of the fused launch)
+    indices, values = layer.sparse_indices["default"], layer.sparse_values["default"]
+    kept = layer._nf4_starts(indices)
+    assert layer._nf4_starts(indices) is kept  # unchanged indices: kept
+    weight = layer.get_base_layer().weight
+    with torch.no_grad():
+        torch._foreach_copy_([indices], [torch.randperm(layer.numel, device="cuda")[: indices.numel()].sort().values.to(indices.dtype)])
+    want = bnb_f.dequantize_4bit(weight.data, weight.quant_state)
+    kernels.scatter_add_reference(want, indices, values.detach())
+    assert torch.equal(layer.fused_merged_weight([indices], [values], None), want)
+    assert layer._nf4_starts(indices) is not kept
     x = torch.randint(0, 97, (2, 24), device="cuda")
     model.train()
     runs = []

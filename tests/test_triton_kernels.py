@@ -323,14 +323,19 @@ def test_nf4_reference_is_bitsandbytes_dequantization(nested):
 
 
 @pytest.mark.parametrize("nested", [True, False])
-def test_nf4_compose_matches_reference(tk, nested):
+@pytest.mark.parametrize("shape, blocksize, chunk", [((48, 1024), 64, None), ((40, 200), 128, None), ((40, 200), 256, 64)])
+def test_nf4_compose_matches_reference(tk, nested, shape, blocksize, chunk, monkeypatch):
     """Dequantization and scatter in one launch == bitsandbytes' dequantization, then scatter_add; ranges
-    cross program boundaries, and a pass without values only dequantizes."""
+    cross program boundaries (48×1024), a last chunk and quantization block end inside
+    the weight (40×200), quantization blocks longer than a chunk (chunk 64), and a pass without values
+    only dequantizes."""
     dev = _device()
-    shape = (48, 1024)  # 49152 elements: three programs
-    packed, _, ops = _nf4_case(shape, 64, nested, seed=1)
+    monkeypatch.setattr(tk, "_NF4_BLOCK", 4096)  # (48×1024: twelve programs)
+    if chunk is not None:
+        monkeypatch.setattr(tk, "_NF4_CHUNK", chunk)
+    packed, _, ops = _nf4_case(shape, blocksize, nested, seed=1)
     g = torch.Generator().manual_seed(2)
-    idx = random_indices(shape[0] * shape[1], 3000, g).to(torch.int32)
+    idx = random_indices(shape[0] * shape[1], shape[0] * shape[1] // 16, g).to(torch.int32)
     vals = torch.randn(idx.numel(), generator=g) * 0.1
     want_plain = kernels.nf4_dequantize_reference(*ops, torch.bfloat16)
     want = kernels.scatter_add_reference(want_plain.clone(), idx, vals)
@@ -342,6 +347,8 @@ def test_nf4_compose_matches_reference(tk, nested):
 
     got = tk.nf4_compose(*moved(ops), torch.bfloat16, idx.to(dev), vals.to(dev))
     plain = tk.nf4_compose(*moved(ops), torch.bfloat16)
+    starts = tk.compose_starts(idx.to(dev), shape[0] * shape[1])  # each program's slice given, not searched
+    assert torch.equal(tk.nf4_compose(*moved(ops), torch.bfloat16, idx.to(dev), vals.to(dev), starts=starts), got)
     if dev == "cuda":
         assert torch.equal(got.cpu(), want) and torch.equal(plain.cpu(), want_plain)
     else:  # the interpreter's own 16-bit rounding (see test_scatter_add_matches_reference)

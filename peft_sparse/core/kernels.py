@@ -212,14 +212,31 @@ def nf4_dequantize_reference(packed, code, absmax, nested, blocksize: int, shape
     return (code.float()[nib] * absmax.float()[blocks]).to(dtype).view(shape[0], shape[1])
 
 
-def nf4_compose(packed, code, absmax, nested, blocksize: int, shape, dtype, indices=None, values=None) -> torch.Tensor:
+def nf4_compose_starts(indices: torch.Tensor, numel: int) -> Optional[torch.Tensor]:
+    """What the fused CUDA launch of :func:`nf4_compose` can be given as ``starts`` for these sorted
+    indices into a weight of ``numel`` elements (where each of its programs finds its slice of them:
+    a lookup instead of a search), to keep while they do not change; None where there is no such launch."""
+    if indices.device.type != "cuda":
+        return None
+    _load_gpu_kernels()
+    if NF4_COMPOSE_KERNELS.get("cuda") is None:
+        return None
+    from . import triton_kernels
+
+    with on_device(indices):
+        return triton_kernels.compose_starts(indices, numel)
+
+
+def nf4_compose(packed, code, absmax, nested, blocksize: int, shape, dtype, indices=None, values=None, starts=None) -> torch.Tensor:
     """The dequantized NF4 weight plus scatter(indices, values) (see :func:`nf4_dequantize_reference` and
-    :func:`scatter_add_into`); on CUDA one Triton launch (dequantization and scatter fused)."""
+    :func:`scatter_add_into`); on CUDA one Triton launch (dequantization and scatter fused). ``starts``:
+    :func:`nf4_compose_starts` of ``indices`` (optional)."""
     if packed.device.type == "cuda":
         _load_gpu_kernels()
-        if NF4_COMPOSE_KERNELS.get("cuda") is not None and dtype in _KERNEL_FLOAT_TYPES:
+        power_of_two = blocksize > 0 and blocksize & (blocksize - 1) == 0  # (the kernel's chunks hold whole blocks)
+        if NF4_COMPOSE_KERNELS.get("cuda") is not None and dtype in _KERNEL_FLOAT_TYPES and power_of_two:
             with on_device(packed):
-                return NF4_COMPOSE_KERNELS["cuda"](packed, code, absmax, nested, blocksize, shape, dtype, indices, values)
+                return NF4_COMPOSE_KERNELS["cuda"](packed, code, absmax, nested, blocksize, shape, dtype, indices, values, starts)
     out = nf4_dequantize_reference(packed, code, absmax, nested, blocksize, shape, dtype)
     if indices is not None:
         scatter_add_reference(out, indices, values)

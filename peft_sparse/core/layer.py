@@ -386,6 +386,7 @@ class SparseLayer(BaseTunerLayer):
         # the last pass's decisions while the single training adapter is merged in place (see forward)
         self._steady: Optional[tuple] = None
         self._nf4_cache = None  # (weakref to the 4-bit weight, its storage pointer, its quant state, operands)
+        self._nf4_starts_cache = None  # (weakref to an indices tensor, (address, version, size), its starts)
         # adapter → the values tensor that last passed _check_ready
         self._ready: dict[str, torch.Tensor] = {}
         self.register_state_dict_pre_hook(_release_before_state_dict)
@@ -462,6 +463,18 @@ class SparseLayer(BaseTunerLayer):
         self._nf4_cache = (weakref.ref(weight), weight.data_ptr(), state, operands)
         return operands
 
+    def _nf4_starts(self, indices: torch.Tensor) -> Optional[torch.Tensor]:
+        """Where each program of the fused NF4 launch finds its slice of ``indices``
+        (:func:`kernels.nf4_compose_starts`), kept while the indices tensor is the same and unchanged
+        (its address and version: a reselection rewrites it in place)."""
+        key = (indices.data_ptr(), indices._version, indices.numel())
+        cached = self._nf4_starts_cache
+        if cached is not None and cached[0]() is indices and cached[1] == key:
+            return cached[2]
+        starts = kernels.nf4_compose_starts(indices, self.numel)
+        self._nf4_starts_cache = (weakref.ref(indices), key, starts)
+        return starts
+
     def fused_merged_weight(self, indices, values, dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
         """For an NF4 weight on CUDA: the dequantized weight plus Σ scatter(η_a, φ_a) built in one fused
         launch (the first adapter inside it), in ``dtype`` (None: the layer's compute dtype); None when
@@ -474,7 +487,7 @@ class SparseLayer(BaseTunerLayer):
         if compute != operands[6] or (dtype is not None and dtype != compute):
             return None
         packed, code, absmax, nested, blocksize, shape, qdtype = operands
-        first = (indices[0], values[0].detach()) if indices else (None, None)
+        first = (indices[0], values[0].detach(), self._nf4_starts(indices[0])) if indices else (None, None, None)
         merged = kernels.nf4_compose(packed, code, absmax, nested, blocksize, shape, qdtype, *first)
         for idx, val in zip(indices[1:], values[1:]):
             kernels.scatter_add_into(merged, idx, val.detach())

@@ -922,38 +922,87 @@ def _nf4_value(Q, CODE, ABSMAX, ABSMAX_Q, ABSMAX2, CODE2, offset, e, m, BLOCKSIZ
 
 
 @triton.jit
+def _nf4_chunk(Q, CODE, ABSMAX, ABSMAX_Q, ABSMAX2, CODE2, offset, e0, numel, CHUNK: tl.constexpr,
+               BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr):  # fmt: skip
+    """float32 NF4 values of elements [e0, e0 + CHUNK) in order (e0 a multiple of CHUNK, CHUNK and BLOCKSIZE
+    powers of two): the chunk's bytes in one contiguous load, both nibbles decoded (the high one is the
+    first element), one absmax per quantization block broadcast over it. Same arithmetic as
+    :func:`_nf4_value`."""
+    HALF: tl.constexpr = CHUNK // 2
+    b = e0 // 2 + tl.arange(0, HALF)
+    byte = tl.load(Q + b, mask=b < (numel + 1) // 2, other=0).to(tl.int32)
+    code = tl.reshape(tl.join(tl.load(CODE + (byte >> 4)), tl.load(CODE + (byte & 15))), (CHUNK,))
+    n_blocks = (numel + BLOCKSIZE - 1) // BLOCKSIZE
+    if BLOCKSIZE <= CHUNK:
+        NB: tl.constexpr = CHUNK // BLOCKSIZE
+        blk = e0 // BLOCKSIZE + tl.arange(0, NB)
+    else:  # the whole chunk lies in one quantization block
+        NB: tl.constexpr = 1
+        blk = e0 // BLOCKSIZE + tl.arange(0, 1)
+    bm = blk < n_blocks
+    if NESTED:
+        q = tl.load(ABSMAX_Q + blk, mask=bm, other=0).to(tl.int32)
+        amax = tl.load(CODE2 + q, mask=bm, other=0.0) * tl.load(ABSMAX2 + blk // BLOCKSIZE2, mask=bm, other=0.0)
+        amax = amax + offset
+    else:
+        amax = tl.load(ABSMAX + blk, mask=bm, other=0.0)
+    if BLOCKSIZE <= CHUNK:
+        return tl.reshape(tl.reshape(code, (NB, BLOCKSIZE)) * amax[:, None], (CHUNK,))
+    else:
+        return tl.reshape(tl.reshape(code, (1, CHUNK)) * amax[:, None], (CHUNK,))
+
+
+@triton.jit
 def _nf4_compose_kernel(
-    Q, CODE, ABSMAX, ABSMAX_Q, ABSMAX2, CODE2, offset, OUT, IDX, VAL, numel, nnz, n_iter,
+    Q, CODE, ABSMAX, ABSMAX_Q, ABSMAX2, CODE2, offset, OUT, IDX, VAL, STARTS, numel, nnz, n_iter,
     BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, BLOCK: tl.constexpr,
-    CHUNK: tl.constexpr, SBLOCK: tl.constexpr, K: tl.constexpr,
+    CHUNK: tl.constexpr, SBLOCK: tl.constexpr, K: tl.constexpr, HAS_STARTS: tl.constexpr,
 ):  # fmt: skip
-    # as _compose_kernel, with the copy replaced by the NF4 dequantization of the range
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    lo = _lower_bound(IDX, nnz, start, n_iter, K)
-    hi = _lower_bound(IDX, nnz, start + BLOCK, n_iter, K)
+    # as _compose_kernel, with the copy replaced by the NF4 dequantization of the range; the range's
+    # slice of the indices from STARTS (HAS_STARTS: STARTS[p] = first j with IDX[j] ≥ p·BLOCK) or searched
+    p = tl.program_id(0)
+    start = p.to(tl.int64) * BLOCK
+    if HAS_STARTS:
+        lo = tl.load(STARTS + p).to(tl.int64)
+        hi = tl.load(STARTS + p + 1).to(tl.int64)
+    else:
+        lo = _lower_bound(IDX, nnz, start, n_iter, K)
+        hi = _lower_bound(IDX, nnz, start + BLOCK, n_iter, K)
     for c in range(0, BLOCK, CHUNK):
-        e = start + c + tl.arange(0, CHUNK)
-        m = e < numel
-        w = _nf4_value(Q, CODE, ABSMAX, ABSMAX_Q, ABSMAX2, CODE2, offset, e, m, BLOCKSIZE, BLOCKSIZE2, NESTED)
-        tl.store(OUT + e, _round_to(w, OUT), mask=m)
+        e0 = start + c
+        w = _nf4_chunk(Q, CODE, ABSMAX, ABSMAX_Q, ABSMAX2, CODE2, offset, e0, numel, CHUNK, BLOCKSIZE, BLOCKSIZE2, NESTED)
+        e = e0 + tl.arange(0, CHUNK)
+        tl.store(OUT + e, _round_to(w, OUT), mask=e < numel)
     tl.debug_barrier()  # the dequantized values land before this program overwrites some of them
     for j0 in range(lo, hi, SBLOCK):
         j = j0 + tl.arange(0, SBLOCK)
         jm = j < hi
         i = tl.load(IDX + j, mask=jm, other=0).to(tl.int64)
-        w = _nf4_value(Q, CODE, ABSMAX, ABSMAX_Q, ABSMAX2, CODE2, offset, i, jm, BLOCKSIZE, BLOCKSIZE2, NESTED)
-        base = _round_to(w, OUT).to(tl.float32)
+        base = tl.load(OUT + i, mask=jm, other=0.0).to(tl.float32)  # this program's own store, before the barrier
         v = _round_to(tl.load(VAL + j, mask=jm, other=0.0).to(tl.float32), OUT).to(tl.float32)
         tl.store(OUT + i, _round_to(base + v, OUT), mask=jm)
 
 
-def nf4_compose(packed, code, absmax, nested, blocksize, shape, dtype, indices=None, values=None) -> torch.Tensor:
+# elements per program and per chunk of the fused NF4 launch (benchmarks/micro_nf4.py --sweep, H200: with
+# starts given, 4096/2048 took 54 µs for one layer's seven TinyLlama projections, 16384/4096 searching 89 µs)
+_NF4_BLOCK, _NF4_CHUNK = 4096, 2048
+
+
+def compose_starts(indices: torch.Tensor, numel: int) -> torch.Tensor:
+    """For :func:`nf4_compose`'s ``starts``: where each program's range of the weight begins in the sorted
+    ``indices`` (and where the last one ends), int32."""
+    bounds = torch.arange(0, triton.cdiv(numel, _NF4_BLOCK) + 1, device=indices.device, dtype=torch.int64) * _NF4_BLOCK
+    return torch.searchsorted(indices, bounds.clamp_(max=numel).to(indices.dtype)).to(torch.int32)
+
+
+def nf4_compose(packed, code, absmax, nested, blocksize, shape, dtype, indices=None, values=None, starts=None) -> torch.Tensor:
     """Dequantized NF4 weight (``shape``, ``dtype``) plus scatter(indices, values), in one launch.
 
     ``nested``: None, or (quantized absmax (uint8), absmax2 (float32), code2 (float32), blocksize2, offset)
     of double quantization. The arithmetic is bitsandbytes': float32 products (the nested absmax's product
     and offset added as two roundings, never fused), rounded once to ``dtype``; the values are added as
-    :func:`scatter_add_into` adds them."""
+    :func:`scatter_add_into` adds them. ``starts``: :func:`compose_starts` of these indices (kept by the
+    caller while they do not change), else each program searches its slice of the indices."""
     numel = shape[0] * shape[1]
     out = torch.empty(shape, dtype=dtype, device=packed.device)
     if numel == 0:
@@ -967,10 +1016,11 @@ def nf4_compose(packed, code, absmax, nested, blocksize, shape, dtype, indices=N
     else:  # the nested operands are not read
         absmax_q, absmax2, code2, blocksize2, offset = absmax, absmax, code, 1, 0.0
     nnz = indices.numel()
-    grid = (triton.cdiv(numel, _COMPOSE_BLOCK),)
+    grid = (triton.cdiv(numel, _NF4_BLOCK),)
     _nf4_compose_kernel[grid](
-        packed, code, absmax, absmax_q, absmax2, code2, float(offset), out, indices, values, numel, nnz,
-        _search_rounds(nnz, _SEARCH_K), BLOCKSIZE=blocksize, BLOCKSIZE2=blocksize2, NESTED=nested is not None,
-        BLOCK=_COMPOSE_BLOCK, CHUNK=_COMPOSE_CHUNK, SBLOCK=512, K=_SEARCH_K, num_warps=8, enable_fp_fusion=False,
+        packed, code, absmax, absmax_q, absmax2, code2, float(offset), out, indices, values,
+        starts if starts is not None else indices, numel, nnz, _search_rounds(nnz, _SEARCH_K), BLOCKSIZE=blocksize,
+        BLOCKSIZE2=blocksize2, NESTED=nested is not None, BLOCK=_NF4_BLOCK, CHUNK=_NF4_CHUNK, SBLOCK=512,
+        K=_SEARCH_K, HAS_STARTS=starts is not None, num_warps=8, enable_fp_fusion=False,
     )  # fmt: skip
     return out
