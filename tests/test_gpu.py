@@ -381,3 +381,28 @@ def test_seeding_scale_on_another_device_than_the_states():
     state = opt.state[param]
     torch.testing.assert_close(state["exp_avg"][slots], g_hat * 0.5 * (1 - 0.9))
     torch.testing.assert_close(state["exp_avg_sq"][slots], s_hat * 0.25 * (1 - 0.999))
+
+
+def test_direct_launch_picks_the_kernel_of_each_specialization(monkeypatch):
+    """triton_kernels.launch launches the kernel Triton compiled for the arguments' specialization: with
+    16-byte aligned and misaligned tensors, and sizes 1, multiples of 16 and others, each result equals
+    the torch reference, and a repeated call of a known specialization does not go through Triton's launch."""
+    from triton.runtime.jit import JITFunction
+
+    from peft_sparse.core import triton_kernels as tk
+
+    runs = []
+    original = JITFunction.run
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: runs.append(1) or original(self, *a, **k))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n_rows, h, offset in ((16, 256, 0), (1, 256, 0), (17, 250, 0), (16, 256, 1), (17, 250, 3), (16, 16, 0)):
+        base = torch.randn(n_rows * h + offset, device="cuda", generator=g)
+        full = base[offset:].view(n_rows, h)  # offset 1, 3: an address that is not 16-byte aligned
+        per_row = torch.rand(n_rows, 1, device="cuda", generator=g)
+        scale = torch.randn(h, device="cuda", generator=g).to(torch.bfloat16)
+        want = kernels.scaled_product_reference(scale, full, per_row, torch.bfloat16)
+        for call in range(3):  # (Triton's launch compiles or finds the kernel at first)
+            before = len(runs)
+            assert torch.equal(tk.scaled_product(scale, full, per_row, torch.bfloat16), want), (n_rows, h, offset, call)
+            if call == 2:
+                assert len(runs) == before, (n_rows, h, offset)  # the kept kernel, launched directly

@@ -31,6 +31,64 @@ import triton.language as tl
 
 from .kernels import table, to_device_async
 
+# (kernel, device, specialization, options) → the kernel Triton compiled for them (see launch)
+_COMPILED: dict = {}
+_FAST_LAUNCH: list = []  # [whether this Triton's internals are the ones launch uses], once known
+
+
+def _fast_launch_supported() -> bool:
+    from triton.compiler import CompiledKernel
+    from triton.runtime.jit import JITFunction
+
+    return (
+        all(hasattr(JITFunction, a) for a in ("run", "__getitem__")) and all(hasattr(CompiledKernel, a) for a in ("run", "_init_handles"))
+        and hasattr(torch._C, "_cuda_getCurrentRawStream") and hasattr(triton, "knobs")
+    )  # fmt: skip
+
+
+def _hook_set(hook) -> bool:
+    return bool(getattr(hook, "calls", hook))  # a hook chain's calls (Triton 3.5+), else the hook itself
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)`` without the Python work Triton repeats at every such call (its
+    cache key's string form, launch metadata, empty hook chains — about as much host time as a
+    torch operation, on every launch of a training step): the kernel that Triton compiled for this
+    specialization — found by Triton's own argument binder, so the one Triton itself would pick — is
+    launched directly. Triton's launch serves the first call of each specialization, calls while
+    launch hooks are set (profilers) or pre-run hooks, callable grids, the interpreter, and Triton
+    versions without these internals."""
+    if not _FAST_LAUNCH:
+        _FAST_LAUNCH.append(_fast_launch_supported())
+    caches = getattr(kernel, "device_caches", None)
+    knobs = getattr(triton, "knobs", None)
+    if (
+        not _FAST_LAUNCH[0] or caches is None or not isinstance(grid, tuple) or kernel.pre_run_hooks
+        or _hook_set(knobs.runtime.launch_enter_hook) or _hook_set(knobs.runtime.launch_exit_hook)
+    ):  # fmt: skip
+        kernel[grid](*args, **kwargs)
+        return
+    device = torch.cuda.current_device()
+    entry = caches.get(device)
+    if entry is None:  # Triton's first launch of this kernel on this device sets up its binder
+        kernel[grid](*args, **kwargs)
+        return
+    params, specialization, options = entry[4](*args, **kwargs)
+    try:
+        key = (kernel, device, tuple(specialization), tuple(options.items()))
+        compiled = _COMPILED.get(key)
+    except TypeError:  # an unhashable constant
+        key = compiled = None
+    if compiled is None:
+        compiled = kernel[grid](*args, **kwargs)
+        if key is not None and all(hasattr(compiled, a) for a in ("function", "packed_metadata", "run")):
+            _COMPILED[key] = compiled  # (not a pending compilation, nor another Triton's kernel object)
+        return
+    compiled.run(
+        grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, torch._C._cuda_getCurrentRawStream(device),
+        compiled.function, compiled.packed_metadata, None, None, None, *params.values(),
+    )  # fmt: skip
+
 
 @triton.jit
 def _sddmm_kernel(GT, XT, ROWS, COLS, OUT, nnz, T, stride_g, stride_x, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -403,7 +461,7 @@ def launch_grouped(g, x, block_shape, plan: BlockGroups, out, accumulate: bool, 
     tokens = g.shape[0]
     splits, per = token_splits(plan.size, tokens, block_t, target) if target else (1, tokens)
     dest = out if splits == 1 else torch.empty(splits, out.numel(), dtype=torch.float32, device=out.device)
-    _grouped_block_sddmm_kernel[(plan.size, splits)](
+    launch(_grouped_block_sddmm_kernel, (plan.size, splits),
         g, x, x if x_factor is None else x_factor, plan.line, plan.other, plan.base, plan.stride, dest, tokens, per,
         out.numel(), g.stride(0), x.stride(0),
         SHARE_ROWS=plan.share_rows, BH=bh, BW=bw, GROUP=plan.group, BLOCK_T=block_t, ACCUMULATE=accumulate and splits == 1,
@@ -669,7 +727,7 @@ def scatter_add_into(out: torch.Tensor, indices: torch.Tensor, values: torch.Ten
     if source is not None and not source.is_contiguous():
         source = source.contiguous()
     grid = (triton.cdiv(numel, _COMPOSE_BLOCK),)
-    _compose_kernel[grid](
+    launch(_compose_kernel, grid,
         source if source is not None else out, out, indices, values, numel, nnz, _search_rounds(nnz, _SEARCH_K),
         COPY=source is not None, BLOCK=_COMPOSE_BLOCK, CHUNK=_COMPOSE_CHUNK, SBLOCK=512, K=_SEARCH_K, num_warps=8,
     )  # fmt: skip
@@ -691,7 +749,7 @@ def scatter_sum_into(out: torch.Tensor, indices: torch.Tensor, base: torch.Tenso
     nnz = indices.numel()
     if nnz:
         block = 1024
-        _scatter_sum_kernel[(triton.cdiv(nnz, block),)](out, indices, base, values, nnz, BLOCK=block)
+        launch(_scatter_sum_kernel, (triton.cdiv(nnz, block),), out, indices, base, values, nnz, BLOCK=block)
     return out
 
 
@@ -812,7 +870,7 @@ class MultiSM3:
     def __call__(self, grads, lr: float, momentum: float, eps: float, weight_decay: float) -> None:
         if self.programs:
             values, indices, *rest = self.tables
-            _multi_sm3_kernel[(self.programs,)](
+            launch(_multi_sm3_kernel, (self.programs,),
                 values, _address_table(grads, self.device), indices, *rest, self.counts, self.in_features,
                 self.prog_tensor, self.prog_start, *self.templates,
                 lr, momentum, eps, 1.0 - lr * weight_decay, HAS_MOMENTUM=self.has_momentum, BLOCK=_MULTI_BLOCK,
@@ -844,7 +902,7 @@ def scaled_product(scale: torch.Tensor, full: torch.Tensor, per_row: torch.Tenso
     if out.numel():
         block_r, block_h = 16, 256
         grid = (triton.cdiv(n_rows, block_r), triton.cdiv(h, block_h))
-        _scaled_product_kernel[grid](out, full, per_row, scale, n_rows, h, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
+        launch(_scaled_product_kernel, grid, out, full, per_row, scale, n_rows, h, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
     return out
 
 
@@ -898,7 +956,7 @@ class MultiScatterSum:
 
     def __call__(self) -> None:
         if self.programs:
-            _multi_scatter_sum_kernel[(self.programs,)](
+            launch(_multi_scatter_sum_kernel, (self.programs,),
                 *self.tables, self.counts, self.prog_tensor, self.prog_start, *self.templates, BLOCK=_MULTI_BLOCK, ADD=self.add
             )
 
@@ -1017,7 +1075,7 @@ def nf4_compose(packed, code, absmax, nested, blocksize, shape, dtype, indices=N
         absmax_q, absmax2, code2, blocksize2, offset = absmax, absmax, code, 1, 0.0
     nnz = indices.numel()
     grid = (triton.cdiv(numel, _NF4_BLOCK),)
-    _nf4_compose_kernel[grid](
+    launch(_nf4_compose_kernel, grid,
         packed, code, absmax, absmax_q, absmax2, code2, float(offset), out, indices, values,
         starts if starts is not None else indices, numel, nnz, _search_rounds(nnz, _SEARCH_K), BLOCKSIZE=blocksize,
         BLOCKSIZE2=blocksize2, NESTED=nested is not None, BLOCK=_NF4_BLOCK, CHUNK=_NF4_CHUNK, SBLOCK=512,
