@@ -332,10 +332,14 @@ def test_fused_nf4_weight_on_cuda_is_bitsandbytes_dequantization_plus_delta(tmp_
         assert torch.equal(a, b)
 
 
-def test_sm3_multi_tensor_launch_on_cuda_matches_the_torch_step(monkeypatch):
+@pytest.mark.parametrize("block_shape", [(1, 1), (16, 16)])
+def test_sm3_multi_tensor_launch_on_cuda_matches_the_torch_step(monkeypatch, block_shape):
     """SM3's one launch per parameter group, with momentum, weight decay, two groups of different
     learning rates (changed between steps), accumulators alternating between buffers and a reload of
-    the optimizer's own state mid-way, against its torch step: the same values, momenta and accumulators."""
+    the optimizer's own state mid-way, against its torch step: the same values, momenta and accumulators.
+    Block adapters (one program per block) also after their blocks changed in place, as a reselection
+    changes them (the launch plan follows the new layout)."""
+    from peft_sparse.core.selection import BlockGrid
     from peft_sparse.optim import sm3
 
     runs = []
@@ -343,7 +347,8 @@ def test_sm3_multi_tensor_launch_on_cuda_matches_the_torch_step(monkeypatch):
         if not fused:
             monkeypatch.setattr(sm3, "_fused_kernel", lambda: None)
         torch.manual_seed(0)
-        config = SpIELConfig(target_modules=["q_proj", "k_proj", "gate_proj", "down_proj"], density=0.2, growth="ma")
+        config = SpIELConfig(target_modules=["q_proj", "k_proj", "gate_proj", "down_proj"], density=0.2, growth="ma",
+                             block_shape=block_shape)  # fmt: skip
         model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128), config).cuda()
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         groups = [{"params": [p for n, p in named if "mlp" in n], "lr": 0.05}, {"params": [p for n, p in named if "mlp" not in n]}]
@@ -356,10 +361,19 @@ def test_sm3_multi_tensor_launch_on_cuda_matches_the_torch_step(monkeypatch):
             opt.param_groups[0]["lr"] *= 0.5
             if step == 2:  # reloading its own state: the accumulators are then the step's scratch buffers too
                 opt.load_state_dict(opt.state_dict())
+            if step == 3 and block_shape != (1, 1):  # other blocks of the first layer, in place
+                layer = sparse_layers(model)[0]
+                indices = layer.sparse_indices["default"]
+                grid = BlockGrid(layer.out_features, layer.in_features, block_shape)
+                n_blocks = (layer.out_features // 16) * (layer.in_features // 16)
+                blocks = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(5))[: indices.numel() // 256].sort().values
+                layer.release_training_merge()  # (θ₀ back at the old positions first, as a reselection does)
+                with torch.no_grad():
+                    torch._foreach_copy_([indices], [grid.expand(blocks.cuda()).to(indices.dtype)])
         states = [opt.state[p] for _, p in named]
         runs.append(([p.detach().clone() for _, p in named], states))
     (v_fused, s_fused), (v_torch, s_torch) = runs
-    # the kernel may contract a·b + c into one rounding where torch rounds twice: float32 ulps
+    # the kernel's division and square root against torch's: float32 ulps
     for a, b in zip(v_fused, v_torch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     for a, b in zip(s_fused, s_torch):

@@ -642,6 +642,46 @@ def test_multi_tensor_sm3_step_equals_one_launch_per_tensor(tk, momentum):
         assert want_t["mom"] is None or torch.equal(t["mom"], want_t["mom"])
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("block_shape", [(16, 16), (1, 64), (32, 16)])
+def test_multi_tensor_sm3_step_of_block_adapters_equals_the_per_element_launch(tk, momentum, block_shape):
+    """One program per block (row and column maxima reduced in the program) leaves values, momentum and
+    both accumulators exactly as the per-element launch does, for tensors of several sizes and block
+    rows holding different numbers of active blocks."""
+    from peft_sparse.core.selection import BlockGrid
+
+    bh, bw = block_shape
+    g = torch.Generator().manual_seed(bh * 100 + bw)
+    dev = _device()
+    runs = []
+    shapes = [(4 * bh, 3 * bw, 5), (2 * bh, 5 * bw, 7), (bh, bw, 1)]
+    specs = []
+    for out_f, in_f, n_blocks in shapes:
+        grid = BlockGrid(out_f, in_f, block_shape)
+        blocks = torch.randperm((out_f // bh) * (in_f // bw), generator=g)[:n_blocks].sort().values
+        idx = grid.expand(blocks).to(torch.int32)
+        nnz = idx.numel()
+        tensors = dict(
+            values=torch.randn(nnz, generator=g), grad=torch.randn(nnz, generator=g), row=torch.rand(out_f, generator=g),
+            col=torch.rand(in_f, generator=g), mom=torch.randn(nnz, generator=g) if momentum else None,
+        )  # fmt: skip
+        specs.append((out_f, in_f, blocks, idx, tensors))
+    for blocked in (False, True):
+        ts = [{k: v.clone().to(dev) if v is not None else None for k, v in t.items()} for *_, t in specs]
+        idx = [i.to(dev) for *_, i, _ in specs]
+        layouts = [kernels.BlockLayout.of_blocks(b.to(dev), o, i, block_shape) for o, i, b, _, _ in specs] if blocked else None
+        row_new, col_new = [t["row"].clone() for t in ts], [t["col"].clone() for t in ts]
+        plan = tk.MultiSM3([t["values"] for t in ts], [t["grad"] for t in ts], idx, [i for _, i, *_ in specs],
+                           [t["row"] for t in ts], [t["col"] for t in ts], row_new, col_new, [t["mom"] for t in ts],
+                           layouts=layouts)  # fmt: skip
+        assert plan.holds(layouts) and not plan.holds(None if blocked else [])
+        plan([t["grad"] for t in ts], 0.1, momentum, 1e-30, 0.01)
+        runs.append([(t["values"], t["mom"], r, c) for t, r, c in zip(ts, row_new, col_new)])
+    for (v, m, r, c), (v2, m2, r2, c2) in zip(*runs):
+        assert torch.equal(v, v2) and torch.equal(r, r2) and torch.equal(c, c2)
+        assert m is None or torch.equal(m, m2)
+
+
 @pytest.mark.parametrize("bh, bw", [(64, 64), (128, 32), (16, 128)])
 def test_block_sddmm_into_large_blocks(tk, bh, bw):
     """Larger blocks take fewer blocks per program (the tile stays within 128 rows or columns)."""

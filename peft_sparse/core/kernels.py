@@ -354,7 +354,7 @@ class BlockLayout:
     ``units`` holds the ascending block numbers (row-major on the block grid, int64) when the layout
     was made from them, else None (:meth:`block_numbers` computes them)."""
 
-    __slots__ = ("rows", "cols", "base", "stride", "block_shape", "out_features", "in_features", "plans", "units")
+    __slots__ = ("rows", "cols", "base", "stride", "block_shape", "out_features", "in_features", "plans", "units", "__weakref__")
 
     def __init__(self, rows, cols, base, stride, block_shape, out_features: int, in_features: int, units=None):
         self.rows, self.cols, self.base, self.stride = rows, cols, base, stride
@@ -399,7 +399,7 @@ class BlockLayout:
         return (self.base[:, None, None] + i[None, :, None] * self.stride.long()[:, None, None] + j[None, None, :]).reshape(-1)
 
     def __getstate__(self):
-        return {k: getattr(self, k) for k in self.__slots__ if k != "plans"}
+        return {k: getattr(self, k) for k in self.__slots__ if k not in ("plans", "__weakref__")}
 
     def __setstate__(self, state):
         for k, v in state.items():

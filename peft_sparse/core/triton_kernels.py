@@ -23,6 +23,7 @@ Shipped as Python source (compiled by Triton at first use); the torch references
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -842,23 +843,88 @@ def _multi_sm3_kernel(
     tl.store(values + offs, (v * decay - lr * update).to(VALUES_T.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _multi_sm3_block_kernel(
+    VALUES_PTRS, GRAD_PTRS, ROW_OLD_PTRS, COL_OLD_PTRS, ROW_NEW_PTRS, COL_NEW_PTRS, MOM_PTRS, B_TENSOR, B_ROW0, B_COL0,
+    B_BASE, B_STRIDE, VALUES_T, GRAD_T, ACC_T, lr, momentum, eps, decay,
+    HAS_MOMENTUM: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
+):  # fmt: skip
+    # _multi_sm3_kernel for block adapters: program b takes block b of the tables (its tensor, first row
+    # and column, and where its elements sit: BlockLayout's base and stride). The same arithmetic per
+    # element; the block's row and column maxima are reduced in the program, so each block issues bh + bw
+    # atomics instead of one per element and run
+    b = tl.program_id(0)
+    t = tl.load(B_TENSOR + b)
+    r = tl.load(B_ROW0 + b).to(tl.int64) + tl.arange(0, BH)
+    c = tl.load(B_COL0 + b).to(tl.int64) + tl.arange(0, BW)
+    offs = tl.load(B_BASE + b).to(tl.int64) + tl.arange(0, BH)[:, None].to(tl.int64) * tl.load(B_STRIDE + b).to(tl.int64) + tl.arange(0, BW)[None, :]
+    values = tl.load(VALUES_PTRS + t).to(tl.pointer_type(VALUES_T.dtype.element_ty))
+    grad = tl.load(GRAD_PTRS + t).to(tl.pointer_type(GRAD_T.dtype.element_ty))
+    row_old = tl.load(ROW_OLD_PTRS + t).to(tl.pointer_type(ACC_T.dtype.element_ty))
+    col_old = tl.load(COL_OLD_PTRS + t).to(tl.pointer_type(ACC_T.dtype.element_ty))
+    row_new = tl.load(ROW_NEW_PTRS + t).to(tl.pointer_type(ACC_T.dtype.element_ty))
+    col_new = tl.load(COL_NEW_PTRS + t).to(tl.pointer_type(ACC_T.dtype.element_ty))
+    g = tl.load(grad + offs).to(tl.float32)
+    nu = tl.minimum(tl.load(row_old + r)[:, None], tl.load(col_old + c)[None, :]) + g * g
+    tl.atomic_max(row_new + r, tl.max(nu, axis=1), sem="relaxed")  # max commutes: no ordering needed
+    tl.atomic_max(col_new + c, tl.max(nu, axis=0), sem="relaxed")
+    update = g / tl.sqrt(nu + eps)
+    if HAS_MOMENTUM:
+        mom = tl.load(MOM_PTRS + t).to(tl.pointer_type(ACC_T.dtype.element_ty))
+        buf = tl.load(mom + offs) * momentum + (1 - momentum) * update
+        tl.store(mom + offs, buf)
+        update = buf
+    v = tl.load(values + offs).to(tl.float32)
+    tl.store(values + offs, (v * decay - lr * update).to(VALUES_T.dtype.element_ty))
+
+
+def sm3_block_shape_supported(block_shape) -> bool:
+    """Whether :class:`MultiSM3` steps adapters of these blocks one program per block (sides powers of
+    two, at most 4096 elements); others take the per-element kernel."""
+    bh, bw = block_shape
+    return bh * bw > 1 and bh & (bh - 1) == 0 and bw & (bw - 1) == 0 and bh * bw <= 4096
+
+
 class MultiSM3:
     """:func:`sm3_sparse_step` for many sparse values tensors of one element-type combination in one
     launch. Arguments are per tensor: values, grads (for their element type), indices, in_features,
     previous (row, col) accumulators, the buffers the updated ones go to (already holding copies of the
     previous ones), momentum buffers (or None). The address tables are built once and kept while no
     tensor moves (:meth:`key_of`); only element types are kept, never the tensors. A call takes the
-    step's gradients."""
+    step's gradients. ``layouts``: the tensors' :class:`~peft_sparse.core.kernels.BlockLayout` s, all of
+    one block shape (:func:`sm3_block_shape_supported`): one program per block (same results); the
+    plan is valid while these layout objects are the tensors' (:meth:`holds`)."""
 
-    def __init__(self, values, grads, indices, in_features, row_old, col_old, row_new, col_new, moms):
+    def __init__(self, values, grads, indices, in_features, row_old, col_old, row_new, col_new, moms, layouts=None):
         device = self.device = values[0].device
         self.key = self.key_of(values, indices, in_features, row_old, col_old, row_new, col_new, moms)
         self.templates = tuple(torch.empty(0, dtype=t.dtype, device=device) for t in (values[0], grads[0], indices[0], row_old[0]))
         self.has_momentum = moms[0] is not None
+        self.block_shape, self.layouts = None, None
+        if layouts is not None:
+            self.block_shape = layouts[0].block_shape
+            self.layouts = [weakref.ref(layout) for layout in layouts]
+            bh, bw = self.block_shape
+            n = [layout.rows.numel() for layout in layouts]
+            self.programs = sum(n)
+            self.blocks = (
+                to_device_async(torch.repeat_interleave(torch.arange(len(n), dtype=torch.int32), torch.tensor(n)), device),
+                torch.cat([layout.rows.long() * bh for layout in layouts]), torch.cat([layout.cols.long() * bw for layout in layouts]),
+                torch.cat([layout.base.long() for layout in layouts]), torch.cat([layout.stride.to(torch.int32) for layout in layouts]),
+            )  # fmt: skip
+            tables = (values, row_old, col_old, row_new, col_new, moms if self.has_momentum else values)
+            self.tables = [_address_table(t, device) for t in tables]
+            return
         tables = (values, indices, row_old, col_old, row_new, col_new, moms if self.has_momentum else values)
         self.tables = [_address_table(t, device) for t in tables]
         self.in_features = to_device_async(torch.tensor(in_features, dtype=torch.int64), device)
         self.programs, self.counts, self.prog_tensor, self.prog_start = _program_map([v.numel() for v in values], device)
+
+    def holds(self, layouts) -> bool:
+        """Whether this plan was built for these block layouts (the same objects; None: unstructured)."""
+        if self.layouts is None or layouts is None:
+            return self.layouts is None and layouts is None
+        return len(layouts) == len(self.layouts) and all(ref() is layout for ref, layout in zip(self.layouts, layouts))
 
     @staticmethod
     def key_of(values, indices, in_features, *accumulators_and_moms) -> tuple:
@@ -868,12 +934,19 @@ class MultiSM3:
         return pointers + (tuple(v.numel() for v in values), tuple(in_features))
 
     def __call__(self, grads, lr: float, momentum: float, eps: float, weight_decay: float) -> None:
-        if self.programs:
+        if self.programs and self.block_shape is not None:
+            values, *rest = self.tables
+            launch(_multi_sm3_block_kernel, (self.programs,),
+                values, _address_table(grads, self.device), *rest, *self.blocks, self.templates[0], self.templates[1],
+                self.templates[3], lr, momentum, eps, 1.0 - lr * weight_decay, HAS_MOMENTUM=self.has_momentum,
+                BH=self.block_shape[0], BW=self.block_shape[1], num_warps=4, enable_fp_fusion=False,
+            )  # fmt: skip
+        elif self.programs:
             values, indices, *rest = self.tables
             launch(_multi_sm3_kernel, (self.programs,),
                 values, _address_table(grads, self.device), indices, *rest, self.counts, self.in_features,
                 self.prog_tensor, self.prog_start, *self.templates,
-                lr, momentum, eps, 1.0 - lr * weight_decay, HAS_MOMENTUM=self.has_momentum, BLOCK=_MULTI_BLOCK,
+                lr, momentum, eps, 1.0 - lr * weight_decay, HAS_MOMENTUM=self.has_momentum, BLOCK=_MULTI_BLOCK, enable_fp_fusion=False,
             )  # fmt: skip
 
 

@@ -34,11 +34,17 @@ def _fused_kernel():
     (None without Triton)."""
     if not _FUSED:
         try:
-            from ..core.triton_kernels import MultiSM3
+            from ..core.triton_kernels import MultiSM3, sm3_block_shape_supported
         except ImportError:
-            MultiSM3 = None
-        _FUSED.append(MultiSM3)
+            MultiSM3 = sm3_block_shape_supported = None
+        _FUSED.extend((MultiSM3, sm3_block_shape_supported))
     return _FUSED[0]
+
+
+def _block_kernel_takes(block_shape) -> bool:
+    """Whether the fused step takes adapters of these blocks one program per block."""
+    _fused_kernel()
+    return _FUSED[1] is not None and _FUSED[1](block_shape)
 
 
 _PLANS_KEPT = 4  # launch plans kept per group: the accumulators alternate between two sets of buffers
@@ -62,13 +68,21 @@ class SM3(torch.optim.Optimizer):
         self._plans: dict = {}
 
     @staticmethod
-    def sparse_layout(param: torch.Tensor):
-        """(indices, out_features, in_features) of a sparse values parameter, or None for a dense one."""
+    def sparse_layout(param: torch.Tensor, blocks: bool = False):
+        """(indices, out_features, in_features) of a sparse values parameter, or None for a dense one.
+        ``blocks``: with a fourth entry, the adapter's block layout where the fused CUDA step takes its
+        blocks one program each (see ``MultiSM3``), else None."""
         owner = sparse_owner(param)
         if owner is None:
             return None
         layer, adapter = owner
-        return layer.sparse_indices[adapter], layer.out_features, layer.in_features
+        layout = (layer.sparse_indices[adapter], layer.out_features, layer.in_features)
+        if not blocks:
+            return layout
+        shape = layer.block_shape.get(adapter, (1, 1))
+        if shape[0] * shape[1] == 1 or not _block_kernel_takes(shape):
+            return (*layout, None)
+        return (*layout, layer.block_metadata(adapter))
 
     _ACCUMULATOR_KEYS = ("row_accumulator", "col_accumulator", "accumulator", "momentum_buffer")
 
@@ -94,7 +108,7 @@ class SM3(torch.optim.Optimizer):
         state["step"] = torch.zeros((), dtype=torch.float32)
         acc_dtype = torch.float32 if param.dtype in (torch.float16, torch.bfloat16) else param.dtype
         if layout is not None:
-            _, out_features, in_features = layout
+            out_features, in_features = layout[1], layout[2]
             state["row_accumulator"] = torch.zeros(out_features, dtype=acc_dtype, device=param.device)
             state["col_accumulator"] = torch.zeros(in_features, dtype=acc_dtype, device=param.device)
         elif param.dim() >= 2:
@@ -121,7 +135,7 @@ class SM3(torch.optim.Optimizer):
                 if param.grad.is_sparse:
                     raise RuntimeError("SM3 does not take torch sparse gradients; sparse values have dense grads")
                 state = self.state[param]
-                layout = self.sparse_layout(param)
+                layout = self.sparse_layout(param, blocks=param.is_cuda)
                 if not state:
                     self._init_state(param, state, layout, momentum)
                 steps.append(state["step"])
@@ -144,7 +158,7 @@ class SM3(torch.optim.Optimizer):
         accumulators, buffers = [], []
         groups: dict = {}
         for item in items:
-            param, state, (indices, _, _), group = item
+            param, state, (indices, _, _, blocks), group = item
             pair = scratch.get(param)
             acc = (state["row_accumulator"], state["col_accumulator"])
             if pair is None or any(
@@ -155,28 +169,30 @@ class SM3(torch.optim.Optimizer):
             buffers.extend(pair)
             mom = state.get("momentum_buffer")
             key = (param.device, param.dtype, param.grad.dtype, indices.dtype, acc[0].dtype, mom.dtype if mom is not None else None,
+                   blocks.block_shape if blocks is not None else None,
                    group["lr"], group["momentum"], group["eps"], group["weight_decay"])  # fmt: skip
-            groups.setdefault(key, []).append(item)
+            groups.setdefault(key, []).append((*item, blocks))
         torch._foreach_copy_(buffers, accumulators)
         for key, members in groups.items():
             lists = (
-                [p for p, _, _, _ in members], [p.grad for p, _, _, _ in members], [lay[0] for _, _, lay, _ in members],
-                [lay[2] for _, _, lay, _ in members], [s["row_accumulator"] for _, s, _, _ in members],
-                [s["col_accumulator"] for _, s, _, _ in members], [scratch[p][0] for p, _, _, _ in members],
-                [scratch[p][1] for p, _, _, _ in members], [s.get("momentum_buffer") for _, s, _, _ in members],
+                [p for p, _, _, _, _ in members], [p.grad for p, _, _, _, _ in members], [lay[0] for _, _, lay, _, _ in members],
+                [lay[2] for _, _, lay, _, _ in members], [s["row_accumulator"] for _, s, _, _, _ in members],
+                [s["col_accumulator"] for _, s, _, _, _ in members], [scratch[p][0] for p, _, _, _, _ in members],
+                [scratch[p][1] for p, _, _, _, _ in members], [s.get("momentum_buffer") for _, s, _, _, _ in members],
             )  # fmt: skip
+            layouts = [b for *_, b in members] if key[6] is not None else None
             # plans per launch group (its members, not its lr, which schedules change); each alternates
-            # between two sets of accumulator buffers
-            plans = self._plans.setdefault(key[:6] + key[7:] + (tuple(id(p) for p in lists[0]),), {})
+            # between two sets of accumulator buffers (and block adapters' plans hold their layouts)
+            plans = self._plans.setdefault(key[:7] + key[8:] + (tuple(id(p) for p in lists[0]),), {})
             ptrs = MultiSM3.key_of(lists[0], *lists[2:])
             plan = plans.get(ptrs)
             with on_device(members[0][0]):
-                if plan is None:
+                if plan is None or not plan.holds(layouts):
                     while len(plans) >= _PLANS_KEPT:
                         plans.pop(next(iter(plans)))
-                    plan = plans[ptrs] = MultiSM3(*lists)
-                plan(lists[1], *key[6:])
-            for param, state, _, _ in members:
+                    plan = plans[ptrs] = MultiSM3(*lists, layouts=layouts)
+                plan(lists[1], *key[7:])
+            for param, state, _, _, _ in members:
                 torch.autograd.graph.increment_version(param)  # written by the kernel: as an in-place op would mark it
                 # the updated copies become the accumulators; the previous ones are next step's scratch
                 row_new, col_new = scratch[param]
@@ -188,7 +204,7 @@ class SM3(torch.optim.Optimizer):
         acc_dtype = (state.get("accumulator") if "accumulator" in state else state["row_accumulator"]).dtype
         grad = param.grad.to(acc_dtype)
         if layout is not None:
-            indices, _, in_features = layout
+            indices, in_features = layout[0], layout[2]
             rows, cols = rows_cols(indices, in_features)
             row_acc, col_acc = state["row_accumulator"], state["col_accumulator"]
             nu = torch.minimum(row_acc[rows], col_acc[cols]).add_(grad * grad)  # (d_φ,)
