@@ -698,3 +698,72 @@ def test_block_sddmm_into_large_blocks(tk, bh, bw):
     want = go.double().t().mm(x.double()).reshape(-1)[indices.to(_device())].float()
     tol = 2e-2 if _device() == "cuda" else 1e-4
     torch.testing.assert_close(out, want, rtol=tol, atol=tol)
+
+
+def test_launch_reuses_the_kernel_triton_compiled_for_a_specialization(tk, monkeypatch):
+    """triton_kernels.launch, with a stand-in for a jitted kernel: Triton's own launch serves the first
+    call on a device and each new specialization; a repeated one runs the kept compiled kernel with
+    every argument in signature order; launch hooks, debug mode and unhashable constants go through
+    Triton's launch. (The compiled path itself: tests/test_gpu.py.)"""
+    import triton
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def __init__(self):
+            self.runs = []
+
+        def run(self, *args):
+            self.runs.append(args)
+
+    class Kernel:  # what launch reads of triton's JITFunction
+        def __init__(self):
+            self.pre_run_hooks, self.device_caches, self.triton_launches, self.compiled = [], {}, [], {}
+
+        def binder(self, x, n, BLOCK=None, **options):
+            spec = [("*fp32", "D" if x % 16 == 0 else None), ("i32", n % 16 == 0), ("constexpr", BLOCK)]
+            return {"x": x, "n": n, "BLOCK": BLOCK}, spec, options
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                self.device_caches.setdefault(0, ({}, {}, None, None, self.binder))
+                self.triton_launches.append((grid, args, kwargs))
+                _, spec, options = self.binder(*args, **kwargs)
+                try:
+                    return self.compiled.setdefault((tuple(spec), tuple(options.items())), Compiled())
+                except TypeError:  # (an unhashable constant)
+                    return Compiled()
+            return run
+
+    monkeypatch.setattr(tk, "_FAST_LAUNCH", [True])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 99, raising=False)
+    kernel = Kernel()
+    tk.launch(kernel, (4,), 32, 7, BLOCK=64, num_warps=4)  # first call on the device: Triton's launch
+    tk.launch(kernel, (4,), 48, 9, BLOCK=64, num_warps=4)  # same specialization, not kept yet: Triton's
+    assert len(kernel.triton_launches) == 2
+    tk.launch(kernel, (5, 2), 64, 11, BLOCK=64, num_warps=4)  # kept: launched directly
+    assert len(kernel.triton_launches) == 2
+    (compiled,) = kernel.compiled.values()
+    assert compiled.runs == [(5, 2, 1, 99, "fn", "meta", None, None, None, 64, 11, 64)]
+    for args, kwargs in (((33, 7), dict(BLOCK=64, num_warps=4)),  # a misaligned address: another specialization
+                         ((32, 16), dict(BLOCK=64, num_warps=4)),  # a size divisible by 16
+                         ((32, 7), dict(BLOCK=128, num_warps=4)),  # another constant
+                         ((32, 7), dict(BLOCK=64, num_warps=8))):  # another option  # fmt: skip
+        before = len(kernel.triton_launches)
+        tk.launch(kernel, (4,), *args, **kwargs)
+        assert len(kernel.triton_launches) == before + 1, (args, kwargs)
+    before = len(kernel.triton_launches)
+    monkeypatch.setattr(triton.knobs.runtime, "debug", True)
+    tk.launch(kernel, (4,), 32, 7, BLOCK=64, num_warps=4)
+    monkeypatch.setattr(triton.knobs.runtime, "debug", False)
+    hook = lambda metadata: None  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        tk.launch(kernel, (4,), 32, 7, BLOCK=64, num_warps=4)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    tk.launch(kernel, (4,), 32, 7, BLOCK=[64], num_warps=4)  # an unhashable constant
+    assert len(kernel.triton_launches) == before + 3
+    tk.launch(kernel, (4,), 32, 7, BLOCK=64, num_warps=4)
+    assert len(kernel.triton_launches) == before + 3 and len(compiled.runs) == 2

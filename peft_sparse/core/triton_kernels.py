@@ -13,8 +13,9 @@ They compute entries of dW = Gᵀ·X (G = ∂L/∂Y, (tokens, out); X, (tokens, 
 
 When a layer has few active blocks, the token axis is cut into slices (partial results summed
 afterwards) so that the launch still fills the GPU. Besides these: the merged-weight and scatter
-kernels, SM3's step for many tensors in one launch (:class:`MultiSM3`), the RMSNorm-output rebuild
-and the NF4 dequantization fused with the delta.
+kernels, SM3's step for many tensors in one launch (:class:`MultiSM3`; one program per block for
+block adapters), the RMSNorm-output rebuild and the NF4 dequantization fused with the delta. The
+step's kernels go through :func:`launch`, which skips the Python work Triton repeats at every launch.
 
 Shipped as Python source (compiled by Triton at first use); the torch references in
 :mod:`peft_sparse.core.kernels` compute the same values and are what the tests compare against
@@ -57,8 +58,8 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     torch operation, on every launch of a training step): the kernel that Triton compiled for this
     specialization — found by Triton's own argument binder, so the one Triton itself would pick — is
     launched directly. Triton's launch serves the first call of each specialization, calls while
-    launch hooks are set (profilers) or pre-run hooks, callable grids, the interpreter, and Triton
-    versions without these internals."""
+    launch hooks are set (profilers) or pre-run hooks, debug or instrumentation modes, callable grids,
+    the interpreter, and Triton versions without these internals."""
     if not _FAST_LAUNCH:
         _FAST_LAUNCH.append(_fast_launch_supported())
     caches = getattr(kernel, "device_caches", None)
@@ -66,6 +67,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     if (
         not _FAST_LAUNCH[0] or caches is None or not isinstance(grid, tuple) or kernel.pre_run_hooks
         or _hook_set(knobs.runtime.launch_enter_hook) or _hook_set(knobs.runtime.launch_exit_hook)
+        or getattr(knobs.runtime, "debug", False) or getattr(knobs.compilation, "instrumentation_mode", "")
     ):  # fmt: skip
         kernel[grid](*args, **kwargs)
         return
