@@ -112,3 +112,16 @@ def test_qspiel_trains_and_reselects_over_4bit_weights(quantized_dir, growth):
     assert any(not torch.equal(a, l.sparse_indices["default"]) for a, l in zip(before, layers))
     assert {int(a) for l in layers for a in l.sparse_ages["default"].unique()} <= {0, 1, 4}
     assert losses[-1] < losses[0]
+
+
+def test_nf4_index_slices_are_not_kept_for_inference_tensors(quantized_dir):
+    """The per-program slices of a layer's indices for the fused CUDA launch are kept per indices tensor
+    and version (tests/test_gpu.py); an inference tensor, which has no version, gets none (the launch
+    then searches) instead of an error. On CPU there is no fused launch: none is built either way."""
+    model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules=["q_proj"], density=0.1))
+    layer = sparse_layers(model)[0]
+    indices = layer.sparse_indices["default"]
+    assert layer._nf4_starts(indices) is None  # CPU: no fused launch
+    with torch.inference_mode():
+        frozen = indices.clone()
+    assert frozen.is_inference() and layer._nf4_starts(frozen) is None

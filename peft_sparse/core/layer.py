@@ -466,7 +466,10 @@ class SparseLayer(BaseTunerLayer):
     def _nf4_starts(self, indices: torch.Tensor) -> Optional[torch.Tensor]:
         """Where each program of the fused NF4 launch finds its slice of ``indices``
         (:func:`kernels.nf4_compose_starts`), kept while the indices tensor is the same and unchanged
-        (its address and version: a reselection rewrites it in place)."""
+        (its address and version: a reselection rewrites it in place). None for an inference tensor,
+        which has no version to follow: the launch then finds the slices itself."""
+        if indices.is_inference():
+            return None
         key = (indices.data_ptr(), indices._version, indices.numel())
         cached = self._nf4_starts_cache
         if cached is not None and cached[0]() is indices and cached[1] == key:

@@ -58,14 +58,15 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     torch operation, on every launch of a training step): the kernel that Triton compiled for this
     specialization — found by Triton's own argument binder, so the one Triton itself would pick — is
     launched directly. Triton's launch serves the first call of each specialization, calls while
-    launch hooks are set (profilers) or pre-run hooks, debug or instrumentation modes, callable grids,
-    the interpreter, and Triton versions without these internals."""
+    launch hooks are set (profilers) or pre-run hooks, debug or instrumentation modes, kernels that
+    read module globals, callable grids, the interpreter, and Triton versions without these internals."""
     if not _FAST_LAUNCH:
         _FAST_LAUNCH.append(_fast_launch_supported())
     caches = getattr(kernel, "device_caches", None)
     knobs = getattr(triton, "knobs", None)
     if (
         not _FAST_LAUNCH[0] or caches is None or not isinstance(grid, tuple) or kernel.pre_run_hooks
+        or getattr(kernel, "used_global_vals", None)  # (Triton checks those globals at every launch)
         or _hook_set(knobs.runtime.launch_enter_hook) or _hook_set(knobs.runtime.launch_exit_hook)
         or getattr(knobs.runtime, "debug", False) or getattr(knobs.compilation, "instrumentation_mode", "")
     ):  # fmt: skip

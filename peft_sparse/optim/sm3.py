@@ -44,7 +44,7 @@ def _fused_kernel():
 def _block_kernel_takes(block_shape) -> bool:
     """Whether the fused step takes adapters of these blocks one program per block."""
     _fused_kernel()
-    return _FUSED[1] is not None and _FUSED[1](block_shape)
+    return len(_FUSED) == 2 and _FUSED[1] is not None and _FUSED[1](block_shape)
 
 
 _PLANS_KEPT = 4  # launch plans kept per group: the accumulators alternate between two sets of buffers
