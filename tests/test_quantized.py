@@ -125,3 +125,63 @@ def test_nf4_index_slices_are_not_kept_for_inference_tensors(quantized_dir):
     with torch.inference_mode():
         frozen = indices.clone()
     assert frozen.is_inference() and layer._nf4_starts(frozen) is None
+
+
+def test_steady_passes_of_quantized_layers_see_every_change(quantized_dir, monkeypatch):
+    """A 4-bit layer's training pass after the first reuses the last pass's decisions (no per-pass
+    lookups) and still rebuilds the weight from the current values; anything that changes a decision
+    sends the pass through the full path. Outputs always equal the full path's."""
+    from peft_sparse.core.layer import SparseLayer
+
+    model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules=["q_proj", "gate_proj"], density=0.1))
+    randomize_values(model, scale=0.05)
+    model.add_adapter("other", SparseFTConfig(target_modules=["q_proj", "gate_proj"], density=0.1))
+    randomize_values(model, adapter_name="other", seed=3, scale=0.05)
+    model.base_model.set_adapter("default")
+    layers = sparse_layers(model)
+    x = inputs()
+    model.train()
+    full_passes = []
+    original = SparseLayer._merged_for_training
+    monkeypatch.setattr(SparseLayer, "_merged_for_training", lambda self, *a: full_passes.append(self) or original(self, *a))
+
+    def check(steady, expect_full=None):
+        full_passes.clear()
+        out = model(x).logits
+        assert full_passes == (expect_full if expect_full is not None else ([] if steady else layers))
+        kept = [layer._steady for layer in layers]
+        for layer in layers:  # the same pass through the full path
+            layer._steady = None
+        want = model(x).logits
+        for layer, memo in zip(layers, kept):
+            layer._steady = memo
+        assert torch.equal(out, want)
+        model(x)  # (steady again where the decisions allow)
+
+    model(x)
+    assert all(layer._steady is not None for layer in layers)
+    check(steady=True)
+    with torch.no_grad():  # values edited in place: the next pass rebuilds the weight from them, steady
+        layers[0].sparse_values["default"].mul_(2)
+    check(steady=True)
+    with torch.no_grad():
+        check(steady=False)
+    with model.disable_adapter():
+        model(x)
+    check(steady=False)
+    model.base_model.set_adapter("other")
+    check(steady=False)
+    model.base_model.set_adapter("default")
+    check(steady=False)
+    check(steady=True)
+    with torch.no_grad():  # in place: the indices' version moves
+        layers[1].sparse_indices["default"].copy_(layers[1].sparse_indices["default"].flip(0).sort().values)
+    check(steady=False, expect_full=[layers[1]])
+    layers[0].sparse_indices["default"] = layers[0].sparse_indices["default"].clone()  # a new indices tensor
+    check(steady=False, expect_full=[layers[0]])
+    held = layers[1].sparse_values["default"]
+    layers[1].sparse_values["default"] = torch.nn.Parameter(held.detach() * 2)
+    check(steady=False, expect_full=[layers[1]])
+    check(steady=True)
+    model.eval()
+    check(steady=False)

@@ -39,8 +39,9 @@ from θ₀. Code that edits ``sparse_indices`` in place must call ``release_trai
 decisions of its last pass (adapter, values, indices and their version, base layer and weight, block
 layout — nothing that refers back to the layer) and the next training forward checks each of them
 directly, without the lookups of the full path, before reusing them; any difference, and any other
-kind of pass, takes the full path. When kernels are short, the host time of a layer call bounds the
-training step.
+kind of pass, takes the full path. Quantized (4-bit) layers, which rebuild their weight in every
+pass and never merge, remember their training passes the same way. When kernels are short, the host
+time of a layer call bounds the training step.
 """
 
 from __future__ import annotations
@@ -780,14 +781,14 @@ class SparseLayer(BaseTunerLayer):
         observed = False
         if steady is not None and not args and not kwargs:
             # A training pass like the last one: the same single adapter (values, indices, blocks), still
-            # merged in place and current. Each decision of the full path below is checked again here,
+            # merged in place and current (or, on a quantized layer, rebuilt as in every pass). Each
+            # decision of the full path below is checked again here,
             # only without its lookups: the host time of a layer call bounds the step when kernels are short.
             # (The observer runs first, as in the full path: whatever it changes is seen by the checks.)
             if self.training_observer is not None and self.training and torch.is_grad_enabled() and not self._disable_adapters and not self.merged_adapters:
                 self.training_observer(self)
                 observed = True
-            current, values, dtype, indices, indices_key, base, weight, merge, blocks = steady
-            name = merge.adapter
+            current, name, values, dtype, indices, indices_key, base, weight, merge, blocks = steady
             if (
                 self.training
                 and self._active_adapter == current
@@ -802,15 +803,20 @@ class SparseLayer(BaseTunerLayer):
                 and self._modules["sparse_indices"]._buffers.get(name) is indices
                 and indices._version == indices_key[0]
                 and indices.data_ptr() == indices_key[1]
-                and self.merge_for_training
                 and torch.is_grad_enabled()
-                and (not torch.is_autocast_enabled(device := x.device.type) or torch.get_autocast_dtype(device) == weight.dtype)
-                and merge.stored_in_weight()
-                and not weight.requires_grad
-                and merge.current(values)
             ):
-                spec = (merge.stored_weight, False, self, blocks, merge, 1)  # (never kept: it holds the layer)
-                return SparseDeltaLinear.apply(x, base._parameters.get("bias"), spec, indices, values)
+                if merge is None:  # a quantized layer: its weight is rebuilt in each pass (nothing merged)
+                    spec = (self._stored_weight, True, self, blocks, None, 1)  # (never kept: it holds the layer)
+                    return SparseDeltaLinear.apply(x, base._parameters.get("bias"), spec, indices, values).to(x.dtype)
+                if (
+                    self.merge_for_training
+                    and (not torch.is_autocast_enabled(device := x.device.type) or torch.get_autocast_dtype(device) == weight.dtype)
+                    and merge.stored_in_weight()
+                    and not weight.requires_grad
+                    and merge.current(values)
+                ):
+                    spec = (merge.stored_weight, False, self, blocks, merge, 1)
+                    return SparseDeltaLinear.apply(x, base._parameters.get("bias"), spec, indices, values)
             self._steady = None  # (assigned only when set: nn.Module.__setattr__ costs host time on every pass)
         if self.disable_adapters:
             self.release_training_merge()
@@ -843,11 +849,14 @@ class SparseLayer(BaseTunerLayer):
             x, premerged.stored_weight if premerged is not None else self._stored_weight, base.bias, indices, values,
             hooks=self, owned=self.quantization_backend is not None, blocks=blocks, premerged=premerged,
         )  # fmt: skip
-        if premerged is not None and not args and not kwargs and len(self.active_adapters) == 1:
-            # (merged in place: a single adapter, nn.Linear, no quantization, no autocast to another dtype)
+        single = not args and not kwargs and len(self.active_adapters) == 1 and len(active) == 1
+        if single and (premerged is not None or (self.quantization_backend is not None and self.training and torch.is_grad_enabled())):
+            # merged in place (a single adapter, nn.Linear, no quantization, no autocast to another dtype), or
+            # a quantized layer (never merged: the same call in every pass while nothing above changes)
             current, idx = self._active_adapter, indices[0]
             current = current if isinstance(current, str) else list(current)  # (a copy: compared by value)
-            self._steady = (current, values[0], values[0].dtype, idx, (idx._version, idx.data_ptr()), base, base.weight, premerged, blocks)
+            self._steady = (current, active[0], values[0], values[0].dtype, idx, (idx._version, idx.data_ptr()), base, base.weight,
+                            premerged, blocks)  # fmt: skip
         return y.to(x.dtype) if self.quantization_backend is not None else y
 
     def _base_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
