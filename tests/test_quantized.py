@@ -185,3 +185,39 @@ def test_steady_passes_of_quantized_layers_see_every_change(quantized_dir, monke
     check(steady=True)
     model.eval()
     check(steady=False)
+
+
+def test_quantized_steady_pass_is_forgotten_and_observed_as_the_full_path(quantized_dir, tmp_path):
+    """What a 4-bit layer remembers of its last pass (it holds the layer's tensors) is dropped when the
+    layer's state changes (an adapter deleted, eval); the training observer runs only where the full
+    path runs it; indices loaded under inference mode (no version counter) are never remembered."""
+    from peft import PeftModel
+
+    model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules=["q_proj", "gate_proj"], density=0.1))
+    model.add_adapter("b", SparseFTConfig(target_modules=["q_proj"], density=0.1))
+    model.base_model.set_adapter("default")
+    layers = sparse_layers(model)
+    gate = next(layer for layer in layers if "gate_proj" in layer.module_name)
+    calls = []
+    gate.training_observer = lambda layer: calls.append(layer)
+    model.train()
+    x = inputs()
+    model(x)
+    assert all(layer._steady is not None for layer in layers) and len(calls) == 1
+    model.base_model.set_adapter("b")  # not on gate_proj: the full path there is the base layer's, unobserved
+    model(x)
+    assert len(calls) == 1
+    model.base_model.set_adapter("default")
+    model(x)
+    assert all(layer._steady is not None for layer in layers)
+    model.delete_adapter("b")
+    assert all(layer._steady is None for layer in layers)
+    model(x)
+    model.eval()
+    assert all(layer._steady is None for layer in layers)
+    model.save_pretrained(tmp_path)
+    with torch.inference_mode():
+        loaded = PeftModel.from_pretrained(_quantized(quantized_dir), tmp_path)
+    loaded.train()
+    loaded(x)  # (no version counter to remember)
+    assert all(layer._steady is None for layer in sparse_layers(loaded))

@@ -663,9 +663,12 @@ class SparseLayer(BaseTunerLayer):
 
     # ----------------------------------------------------------------------------------- merged for training
     def release_training_merge(self) -> None:
-        """Write θ₀ back at the positions of the adapter merged for training (no-op when none is)."""
+        """Write θ₀ back at the positions of the adapter merged for training (no-op when none is); a
+        quantized layer forgets its last training pass (see forward), which holds its tensors."""
         if self._training_merge is not None:
             release_training_merges([self])
+        elif self._steady is not None:
+            self._steady = None
 
     def _start_training_merge(self, adapter: str, weight: torch.Tensor) -> _TrainingMerge:
         """Read θ₀ at the adapter's indices and register the layer for the optimizer step's rewrites (the
@@ -785,10 +788,13 @@ class SparseLayer(BaseTunerLayer):
             # decision of the full path below is checked again here,
             # only without its lookups: the host time of a layer call bounds the step when kernels are short.
             # (The observer runs first, as in the full path: whatever it changes is seen by the checks.)
-            if self.training_observer is not None and self.training and torch.is_grad_enabled() and not self._disable_adapters and not self.merged_adapters:
+            current, name, values, dtype, indices, indices_key, base, weight, merge, blocks = steady
+            if (
+                self.training_observer is not None and self.training and torch.is_grad_enabled() and not self._disable_adapters
+                and not self.merged_adapters and self._active_adapter == current and name in self._modules["sparse_values"]._parameters
+            ):  # (where the full path calls it: its adapter is active on this layer)  # fmt: skip
                 self.training_observer(self)
                 observed = True
-            current, name, values, dtype, indices, indices_key, base, weight, merge, blocks = steady
             if (
                 self.training
                 and self._active_adapter == current
@@ -849,7 +855,7 @@ class SparseLayer(BaseTunerLayer):
             x, premerged.stored_weight if premerged is not None else self._stored_weight, base.bias, indices, values,
             hooks=self, owned=self.quantization_backend is not None, blocks=blocks, premerged=premerged,
         )  # fmt: skip
-        single = not args and not kwargs and len(self.active_adapters) == 1 and len(active) == 1
+        single = not args and not kwargs and len(self.active_adapters) == 1 and len(active) == 1 and not indices[0].is_inference()
         if single and (premerged is not None or (self.quantization_backend is not None and self.training and torch.is_grad_enabled())):
             # merged in place (a single adapter, nn.Linear, no quantization, no autocast to another dtype), or
             # a quantized layer (never merged: the same call in every pass while nothing above changes)
