@@ -66,6 +66,15 @@ def sparse_layers(model):
     return [m for m in model.modules() if isinstance(m, SparseLayer)]
 
 
+def record_full_passes(monkeypatch) -> list:
+    """The layers whose forward took the full path (not a steady pass), in call order: the list fills
+    as passes run (a full pass with an active adapter asks ``_merged_for_training``; a steady one does not)."""
+    passes = []
+    original = SparseLayer._merged_for_training
+    monkeypatch.setattr(SparseLayer, "_merged_for_training", lambda self, *a: passes.append(self) or original(self, *a))
+    return passes
+
+
 def tiny_tokenizer():
     """A word-level tokenizer over the tiny models' 97 ids ("t0" … "t96"), built in memory."""
     from tokenizers import Tokenizer, models, pre_tokenizers

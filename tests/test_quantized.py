@@ -7,7 +7,7 @@ from peft import PeftModel, get_peft_model
 from peft_sparse import SparseFTConfig
 from peft_sparse.core.layer import standard_4bit_layout
 
-from .models import inputs, randomize_values, sparse_layers, tiny_llama, train_on
+from .models import inputs, randomize_values, record_full_passes, sparse_layers, tiny_llama, train_on
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -131,8 +131,6 @@ def test_steady_passes_of_quantized_layers_see_every_change(quantized_dir, monke
     """A 4-bit layer's training pass after the first reuses the last pass's decisions (no per-pass
     lookups) and still rebuilds the weight from the current values; anything that changes a decision
     sends the pass through the full path. Outputs always equal the full path's."""
-    from peft_sparse.core.layer import SparseLayer
-
     model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules=["q_proj", "gate_proj"], density=0.1))
     randomize_values(model, scale=0.05)
     model.add_adapter("other", SparseFTConfig(target_modules=["q_proj", "gate_proj"], density=0.1))
@@ -141,9 +139,7 @@ def test_steady_passes_of_quantized_layers_see_every_change(quantized_dir, monke
     layers = sparse_layers(model)
     x = inputs()
     model.train()
-    full_passes = []
-    original = SparseLayer._merged_for_training
-    monkeypatch.setattr(SparseLayer, "_merged_for_training", lambda self, *a: full_passes.append(self) or original(self, *a))
+    full_passes = record_full_passes(monkeypatch)
 
     def check(steady, expect_full=None):
         full_passes.clear()

@@ -12,7 +12,7 @@ from peft import get_peft_model
 
 from peft_sparse import SM3, SpIELConfig, SpIELScheduler
 
-from .models import inputs, randomize_values, sparse_layers, tiny_llama, train_on
+from .models import inputs, randomize_values, record_full_passes, sparse_layers, tiny_llama, train_on
 
 
 def _spiel(dtype=torch.float32, growth="ag", **kw):
@@ -529,8 +529,6 @@ def test_steady_forward_skips_the_lookups_but_sees_every_change(monkeypatch):
     """After an optimizer step a training forward reuses the last pass's decisions (no per-pass
     lookups); anything that changes one of them sends the pass through the full path. Outputs always
     equal the transient copy's."""
-    from peft_sparse.core.layer import SparseLayer
-
     model = _spiel()
     randomize_values(model, scale=0.1)
     model.add_adapter("other", SpIELConfig(target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], density=0.1))
@@ -541,9 +539,7 @@ def test_steady_forward_skips_the_lookups_but_sees_every_change(monkeypatch):
     layers = sparse_layers(model)
     x = inputs()
     model.train()
-    full_passes = []
-    original = SparseLayer._merged_for_training
-    monkeypatch.setattr(SparseLayer, "_merged_for_training", lambda self, *a: full_passes.append(self) or original(self, *a))
+    full_passes = record_full_passes(monkeypatch)
 
     def steady_again():  # merged by a forward, rewritten by an optimizer step (no gradients: it still rewrites)
         model(x)

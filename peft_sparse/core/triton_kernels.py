@@ -803,6 +803,29 @@ def _program_map(counts: list, device: torch.device) -> tuple:
 
 
 @triton.jit
+def _sm3_accumulators(ROW_OLD_PTRS, COL_OLD_PTRS, ROW_NEW_PTRS, COL_NEW_PTRS, t, ACC_T):
+    """Tensor t's previous and updated (row, col) accumulators, from the multi-tensor address tables."""
+    acc = tl.pointer_type(ACC_T.dtype.element_ty)
+    return (tl.load(ROW_OLD_PTRS + t).to(acc), tl.load(COL_OLD_PTRS + t).to(acc),
+            tl.load(ROW_NEW_PTRS + t).to(acc), tl.load(COL_NEW_PTRS + t).to(acc))  # fmt: skip
+
+
+@triton.jit
+def _sm3_apply(VALUES_PTRS, MOM_PTRS, t, offs, m, g, nu, VALUES_T, ACC_T, lr, momentum, eps, decay, HAS_MOMENTUM: tl.constexpr):
+    """The SM3-II update of tensor t's values at ``offs`` (mask ``m``) from their gradients and ν —
+    shared by the per-element and per-block kernels, so both give the same bits."""
+    values = tl.load(VALUES_PTRS + t).to(tl.pointer_type(VALUES_T.dtype.element_ty))
+    update = g / tl.sqrt(nu + eps)
+    if HAS_MOMENTUM:
+        mom = tl.load(MOM_PTRS + t).to(tl.pointer_type(ACC_T.dtype.element_ty))
+        buf = tl.load(mom + offs, mask=m, other=0.0) * momentum + (1 - momentum) * update
+        tl.store(mom + offs, buf, mask=m)
+        update = buf
+    v = tl.load(values + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(values + offs, (v * decay - lr * update).to(VALUES_T.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _multi_sm3_kernel(
     VALUES_PTRS, GRAD_PTRS, IDX_PTRS, ROW_OLD_PTRS, COL_OLD_PTRS, ROW_NEW_PTRS, COL_NEW_PTRS, MOM_PTRS, COUNTS, IN_FEATURES,
     PROG_TENSOR, PROG_START, VALUES_T, GRAD_T, IDX_T, ACC_T, lr, momentum, eps, decay,
@@ -817,13 +840,9 @@ def _multi_sm3_kernel(
     start = tl.load(PROG_START + p)
     n = tl.load(COUNTS + t)
     in_features = tl.load(IN_FEATURES + t)
-    values = tl.load(VALUES_PTRS + t).to(tl.pointer_type(VALUES_T.dtype.element_ty))
     grad = tl.load(GRAD_PTRS + t).to(tl.pointer_type(GRAD_T.dtype.element_ty))
     idx_ptr = tl.load(IDX_PTRS + t).to(tl.pointer_type(IDX_T.dtype.element_ty))
-    row_old = tl.load(ROW_OLD_PTRS + t).to(tl.pointer_type(ACC_T.dtype.element_ty))
-    col_old = tl.load(COL_OLD_PTRS + t).to(tl.pointer_type(ACC_T.dtype.element_ty))
-    row_new = tl.load(ROW_NEW_PTRS + t).to(tl.pointer_type(ACC_T.dtype.element_ty))
-    col_new = tl.load(COL_NEW_PTRS + t).to(tl.pointer_type(ACC_T.dtype.element_ty))
+    row_old, col_old, row_new, col_new = _sm3_accumulators(ROW_OLD_PTRS, COL_OLD_PTRS, ROW_NEW_PTRS, COL_NEW_PTRS, t, ACC_T)
     offs = start + tl.arange(0, BLOCK)
     m = offs < n
     idx = tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
@@ -836,14 +855,7 @@ def _multi_sm3_kernel(
     last_of_run = (next_idx // in_features != r) | (tl.arange(0, BLOCK) == BLOCK - 1) | (offs + 1 >= n)
     tl.atomic_max(row_new + r, run_max, mask=m & last_of_run, sem="relaxed")  # max commutes: no ordering needed
     tl.atomic_max(col_new + c, nu, mask=m, sem="relaxed")
-    update = g / tl.sqrt(nu + eps)
-    if HAS_MOMENTUM:
-        mom = tl.load(MOM_PTRS + t).to(tl.pointer_type(ACC_T.dtype.element_ty))
-        buf = tl.load(mom + offs, mask=m, other=0.0) * momentum + (1 - momentum) * update
-        tl.store(mom + offs, buf, mask=m)
-        update = buf
-    v = tl.load(values + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(values + offs, (v * decay - lr * update).to(VALUES_T.dtype.element_ty), mask=m)
+    _sm3_apply(VALUES_PTRS, MOM_PTRS, t, offs, m, g, nu, VALUES_T, ACC_T, lr, momentum, eps, decay, HAS_MOMENTUM)
 
 
 @triton.jit
@@ -861,24 +873,13 @@ def _multi_sm3_block_kernel(
     r = tl.load(B_ROW0 + b).to(tl.int64) + tl.arange(0, BH)
     c = tl.load(B_COL0 + b).to(tl.int64) + tl.arange(0, BW)
     offs = tl.load(B_BASE + b).to(tl.int64) + tl.arange(0, BH)[:, None].to(tl.int64) * tl.load(B_STRIDE + b).to(tl.int64) + tl.arange(0, BW)[None, :]
-    values = tl.load(VALUES_PTRS + t).to(tl.pointer_type(VALUES_T.dtype.element_ty))
     grad = tl.load(GRAD_PTRS + t).to(tl.pointer_type(GRAD_T.dtype.element_ty))
-    row_old = tl.load(ROW_OLD_PTRS + t).to(tl.pointer_type(ACC_T.dtype.element_ty))
-    col_old = tl.load(COL_OLD_PTRS + t).to(tl.pointer_type(ACC_T.dtype.element_ty))
-    row_new = tl.load(ROW_NEW_PTRS + t).to(tl.pointer_type(ACC_T.dtype.element_ty))
-    col_new = tl.load(COL_NEW_PTRS + t).to(tl.pointer_type(ACC_T.dtype.element_ty))
+    row_old, col_old, row_new, col_new = _sm3_accumulators(ROW_OLD_PTRS, COL_OLD_PTRS, ROW_NEW_PTRS, COL_NEW_PTRS, t, ACC_T)
     g = tl.load(grad + offs).to(tl.float32)
     nu = tl.minimum(tl.load(row_old + r)[:, None], tl.load(col_old + c)[None, :]) + g * g
     tl.atomic_max(row_new + r, tl.max(nu, axis=1), sem="relaxed")  # max commutes: no ordering needed
     tl.atomic_max(col_new + c, tl.max(nu, axis=0), sem="relaxed")
-    update = g / tl.sqrt(nu + eps)
-    if HAS_MOMENTUM:
-        mom = tl.load(MOM_PTRS + t).to(tl.pointer_type(ACC_T.dtype.element_ty))
-        buf = tl.load(mom + offs) * momentum + (1 - momentum) * update
-        tl.store(mom + offs, buf)
-        update = buf
-    v = tl.load(values + offs).to(tl.float32)
-    tl.store(values + offs, (v * decay - lr * update).to(VALUES_T.dtype.element_ty))
+    _sm3_apply(VALUES_PTRS, MOM_PTRS, t, offs, offs >= 0, g, nu, VALUES_T, ACC_T, lr, momentum, eps, decay, HAS_MOMENTUM)
 
 
 def sm3_block_shape_supported(block_shape) -> bool:
