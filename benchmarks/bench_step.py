@@ -139,6 +139,7 @@ def profiling_setup(rows: int):
     parser.add_argument("--size", choices=sorted(SIZES), default="tinyllama")
     parser.add_argument("--kernel-table", help="profile_step.py: write every GPU kernel's time per step to this file")
     parser.add_argument("--hook-profile", action="store_true", help="profile_cycle.py: the reselection hook under cProfile")
+    parser.add_argument("--pstats", help="profile_step.py: also write the cProfile statistics to this file (pstats format)")
     args = parser.parse_args()
     model, optimizer, hook, _, _ = prepare(args.variant, args.size, total_steps=2 * S + GAMMA + 1)
     model.train()

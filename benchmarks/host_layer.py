@@ -56,6 +56,49 @@ def build(variant: str, size: int):
     return model
 
 
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def ops_table(args) -> None:
+    """Host µs of single operations at the layer benchmark's shapes (the GPU never waits at these sizes)."""
+    x = torch.randn(args.tokens, args.size, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(args.size, args.size, device="cuda", dtype=torch.bfloat16)
+    flat = w.view(-1)
+    idx = torch.randint(0, flat.numel(), (flat.numel() // 20,), device="cuda").sort().values
+    xr = x.clone().requires_grad_()
+    ops = {
+        "torch.empty": lambda: torch.empty(w.shape, dtype=w.dtype, device=w.device),
+        "F.linear": lambda: torch.nn.functional.linear(x, w),
+        "mm": lambda: x.mm(w),
+        "t().mm (dW)": lambda: x.t().mm(x),
+        "index_select": lambda: flat.index_select(0, idx),
+        ".to(float32)": lambda: x.to(torch.float32),
+        ".to(same dtype)": lambda: x.to(torch.bfloat16),
+        "reshape": lambda: x.reshape(-1, args.size),
+        "detach": lambda: w.detach(),
+        "Function.apply (identity)": lambda: _Identity.apply(xr),
+        "torch.cuda.current_device": torch.cuda.current_device,
+        "data_ptr + _version": lambda: (w.data_ptr(), w._version),
+    }
+    print(f"{torch.cuda.get_device_name()}: host µs per operation (median of 5 rounds of {args.calls})")
+    for name, fn in ops.items():
+        times = []
+        for _ in range(6):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(args.calls):
+                fn()
+            times.append((time.perf_counter() - start) / args.calls * 1e6)
+        print(f"  {name:<28} {statistics.median(times[1:]):6.2f}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=500)
@@ -63,7 +106,11 @@ def main():
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--variants", default="linear,linear4bit,sparse,sparse-block,sparse-4bit")
     parser.add_argument("--cprofile", action="store_true", help="then the host time's top functions per variant (cProfile)")
+    parser.add_argument("--pstats", help="with --cprofile: also write each variant's and phase's statistics to <this prefix>-<variant>-<phase>.prof")
+    parser.add_argument("--ops", action="store_true", help="first, the host time of single operations a layer call makes")
     args = parser.parse_args()
+    if args.ops:
+        ops_table(args)
     print(f"{torch.cuda.get_device_name()}: host µs per call (median of 5 rounds of {args.calls}), {args.tokens}×{args.size}")
     for variant in args.variants.split(","):
         model = build(variant, args.size)
@@ -99,6 +146,8 @@ def main():
                         y.backward(g)
                 profiler.disable()
                 torch.cuda.synchronize()
+                if args.pstats:
+                    profiler.dump_stats(f"{args.pstats}-{variant}-{phase}.prof")
                 text = io.StringIO()
                 pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(12)
                 lines = [ln for ln in text.getvalue().splitlines() if ln.strip() and "Ordered" not in ln and "List reduced" not in ln]

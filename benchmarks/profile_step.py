@@ -144,6 +144,8 @@ def main():
         step()
     profiler.disable()
     torch.cuda.synchronize()
+    if args.pstats:
+        profiler.dump_stats(args.pstats)
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("tottime").print_stats(args.rows)

@@ -332,6 +332,95 @@ def test_fused_nf4_weight_on_cuda_is_bitsandbytes_dequantization_plus_delta(tmp_
         assert torch.equal(a, b)
 
 
+def test_repeated_nf4_launch_on_cuda_follows_every_change(tmp_path, monkeypatch):
+    """A 4-bit layer repeats its last single-adapter fused launch (the LaunchPlan of its _NF4Rebuild) while
+    the operands stay, with the same bits as the full path and bitsandbytes' dequantization + scatter;
+    it takes the full path again (and plans anew) when the values' storage, the indices (rewritten in
+    place), the quantization state or the requested dtype change, and forgets the plan with eval().
+    Training with repeated launches equals training without them, step for step."""
+    pytest.importorskip("bitsandbytes")
+    import copy
+
+    import bitsandbytes.functional as bnb_f
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from peft_sparse.core import layer as layer_module
+    from peft_sparse.core import triton_kernels as tk
+
+    from .models import randomize_values
+
+    tiny_llama(hidden_size=64, intermediate_size=256).save_pretrained(tmp_path)
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
+
+    def build():
+        base = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=q, dtype=torch.bfloat16, device_map={"": 0})
+        model = get_peft_model(base, SpIELConfig(target_modules="all-linear", density=0.2))
+        randomize_values(model, scale=0.05)
+        return model
+
+    model = build()
+    layer = max(sparse_layers(model), key=lambda l: l.numel)
+    indices, values = layer.sparse_indices["default"], layer.sparse_values["default"]
+    weight = layer.get_base_layer().weight
+    repeated, full = [], []
+    original_call, original_compose = tk.LaunchPlan.__call__, kernels.nf4_compose
+    monkeypatch.setattr(tk.LaunchPlan, "__call__", lambda self, t: repeated.append(1) or original_call(self, t))
+    monkeypatch.setattr(kernels, "nf4_compose", lambda *a, **k: full.append(1) or original_compose(*a, **k))
+
+    def check(expect_repeated, dtype=None):
+        repeated.clear(), full.clear()
+        got = layer.fused_merged_weight([indices], [values], dtype)
+        want = bnb_f.dequantize_4bit(weight.data, weight.quant_state)
+        kernels.scatter_add_reference(want, indices, values.detach())
+        assert got is not None and torch.equal(got, want)
+        assert (repeated, full) == (([1], []) if expect_repeated else ([], [1])), (expect_repeated, repeated, full)
+
+    for _ in range(3):  # (Triton's launch compiles, then the direct launch plans)
+        layer.fused_merged_weight([indices], [values], None)
+    assert layer._nf4_rebuild is not None
+    check(True)
+    with torch.no_grad():  # contents only
+        values.mul_(2)
+    check(True)
+    values.data = values.data.clone()  # new storage
+    check(False)
+    check(True)
+    with torch.no_grad():  # in place, as a reselection rewrites them
+        torch._foreach_copy_([indices], [torch.randperm(layer.numel, device="cuda")[: indices.numel()].sort().values.to(indices.dtype)])
+    check(False)
+    check(True)
+    state = weight.quant_state
+    weight.quant_state = copy.copy(state)  # an equal, new state
+    check(False)
+    check(True)
+    assert layer.fused_merged_weight([indices], [values], torch.float16) is None  # not the dtype bitsandbytes gives
+    model.eval()
+    assert layer._nf4_rebuild is None
+    monkeypatch.undo()
+
+    x = torch.randint(0, 97, (2, 24), device="cuda")
+    runs = []
+    for repeat in (True, False):
+        if not repeat:
+            monkeypatch.setattr(layer_module._NF4Rebuild, "__call__", lambda *a: None)
+        torch.manual_seed(0)
+        model = build()
+        model.train()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+        for _ in range(4):
+            loss = model(x, labels=x).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        if repeat:
+            assert all(l._nf4_rebuild is not None for l in sparse_layers(model))
+        runs.append((torch.stack(losses), [l.sparse_values["default"].detach().clone() for l in sparse_layers(model)]))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
 @pytest.mark.parametrize("block_shape", [(1, 1), (16, 16)])
 def test_sm3_multi_tensor_launch_on_cuda_matches_the_torch_step(monkeypatch, block_shape):
     """SM3's one launch per parameter group, with momentum, weight decay, two groups of different

@@ -183,6 +183,43 @@ def test_steady_passes_of_quantized_layers_see_every_change(quantized_dir, monke
     check(steady=False)
 
 
+def test_training_steps_keep_quantized_passes_steady(quantized_dir, monkeypatch):
+    """A training step's backward leaves a 4-bit layer's next pass steady (the backward reads θ₀ without
+    forgetting the last pass), and a run of steady steps trains exactly as full passes do: the same
+    losses and values bit for bit, with an optimizer step between passes."""
+    torch.manual_seed(0)
+    runs = []
+    for steady in (True, False):
+        model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules=["q_proj", "gate_proj"], density=0.1))
+        randomize_values(model, scale=0.05)
+        layers = sparse_layers(model)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        x = inputs()
+        model.train()
+        full_passes = record_full_passes(monkeypatch)
+        losses, full = [], []
+        for _ in range(4):
+            full_passes.clear()
+            if not steady:
+                for layer in layers:
+                    layer._steady = None
+            loss = model(x, labels=x).loss
+            full.append(list(full_passes))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        runs.append((torch.stack(losses), [layer.sparse_values["default"].detach().clone() for layer in layers]))
+        if steady:
+            assert full[0] == layers and all(f == [] for f in full[1:]), full
+            assert all(layer._steady is not None for layer in layers)
+        else:
+            assert all(f == layers for f in full)
+    (steady_losses, steady_values), (full_losses, full_values) = runs
+    assert torch.equal(steady_losses, full_losses)
+    assert all(torch.equal(a, b) for a, b in zip(steady_values, full_values))
+
+
 def test_quantized_steady_pass_is_forgotten_and_observed_as_the_full_path(quantized_dir, tmp_path):
     """What a 4-bit layer remembers of its last pass (it holds the layer's tensors) is dropped when the
     layer's state changes (an adapter deleted, eval); the training observer runs only where the full

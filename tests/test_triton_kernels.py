@@ -767,3 +767,91 @@ def test_launch_reuses_the_kernel_triton_compiled_for_a_specialization(tk, monke
     assert len(kernel.triton_launches) == before + 3
     tk.launch(kernel, (4,), 32, 7, BLOCK=64, num_warps=4)
     assert len(kernel.triton_launches) == before + 3 and len(compiled.runs) == 2
+
+
+def test_launch_plan_repeats_a_direct_launch_with_one_tensor_replaced(tk, monkeypatch):
+    """triton_kernels.launch_plan, with stand-ins for a jitted kernel and its launcher: no plan while
+    Triton's launch serves; once the direct path launched, a plan whose launches pass the other tensors
+    as their addresses (scalars and constants as given) and the new tensor's address in the slot, through
+    the launcher's compiled launch when it needs no scratch memory and through ``run`` otherwise; it
+    refuses (False, nothing launched) a tensor of another dtype or alignment and launches while a launch
+    hook or debug mode is set; it holds the tensors it points at."""
+    import triton
+
+    class Launcher:  # what the plan reads of Triton's CudaLauncher
+        launch_cooperative_grid, launch_pdl = False, True
+
+        def __init__(self, scratch):
+            self.global_scratch_size = self.profile_scratch_size = scratch
+            self.calls, self.launches = [], []
+
+        def __call__(self, *args):
+            self.calls.append(args)
+
+        def launch(self, *args):
+            self.launches.append(args)
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def __init__(self, scratch):
+            self.run = Launcher(scratch)
+
+    class Kernel:
+        def __init__(self, scratch):
+            self.pre_run_hooks, self.device_caches, self.triton_launches = [], {}, []
+            self.compiled = Compiled(scratch)
+
+        def binder(self, src, out, n, BLOCK=None, **options):
+            spec = [(str(src.dtype), src.data_ptr() % 16 == 0), (str(out.dtype), out.data_ptr() % 16 == 0), ("i32", n % 16 == 0), ("constexpr", BLOCK)]
+            return {"SRC": src, "OUT": out, "n": n, "BLOCK": BLOCK}, spec, options
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                self.device_caches.setdefault(0, ({}, {}, None, None, self.binder))
+                self.triton_launches.append(grid)
+                return self.compiled
+            return run
+
+    monkeypatch.setattr(tk, "_FAST_LAUNCH", [True])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 99, raising=False)
+    for scratch in (0, 64):
+        kernel = Kernel(scratch)
+        launcher = kernel.compiled.run
+        src, out = torch.zeros(8), torch.zeros(8)
+        assert tk.launch_plan(kernel, (4,), "OUT", src, out, 7, BLOCK=32) is None  # Triton's launch: sets up the binder
+        assert tk.launch_plan(kernel, (4,), "OUT", src, out, 7, BLOCK=32) is None  # Triton's launch: compiles
+        assert len(kernel.triton_launches) == 2
+        plan = tk.launch_plan(kernel, (4, 2), "OUT", src, out, 7, BLOCK=32)  # direct: and a plan
+        assert plan is not None and len(kernel.triton_launches) == 2
+        assert launcher.calls[-1] == (4, 2, 1, 99, "fn", "meta", None, None, None, src, out, 7, 32)  # the direct launch itself
+        del src
+        new = torch.zeros(16)
+        assert plan(new)
+        source = plan.tensors[0]  # held by the plan
+        if scratch == 0:  # the compiled launch, its launcher's settings first
+            assert launcher.launches == [(4, 2, 1, 99, "fn", False, True, None, None, "meta", None, None, None, source.data_ptr(), new.data_ptr(), 7, 32)]
+        else:
+            assert launcher.launches == [] and launcher.calls[-1] == (4, 2, 1, 99, "fn", "meta", None, None, None, source.data_ptr(), new.data_ptr(), 7, 32)
+        before = (len(launcher.calls), len(launcher.launches))
+        assert not plan(torch.zeros(8, dtype=torch.float64))  # another dtype: another specialization
+        assert not plan(torch.zeros(9)[1:])  # 4 bytes past an aligned address
+        monkeypatch.setattr(triton.knobs.runtime, "debug", True)
+        assert not plan(new)
+        monkeypatch.setattr(triton.knobs.runtime, "debug", False)
+        hook = lambda metadata: None  # noqa: E731
+        triton.knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            assert not plan(new)
+        finally:
+            triton.knobs.runtime.launch_enter_hook.remove(hook)
+        assert (len(launcher.calls), len(launcher.launches)) == before
+        assert plan(new) and len(launcher.calls) + len(launcher.launches) == sum(before) + 1
+    # a slot that is not a tensor, or no slot: no plan
+    kernel = Kernel(0)
+    src, out = torch.zeros(8), torch.zeros(8)
+    for _ in range(2):
+        tk.launch(kernel, (4,), src, out, 7, BLOCK=32)
+    assert tk.launch_plan(kernel, (4,), "n", src, out, 7, BLOCK=32) is None
+    assert tk.launch(kernel, (4,), src, out, 7, BLOCK=32) is None

@@ -288,7 +288,7 @@ class SparseDeltaLinear(torch.autograd.Function):
             if premerged is not None and premerged.still_merged(ctx.generation):
                 merged = weight_fn()
             else:  # recomputed, transient — from θ₀: a later forward may have merged the layer in place since
-                release = getattr(hooks, "release_training_merge", None)
+                release = getattr(hooks, "release_weight_merge", None)
                 if release is not None:
                     release()
                 merged = _fused_weight(hooks, owned, None, indices, values, dtype)

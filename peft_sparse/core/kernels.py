@@ -227,20 +227,21 @@ def nf4_compose_starts(indices: torch.Tensor, numel: int) -> Optional[torch.Tens
         return triton_kernels.compose_starts(indices, numel)
 
 
-def nf4_compose(packed, code, absmax, nested, blocksize: int, shape, dtype, indices=None, values=None, starts=None) -> torch.Tensor:
+def nf4_compose(packed, code, absmax, nested, blocksize: int, shape, dtype, indices=None, values=None, starts=None, plan: bool = False):
     """The dequantized NF4 weight plus scatter(indices, values) (see :func:`nf4_dequantize_reference` and
     :func:`scatter_add_into`); on CUDA one Triton launch (dequantization and scatter fused). ``starts``:
-    :func:`nf4_compose_starts` of ``indices`` (optional)."""
+    :func:`nf4_compose_starts` of ``indices`` (optional). ``plan``: return (weight, a
+    :class:`~peft_sparse.core.triton_kernels.LaunchPlan` that repeats the launch into a new output, or None)."""
     if packed.device.type == "cuda":
         _load_gpu_kernels()
         power_of_two = blocksize > 0 and blocksize & (blocksize - 1) == 0  # (the kernel's chunks hold whole blocks)
         if NF4_COMPOSE_KERNELS.get("cuda") is not None and dtype in _KERNEL_FLOAT_TYPES and power_of_two:
             with on_device(packed):
-                return NF4_COMPOSE_KERNELS["cuda"](packed, code, absmax, nested, blocksize, shape, dtype, indices, values, starts)
+                return NF4_COMPOSE_KERNELS["cuda"](packed, code, absmax, nested, blocksize, shape, dtype, indices, values, starts, plan=plan)
     out = nf4_dequantize_reference(packed, code, absmax, nested, blocksize, shape, dtype)
     if indices is not None:
         scatter_add_reference(out, indices, values)
-    return out
+    return (out, None) if plan else out
 
 
 def scaled_product_reference(scale: torch.Tensor, p: torch.Tensor, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

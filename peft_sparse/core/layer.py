@@ -353,6 +353,42 @@ def _managed_by_sharding(weight: torch.Tensor) -> bool:
     return isinstance(weight, DTensor)
 
 
+class _NF4Rebuild:
+    """A 4-bit layer's fused NF4 launch (:func:`kernels.nf4_compose` with a single adapter) to repeat from
+    its :class:`~peft_sparse.core.triton_kernels.LaunchPlan` into a new output while its operands are
+    the same: the base layer, its 4-bit weight (object, storage, quantization state, compute dtype), the
+    indices (object, storage, version: a reselection rewrites them in place) and the values (storage,
+    size, dtype); their contents may change. The plan holds those tensors, so the layer drops this when
+    it forgets its last pass (``release_training_merge``)."""
+
+    __slots__ = ("plan", "base", "weight", "weight_ptr", "state", "compute", "indices", "indices_key", "values_key", "shape", "dtype", "device")
+
+    def __init__(self, plan, base: nn.Module, indices: torch.Tensor, values: torch.Tensor, merged: torch.Tensor):
+        self.plan, self.base = plan, base
+        self.weight = base.weight
+        self.weight_ptr, self.state, self.compute = self.weight.data_ptr(), self.weight.quant_state, getattr(base, "compute_dtype", None)
+        self.indices, self.indices_key = indices, (indices.data_ptr(), indices._version)
+        self.values_key = (values.data_ptr(), values.numel(), values.dtype)
+        self.shape, self.dtype, self.device = merged.shape, merged.dtype, merged.device
+
+    def __call__(self, layer: "SparseLayer", indices: torch.Tensor, values: torch.Tensor, dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
+        """The merged weight, or None when anything differs from the planned launch (the caller then takes
+        the full path, which plans again)."""
+        base = self.base
+        weight = self.weight
+        if (
+            (dtype is not None and dtype != self.dtype)
+            or indices is not self.indices or (indices.data_ptr(), indices._version) != self.indices_key
+            or (values.data_ptr(), values.numel(), values.dtype) != self.values_key
+            or (layer._modules["base_layer"] is not base and layer.get_base_layer() is not base)
+            or base._parameters.get("weight") is not weight or weight.quant_state is not self.state
+            or getattr(base, "compute_dtype", None) is not self.compute or weight.data_ptr() != self.weight_ptr
+        ):  # fmt: skip
+            return None
+        merged = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return merged if self.plan(merged) else None
+
+
 class SparseLayer(BaseTunerLayer):
     adapter_layer_names = ("sparse_values",)
     other_param_names = ("sparse_indices", "sparse_ages")
@@ -388,6 +424,7 @@ class SparseLayer(BaseTunerLayer):
         self._steady: Optional[tuple] = None
         self._nf4_cache = None  # (weakref to the 4-bit weight, its storage pointer, its quant state, operands)
         self._nf4_starts_cache = None  # (weakref to an indices tensor, (address, version, size), its starts)
+        self._nf4_rebuild: Optional[_NF4Rebuild] = None  # the last single-adapter fused NF4 launch, to repeat
         # adapter → the values tensor that last passed _check_ready
         self._ready: dict[str, torch.Tensor] = {}
         self.register_state_dict_pre_hook(_release_before_state_dict)
@@ -482,7 +519,13 @@ class SparseLayer(BaseTunerLayer):
     def fused_merged_weight(self, indices, values, dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
         """For an NF4 weight on CUDA: the dequantized weight plus Σ scatter(η_a, φ_a) built in one fused
         launch (the first adapter inside it), in ``dtype`` (None: the layer's compute dtype); None when
-        this layer has no fused path or the dtype differs from the one bitsandbytes dequantizes to."""
+        this layer has no fused path or the dtype differs from the one bitsandbytes dequantizes to.
+        A single adapter's launch is repeated from its :class:`_NF4Rebuild` while its operands stay."""
+        rebuild = self._nf4_rebuild
+        if rebuild is not None and len(indices) == 1:
+            merged = rebuild(self, indices[0], values[0], dtype)
+            if merged is not None:
+                return merged
         operands = self._nf4_operands() if self.quantization_backend is not None else None
         if operands is None:
             return None
@@ -491,6 +534,12 @@ class SparseLayer(BaseTunerLayer):
         if compute != operands[6] or (dtype is not None and dtype != compute):
             return None
         packed, code, absmax, nested, blocksize, shape, qdtype = operands
+        if len(indices) == 1 and not indices[0].is_inference():
+            starts = self._nf4_starts(indices[0])
+            merged, plan = kernels.nf4_compose(packed, code, absmax, nested, blocksize, shape, qdtype, indices[0], values[0].detach(), starts, plan=True)
+            if plan is not None:
+                self._nf4_rebuild = _NF4Rebuild(plan, base, indices[0], values[0], merged)
+            return merged
         first = (indices[0], values[0].detach(), self._nf4_starts(indices[0])) if indices else (None, None, None)
         merged = kernels.nf4_compose(packed, code, absmax, nested, blocksize, shape, qdtype, *first)
         for idx, val in zip(indices[1:], values[1:]):
@@ -664,11 +713,20 @@ class SparseLayer(BaseTunerLayer):
     # ----------------------------------------------------------------------------------- merged for training
     def release_training_merge(self) -> None:
         """Write θ₀ back at the positions of the adapter merged for training (no-op when none is); a
-        quantized layer forgets its last training pass (see forward), which holds its tensors."""
+        quantized layer forgets its last training pass (see forward) and fused launch, which hold its tensors."""
         if self._training_merge is not None:
             release_training_merges([self])
         elif self._steady is not None:
             self._steady = None
+        if self._nf4_rebuild is not None:
+            self._nf4_rebuild = None
+
+    def release_weight_merge(self) -> None:
+        """Write θ₀ back at the positions of the adapter merged for training (no-op when none is): what a
+        backward pass needs before it reads θ₀. Unlike :meth:`release_training_merge`, a quantized layer
+        keeps the decisions of its last pass: a training step's backward leaves its next pass steady."""
+        if self._training_merge is not None:
+            release_training_merges([self])
 
     def _start_training_merge(self, adapter: str, weight: torch.Tensor) -> _TrainingMerge:
         """Read θ₀ at the adapter's indices and register the layer for the optimizer step's rewrites (the

@@ -52,6 +52,17 @@ def _hook_set(hook) -> bool:
     return bool(getattr(hook, "calls", hook))  # a hook chain's calls (Triton 3.5+), else the hook itself
 
 
+def _plain_launch(kernel) -> bool:
+    """Whether nothing asks Triton's launch of ``kernel`` to do more than launch: no pre-run hooks on the
+    kernel, no launch hooks (profilers), no debug or instrumentation mode."""
+    knobs = triton.knobs
+    return not (
+        kernel.pre_run_hooks
+        or _hook_set(knobs.runtime.launch_enter_hook) or _hook_set(knobs.runtime.launch_exit_hook)
+        or getattr(knobs.runtime, "debug", False) or getattr(knobs.compilation, "instrumentation_mode", "")
+    )  # fmt: skip
+
+
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` without the Python work Triton repeats at every such call (its
     cache key's string form, launch metadata, empty hook chains — about as much host time as a
@@ -60,23 +71,32 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     launched directly. Triton's launch serves the first call of each specialization, calls while
     launch hooks are set (profilers) or pre-run hooks, debug or instrumentation modes, kernels that
     read module globals, callable grids, the interpreter, and Triton versions without these internals."""
+    _launch(kernel, grid, args, kwargs, None)
+
+
+def launch_plan(kernel, grid: tuple, slot: str, *args, **kwargs) -> Optional["LaunchPlan"]:
+    """:func:`launch`, and when it went straight to a kept compiled kernel, a :class:`LaunchPlan` that
+    repeats this launch with only the tensor argument named ``slot`` replaced (None when Triton's launch
+    served, e.g. at the first calls of a specialization)."""
+    return _launch(kernel, grid, args, kwargs, slot)
+
+
+def _launch(kernel, grid: tuple, args: tuple, kwargs: dict, slot: Optional[str]) -> Optional["LaunchPlan"]:
     if not _FAST_LAUNCH:
         _FAST_LAUNCH.append(_fast_launch_supported())
     caches = getattr(kernel, "device_caches", None)
-    knobs = getattr(triton, "knobs", None)
     if (
-        not _FAST_LAUNCH[0] or caches is None or not isinstance(grid, tuple) or kernel.pre_run_hooks
+        not _FAST_LAUNCH[0] or caches is None or not isinstance(grid, tuple)
         or getattr(kernel, "used_global_vals", None)  # (Triton checks those globals at every launch)
-        or _hook_set(knobs.runtime.launch_enter_hook) or _hook_set(knobs.runtime.launch_exit_hook)
-        or getattr(knobs.runtime, "debug", False) or getattr(knobs.compilation, "instrumentation_mode", "")
+        or not _plain_launch(kernel)
     ):  # fmt: skip
         kernel[grid](*args, **kwargs)
-        return
+        return None
     device = torch.cuda.current_device()
     entry = caches.get(device)
     if entry is None:  # Triton's first launch of this kernel on this device sets up its binder
         kernel[grid](*args, **kwargs)
-        return
+        return None
     params, specialization, options = entry[4](*args, **kwargs)
     try:
         key = (kernel, device, tuple(specialization), tuple(options.items()))
@@ -87,11 +107,58 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         compiled = kernel[grid](*args, **kwargs)
         if key is not None and all(hasattr(compiled, a) for a in ("function", "packed_metadata", "run")):
             _COMPILED[key] = compiled  # (not a pending compilation, nor another Triton's kernel object)
-        return
-    compiled.run(
-        grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, torch._C._cuda_getCurrentRawStream(device),
-        compiled.function, compiled.packed_metadata, None, None, None, *params.values(),
-    )  # fmt: skip
+        return None
+    grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    compiled.run(*grid3, torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata, None, None, None, *params.values())
+    if slot is None or not isinstance(params.get(slot), torch.Tensor):
+        return None
+    return LaunchPlan(kernel, device, grid3, compiled, params, slot)
+
+
+class LaunchPlan:
+    """One direct launch (see :func:`launch`) to repeat: the same compiled kernel, grid and arguments
+    except one tensor (``slot``, e.g. an output allocated anew for each launch). The plan passes the
+    other tensors to Triton's launcher as the addresses they had when it was made (the launcher then
+    skips its per-tensor lookups) and holds them, so they stay allocated: the caller keeps the plan only
+    while those tensors are the ones it would pass (same storage, dtype and size; contents may change).
+    ``plan(tensor)`` launches and returns True, or returns False without launching when that tensor would
+    select another specialization (its dtype or 16-byte alignment differ) or when Triton's launch would
+    do more than launch (hooks, debug modes): the caller then launches as usual. It launches on its own
+    device (made current for the launch when another one is), on that device's current stream."""
+
+    __slots__ = ("kernel", "device", "grid", "function", "run", "head", "tail", "aligned", "dtype", "tensors")
+
+    def __init__(self, kernel, device: int, grid: tuple, compiled, params: dict, slot: str):
+        names = list(params)
+        at = names.index(slot)
+        out = params[slot]
+        self.kernel, self.device, self.grid, self.function = kernel, device, grid, compiled.function
+        self.aligned, self.dtype = out.data_ptr() % 16 == 0, out.dtype
+        self.tensors = tuple(v for n, v in params.items() if n != slot and isinstance(v, torch.Tensor))
+        values = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in params.values()]
+        launcher = compiled.run
+        if (
+            getattr(launcher, "global_scratch_size", None) == 0 and getattr(launcher, "profile_scratch_size", None) == 0
+            and all(hasattr(launcher, a) for a in ("launch", "launch_cooperative_grid", "launch_pdl"))
+        ):  # the launcher object only forwards to its compiled launch (no scratch memory to allocate)
+            self.run = launcher.launch
+            prefix = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, compiled.packed_metadata, None, None, None)
+        else:
+            self.run = launcher
+            prefix = (compiled.packed_metadata, None, None, None)
+        self.head, self.tail = (*prefix, *values[:at]), tuple(values[at + 1 :])
+
+    def __call__(self, tensor: torch.Tensor) -> bool:
+        ptr = tensor.data_ptr()
+        if (ptr % 16 == 0) is not self.aligned or tensor.dtype is not self.dtype or not _plain_launch(self.kernel):
+            return False
+        gx, gy, gz = self.grid
+        if torch.cuda.current_device() != self.device:  # (the compiled function belongs to its device's context)
+            with torch.cuda.device(self.device):
+                self.run(gx, gy, gz, torch._C._cuda_getCurrentRawStream(self.device), self.function, *self.head, ptr, *self.tail)
+        else:
+            self.run(gx, gy, gz, torch._C._cuda_getCurrentRawStream(self.device), self.function, *self.head, ptr, *self.tail)
+        return True
 
 
 @triton.jit
@@ -1130,18 +1197,20 @@ def compose_starts(indices: torch.Tensor, numel: int) -> torch.Tensor:
     return torch.searchsorted(indices, bounds.clamp_(max=numel).to(indices.dtype)).to(torch.int32)
 
 
-def nf4_compose(packed, code, absmax, nested, blocksize, shape, dtype, indices=None, values=None, starts=None) -> torch.Tensor:
+def nf4_compose(packed, code, absmax, nested, blocksize, shape, dtype, indices=None, values=None, starts=None, plan: bool = False):
     """Dequantized NF4 weight (``shape``, ``dtype``) plus scatter(indices, values), in one launch.
 
     ``nested``: None, or (quantized absmax (uint8), absmax2 (float32), code2 (float32), blocksize2, offset)
     of double quantization. The arithmetic is bitsandbytes': float32 products (the nested absmax's product
     and offset added as two roundings, never fused), rounded once to ``dtype``; the values are added as
     :func:`scatter_add_into` adds them. ``starts``: :func:`compose_starts` of these indices (kept by the
-    caller while they do not change), else each program searches its slice of the indices."""
+    caller while they do not change), else each program searches its slice of the indices. ``plan``:
+    return (weight, :class:`LaunchPlan` with the output as its slot, or None) — the plan rebuilds the
+    weight from these same operands into a new output (see :class:`NF4Rebuild`)."""
     numel = shape[0] * shape[1]
     out = torch.empty(shape, dtype=dtype, device=packed.device)
     if numel == 0:
-        return out
+        return (out, None) if plan else out
     if indices is None:
         indices = torch.zeros(0, dtype=torch.int32, device=packed.device)
         values = torch.zeros(0, dtype=torch.float32, device=packed.device)
@@ -1151,11 +1220,11 @@ def nf4_compose(packed, code, absmax, nested, blocksize, shape, dtype, indices=N
     else:  # the nested operands are not read
         absmax_q, absmax2, code2, blocksize2, offset = absmax, absmax, code, 1, 0.0
     nnz = indices.numel()
-    grid = (triton.cdiv(numel, _NF4_BLOCK),)
-    launch(_nf4_compose_kernel, grid,
+    grid = (-(-numel // _NF4_BLOCK),)
+    made = launch_plan(_nf4_compose_kernel, grid, "OUT",
         packed, code, absmax, absmax_q, absmax2, code2, float(offset), out, indices, values,
         starts if starts is not None else indices, numel, nnz, _search_rounds(nnz, _SEARCH_K), BLOCKSIZE=blocksize,
         BLOCKSIZE2=blocksize2, NESTED=nested is not None, BLOCK=_NF4_BLOCK, CHUNK=_NF4_CHUNK, SBLOCK=512,
         K=_SEARCH_K, HAS_STARTS=starts is not None, num_warps=8, enable_fp_fusion=False,
     )  # fmt: skip
-    return out
+    return (out, made) if plan else out
