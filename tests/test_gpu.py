@@ -336,8 +336,9 @@ def test_repeated_nf4_launch_on_cuda_follows_every_change(tmp_path, monkeypatch)
     """A 4-bit layer repeats its last single-adapter fused launch (the LaunchPlan of its _NF4Rebuild) while
     the operands stay, with the same bits as the full path and bitsandbytes' dequantization + scatter;
     it takes the full path again (and plans anew) when the values' storage, the indices (rewritten in
-    place), the quantization state or the requested dtype change, and forgets the plan with eval().
-    Training with repeated launches equals training without them, step for step."""
+    place), the quantization state, the 4-bit weight's storage, the compute dtype or the requested dtype
+    change, and forgets the plan with eval(). Training with repeated launches (counted) equals training
+    without them, step for step; a deep copy of the trained model has no kept launch and the same loss."""
     pytest.importorskip("bitsandbytes")
     import copy
 
@@ -393,12 +394,32 @@ def test_repeated_nf4_launch_on_cuda_follows_every_change(tmp_path, monkeypatch)
     weight.quant_state = copy.copy(state)  # an equal, new state
     check(False)
     check(True)
+    weight.data = weight.data.clone()  # new storage of the 4-bit weight
+    check(False)
+    check(True)
     assert layer.fused_merged_weight([indices], [values], torch.float16) is None  # not the dtype bitsandbytes gives
+    assert layer._nf4_rebuild is None  # (dropped: it did not apply)
+    check(False)
+    base = layer.get_base_layer()
+    base.compute_dtype = torch.float16
+    assert layer.fused_merged_weight([indices], [values], None) is None  # bitsandbytes would compute in float16
+    base.compute_dtype = torch.bfloat16
+    check(False)
+    check(True)
     model.eval()
     assert layer._nf4_rebuild is None
     monkeypatch.undo()
 
     x = torch.randint(0, 97, (2, 24), device="cuda")
+    launched = []
+
+    def counted(self, t):
+        ok = original_call(self, t)
+        if ok:
+            launched.append(1)
+        return ok
+
+    monkeypatch.setattr(tk.LaunchPlan, "__call__", counted)
     runs = []
     for repeat in (True, False):
         if not repeat:
@@ -408,15 +429,24 @@ def test_repeated_nf4_launch_on_cuda_follows_every_change(tmp_path, monkeypatch)
         model.train()
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         losses = []
+        launched.clear()
         for _ in range(4):
             loss = model(x, labels=x).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.detach())
-        if repeat:
-            assert all(l._nf4_rebuild is not None for l in sparse_layers(model))
-        runs.append((torch.stack(losses), [l.sparse_values["default"].detach().clone() for l in sparse_layers(model)]))
+        layers = sparse_layers(model)
+        if repeat:  # from the third pass on (forward and backward), every layer's weight came from its plan
+            assert all(l._nf4_rebuild is not None for l in layers) and len(launched) >= 2 * 2 * len(layers), len(launched)
+            twin = copy.deepcopy(model)  # (the kept launches stay behind: they refer to compiled kernels)
+            assert all(l._nf4_rebuild is None for l in sparse_layers(twin))
+            with torch.no_grad():
+                assert torch.equal(twin(x, labels=x).loss, model(x, labels=x).loss)
+            del twin
+        else:
+            assert launched == []
+        runs.append((torch.stack(losses), [l.sparse_values["default"].detach().clone() for l in layers]))
     assert torch.equal(runs[0][0], runs[1][0])
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
 

@@ -220,6 +220,40 @@ def test_training_steps_keep_quantized_passes_steady(quantized_dir, monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(steady_values, full_values))
 
 
+def test_kept_nf4_launch_is_not_copied_and_is_dropped_once_it_no_longer_applies(quantized_dir):
+    """A 4-bit layer's kept fused launch (its _NF4Rebuild, whose LaunchPlan refers to a jitted kernel
+    that cannot be copied) does not travel with ``copy.deepcopy`` or pickling: the copy has none and
+    the original keeps its own. When the kept launch does not apply to a call, the layer drops it (it
+    holds the tensors it planned with)."""
+    import copy
+    import pickle
+
+    pytest.importorskip("triton")
+    from peft_sparse.core import triton_kernels as tk
+    from peft_sparse.core.layer import _NF4Rebuild
+
+    model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules=["q_proj"], density=0.1))
+    layer = sparse_layers(model)[0]
+    plan = object.__new__(tk.LaunchPlan)
+    plan.kernel = tk._nf4_compose_kernel
+    rebuild = object.__new__(_NF4Rebuild)
+    rebuild.plan = plan
+    layer._nf4_rebuild = rebuild
+    copied = copy.deepcopy(model)
+    assert sparse_layers(copied)[0]._nf4_rebuild is None and layer._nf4_rebuild is rebuild
+    assert pickle.loads(pickle.dumps(rebuild)) is None
+
+    class Stale:
+        def __call__(self, *args):
+            return None
+
+    indices, values = layer.sparse_indices["default"], layer.sparse_values["default"]
+    for adapters in (1, 2):  # (with two adapters, no kept single-adapter launch applies)
+        layer._nf4_rebuild = Stale()
+        layer.fused_merged_weight([indices] * adapters, [values] * adapters, None)  # (None on CPU: no fused path)
+        assert layer._nf4_rebuild is None
+
+
 def test_quantized_steady_pass_is_forgotten_and_observed_as_the_full_path(quantized_dir, tmp_path):
     """What a 4-bit layer remembers of its last pass (it holds the layer's tensors) is dropped when the
     layer's state changes (an adapter deleted, eval); the training observer runs only where the full

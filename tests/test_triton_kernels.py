@@ -774,8 +774,9 @@ def test_launch_plan_repeats_a_direct_launch_with_one_tensor_replaced(tk, monkey
     Triton's launch serves; once the direct path launched, a plan whose launches pass the other tensors
     as their addresses (scalars and constants as given) and the new tensor's address in the slot, through
     the launcher's compiled launch when it needs no scratch memory and through ``run`` otherwise; it
-    refuses (False, nothing launched) a tensor of another dtype or alignment and launches while a launch
-    hook or debug mode is set; it holds the tensors it points at."""
+    refuses (False, nothing launched) a tensor of another dtype, alignment, size or device and launches
+    while a launch hook or debug mode is set; it holds the tensors it points at. (CPU tensors stand in
+    for a device's: the current device is -1, what ``get_device`` gives for them.)"""
     import triton
 
     class Launcher:  # what the plan reads of Triton's CudaLauncher
@@ -808,13 +809,13 @@ def test_launch_plan_repeats_a_direct_launch_with_one_tensor_replaced(tk, monkey
 
         def __getitem__(self, grid):
             def run(*args, **kwargs):
-                self.device_caches.setdefault(0, ({}, {}, None, None, self.binder))
+                self.device_caches.setdefault(torch.cuda.current_device(), ({}, {}, None, None, self.binder))
                 self.triton_launches.append(grid)
                 return self.compiled
             return run
 
     monkeypatch.setattr(tk, "_FAST_LAUNCH", [True])
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 99, raising=False)
     for scratch in (0, 64):
         kernel = Kernel(scratch)
@@ -827,7 +828,7 @@ def test_launch_plan_repeats_a_direct_launch_with_one_tensor_replaced(tk, monkey
         assert plan is not None and len(kernel.triton_launches) == 2
         assert launcher.calls[-1] == (4, 2, 1, 99, "fn", "meta", None, None, None, src, out, 7, 32)  # the direct launch itself
         del src
-        new = torch.zeros(16)
+        new = torch.zeros(8)
         assert plan(new)
         source = plan.tensors[0]  # held by the plan
         if scratch == 0:  # the compiled launch, its launcher's settings first
@@ -837,6 +838,7 @@ def test_launch_plan_repeats_a_direct_launch_with_one_tensor_replaced(tk, monkey
         before = (len(launcher.calls), len(launcher.launches))
         assert not plan(torch.zeros(8, dtype=torch.float64))  # another dtype: another specialization
         assert not plan(torch.zeros(9)[1:])  # 4 bytes past an aligned address
+        assert not plan(torch.zeros(32))  # another size than the planned output
         monkeypatch.setattr(triton.knobs.runtime, "debug", True)
         assert not plan(new)
         monkeypatch.setattr(triton.knobs.runtime, "debug", False)
@@ -848,6 +850,14 @@ def test_launch_plan_repeats_a_direct_launch_with_one_tensor_replaced(tk, monkey
             triton.knobs.runtime.launch_enter_hook.remove(hook)
         assert (len(launcher.calls), len(launcher.launches)) == before
         assert plan(new) and len(launcher.calls) + len(launcher.launches) == sum(before) + 1
+    # planned on device 0: a tensor of another device is refused
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    kernel = Kernel(0)
+    src, out = torch.zeros(8), torch.zeros(8)
+    for _ in range(2):
+        tk.launch(kernel, (4,), src, out, 7, BLOCK=32)
+    plan = tk.launch_plan(kernel, (4,), "OUT", src, out, 7, BLOCK=32)
+    assert plan is not None and not plan(torch.zeros(8)) and kernel.compiled.run.launches == []
     # a slot that is not a tensor, or no slot: no plan
     kernel = Kernel(0)
     src, out = torch.zeros(8), torch.zeros(8)

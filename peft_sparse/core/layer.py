@@ -353,15 +353,25 @@ def _managed_by_sharding(weight: torch.Tensor) -> bool:
     return isinstance(weight, DTensor)
 
 
+def _no_rebuild() -> None:
+    """What a copied or unpickled :class:`_NF4Rebuild` becomes."""
+    return None
+
+
 class _NF4Rebuild:
     """A 4-bit layer's fused NF4 launch (:func:`kernels.nf4_compose` with a single adapter) to repeat from
     its :class:`~peft_sparse.core.triton_kernels.LaunchPlan` into a new output while its operands are
     the same: the base layer, its 4-bit weight (object, storage, quantization state, compute dtype), the
     indices (object, storage, version: a reselection rewrites them in place) and the values (storage,
     size, dtype); their contents may change. The plan holds those tensors, so the layer drops this when
-    it forgets its last pass (``release_training_merge``)."""
+    it forgets its last pass (``release_training_merge``) or when the plan no longer applies. A copy
+    (``copy.deepcopy``, pickling) of the layer has none: the plan refers to compiled kernels and raw
+    addresses, and the copy plans its own."""
 
     __slots__ = ("plan", "base", "weight", "weight_ptr", "state", "compute", "indices", "indices_key", "values_key", "shape", "dtype", "device")
+
+    def __reduce__(self):
+        return _no_rebuild, ()
 
     def __init__(self, plan, base: nn.Module, indices: torch.Tensor, values: torch.Tensor, merged: torch.Tensor):
         self.plan, self.base = plan, base
@@ -522,10 +532,11 @@ class SparseLayer(BaseTunerLayer):
         this layer has no fused path or the dtype differs from the one bitsandbytes dequantizes to.
         A single adapter's launch is repeated from its :class:`_NF4Rebuild` while its operands stay."""
         rebuild = self._nf4_rebuild
-        if rebuild is not None and len(indices) == 1:
-            merged = rebuild(self, indices[0], values[0], dtype)
+        if rebuild is not None:
+            merged = rebuild(self, indices[0], values[0], dtype) if len(indices) == 1 else None
             if merged is not None:
                 return merged
+            self._nf4_rebuild = None  # (it holds the tensors it planned with; the full path plans anew)
         operands = self._nf4_operands() if self.quantization_backend is not None else None
         if operands is None:
             return None

@@ -122,18 +122,19 @@ class LaunchPlan:
     skips its per-tensor lookups) and holds them, so they stay allocated: the caller keeps the plan only
     while those tensors are the ones it would pass (same storage, dtype and size; contents may change).
     ``plan(tensor)`` launches and returns True, or returns False without launching when that tensor would
-    select another specialization (its dtype or 16-byte alignment differ) or when Triton's launch would
+    select another specialization (its dtype or 16-byte alignment differ), is not on the plan's device
+    or has another number of elements than the planned one, or when Triton's launch would
     do more than launch (hooks, debug modes): the caller then launches as usual. It launches on its own
     device (made current for the launch when another one is), on that device's current stream."""
 
-    __slots__ = ("kernel", "device", "grid", "function", "run", "head", "tail", "aligned", "dtype", "tensors")
+    __slots__ = ("kernel", "device", "grid", "function", "run", "head", "tail", "aligned", "dtype", "numel", "tensors")
 
     def __init__(self, kernel, device: int, grid: tuple, compiled, params: dict, slot: str):
         names = list(params)
         at = names.index(slot)
         out = params[slot]
         self.kernel, self.device, self.grid, self.function = kernel, device, grid, compiled.function
-        self.aligned, self.dtype = out.data_ptr() % 16 == 0, out.dtype
+        self.aligned, self.dtype, self.numel = out.data_ptr() % 16 == 0, out.dtype, out.numel()
         self.tensors = tuple(v for n, v in params.items() if n != slot and isinstance(v, torch.Tensor))
         values = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in params.values()]
         launcher = compiled.run
@@ -150,7 +151,10 @@ class LaunchPlan:
 
     def __call__(self, tensor: torch.Tensor) -> bool:
         ptr = tensor.data_ptr()
-        if (ptr % 16 == 0) is not self.aligned or tensor.dtype is not self.dtype or not _plain_launch(self.kernel):
+        if (
+            (ptr % 16 == 0) is not self.aligned or tensor.dtype is not self.dtype or tensor.numel() != self.numel
+            or tensor.get_device() != self.device or not _plain_launch(self.kernel)
+        ):  # fmt: skip
             return False
         gx, gy, gz = self.grid
         if torch.cuda.current_device() != self.device:  # (the compiled function belongs to its device's context)
