@@ -4,7 +4,10 @@
 
 With hidden size 64 the arithmetic is negligible, so the step time is what every step must spend
 issuing work, per layer and in total — what bounds a GPU step once kernels get short. Same layer
-count and targets as the GPU benchmark (TinyLlama's 22 layers, 7 projections).
+count and targets as the GPU benchmark (TinyLlama's 22 layers, 7 projections). ``qfloor``,
+``qspiel-ma`` and ``qspiel-ag``: the same model with bitsandbytes' 4-bit layers (nf4, double
+quantization, float32 compute: its CPU path), so what they measure is Python and dispatch around
+bitsandbytes' CPU dequantization, not the GPU path's fused launch.
 """
 
 import argparse
@@ -30,6 +33,17 @@ def build(variant: str):
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=22, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=128)  # fmt: skip
     model = LlamaForCausalLM(cfg)
+    if variant.startswith("q"):
+        import tempfile
+
+        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                          bnb_4bit_compute_dtype=torch.float32)  # fmt: skip
+        with tempfile.TemporaryDirectory() as path:
+            model.save_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, device_map="cpu")
+        variant = variant[1:]
     for p in model.parameters():
         p.requires_grad_(False)
     if variant == "floor":
