@@ -40,8 +40,10 @@ decisions of its last pass (adapter, values, indices and their version, base lay
 layout — nothing that refers back to the layer) and the next training forward checks each of them
 directly, without the lookups of the full path, before reusing them; any difference, and any other
 kind of pass, takes the full path. Quantized (4-bit) layers, which rebuild their weight in every
-pass and never merge, remember their training passes the same way. When kernels are short, the host
-time of a layer call bounds the training step.
+pass and never merge, remember their training passes the same way (a backward pass leaves the memo:
+it only needs θ₀ back where a weight is merged), and repeat the fused NF4 launch of their single
+adapter from a kept plan while its operands are the same (:class:`_NF4Rebuild`). When kernels are
+short, the host time of a layer call bounds the training step.
 """
 
 from __future__ import annotations
