@@ -254,6 +254,37 @@ def test_kept_nf4_launch_is_not_copied_and_is_dropped_once_it_no_longer_applies(
         assert layer._nf4_rebuild is None
 
 
+def test_kept_nf4_launch_serves_passes_outside_training(quantized_dir):
+    """A 4-bit layer's kept fused launch also serves eval and no-grad passes: their full path writes θ₀
+    back only where a weight is merged, so it no longer drops the kept launch of a layer that never
+    merges. (On CPU, which has no fused launch, a stand-in returns the merged weight the full path
+    builds and counts its calls.)"""
+    model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules=["q_proj"], density=0.1))
+    randomize_values(model, scale=0.05)
+    layer = sparse_layers(model)[0]
+    merged = layer.merged_weight()
+    x = inputs()
+    model.eval()
+    with torch.no_grad():
+        want = model(x).logits
+    calls = []
+
+    class Kept:
+        def __call__(self, layer_, indices, values, dtype):
+            calls.append(layer_)
+            return merged.clone()
+
+    kept = layer._nf4_rebuild = Kept()
+    for mode in ("eval", "train"):
+        model.train(mode == "train")
+        layer._nf4_rebuild = kept
+        calls.clear()
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(x).logits, want)
+        assert calls == [layer, layer] and layer._nf4_rebuild is kept, mode
+
+
 def test_quantized_steady_pass_is_forgotten_and_observed_as_the_full_path(quantized_dir, tmp_path):
     """What a 4-bit layer remembers of its last pass (it holds the layer's tensors) is dropped when the
     layer's state changes (an adapter deleted, eval); the training observer runs only where the full

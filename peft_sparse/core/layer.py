@@ -782,11 +782,13 @@ class SparseLayer(BaseTunerLayer):
         )
 
     def _merged_for_training(self, active: list[str], x: torch.Tensor, base: nn.Module) -> Optional[_TrainingMerge]:
-        """Bring W + scatter(η, φ) of the single training adapter into the base weight's storage (None: not applicable)."""
+        """Bring W + scatter(η, φ) of the single training adapter into the base weight's storage (None: not
+        applicable; θ₀ is then written back where it was merged — a quantized layer, never merged, keeps
+        its last training pass and kept NF4 launch, so eval and no-grad passes reuse the launch too)."""
         if getattr(self, "_is_replica", False):  # an nn.DataParallel replica: shares the weight, its state dies with the step
             return None
         if not (self.merge_for_training and self.training and len(active) == 1 and torch.is_grad_enabled()):
-            self.release_training_merge()
+            self.release_weight_merge()
             return None
         name = active[0]
         indices = self.sparse_indices[name]
@@ -794,12 +796,12 @@ class SparseLayer(BaseTunerLayer):
         weight = base.weight
         merge = self._training_merge
         if merge is None or merge.adapter != name or merge.indices is not indices or merge.weight is not weight or not merge.stored_in_weight():
-            self.release_training_merge()
+            self.release_weight_merge()
             if not self._can_merge_in_place(base, values):
                 return None
             merge = self._start_training_merge(name, weight)
         if _compute_dtype(x, weight.dtype) != weight.dtype:  # autocast to another dtype: the transient copy converts
-            self.release_training_merge()
+            self.release_weight_merge()
             return None
         if not merge.current(values):  # not known to be what the optimizer step hook last wrote
             merge.write(values)
