@@ -285,6 +285,91 @@ def test_kept_nf4_launch_serves_passes_outside_training(quantized_dir):
         assert calls == [layer, layer] and layer._nf4_rebuild is kept, mode
 
 
+def test_kept_nf4_launch_applies_only_to_its_own_operands(quantized_dir):
+    """_NF4Rebuild's checks, on CPU with a stand-in plan (which fills nothing): it serves a call with the
+    operands it was planned with — also after the values changed in place — and refuses (None) another
+    requested dtype, rewritten or other indices, new value storage or dtype, a new 4-bit weight storage
+    or quantization state, another compute dtype and another base layer; a refused plan launches nothing."""
+    import copy
+
+    from peft_sparse.core.layer import _NF4Rebuild
+
+    model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules=["q_proj"], density=0.1))
+    layer = sparse_layers(model)[0]
+    base = layer.get_base_layer()
+    indices, values = layer.sparse_indices["default"], layer.sparse_values["default"]
+    launches = []
+
+    def plan(out):
+        launches.append(out)
+        return True
+
+    def fresh():
+        return _NF4Rebuild(plan, base, indices, values, torch.empty(layer.out_features, layer.in_features))
+
+    def serves(rebuild, idx=None, val=None, dtype=None):
+        before = len(launches)
+        out = rebuild(layer, indices if idx is None else idx, values if val is None else val, dtype)
+        assert len(launches) == before + (out is not None)
+        return out is not None
+
+    rebuild = fresh()
+    assert serves(rebuild) and serves(rebuild, dtype=torch.float32)
+    assert launches[-1].shape == (layer.out_features, layer.in_features) and launches[-1].dtype == torch.float32
+    with torch.no_grad():
+        values.mul_(2)  # contents only: still the planned operands
+    assert serves(rebuild)
+    assert not serves(rebuild, dtype=torch.bfloat16)
+    assert not serves(rebuild, idx=indices.clone())
+    assert not serves(rebuild, val=values.detach().clone())
+    assert not serves(rebuild, val=values.detach().double())
+    with torch.no_grad():
+        indices.copy_(indices.flip(0).sort().values)  # rewritten in place: the version moves
+    assert not serves(rebuild)
+    rebuild = fresh()
+    values.data = values.data.clone()
+    assert not serves(rebuild)
+    rebuild = fresh()
+    state = base.weight.quant_state
+    base.weight.quant_state = copy.copy(state)
+    assert not serves(rebuild)
+    base.weight.quant_state = state
+    assert serves(rebuild)
+    base.compute_dtype, compute = torch.float64, base.compute_dtype
+    assert not serves(rebuild)
+    base.compute_dtype = compute
+    assert serves(rebuild)
+    base.weight.data = base.weight.data.clone()
+    assert not serves(rebuild)
+    rebuild = fresh()
+    assert serves(rebuild)
+    layer.base_layer = copy.deepcopy(base)  # another base layer
+    assert not serves(rebuild)
+
+
+def test_full_training_pass_keeps_the_nf4_launch(quantized_dir):
+    """A 4-bit layer's full training pass (no steady memo) writes θ₀ back only where a weight is merged:
+    it keeps the layer's kept fused launch and uses it, and the pass equals one without it."""
+    model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules=["q_proj"], density=0.1))
+    randomize_values(model, scale=0.05)
+    layer = sparse_layers(model)[0]
+    merged = layer.merged_weight()
+    x = inputs()
+    model.train()
+    want = model(x).logits
+    calls = []
+
+    class Kept:
+        def __call__(self, layer_, indices, values, dtype):
+            calls.append(layer_)
+            return merged.clone()
+
+    kept = layer._nf4_rebuild = Kept()
+    layer._steady = None
+    out = model(x).logits
+    assert calls == [layer] and layer._nf4_rebuild is kept and torch.equal(out, want)
+
+
 def test_quantized_steady_pass_is_forgotten_and_observed_as_the_full_path(quantized_dir, tmp_path):
     """What a 4-bit layer remembers of its last pass (it holds the layer's tensors) is dropped when the
     layer's state changes (an adapter deleted, eval); the training observer runs only where the full

@@ -839,6 +839,7 @@ def test_launch_plan_repeats_a_direct_launch_with_one_tensor_replaced(tk, monkey
         assert not plan(torch.zeros(8, dtype=torch.float64))  # another dtype: another specialization
         assert not plan(torch.zeros(9)[1:])  # 4 bytes past an aligned address
         assert not plan(torch.zeros(32))  # another size than the planned output
+        assert not plan(torch.zeros(16)[::2])  # not contiguous
         monkeypatch.setattr(triton.knobs.runtime, "debug", True)
         assert not plan(new)
         monkeypatch.setattr(triton.knobs.runtime, "debug", False)

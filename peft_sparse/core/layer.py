@@ -784,7 +784,7 @@ class SparseLayer(BaseTunerLayer):
     def _merged_for_training(self, active: list[str], x: torch.Tensor, base: nn.Module) -> Optional[_TrainingMerge]:
         """Bring W + scatter(η, φ) of the single training adapter into the base weight's storage (None: not
         applicable; θ₀ is then written back where it was merged — a quantized layer, never merged, keeps
-        its last training pass and kept NF4 launch, so eval and no-grad passes reuse the launch too)."""
+        its kept NF4 launch, which full training passes and eval and no-grad passes then reuse)."""
         if getattr(self, "_is_replica", False):  # an nn.DataParallel replica: shares the weight, its state dies with the step
             return None
         if not (self.merge_for_training and self.training and len(active) == 1 and torch.is_grad_enabled()):

@@ -122,8 +122,8 @@ class LaunchPlan:
     skips its per-tensor lookups) and holds them, so they stay allocated: the caller keeps the plan only
     while those tensors are the ones it would pass (same storage, dtype and size; contents may change).
     ``plan(tensor)`` launches and returns True, or returns False without launching when that tensor would
-    select another specialization (its dtype or 16-byte alignment differ), is not on the plan's device
-    or has another number of elements than the planned one, or when Triton's launch would
+    select another specialization (its dtype or 16-byte alignment differ), is not on the plan's device,
+    is not contiguous or has another number of elements than the planned one, or when Triton's launch would
     do more than launch (hooks, debug modes): the caller then launches as usual. It launches on its own
     device (made current for the launch when another one is), on that device's current stream."""
 
@@ -153,7 +153,7 @@ class LaunchPlan:
         ptr = tensor.data_ptr()
         if (
             (ptr % 16 == 0) is not self.aligned or tensor.dtype is not self.dtype or tensor.numel() != self.numel
-            or tensor.get_device() != self.device or not _plain_launch(self.kernel)
+            or not tensor.is_contiguous() or tensor.get_device() != self.device or not _plain_launch(self.kernel)
         ):  # fmt: skip
             return False
         gx, gy, gz = self.grid
