@@ -89,14 +89,21 @@ def ops_table(args) -> None:
     }
     print(f"{torch.cuda.get_device_name()}: host µs per operation (median of 5 rounds of {args.calls})")
     for name, fn in ops.items():
-        times = []
-        for _ in range(6):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(args.calls):
-                fn()
-            times.append((time.perf_counter() - start) / args.calls * 1e6)
-        print(f"  {name:<28} {statistics.median(times[1:]):6.2f}", flush=True)
+        print(f"  {name:<28} {host_us(fn, args.calls):6.2f}", flush=True)
+
+
+def host_us(fn, calls: int) -> float:
+    """Host µs per call of ``fn``: the median of 5 rounds of ``calls`` calls after one warm-up round,
+    the GPU idle at the start of each round."""
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times[1:])
 
 
 def main():
@@ -161,15 +168,7 @@ def main():
             weight = layer.get_base_layer().weight
             for label, fn in (("fused weight", lambda: layer.fused_merged_weight(idx, val, None)),
                               ("bnb dequantize_4bit", lambda: bnb_f.dequantize_4bit(weight.data, weight.quant_state))):  # fmt: skip
-                times = []
-                for _ in range(6):
-                    torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    for _ in range(args.calls):
-                        fn()
-                    times.append((time.perf_counter() - start) / args.calls * 1e6)
-                    torch.cuda.synchronize()
-                print(f"    {label:<22} {statistics.median(times[1:]):6.1f}", flush=True)
+                print(f"    {label:<22} {host_us(fn, args.calls):6.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -254,19 +254,14 @@ def test_kept_nf4_launch_is_not_copied_and_is_dropped_once_it_no_longer_applies(
         assert layer._nf4_rebuild is None
 
 
-def test_kept_nf4_launch_serves_passes_outside_training(quantized_dir):
-    """A 4-bit layer's kept fused launch also serves eval and no-grad passes: their full path writes θ₀
-    back only where a weight is merged, so it no longer drops the kept launch of a layer that never
-    merges. (On CPU, which has no fused launch, a stand-in returns the merged weight the full path
-    builds and counts its calls.)"""
+def _with_stand_in_launch(quantized_dir):
+    """A 4-bit q_proj model and its first layer, whose kept fused launch is a stand-in (CPU has no fused
+    launch): it returns the merged weight the full path builds and records its calls.
+    Returns (model, layer, inputs, stand-in, calls)."""
     model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules=["q_proj"], density=0.1))
     randomize_values(model, scale=0.05)
     layer = sparse_layers(model)[0]
     merged = layer.merged_weight()
-    x = inputs()
-    model.eval()
-    with torch.no_grad():
-        want = model(x).logits
     calls = []
 
     class Kept:
@@ -274,7 +269,17 @@ def test_kept_nf4_launch_serves_passes_outside_training(quantized_dir):
             calls.append(layer_)
             return merged.clone()
 
-    kept = layer._nf4_rebuild = Kept()
+    return model, layer, inputs(), Kept(), calls
+
+
+def test_kept_nf4_launch_serves_passes_outside_training(quantized_dir):
+    """A 4-bit layer's kept fused launch also serves eval and no-grad passes: their full path writes θ₀
+    back only where a weight is merged, so it no longer drops the kept launch of a layer that never
+    merges."""
+    model, layer, x, kept, calls = _with_stand_in_launch(quantized_dir)
+    model.eval()
+    with torch.no_grad():
+        want = model(x).logits
     for mode in ("eval", "train"):
         model.train(mode == "train")
         layer._nf4_rebuild = kept
@@ -350,21 +355,10 @@ def test_kept_nf4_launch_applies_only_to_its_own_operands(quantized_dir):
 def test_full_training_pass_keeps_the_nf4_launch(quantized_dir):
     """A 4-bit layer's full training pass (no steady memo) writes θ₀ back only where a weight is merged:
     it keeps the layer's kept fused launch and uses it, and the pass equals one without it."""
-    model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules=["q_proj"], density=0.1))
-    randomize_values(model, scale=0.05)
-    layer = sparse_layers(model)[0]
-    merged = layer.merged_weight()
-    x = inputs()
+    model, layer, x, kept, calls = _with_stand_in_launch(quantized_dir)
     model.train()
     want = model(x).logits
-    calls = []
-
-    class Kept:
-        def __call__(self, layer_, indices, values, dtype):
-            calls.append(layer_)
-            return merged.clone()
-
-    kept = layer._nf4_rebuild = Kept()
+    layer._nf4_rebuild = kept
     layer._steady = None
     out = model(x).logits
     assert calls == [layer] and layer._nf4_rebuild is kept and torch.equal(out, want)

@@ -547,14 +547,12 @@ class SparseLayer(BaseTunerLayer):
         if compute != operands[6] or (dtype is not None and dtype != compute):
             return None
         packed, code, absmax, nested, blocksize, shape, qdtype = operands
-        if len(indices) == 1 and not indices[0].is_inference():
-            starts = self._nf4_starts(indices[0])
-            merged, plan = kernels.nf4_compose(packed, code, absmax, nested, blocksize, shape, qdtype, indices[0], values[0].detach(), starts, plan=True)
-            if plan is not None:
-                self._nf4_rebuild = _NF4Rebuild(plan, base, indices[0], values[0], merged)
-            return merged
+        single = len(indices) == 1 and not indices[0].is_inference()  # (a launch to keep: see _NF4Rebuild)
         first = (indices[0], values[0].detach(), self._nf4_starts(indices[0])) if indices else (None, None, None)
-        merged = kernels.nf4_compose(packed, code, absmax, nested, blocksize, shape, qdtype, *first)
+        result = kernels.nf4_compose(packed, code, absmax, nested, blocksize, shape, qdtype, *first, plan=single)
+        merged, plan = result if single else (result, None)
+        if plan is not None:
+            self._nf4_rebuild = _NF4Rebuild(plan, base, indices[0], values[0], merged)
         for idx, val in zip(indices[1:], values[1:]):
             kernels.scatter_add_into(merged, idx, val.detach())
         return merged

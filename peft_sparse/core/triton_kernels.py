@@ -156,12 +156,11 @@ class LaunchPlan:
             or not tensor.is_contiguous() or tensor.get_device() != self.device or not _plain_launch(self.kernel)
         ):  # fmt: skip
             return False
-        gx, gy, gz = self.grid
         if torch.cuda.current_device() != self.device:  # (the compiled function belongs to its device's context)
             with torch.cuda.device(self.device):
-                self.run(gx, gy, gz, torch._C._cuda_getCurrentRawStream(self.device), self.function, *self.head, ptr, *self.tail)
-        else:
-            self.run(gx, gy, gz, torch._C._cuda_getCurrentRawStream(self.device), self.function, *self.head, ptr, *self.tail)
+                return self(tensor)
+        gx, gy, gz = self.grid
+        self.run(gx, gy, gz, torch._C._cuda_getCurrentRawStream(self.device), self.function, *self.head, ptr, *self.tail)
         return True
 
 
@@ -1110,30 +1109,12 @@ class MultiScatterSum:
 
 
 @triton.jit
-def _nf4_value(Q, CODE, ABSMAX, ABSMAX_Q, ABSMAX2, CODE2, offset, e, m, BLOCKSIZE: tl.constexpr,
-               BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr):  # fmt: skip
-    """float32 NF4 value of elements ``e``: code[nibble] · absmax[e // BLOCKSIZE] — the high nibble of a
-    byte is the first element; nested (double-quantized) absmax = code2[q] · absmax2[block // BLOCKSIZE2] + offset."""
-    byte = tl.load(Q + e // 2, mask=m, other=0).to(tl.int32)
-    nib = tl.where(e % 2 == 0, byte >> 4, byte & 15)
-    code = tl.load(CODE + nib, mask=m, other=0.0)
-    blk = e // BLOCKSIZE
-    if NESTED:
-        q = tl.load(ABSMAX_Q + blk, mask=m, other=0).to(tl.int32)
-        amax = tl.load(CODE2 + q, mask=m, other=0.0) * tl.load(ABSMAX2 + blk // BLOCKSIZE2, mask=m, other=0.0)
-        amax = amax + offset
-    else:
-        amax = tl.load(ABSMAX + blk, mask=m, other=0.0)
-    return code * amax
-
-
-@triton.jit
 def _nf4_chunk(Q, CODE, ABSMAX, ABSMAX_Q, ABSMAX2, CODE2, offset, e0, numel, CHUNK: tl.constexpr,
                BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr):  # fmt: skip
     """float32 NF4 values of elements [e0, e0 + CHUNK) in order (e0 a multiple of CHUNK, CHUNK and BLOCKSIZE
     powers of two): the chunk's bytes in one contiguous load, both nibbles decoded (the high one is the
-    first element), one absmax per quantization block broadcast over it. Same arithmetic as
-    :func:`_nf4_value`."""
+    first element), code[nibble] · absmax[e // BLOCKSIZE] with one absmax per quantization block broadcast
+    over it; nested (double-quantized) absmax = code2[q] · absmax2[block // BLOCKSIZE2] + offset."""
     HALF: tl.constexpr = CHUNK // 2
     b = e0 // 2 + tl.arange(0, HALF)
     byte = tl.load(Q + b, mask=b < (numel + 1) // 2, other=0).to(tl.int32)
