@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -147,26 +148,36 @@ def profiling_setup(rows: int):
     return args, model, optimizer, hook, ids
 
 
-def train_step(model, optimizer, hook, ids, hook_profiler=None) -> list:
+def train_step(model, optimizer, hook, ids, hook_profiler=None, phase_events=None) -> list:
     """One training step as every variant runs it: forward, backward, optimizer, SpIEL scheduler.
     Returns the host time of each of the four phases, in seconds (no synchronisation);
-    ``hook_profiler`` (a ``cProfile.Profile``) records the scheduler hook alone."""
+    ``hook_profiler`` (a ``cProfile.Profile``) records the scheduler hook alone; ``phase_events``
+    (four CUDA events) are recorded at the end of each phase."""
     t0 = time.perf_counter()
     loss = model(input_ids=ids, labels=ids).loss
     t1 = time.perf_counter()
+    if phase_events:
+        phase_events[0].record()
     loss.backward()
     t2 = time.perf_counter()
+    if phase_events:
+        phase_events[1].record()
     if optimizer is not None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     t3 = time.perf_counter()
+    if phase_events:
+        phase_events[2].record()
     if hook is not None:
         if hook_profiler is not None:
             hook_profiler.enable()
         hook()
         if hook_profiler is not None:
             hook_profiler.disable()
-    return [t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3]
+    t4 = time.perf_counter()
+    if phase_events:
+        phase_events[3].record()
+    return [t1 - t0, t2 - t1, t3 - t2, t4 - t3]
 
 
 def run_one(args) -> dict:
@@ -179,6 +190,10 @@ def run_one(args) -> dict:
     vocab = SIZES[args.size]["vocab_size"]
     batches = [torch.randint(0, vocab, (args.bs, args.seq), device="cuda", generator=g) for _ in range(4)]
     times, gc_times = [], []
+    # per step, when the host finished issuing each phase (forward, backward, optimizer, hook) and when
+    # the GPU finished it, from the step's start: a GPU finishing right after the host waited for it
+    host_done, gpu_done = [], []
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
     gc_clock = {"total": 0.0}
 
     def on_gc(phase, info):  # time spent in Python's garbage collector, per step
@@ -197,12 +212,15 @@ def run_one(args) -> dict:
         ids = batches[step % len(batches)]
         torch.cuda.synchronize()
         gc_clock["total"] = 0.0
+        events[0].record()
         start = time.perf_counter()
-        train_step(model, optimizer, hook, ids)
+        issued = train_step(model, optimizer, hook, ids, phase_events=events[1:])
         torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
             gc_times.append(gc_clock["total"])
+            host_done.append(list(itertools.accumulate(issued)))
+            gpu_done.append([events[0].elapsed_time(e) / 1e3 for e in events[1:]])
     gc.callbacks.remove(on_gc)
     return {
         "variant": args.variant,
@@ -210,6 +228,10 @@ def run_one(args) -> dict:
         "step_s_mean": statistics.fmean(times),
         "step_s_all": times,
         "gc_s_all": gc_times,
+        "phase_ends_ms_median": {
+            phase: [round(statistics.median(d[i] for d in done) * 1e3, 2) for done in (host_done, gpu_done)]
+            for i, phase in enumerate(("forward", "backward", "optimizer", "hook"))
+        },  # phase → [host issued, GPU done]
         "gc_freeze": args.gc_freeze,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
         "gpu": torch.cuda.get_device_name(),

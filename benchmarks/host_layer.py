@@ -92,6 +92,40 @@ def ops_table(args) -> None:
         print(f"  {name:<28} {host_us(fn, args.calls):6.2f}", flush=True)
 
 
+def burst_ops_table(tokens: int, inp: int, out: int, rounds: int = 30, burst: int = 6) -> None:
+    """Host µs of one call of the operations a layer makes at a model's real shapes, where each GEMM
+    keeps the GPU busy longer than the host takes to issue it: every call is timed alone, in bursts of
+    ``burst`` calls after a synchronisation (too few to fill the launch queue), median over all."""
+    import torch.nn.functional as F
+
+    x3 = torch.randn(8, tokens // 8, inp, device="cuda", dtype=torch.bfloat16)
+    x2 = x3.view(-1, inp)
+    w = torch.randn(out, inp, device="cuda", dtype=torch.bfloat16)
+    g2 = torch.randn(tokens, out, device="cuda", dtype=torch.bfloat16)
+    wt = w.t()
+    ops = {
+        "F.linear, 3-D input": lambda: F.linear(x3, w),
+        "F.linear, 2-D input": lambda: F.linear(x2, w),
+        "mm(x, w.t())": lambda: torch.mm(x2, w.t()),
+        "mm(x, wt) (wt kept)": lambda: torch.mm(x2, wt),
+        "matmul, 3-D input": lambda: torch.matmul(x3, wt),
+        "mm (input gradient)": lambda: g2.mm(w),
+        "t().mm (dW)": lambda: g2.t().mm(x2),
+        "torch.empty (weight)": lambda: torch.empty(w.shape, dtype=w.dtype, device=w.device),
+    }
+    print(f"{torch.cuda.get_device_name()}: host µs per call at {tokens}×{inp} → {out} (median of {rounds} bursts of {burst})")
+    for name, fn in ops.items():
+        times = []
+        for r in range(rounds + 1):
+            torch.cuda.synchronize()
+            for _ in range(burst):
+                start = time.perf_counter()
+                fn()
+                if r:
+                    times.append((time.perf_counter() - start) * 1e6)
+        print(f"  {name:<28} {statistics.median(times):6.2f}", flush=True)
+
+
 def host_us(fn, calls: int) -> float:
     """Host µs per call of ``fn``: the median of 5 rounds of ``calls`` calls after one warm-up round,
     the GPU idle at the start of each round."""
@@ -115,7 +149,10 @@ def main():
     parser.add_argument("--cprofile", action="store_true", help="then the host time's top functions per variant (cProfile)")
     parser.add_argument("--pstats", help="with --cprofile: also write each variant's and phase's statistics to <this prefix>-<variant>-<phase>.prof")
     parser.add_argument("--ops", action="store_true", help="first, the host time of single operations a layer call makes")
+    parser.add_argument("--burst-ops", help="TOKENS,IN,OUT: first, host time of single operations at these real shapes, timed call by call")
     args = parser.parse_args()
+    if args.burst_ops:
+        burst_ops_table(*(int(v) for v in args.burst_ops.split(",")))
     if args.ops:
         ops_table(args)
     print(f"{torch.cuda.get_device_name()}: host µs per call (median of 5 rounds of {args.calls}), {args.tokens}×{args.size}")

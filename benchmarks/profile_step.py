@@ -46,10 +46,23 @@ def main():
         train_step(model, optimizer, hook, ids)
 
     phases = {"forward": [], "backward": [], "optimizer": [], "hook": []}
+    gpu_done = {name: [] for name in phases}  # when the GPU finished each phase, from the step's start
+    host_done = {name: [] for name in phases}  # when the host finished issuing it
 
-    def timed_step():  # step() with the host time of each phase (no synchronisation)
-        for name, seconds in zip(phases, train_step(model, optimizer, hook, ids)):
+    def timed_step():  # step() with the host time of each phase (no synchronisation); the events to read after one
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(phases) + 1)]
+        events[0].record()
+        issued = train_step(model, optimizer, hook, ids, phase_events=events[1:])
+        clock = 0.0
+        for name, seconds in zip(phases, issued):
             phases[name].append(seconds)
+            clock += seconds
+            host_done[name].append(clock)
+        return events
+
+    def read_events(events):
+        for name, event in zip(phases, events[1:]):
+            gpu_done[name].append(events[0].elapsed_time(event) / 1e3)
 
     for _ in range(WARMUP):
         step()
@@ -121,10 +134,11 @@ def main():
         torch.cuda.synchronize()
         seen = len(gc_log)
         start = time.perf_counter()
-        timed_step()
+        events = timed_step()
         issues.append(time.perf_counter() - start)
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - start)
+        read_events(events)
         gc_per_step.append(gc_log[seen:])
     gc.callbacks.remove(on_gc)
     stats1 = torch.cuda.memory_stats()
@@ -136,6 +150,9 @@ def main():
     for w, g in zip(walls, gc_per_step):
         print(f"  {w * 1e3:6.1f}  " + " ".join(f"{gen}:{sec * 1e3:.1f}" for gen, sec in g))
     print("host issue time per phase (median ms): " + ", ".join(f"{k} {statistics.median(v) * 1e3:.1f}" for k, v in phases.items()))
+    # the GPU reaching a phase's end shortly after the host issued it: that phase waited for the host
+    print("end of each phase from the step's start, host issued / GPU done (median ms): " + ", ".join(
+        f"{k} {statistics.median(host_done[k]) * 1e3:.1f} / {statistics.median(gpu_done[k]) * 1e3:.1f}" for k in phases))  # fmt: skip
 
     torch.cuda.synchronize()
     profiler = cProfile.Profile()

@@ -308,3 +308,26 @@ def test_input_made_inside_a_checkpoint_region_is_kept():
         grads.append((x.grad.clone(), sparse_layers(model)[0].sparse_values["default"].grad.clone()))
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_direct_autograd_apply_keeps_functorch_behaviour():
+    """The sparse autograd function is applied without torch.autograd.Function.apply's Python wrapper,
+    except while functorch transforms are active — there the wrapper's own error (the function defines no
+    setup_context) is raised, as through Function.apply — and under torch.compile, which gives the same
+    output and value gradients as eager."""
+    w = torch.randn(4, 6)
+    indices, values = torch.tensor([1, 7, 20]), torch.randn(3, requires_grad=True)
+    x = torch.randn(2, 6)
+    y = sparse_delta_linear(x, lambda: w, None, [indices], [values])
+    want = torch.nn.functional.linear(x, (w.reshape(-1).index_add(0, indices, values.detach())).view_as(w))
+    assert torch.equal(y, want)
+    y.sum().backward()
+    assert values.grad is not None
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda v: sparse_delta_linear(x, lambda: w, None, [indices], [v]).sum())(values.detach())
+    compiled_values = values.detach().clone().requires_grad_()
+    compiled = torch.compile(lambda x: sparse_delta_linear(x, lambda: w, None, [indices], [compiled_values]), backend="eager")
+    out = compiled(x)
+    assert torch.equal(out, want)
+    out.sum().backward()
+    assert torch.equal(compiled_values.grad, values.grad)

@@ -272,6 +272,62 @@ def _with_stand_in_launch(quantized_dir):
     return model, layer, inputs(), Kept(), calls
 
 
+def test_steady_training_passes_take_the_kept_launch_and_train_as_full_passes(quantized_dir, monkeypatch):
+    """A steady training pass of a 4-bit layer calls its kept fused launch itself and multiplies by the
+    weight it gives (GivenWeightLinear) — one launch per forward and per backward — and trains exactly as
+    full passes without any kept launch: the same losses, values and input gradients bit for bit. The
+    stand-in launch (CPU has no fused one) builds θ₀ + scatter(η, φ) from the values of each call."""
+    from peft_sparse.core import functional
+    from peft_sparse.core.functional import compose_weight
+
+    runs = []
+    for kept in (True, False):
+        torch.manual_seed(0)
+        model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules=["q_proj", "gate_proj"], density=0.1))
+        randomize_values(model, scale=0.05)
+        layers = sparse_layers(model)
+        calls = []
+
+        class Kept:
+            def __init__(self, layer):
+                self.theta0 = layer.logical_weight().detach().clone()
+
+            def __call__(self, layer_, indices, values, dtype):
+                calls.append(layer_)
+                return compose_weight(self.theta0, [indices], [values.detach()], self.theta0.dtype, owned=False)
+
+        stand_ins = [Kept(layer) for layer in layers]
+        given = []
+        original = functional.GivenWeightLinear.forward
+        monkeypatch.setattr(functional.GivenWeightLinear, "forward", staticmethod(lambda *a: given.append(1) or original(*a)))
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        model.train()
+        embeddings = model.get_input_embeddings()
+        x = inputs()
+        losses, input_grads = [], []
+        for step in range(4):
+            if kept:
+                for layer, stand_in in zip(layers, stand_ins):
+                    layer._nf4_rebuild = stand_in
+            calls.clear(), given.clear()
+            embedded = embeddings(x).detach().requires_grad_()
+            loss = model(inputs_embeds=embedded, labels=x).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+            input_grads.append(embedded.grad)
+            if kept and step > 0:  # steady: the layer's own call in forward, the generic one in backward
+                assert len(given) == len(layers) and sorted(map(id, calls)) == sorted(map(id, layers + layers)), (given, calls)
+            elif not kept:
+                assert given == [] and calls == []
+        runs.append((torch.stack(losses), torch.stack(input_grads), [layer.sparse_values["default"].detach().clone() for layer in layers]))
+        monkeypatch.undo()
+    (losses, grads, values), (full_losses, full_grads, full_values) = runs
+    assert torch.equal(losses, full_losses) and torch.equal(grads, full_grads)
+    assert all(torch.equal(a, b) for a, b in zip(values, full_values))
+
+
 def test_kept_nf4_launch_serves_passes_outside_training(quantized_dir):
     """A 4-bit layer's kept fused launch also serves eval and no-grad passes: their full path writes θ₀
     back only where a weight is merged, so it no longer drops the kept launch of a layer that never

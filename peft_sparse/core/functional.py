@@ -222,6 +222,44 @@ def _new_rebuild(node, x: torch.Tensor) -> Optional[InputRebuild]:
     return InputRebuild(node, inner, saved_name, x.dtype)
 
 
+def _direct_apply(function: type) -> Callable:
+    """``function.apply`` without ``torch.autograd.Function.apply``'s Python wrapper, which on every call
+    builds a closure, inspects ``setup_context`` and unwraps every argument (microseconds of host time per
+    layer call, which bounds a training step whose kernels are short). The first argument X goes through
+    the same unwrapping of a dead functorch wrapper; the others are the layer's own parameters, buffers
+    and non-tensors. While functorch transforms are active, and under ``torch.compile`` (which knows
+    ``Function.apply``), the wrapper's own path."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    unwrap = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
+    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if active is None or unwrap is None or compiling is None:  # pragma: no cover - another torch: the public path
+        return function.apply
+    direct = super(torch.autograd.Function, function).apply  # (what the wrapper calls: the C++ apply)
+    wrapped = function.apply
+
+    def apply(x, *args):
+        if active() or compiling():
+            return wrapped(x, *args)
+        return direct(unwrap(x), *args)
+
+    return apply
+
+
+def _save_for_backward(ctx, x: torch.Tensor, hooks, indices_and_values: tuple, n_adapters: int) -> None:
+    """Save what backward needs: the indices, the values and X — or, when autograd already keeps what X
+    is made of (:class:`InputRebuild`), how to rebuild X; X not at all when no value needs a gradient."""
+    ctx.x_rebuild = None
+    if not any(ctx.needs_input_grad[len(ctx.needs_input_grad) - n_adapters :]):
+        ctx.x_saved = False
+        ctx.save_for_backward(*indices_and_values)
+    elif (rebuild := input_rebuild(x, getattr(hooks, "rebuild_inputs", "all"))) is not None:
+        ctx.x_saved, ctx.x_rebuild = False, rebuild
+        ctx.save_for_backward(*indices_and_values)
+    else:
+        ctx.x_saved = True
+        ctx.save_for_backward(x, *indices_and_values)
+
+
 class SparseDeltaLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, spec, *indices_and_values):
@@ -254,18 +292,7 @@ class SparseDeltaLinear(torch.autograd.Function):
         ctx.spec, ctx.dtype = spec, dtype
         ctx.generation = premerged.generation if premerged is not None else None
         ctx.x_meta = (x.shape, x.dtype)  # (and out_features = y.shape[-1], in_features = x.shape[-1])
-        # X is needed only for the value gradients; when autograd already keeps what X is made of
-        # (InputRebuild), backward rebuilds X from that instead
-        ctx.x_rebuild = None
-        if not any(ctx.needs_input_grad[3 + n_adapters :]):
-            ctx.x_saved = False
-            ctx.save_for_backward(*indices_and_values)
-        elif (rebuild := input_rebuild(x, getattr(hooks, "rebuild_inputs", "all"))) is not None:
-            ctx.x_saved, ctx.x_rebuild = False, rebuild
-            ctx.save_for_backward(*indices_and_values)
-        else:
-            ctx.x_saved = True
-            ctx.save_for_backward(x, *indices_and_values)
+        _save_for_backward(ctx, x, hooks, indices_and_values, n_adapters)
         return y
 
     @staticmethod
@@ -276,8 +303,9 @@ class SparseDeltaLinear(torch.autograd.Function):
         indices, values = rest[:n], rest[n:]
         x_shape, x_dtype = ctx.x_meta
         out_features, in_features = grad_out.shape[-1], x_shape[-1]
-        need_x, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_values = ctx.needs_input_grad[3 + n :]
+        needs = ctx.needs_input_grad  # (x, [merged,] bias, spec, *indices, *values)
+        need_x, need_bias = needs[0], needs[len(needs) - 2 * n - 2]
+        need_values = needs[len(needs) - n :]
         dtype = ctx.dtype
         g2 = grad_out.reshape(-1, out_features)  # (tokens, out)
         if g2.dtype != dtype:
@@ -360,6 +388,33 @@ class SparseDeltaLinear(torch.autograd.Function):
         return (grad_x, grad_bias, None, *([None] * n), *value_grads)
 
 
+class GivenWeightLinear(SparseDeltaLinear):
+    """:class:`SparseDeltaLinear` whose forward pass multiplies by a merged weight the caller built
+    (``merged``: a transient (out, in) W + Σ scatter(η_a, φ_a) in the pass's dtype, used once; e.g. a
+    4-bit layer's kept fused launch, see ``SparseLayer``), without autocast and without ``premerged``.
+    Backward is :class:`SparseDeltaLinear`'s: it rebuilds the merged weight itself."""
+
+    @staticmethod
+    def forward(ctx, x, merged, bias, spec, *indices_and_values):
+        dtype = merged.dtype
+        x_in = x if x.dtype == dtype else x.to(dtype)
+        y = F.linear(x_in, merged, bias if bias is None or bias.dtype == dtype else bias.to(dtype))
+        del merged, x_in
+        ctx.spec, ctx.dtype, ctx.generation = spec, dtype, None
+        ctx.x_meta = (x.shape, x.dtype)
+        _save_for_backward(ctx, x, spec[2], indices_and_values, spec[5])
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_x, *rest = SparseDeltaLinear.backward(ctx, grad_out)
+        return (grad_x, None, *rest)
+
+
+sparse_delta_apply = _direct_apply(SparseDeltaLinear)
+given_weight_apply = _direct_apply(GivenWeightLinear)
+
+
 def sparse_delta_linear(
     x: torch.Tensor,
     weight_fn: Callable[[], torch.Tensor],
@@ -381,7 +436,7 @@ def sparse_delta_linear(
     so neither pass builds a merged copy; backward builds one if the stored weight was written back or
     rewritten since forward (``still_merged`` False for the forward's generation).
     """
-    return SparseDeltaLinear.apply(x, bias, (weight_fn, owned, hooks, blocks, premerged, len(indices)), *indices, *values)
+    return sparse_delta_apply(x, bias, (weight_fn, owned, hooks, blocks, premerged, len(indices)), *indices, *values)
 
 
 def sparse_delta_linear_reference(

@@ -60,7 +60,14 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from . import kernels
-from .functional import SparseDeltaLinear, _compute_dtype, compose_weight, sparse_delta_linear, sparse_delta_linear_reference
+from .functional import (
+    _compute_dtype,
+    compose_weight,
+    given_weight_apply,
+    sparse_delta_apply,
+    sparse_delta_linear,
+    sparse_delta_linear_reference,
+)
 
 
 # id(values Parameter) → (weakref to it, weakref to its layer, adapter name): lets optimizers (SM3)
@@ -884,7 +891,14 @@ class SparseLayer(BaseTunerLayer):
             ):
                 if merge is None:  # a quantized layer: its weight is rebuilt in each pass (nothing merged)
                     spec = (self._stored_weight, True, self, blocks, None, 1)  # (never kept: it holds the layer)
-                    return SparseDeltaLinear.apply(x, base._parameters.get("bias"), spec, indices, values).to(x.dtype)
+                    rebuild = self._nf4_rebuild
+                    if rebuild is not None and not torch.is_autocast_enabled(x.device.type):
+                        # the kept fused launch, called here (its own checks included) rather than from
+                        # inside the autograd function's generic forward
+                        merged = rebuild(self, indices, values, None)
+                        if merged is not None:
+                            return given_weight_apply(x, merged, base._parameters.get("bias"), spec, indices, values).to(x.dtype)
+                    return sparse_delta_apply(x, base._parameters.get("bias"), spec, indices, values).to(x.dtype)
                 if (
                     self.merge_for_training
                     and (not torch.is_autocast_enabled(device := x.device.type) or torch.get_autocast_dtype(device) == weight.dtype)
@@ -893,7 +907,7 @@ class SparseLayer(BaseTunerLayer):
                     and merge.current(values)
                 ):
                     spec = (merge.stored_weight, False, self, blocks, merge, 1)
-                    return SparseDeltaLinear.apply(x, base._parameters.get("bias"), spec, indices, values)
+                    return sparse_delta_apply(x, base._parameters.get("bias"), spec, indices, values)
             self._steady = None  # (assigned only when set: nn.Module.__setattr__ costs host time on every pass)
         if self.disable_adapters:
             self.release_training_merge()
