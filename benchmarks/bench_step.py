@@ -2,6 +2,7 @@
 
     python benchmarks/bench_step.py --variants floor,lora,spiel-ag,spiel-ma      # a batch, table at the end
     python benchmarks/bench_step.py --variant spiel-ag                         # one variant (what the batch runs)
+    python benchmarks/bench_step.py --variants qfloor,qspiel-ma --rounds 3     # interleaved rounds of a batch
 
 Setup (the issue's): Llama architecture with TinyLlama-1.1B shapes (or ``--size llama2-7b``), random
 init, bf16, 8×1024 tokens per step, all 7 linear projection types targeted, trainable budget = LoRA
@@ -283,7 +284,10 @@ def main():
     parser.add_argument("--batch-id", default=None)
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after warm-up (diagnosis of collector pauses)")
     parser.add_argument("--out", default=None, help="JSONL file (default benchmarks/results/<date>-<gpu>.jsonl)")
+    parser.add_argument("--rounds", type=int, default=1, help="run the batch this many times, interleaved (one record per run)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.variant:
         record = run_one(args)
         path = Path(args.out) if args.out else results_path(record["gpu"])
@@ -297,6 +301,32 @@ def main():
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")
     batch_id = args.batch_id or datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
+    records = []
+    for round_ in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {round_ + 1} of {args.rounds}", flush=True)
+        records += run_batch(args, variants, batch_id)
+    if not records:
+        return
+    if args.rounds == 1:
+        print_table(records)
+        return
+    # the host's speed drifts over minutes: compare variants by their median over interleaved rounds
+    by = {}
+    for r in records:
+        by.setdefault(r["variant"], []).append(r)
+    merged = []
+    for v, runs in by.items():
+        print(f"{v:<16} run medians " + " ".join(f"{r['step_s_median'] * 1e3:.1f}" for r in runs) + " ms")
+        merged.append({**runs[0], "step_s_median": statistics.median(r["step_s_median"] for r in runs),
+                       "step_s_mean": statistics.median(r["step_s_mean"] for r in runs),
+                       "peak_mem_gib": max(r["peak_mem_gib"] for r in runs)})  # fmt: skip
+    print(f"(below: the median over {args.rounds} rounds of each run's median and mean; the largest peak memory)")
+    print_table(merged)
+
+
+def run_batch(args, variants: list, batch_id: str) -> list:
+    """Each variant once, in a fresh process; their records."""
     records = []
     for v in variants:
         cmd = [sys.executable, __file__, "--variant", v, "--size", args.size, "--seq", str(args.seq), "--bs", str(args.bs),
@@ -312,8 +342,7 @@ def main():
         record = json.loads(result.stdout.strip().splitlines()[-1])
         records.append(record)
         print(f"{v}: {record['step_s_median']:.3f} s, {record['peak_mem_gib']:.1f} GiB", flush=True)
-    if records:
-        print_table(records)
+    return records
 
 
 if __name__ == "__main__":
