@@ -42,8 +42,9 @@ directly, without the lookups of the full path, before reusing them; any differe
 kind of pass, takes the full path. Quantized (4-bit) layers, which rebuild their weight in every
 pass and never merge, remember their training passes the same way (a backward pass leaves the memo:
 it only needs θ₀ back where a weight is merged), and repeat the fused NF4 launch of their single
-adapter from a kept plan while its operands are the same (:class:`_NF4Rebuild`). When kernels are
-short, the host time of a layer call bounds the training step.
+adapter from a kept plan while its operands are the same (:class:`_NF4Rebuild`); a steady training
+pass launches it itself and multiplies by the weight it gives (``functional.GivenWeightLinear``). When
+kernels are short, the host time of a layer call bounds the training step.
 """
 
 from __future__ import annotations
