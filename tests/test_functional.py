@@ -331,3 +331,62 @@ def test_direct_autograd_apply_keeps_functorch_behaviour():
     assert torch.equal(out, want)
     out.sum().backward()
     assert torch.equal(compiled_values.grad, values.grad)
+
+
+def test_direct_autograd_apply_unwraps_dead_functorch_wrappers():
+    """A tensor that escaped a finished functorch transform (a dead wrapper), passed as the values,
+    keeps its gradient through the direct apply, as through Function.apply."""
+    from peft_sparse.core.functional import SparseDeltaLinear
+
+    w = torch.randn(4, 6)
+    indices = torch.tensor([1, 7, 20])
+    x = torch.randn(2, 6)
+
+    class Hooks:
+        dense_grad_consumer, dense_grad_count, value_grad_method, rebuild_inputs = None, 0, "auto", "all"
+
+    grads = []
+    for through_wrapper in (True, False):
+        base = torch.ones(3, requires_grad=True)
+        leaked = []
+        torch.func.vjp(lambda v: leaked.append(v * 2) or v.sum(), base)
+        assert torch._C._functorch.is_functorch_wrapped_tensor(leaked[0])
+        if through_wrapper:
+            y = SparseDeltaLinear.apply(x, None, (lambda: w, False, Hooks(), None, None, 1), indices, leaked[0])
+        else:
+            y = sparse_delta_linear(x, lambda: w, None, [indices], [leaked[0]], hooks=Hooks())
+        y.sum().backward()
+        grads.append(base.grad)
+    assert grads[1] is not None and torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("adapters", [1, 2])
+def test_given_weight_linear_equals_sparse_delta_linear(adapters):
+    """GivenWeightLinear (the forward multiplies by a merged weight the caller built) gives the outputs and
+    the input, bias and value gradients of SparseDeltaLinear bit for bit: a bias, a bfloat16 weight under
+    a float32 input, one or two adapters."""
+    from peft_sparse.core.functional import GivenWeightLinear, SparseDeltaLinear, compose_weight
+
+    torch.manual_seed(0)
+    w = torch.randn(8, 12, dtype=torch.bfloat16)
+    indices = [random_indices(w.numel(), 10, torch.Generator().manual_seed(a)) for a in range(adapters)]
+
+    class Hooks:
+        dense_grad_consumer, dense_grad_count, value_grad_method, rebuild_inputs = None, 0, "auto", "all"
+
+    results = []
+    for given in (True, False):
+        values = [torch.randn(10, generator=torch.Generator().manual_seed(a), requires_grad=True) for a in range(adapters)]
+        bias = torch.randn(8, generator=torch.Generator().manual_seed(9), requires_grad=True)
+        x = torch.randn(3, 5, 12, generator=torch.Generator().manual_seed(7), requires_grad=True)
+        spec = (lambda: w.clone(), True, Hooks(), None, None, adapters)
+        if given:
+            merged = compose_weight(w, indices, [v.detach() for v in values], w.dtype, owned=False)
+            y = GivenWeightLinear.apply(x, merged, bias, spec, *indices, *values)
+        else:
+            y = SparseDeltaLinear.apply(x, bias, spec, *indices, *values)
+        y.float().pow(2).sum().backward()
+        results.append((y, x.grad, bias.grad, *[v.grad for v in values]))
+    for a, b in zip(*results):
+        assert a is not None and torch.equal(a, b)
+

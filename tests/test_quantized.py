@@ -328,6 +328,45 @@ def test_steady_training_passes_take_the_kept_launch_and_train_as_full_passes(qu
     assert all(torch.equal(a, b) for a, b in zip(values, full_values))
 
 
+def test_steady_pass_frees_the_kept_launch_weight_before_the_output_cast(quantized_dir):
+    """The transient merged weight of a steady 4-bit pass is freed before the output is cast back to
+    X's dtype (as inside the autograd function), so the cast's memory adds to no W-sized tensor."""
+    import weakref
+
+    from torch.overrides import TorchFunctionMode
+
+    from peft_sparse.core.functional import compose_weight
+
+    model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules=["q_proj"], density=0.1))
+    randomize_values(model, scale=0.05)
+    model.train()
+    layer = sparse_layers(model)[0]
+    theta0 = layer.logical_weight().detach().clone()
+    built = []
+
+    class Kept:
+        def __call__(self, layer_, indices, values, dtype):
+            merged = compose_weight(theta0, [indices], [values.detach()], theta0.dtype, owned=False)
+            built.append(weakref.ref(merged))
+            return merged
+
+    x = torch.randn(2, 5, layer.in_features, dtype=torch.float64, requires_grad=True)  # (not the compute dtype)
+    layer(x).sum().backward()  # a full pass: the next one is steady
+    layer._nf4_rebuild = Kept()
+    alive_at_cast = []
+
+    class Probe(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.to and built and args[0].dtype == theta0.dtype:  # (the output's cast, not X's)
+                alive_at_cast.append(built[-1]() is not None)
+            return func(*args, **(kwargs or {}))
+
+    with Probe():
+        y = layer(x)
+    assert len(built) == 1 and y.dtype == torch.float64
+    assert alive_at_cast == [False], alive_at_cast
+
+
 def test_kept_nf4_launch_serves_passes_outside_training(quantized_dir):
     """A 4-bit layer's kept fused launch also serves eval and no-grad passes: their full path writes θ₀
     back only where a weight is merged, so it no longer drops the kept launch of a layer that never

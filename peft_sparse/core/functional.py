@@ -225,10 +225,10 @@ def _new_rebuild(node, x: torch.Tensor) -> Optional[InputRebuild]:
 def _direct_apply(function: type) -> Callable:
     """``function.apply`` without ``torch.autograd.Function.apply``'s Python wrapper, which on every call
     builds a closure, inspects ``setup_context`` and unwraps every argument (microseconds of host time per
-    layer call, which bounds a training step whose kernels are short). The first argument X goes through
-    the same unwrapping of a dead functorch wrapper; the others are the layer's own parameters, buffers
-    and non-tensors. While functorch transforms are active, and under ``torch.compile`` (which knows
-    ``Function.apply``), the wrapper's own path."""
+    layer call, which bounds a training step whose kernels are short). Tensor arguments go through the
+    same unwrapping of a dead functorch wrapper (a tensor that escaped a finished transform). While
+    functorch transforms are active, and under ``torch.compile`` (which knows ``Function.apply``), the
+    wrapper's own path."""
     active = getattr(torch._C, "_are_functorch_transforms_active", None)
     unwrap = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
     compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
@@ -237,10 +237,12 @@ def _direct_apply(function: type) -> Callable:
     direct = super(torch.autograd.Function, function).apply  # (what the wrapper calls: the C++ apply)
     wrapped = function.apply
 
-    def apply(x, *args):
+    tensor = torch.Tensor
+
+    def apply(*args):
         if active() or compiling():
-            return wrapped(x, *args)
-        return direct(unwrap(x), *args)
+            return wrapped(*args)
+        return direct(*[unwrap(a) if isinstance(a, tensor) else a for a in args])
 
     return apply
 

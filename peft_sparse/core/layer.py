@@ -898,7 +898,9 @@ class SparseLayer(BaseTunerLayer):
                         # inside the autograd function's generic forward
                         merged = rebuild(self, indices, values, None)
                         if merged is not None:
-                            return given_weight_apply(x, merged, base._parameters.get("bias"), spec, indices, values).to(x.dtype)
+                            y = given_weight_apply(x, merged, base._parameters.get("bias"), spec, indices, values)
+                            del merged  # (transient: freed before the output's cast, as inside the autograd function)
+                            return y.to(x.dtype)
                     return sparse_delta_apply(x, base._parameters.get("bias"), spec, indices, values).to(x.dtype)
                 if (
                     self.merge_for_training
