@@ -154,31 +154,41 @@ def train_step(model, optimizer, hook, ids, hook_profiler=None, phase_events=Non
     Returns the host time of each of the four phases, in seconds (no synchronisation);
     ``hook_profiler`` (a ``cProfile.Profile``) records the scheduler hook alone; ``phase_events``
     (four CUDA events) are recorded at the end of each phase."""
-    t0 = time.perf_counter()
+    ends = []
+
+    def end_of_phase():
+        ends.append(time.perf_counter())
+        if phase_events:
+            phase_events[len(ends) - 2].record()
+
+    ends.append(time.perf_counter())
     loss = model(input_ids=ids, labels=ids).loss
-    t1 = time.perf_counter()
-    if phase_events:
-        phase_events[0].record()
+    end_of_phase()
     loss.backward()
-    t2 = time.perf_counter()
-    if phase_events:
-        phase_events[1].record()
+    end_of_phase()
     if optimizer is not None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    t3 = time.perf_counter()
-    if phase_events:
-        phase_events[2].record()
+    end_of_phase()
     if hook is not None:
         if hook_profiler is not None:
             hook_profiler.enable()
         hook()
         if hook_profiler is not None:
             hook_profiler.disable()
-    t4 = time.perf_counter()
-    if phase_events:
-        phase_events[3].record()
-    return [t1 - t0, t2 - t1, t3 - t2, t4 - t3]
+    end_of_phase()
+    return [b - a for a, b in zip(ends, ends[1:])]
+
+
+PHASES = ("forward", "backward", "optimizer", "hook")
+
+
+def phase_ends(issued: list, events: list) -> tuple[list, list]:
+    """When the host finished issuing each phase and when the GPU finished it, in seconds from the step's
+    start: ``issued`` is :func:`train_step`'s return, ``events`` a CUDA event recorded at the step's start
+    followed by its ``phase_events`` (read after a synchronisation). A GPU finishing a phase right after
+    the host issued it waited for the host."""
+    return list(itertools.accumulate(issued)), [events[0].elapsed_time(e) / 1e3 for e in events[1:]]
 
 
 def run_one(args) -> dict:
@@ -191,10 +201,8 @@ def run_one(args) -> dict:
     vocab = SIZES[args.size]["vocab_size"]
     batches = [torch.randint(0, vocab, (args.bs, args.seq), device="cuda", generator=g) for _ in range(4)]
     times, gc_times = [], []
-    # per step, when the host finished issuing each phase (forward, backward, optimizer, hook) and when
-    # the GPU finished it, from the step's start: a GPU finishing right after the host waited for it
-    host_done, gpu_done = [], []
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
+    host_done, gpu_done = [], []  # per step: phase_ends
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(len(PHASES) + 1)]
     gc_clock = {"total": 0.0}
 
     def on_gc(phase, info):  # time spent in Python's garbage collector, per step
@@ -220,8 +228,9 @@ def run_one(args) -> dict:
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
             gc_times.append(gc_clock["total"])
-            host_done.append(list(itertools.accumulate(issued)))
-            gpu_done.append([events[0].elapsed_time(e) / 1e3 for e in events[1:]])
+            host, gpu = phase_ends(issued, events)
+            host_done.append(host)
+            gpu_done.append(gpu)
     gc.callbacks.remove(on_gc)
     return {
         "variant": args.variant,
@@ -231,7 +240,7 @@ def run_one(args) -> dict:
         "gc_s_all": gc_times,
         "phase_ends_ms_median": {
             phase: [round(statistics.median(d[i] for d in done) * 1e3, 2) for done in (host_done, gpu_done)]
-            for i, phase in enumerate(("forward", "backward", "optimizer", "hook"))
+            for i, phase in enumerate(PHASES)
         },  # phase → [host issued, GPU done]
         "gc_freeze": args.gc_freeze,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,

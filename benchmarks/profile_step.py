@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import profiling_setup, train_step  # noqa: E402
+from bench_step import PHASES, phase_ends, profiling_setup, train_step  # noqa: E402
 
 WARMUP = 7
 STEADY_STEPS = 6  # steps 13–18, then 2 under cProfile: all before the next window (21) and reselection (25)
@@ -45,24 +45,20 @@ def main():
     def step():
         train_step(model, optimizer, hook, ids)
 
-    phases = {"forward": [], "backward": [], "optimizer": [], "hook": []}
-    gpu_done = {name: [] for name in phases}  # when the GPU finished each phase, from the step's start
-    host_done = {name: [] for name in phases}  # when the host finished issuing it
+    phases = {name: [] for name in PHASES}  # host time of each phase
+    host_done = {name: [] for name in PHASES}  # phase_ends, per phase
+    gpu_done = {name: [] for name in PHASES}
 
-    def timed_step():  # step() with the host time of each phase (no synchronisation); the events to read after one
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(phases) + 1)]
+    def timed_step():  # step() with phase events; returns (host time of each phase, the events to read after a sync)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(PHASES) + 1)]
         events[0].record()
-        issued = train_step(model, optimizer, hook, ids, phase_events=events[1:])
-        clock = 0.0
-        for name, seconds in zip(phases, issued):
-            phases[name].append(seconds)
-            clock += seconds
-            host_done[name].append(clock)
-        return events
+        return train_step(model, optimizer, hook, ids, phase_events=events[1:]), events
 
-    def read_events(events):
-        for name, event in zip(phases, events[1:]):
-            gpu_done[name].append(events[0].elapsed_time(event) / 1e3)
+    def record(issued, events):
+        for name, seconds, host, gpu in zip(PHASES, issued, *phase_ends(issued, events)):
+            phases[name].append(seconds)
+            host_done[name].append(host)
+            gpu_done[name].append(gpu)
 
     for _ in range(WARMUP):
         step()
@@ -134,11 +130,11 @@ def main():
         torch.cuda.synchronize()
         seen = len(gc_log)
         start = time.perf_counter()
-        events = timed_step()
+        issued, events = timed_step()
         issues.append(time.perf_counter() - start)
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - start)
-        read_events(events)
+        record(issued, events)
         gc_per_step.append(gc_log[seen:])
     gc.callbacks.remove(on_gc)
     stats1 = torch.cuda.memory_stats()

@@ -367,6 +367,28 @@ def test_steady_pass_frees_the_kept_launch_weight_before_the_output_cast(quantiz
     assert alive_at_cast == [False], alive_at_cast
 
 
+def test_steady_pass_drops_a_kept_launch_that_does_not_apply(quantized_dir):
+    """A steady 4-bit training pass whose kept launch refuses (returns None) drops it once, without the
+    generic path checking it again, and gives the full path's output."""
+    model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules=["q_proj"], density=0.1))
+    randomize_values(model, scale=0.05)
+    model.train()
+    layer = sparse_layers(model)[0]
+    x = inputs()
+    want = model(x).logits  # a full pass: the next one is steady
+    assert layer._steady is not None
+    calls = []
+
+    class Stale:
+        def __call__(self, *args):
+            calls.append(1)
+            return None
+
+    layer._nf4_rebuild = Stale()
+    assert torch.equal(model(x).logits, want)
+    assert calls == [1] and layer._nf4_rebuild is None
+
+
 def test_kept_nf4_launch_serves_passes_outside_training(quantized_dir):
     """A 4-bit layer's kept fused launch also serves eval and no-grad passes: their full path writes θ₀
     back only where a weight is merged, so it no longer drops the kept launch of a layer that never

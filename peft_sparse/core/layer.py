@@ -901,6 +901,7 @@ class SparseLayer(BaseTunerLayer):
                             y = given_weight_apply(x, merged, base._parameters.get("bias"), spec, indices, values)
                             del merged  # (transient: freed before the output's cast, as inside the autograd function)
                             return y.to(x.dtype)
+                        self._nf4_rebuild = None  # (it did not apply: the generic path plans anew, without checking it again)
                     return sparse_delta_apply(x, base._parameters.get("bias"), spec, indices, values).to(x.dtype)
                 if (
                     self.merge_for_training

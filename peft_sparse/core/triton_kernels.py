@@ -1191,7 +1191,7 @@ def nf4_compose(packed, code, absmax, nested, blocksize, shape, dtype, indices=N
     :func:`scatter_add_into` adds them. ``starts``: :func:`compose_starts` of these indices (kept by the
     caller while they do not change), else each program searches its slice of the indices. ``plan``:
     return (weight, :class:`LaunchPlan` with the output as its slot, or None) — the plan rebuilds the
-    weight from these same operands into a new output (see :class:`NF4Rebuild`)."""
+    weight from these same operands into a new output (kept by a 4-bit layer: ``layer._NF4Rebuild``)."""
     numel = shape[0] * shape[1]
     out = torch.empty(shape, dtype=dtype, device=packed.device)
     if numel == 0:
