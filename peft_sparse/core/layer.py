@@ -82,8 +82,8 @@ def sparse_owner(values: torch.Tensor) -> Optional[tuple["SparseLayer", str]]:
     entry = _VALUES_OWNER.get(id(values))
     if entry is None or entry[0]() is not values:
         return None
-    layer = entry[1]()
-    if layer is None or layer.sparse_values.get(entry[2]) is not values:
+    layer = entry[1]()  # (its container read directly: optimizers ask for every parameter at every step)
+    if layer is None or layer._modules["sparse_values"]._parameters.get(entry[2]) is not values:
         return None
     return layer, entry[2]
 
@@ -195,11 +195,12 @@ class _TrainingMerge:
     move their version counter. ``weight_ptr``: the base weight's storage when θ₀ was read.
     ``generation`` counts the writes (a backward checks that its forward's weight is still the stored one)."""
 
-    __slots__ = ("adapter", "indices", "weight", "weight_ptr", "base", "active", "written", "by_step", "generation")
+    __slots__ = ("adapter", "indices", "weight", "weight_ptr", "flat", "base", "active", "written", "by_step", "generation")
 
     def __init__(self, adapter: str, indices: torch.Tensor, weight: torch.Tensor):
         self.adapter, self.indices, self.weight, self.active = adapter, indices, weight, True
         self.weight_ptr = weight.data_ptr()
+        self.flat = weight.data.view(-1)  # the storage written (valid while stored_in_weight())
         self.base = weight.data.view(-1)[indices]  # θ₀ at η
         self.written: Optional[tuple] = None
         self.by_step = False
@@ -207,12 +208,13 @@ class _TrainingMerge:
 
     # copies (deepcopy, pickling) rebuild the weight with its own storage, which holds what this one held
     def __getstate__(self):
-        return {k: getattr(self, k) for k in self.__slots__ if k != "weight_ptr"}
+        return {k: getattr(self, k) for k in self.__slots__ if k not in ("weight_ptr", "flat")}
 
     def __setstate__(self, state):
         for k, v in state.items():
             setattr(self, k, v)
         self.weight_ptr = self.weight.data_ptr()
+        self.flat = self.weight.data.view(-1)
 
     def check_indices(self) -> None:
         if self.indices.shape != self.base.shape:
@@ -268,7 +270,9 @@ def _refresh_after_step(optimizer, args, kwargs) -> None:
 
     The rewrite then runs while the GPU still works through the step, not in the next forward pass
     (whose host time bounds the step when kernels are short). A forward pass rewrites again whenever
-    the values changed after this, or were not written by such a step (see ``_TrainingMerge.current``)."""
+    the values changed after this, or were not written by such a step (see ``_TrainingMerge.current``).
+    The layers' containers are read directly (``_modules``, ``_parameters``, ``_buffers``): this runs
+    for every layer at every step."""
     if not _MERGED_LAYERS:
         return
     ids = {id(p) for g in getattr(optimizer, "param_groups", None) or [] for p in g["params"]}
@@ -278,20 +282,19 @@ def _refresh_after_step(optimizer, args, kwargs) -> None:
         if merge is None:
             _MERGED_LAYERS.discard(layer)
             continue
-        values = layer.sparse_values[merge.adapter] if merge.adapter in layer.sparse_values else None
+        modules = layer._modules
+        values = modules["sparse_values"]._parameters.get(merge.adapter)
         if values is None or id(values) not in ids:
             continue
-        if merge.indices is not layer.sparse_indices[merge.adapter] or not merge.stored_in_weight():
+        if merge.indices is not modules["sparse_indices"]._buffers.get(merge.adapter) or not merge.stored_in_weight():
             layer.release_training_merge()  # stale: the next training forward sets it up again
             continue
         merge.check_indices()
-        due.append((merge, values.detach()))
+        due.append((merge, values))
     if not due:
         return
     with torch.no_grad():
-        kernels.scatter_sum_many(
-            [m.weight.data.view(-1) for m, _ in due], [m.indices for m, _ in due], [m.base for m, _ in due], [v for _, v in due]
-        )  # fmt: skip
+        kernels.scatter_sum_many([m.flat for m, _ in due], [m.indices for m, _ in due], [m.base for m, _ in due], [v for _, v in due])
     for merge, values in due:
         merge.written_now(values, by_step=True)
 
@@ -339,7 +342,7 @@ def merge_for_training_many(layers: list) -> None:
     if not due:
         return
     with torch.no_grad():
-        kernels.scatter_sum_many([m.weight.data.view(-1) for m, _ in due], [m.indices for m, _ in due], [m.base for m, _ in due], [v for _, v in due])
+        kernels.scatter_sum_many([m.flat for m, _ in due], [m.indices for m, _ in due], [m.base for m, _ in due], [v for _, v in due])
     for merge, values in due:
         merge.written_now(values, by_step=True)
 
@@ -660,7 +663,7 @@ class SparseLayer(BaseTunerLayer):
         bh, bw = self.block_shape.get(adapter_name, (1, 1))
         if bh * bw == 1:
             return None
-        indices = self.sparse_indices[adapter_name]
+        indices = self._modules["sparse_indices"]._buffers[adapter_name]
         cached = self._block_metadata.get(adapter_name)
         if cached is not None and cached[0] == self._indices_key(indices):
             return cached[1]

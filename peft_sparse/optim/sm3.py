@@ -41,6 +41,11 @@ def _fused_kernel():
     return _FUSED[0]
 
 
+def _fused_device(param: torch.Tensor) -> bool:
+    """Whether ``param`` lives where the fused step runs (CUDA, with Triton)."""
+    return param.is_cuda and _fused_kernel() is not None
+
+
 def _block_kernel_takes(block_shape) -> bool:
     """Whether the fused step takes adapters of these blocks one program per block."""
     _fused_kernel()
@@ -76,7 +81,7 @@ class SM3(torch.optim.Optimizer):
         if owner is None:
             return None
         layer, adapter = owner
-        layout = (layer.sparse_indices[adapter], layer.out_features, layer.in_features)
+        layout = (layer._modules["sparse_indices"]._buffers[adapter], layer.out_features, layer.in_features)
         if not blocks:
             return layout
         shape = layer.block_shape.get(adapter, (1, 1))
@@ -125,7 +130,7 @@ class SM3(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        fused = []  # CUDA sparse values: one Triton launch each, after one multi-tensor copy of the accumulators
+        on_fused = []  # CUDA sparse values: one Triton launch each, after one multi-tensor copy of the accumulators
         steps = []
         for group in self.param_groups:
             lr, momentum, eps, wd = group["lr"], group["momentum"], group["eps"], group["weight_decay"]
@@ -135,18 +140,19 @@ class SM3(torch.optim.Optimizer):
                 if param.grad.is_sparse:
                     raise RuntimeError("SM3 does not take torch sparse gradients; sparse values have dense grads")
                 state = self.state[param]
-                layout = self.sparse_layout(param, blocks=param.is_cuda)
+                fused = _fused_device(param)
+                layout = self.sparse_layout(param, blocks=fused)
                 if not state:
                     self._init_state(param, state, layout, momentum)
                 steps.append(state["step"])
-                if layout is not None and param.is_cuda and _fused_kernel() is not None:
-                    fused.append((param, state, layout, group))
+                if layout is not None and fused:
+                    on_fused.append((param, state, layout, group))
                     continue
                 self._torch_step(param, state, layout, lr, momentum, eps, wd)
         if steps:
             torch._foreach_add_(steps, 1)
-        if fused:
-            self._fused_steps(fused)
+        if on_fused:
+            self._fused_steps(on_fused)
         return loss
 
     def _fused_steps(self, items) -> None:
