@@ -162,10 +162,14 @@ def scatter_sum_into(out: torch.Tensor, indices: torch.Tensor, base: torch.Tenso
 _MULTI_SCATTER_PLANS: dict = {}
 
 
-def scatter_sum_many(outs, indices, bases, values) -> None:
+def scatter_sum_many(outs, indices, bases, values) -> Optional[list]:
     """:func:`scatter_sum_into` for each ``(outs[k], indices[k], bases[k], values[k])``; on CUDA one Triton
     launch per group of tensors of the same device and element types, not one per tensor. ``values``
-    None: ``outs[k].view(-1)[indices[k]] = bases[k]`` exactly (bases in the outputs' dtype)."""
+    None: ``outs[k].view(-1)[indices[k]] = bases[k]`` exactly (bases in the outputs' dtype).
+
+    Returns the launches made, ``(plan, first output)`` each — calling ``plan()`` on the output's device
+    repeats its group's writes while no tensor moved (``plan.key``) — when every tensor took one of them;
+    else None."""
     groups: dict = {}
     alone = []  # on the per-tensor path: no multi-tensor kernel for the device, or a group of one
     for k, out in enumerate(outs):
@@ -183,9 +187,10 @@ def scatter_sum_many(outs, indices, bases, values) -> None:
         else:
             scatter_sum_into(outs[k], indices[k], bases[k], values[k])
     if not groups:
-        return
+        return None
     from .triton_kernels import MultiScatterSum
 
+    launches = []
     for key, ks in groups.items():
         vals = [values[k] for k in ks] if values is not None else None
         args = ([outs[k].view(-1) for k in ks], [indices[k] for k in ks], [bases[k] for k in ks], vals)
@@ -194,6 +199,8 @@ def scatter_sum_many(outs, indices, bases, values) -> None:
             if plan is None or plan.key != MultiScatterSum.key_of(*args):
                 plan = _MULTI_SCATTER_PLANS[key] = MultiScatterSum(*args)
             plan()
+        launches.append((plan, args[0][0]))
+    return None if alone else launches
 
 
 def nf4_dequantize_reference(packed, code, absmax, nested, blocksize: int, shape, dtype) -> torch.Tensor:

@@ -18,7 +18,8 @@ not an ``nn.DataParallel`` replica), the layer instead keeps the merged weight i
 own storage: it saves θ₀[η] (d_φ entries) once and writes θ₀[η] + φ at η (d_φ entries, not W)
 whenever φ changed — so forward and backward read W in place and no W-sized copy is made. The write
 happens right after each step of an optimizer that holds φ (one batched launch for all layers, while
-the GPU still works through the step; a hook every ``torch.optim.Optimizer`` runs). A training forward
+the GPU still works through the step; a hook every ``torch.optim.Optimizer`` runs, which repeats an
+optimizer's last rewrites while nothing they depend on changed, ``_SteadyRefresh``). A training forward
 trusts that write only while φ's version counter, data pointer and storage are unchanged since;
 otherwise — φ updated by anything else, e.g. a mixed-precision wrapper copying master weights into
 ``.data`` — it writes θ₀[η] + φ itself. Edits through ``.data`` that keep φ's storage, made between an
@@ -195,7 +196,7 @@ class _TrainingMerge:
     move their version counter. ``weight_ptr``: the base weight's storage when θ₀ was read.
     ``generation`` counts the writes (a backward checks that its forward's weight is still the stored one)."""
 
-    __slots__ = ("adapter", "indices", "weight", "weight_ptr", "flat", "base", "active", "written", "by_step", "generation")
+    __slots__ = ("adapter", "indices", "weight", "weight_ptr", "flat", "base", "active", "written", "by_step", "generation", "__weakref__")
 
     def __init__(self, adapter: str, indices: torch.Tensor, weight: torch.Tensor):
         self.adapter, self.indices, self.weight, self.active = adapter, indices, weight, True
@@ -208,7 +209,7 @@ class _TrainingMerge:
 
     # copies (deepcopy, pickling) rebuild the weight with its own storage, which holds what this one held
     def __getstate__(self):
-        return {k: getattr(self, k) for k in self.__slots__ if k not in ("weight_ptr", "flat")}
+        return {k: getattr(self, k) for k in self.__slots__ if k not in ("weight_ptr", "flat", "__weakref__")}
 
     def __setstate__(self, state):
         for k, v in state.items():
@@ -263,6 +264,10 @@ class _TrainingMerge:
 # layers holding a training merge, refreshed after every optimizer step that updates their values
 _MERGED_LAYERS: "weakref.WeakSet[SparseLayer]" = weakref.WeakSet()
 _STEP_HOOK = None
+# moves on whenever a layer starts or ends a training merge (the set the step hook rewrites changes)
+_MERGE_EPOCH = [0]
+# optimizer → the rewrites its last step hook made (_SteadyRefresh), repeated while they hold
+_STEADY_REFRESH: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _refresh_after_step(optimizer, args, kwargs) -> None:
@@ -271,12 +276,19 @@ def _refresh_after_step(optimizer, args, kwargs) -> None:
     The rewrite then runs while the GPU still works through the step, not in the next forward pass
     (whose host time bounds the step when kernels are short). A forward pass rewrites again whenever
     the values changed after this, or were not written by such a step (see ``_TrainingMerge.current``).
-    The layers' containers are read directly (``_modules``, ``_parameters``, ``_buffers``): this runs
-    for every layer at every step."""
+    The layers' containers are read directly (``_modules``, ``_parameters``, ``_buffers``), and the
+    rewrites of this optimizer's last step are repeated without the lookups while they hold
+    (:class:`_SteadyRefresh`): this runs for every layer at every step."""
     if not _MERGED_LAYERS:
         return
-    ids = {id(p) for g in getattr(optimizer, "param_groups", None) or [] for p in g["params"]}
-    due = []  # (merge, values) this step updated
+    groups = getattr(optimizer, "param_groups", None) or []
+    steady = _STEADY_REFRESH.get(optimizer)
+    if steady is not None:
+        if steady.run(groups):
+            return
+        del _STEADY_REFRESH[optimizer]
+    ids = {id(p) for g in groups for p in g["params"]}
+    due = []  # (layer, merge, values) this step updated
     for layer in list(_MERGED_LAYERS):
         merge = layer._training_merge
         if merge is None:
@@ -290,13 +302,67 @@ def _refresh_after_step(optimizer, args, kwargs) -> None:
             layer.release_training_merge()  # stale: the next training forward sets it up again
             continue
         merge.check_indices()
-        due.append((merge, values))
+        due.append((layer, merge, values))
     if not due:
         return
     with torch.no_grad():
-        kernels.scatter_sum_many([m.flat for m, _ in due], [m.indices for m, _ in due], [m.base for m, _ in due], [v for _, v in due])
-    for merge, values in due:
+        launches = kernels.scatter_sum_many([m.flat for _, m, _ in due], [m.indices for _, m, _ in due], [m.base for _, m, _ in due], [v for _, _, v in due])
+    for _, merge, values in due:
         merge.written_now(values, by_step=True)
+    if launches is not None:
+        try:
+            _STEADY_REFRESH[optimizer] = _SteadyRefresh(groups, due, launches)
+        except TypeError:  # (an optimizer that cannot be weakly referenced: no memo)
+            pass
+
+
+class _SteadyRefresh:
+    """The rewrites of an optimizer's last step hook (all in multi-tensor launches), repeated while they
+    hold: no layer started or ended a training merge since (``_MERGE_EPOCH``), the optimizer has the same
+    parameter lists, and each layer still has the same merge, values and indices (tensor objects and
+    addresses) and θ₀'s storage in its weight. The layers and merges are weakly referenced."""
+
+    __slots__ = ("epoch", "groups", "entries", "weights", "launches")
+
+    def __init__(self, groups: list, due: list, launches: list):
+        self.epoch = _MERGE_EPOCH[0]
+        self.groups = [(g["params"], len(g["params"])) for g in groups]
+        self.entries = [(weakref.ref(layer), weakref.ref(merge), merge.adapter, values, values.data_ptr(), merge.indices.data_ptr())
+                        for layer, merge, values in due]  # fmt: skip
+        self.launches = launches
+
+    def run(self, groups: list) -> bool:
+        if _MERGE_EPOCH[0] != self.epoch or len(groups) != len(self.groups):
+            return False
+        for g, (params, n) in zip(groups, self.groups):
+            if g["params"] is not params or len(params) != n:
+                return False
+        merges = []
+        for layer_ref, merge_ref, adapter, values, values_ptr, indices_ptr in self.entries:
+            layer, merge = layer_ref(), merge_ref()
+            if layer is None or merge is None or layer._training_merge is not merge:
+                return False
+            modules = layer._modules
+            indices = merge.indices
+            if (
+                modules["sparse_values"]._parameters.get(adapter) is not values or modules["sparse_indices"]._buffers.get(adapter) is not indices
+                or merge.weight.data_ptr() != merge.weight_ptr or values.data_ptr() != values_ptr or indices.data_ptr() != indices_ptr
+                or indices.shape != merge.base.shape
+            ):  # fmt: skip
+                return False
+            merges.append(merge)
+        for plan, out in self.launches:
+            with kernels.on_device(out):
+                plan()
+        torch.autograd.graph.increment_version([m.weight for m in merges])
+        for merge, (_, _, _, values, values_ptr, _) in zip(merges, self.entries):
+            merge.generation += 1
+            written = merge.written
+            # (the same address as the storage the last write holds: that very storage)
+            storage = written[2] if written is not None and written[1] == values_ptr else values.untyped_storage()
+            merge.written = (values._version, values_ptr, storage)
+            merge.by_step = True
+        return True
 
 
 def release_training_merges(layers: list) -> list:
@@ -320,6 +386,7 @@ def release_training_merges(layers: list) -> list:
         merge = layer._training_merge
         if merge.stored_in_weight():
             torch.autograd.graph.increment_version(merge.weight)
+        _MERGE_EPOCH[0] += 1
         layer._training_merge = None
         layer._steady = None
         merge.active = False
@@ -754,6 +821,7 @@ class SparseLayer(BaseTunerLayer):
         """Read θ₀ at the adapter's indices and register the layer for the optimizer step's rewrites (the
         caller writes θ₀[η] + φ)."""
         merge = self._training_merge = _TrainingMerge(adapter, self.sparse_indices[adapter], weight)
+        _MERGE_EPOCH[0] += 1
         _MERGED_LAYERS.add(self)
         _register_step_hook()
         return merge

@@ -13,12 +13,18 @@ Memory: out + in floats per matrix (plus d_φ with momentum), against Adam's 2·
 
 On CUDA the sparse step is one fused Triton kernel for all sparse values tensors of a parameter group
 (accumulators updated with atomic max into copies of the previous ones, so the result equals the
-sequential definition); elsewhere it runs as torch operations. Dense parameters (e.g. ``modules_to_save``) get the same SM3-II with one accumulator per row and
+sequential definition); elsewhere it runs as torch operations. When every parameter took that launch,
+the next steps repeat its decisions (launch groups, plans, buffers) after checking that each still
+holds, without looking up every parameter's layer and layout again (``_SteadyStep``). Dense parameters (e.g. ``modules_to_save``) get the same SM3-II with one accumulator per row and
 column (2-D; higher ranks are viewed as (first dim, rest)) or a plain Adagrad accumulator (1-D).
 Weight decay is decoupled (AdamW-style): φ ← φ·(1 − lr·λ).
 """
 
 from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Optional
 
 import torch
 
@@ -71,6 +77,8 @@ class SM3(torch.optim.Optimizer):
         self._scratch: dict = {}
         # launch plans of the multi-tensor step (address tables), per group of element types
         self._plans: dict = {}
+        # the decisions of the last full step, repeated while they hold (see _SteadyStep)
+        self._steady: Optional[_SteadyStep] = None
 
     @staticmethod
     def sparse_layout(param: torch.Tensor, blocks: bool = False):
@@ -108,6 +116,7 @@ class SM3(torch.optim.Optimizer):
                 dtype = torch.float32 if param.dtype in (torch.float16, torch.bfloat16) and value.is_floating_point() else None
                 self.state[param][key] = value.to(device=param.device, dtype=dtype or value.dtype, copy=True)
         self._scratch = {}  # buffers of the previous state's shapes and identities
+        self._steady = None
 
     def _init_state(self, param, state, layout, momentum: float):
         state["step"] = torch.zeros((), dtype=torch.float32)
@@ -130,12 +139,19 @@ class SM3(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        steady = self._steady
+        if steady is not None:
+            if steady.run(self):
+                return loss
+            self._leave_steady()
         on_fused = []  # CUDA sparse values: one Triton launch each, after one multi-tensor copy of the accumulators
         steps = []
+        every_param_fused = True
         for group in self.param_groups:
             lr, momentum, eps, wd = group["lr"], group["momentum"], group["eps"], group["weight_decay"]
             for param in group["params"]:
                 if param.grad is None:
+                    every_param_fused = False
                     continue
                 if param.grad.is_sparse:
                     raise RuntimeError("SM3 does not take torch sparse gradients; sparse values have dense grads")
@@ -148,22 +164,31 @@ class SM3(torch.optim.Optimizer):
                 if layout is not None and fused:
                     on_fused.append((param, state, layout, group))
                     continue
+                every_param_fused = False
                 self._torch_step(param, state, layout, lr, momentum, eps, wd)
         if steps:
             torch._foreach_add_(steps, 1)
         if on_fused:
-            self._fused_steps(on_fused)
+            launches = self._fused_steps(on_fused)
+            if every_param_fused:
+                self._steady = _SteadyStep.after(self, on_fused, launches, steps)
         return loss
 
-    def _fused_steps(self, items) -> None:
+    def _leave_steady(self) -> None:
+        """Forget the steady step, leaving the scratch buffers where the full step expects them."""
+        steady, self._steady = self._steady, None
+        if steady is not None:
+            steady.hand_back_scratch(self._scratch)
+
+    def _fused_steps(self, items) -> list:
         """One multi-tensor Triton launch per group of values with the same hyper-parameters, device
         and element types (usually one for the whole model), after one multi-tensor copy of the
-        accumulators into the buffers the updated ones go to."""
-        MultiSM3 = _fused_kernel()
+        accumulators into the buffers the updated ones go to. Returns the launch groups: (key, positions
+        of their members in ``items``) each."""
         scratch = self._scratch
         accumulators, buffers = [], []
         groups: dict = {}
-        for item in items:
+        for position, item in enumerate(items):
             param, state, (indices, _, _, blocks), group = item
             pair = scratch.get(param)
             acc = (state["row_accumulator"], state["col_accumulator"])
@@ -177,33 +202,48 @@ class SM3(torch.optim.Optimizer):
             key = (param.device, param.dtype, param.grad.dtype, indices.dtype, acc[0].dtype, mom.dtype if mom is not None else None,
                    blocks.block_shape if blocks is not None else None,
                    group["lr"], group["momentum"], group["eps"], group["weight_decay"])  # fmt: skip
-            groups.setdefault(key, []).append((*item, blocks))
+            groups.setdefault(key, []).append(position)
         torch._foreach_copy_(buffers, accumulators)
-        for key, members in groups.items():
-            lists = (
-                [p for p, _, _, _, _ in members], [p.grad for p, _, _, _, _ in members], [lay[0] for _, _, lay, _, _ in members],
-                [lay[2] for _, _, lay, _, _ in members], [s["row_accumulator"] for _, s, _, _, _ in members],
-                [s["col_accumulator"] for _, s, _, _, _ in members], [scratch[p][0] for p, _, _, _, _ in members],
-                [scratch[p][1] for p, _, _, _, _ in members], [s.get("momentum_buffer") for _, s, _, _, _ in members],
-            )  # fmt: skip
-            layouts = [b for *_, b in members] if key[6] is not None else None
-            # plans per launch group (its members, not its lr, which schedules change); each alternates
-            # between two sets of accumulator buffers (and block adapters' plans hold their layouts)
-            plans = self._plans.setdefault(key[:7] + key[8:] + (tuple(id(p) for p in lists[0]),), {})
-            ptrs = MultiSM3.key_of(lists[0], *lists[2:])
-            plan = plans.get(ptrs)
-            with on_device(members[0][0]):
-                if plan is None or not plan.holds(layouts):
-                    while len(plans) >= _PLANS_KEPT:
-                        plans.pop(next(iter(plans)))
-                    plan = plans[ptrs] = MultiSM3(*lists, layouts=layouts)
-                plan(lists[1], *key[7:])
-            for param, state, _, _, _ in members:
+        for key, positions in groups.items():
+            members = [items[k] for k in positions]
+            lists = self._launch_lists(members, [scratch[p] for p, *_ in members])
+            self._launch(key, members[0][0], lists, [p.grad for p, *_ in members], [lay[3] for _, _, lay, _ in members])
+            for param, state, _, _ in members:
                 torch.autograd.graph.increment_version(param)  # written by the kernel: as an in-place op would mark it
                 # the updated copies become the accumulators; the previous ones are next step's scratch
                 row_new, col_new = scratch[param]
                 scratch[param] = (state["row_accumulator"], state["col_accumulator"])
                 state["row_accumulator"], state["col_accumulator"] = row_new, col_new
+        return list(groups.items())
+
+    @staticmethod
+    def _launch_lists(members, new_pairs) -> tuple:
+        """``MultiSM3``'s per-tensor lists but the gradients: values, indices, in_features, the previous
+        (row, col) accumulators, the buffers the updated ones go to, momentum buffers."""
+        return (
+            [p for p, _, _, _ in members], [lay[0] for _, _, lay, _ in members], [lay[2] for _, _, lay, _ in members],
+            [s["row_accumulator"] for _, s, _, _ in members], [s["col_accumulator"] for _, s, _, _ in members],
+            [pair[0] for pair in new_pairs], [pair[1] for pair in new_pairs], [s.get("momentum_buffer") for _, s, _, _ in members],
+        )  # fmt: skip
+
+    def _launch(self, key, first, lists, grads, layouts):
+        """One ``MultiSM3`` launch of a group (``key``: see ``_fused_steps``) from its kept plan; returns the plan."""
+        MultiSM3 = _fused_kernel()
+        values, indices, in_features, *accumulators_and_moms = lists
+        if key[6] is None:
+            layouts = None
+        # plans per launch group (its members, not its lr, which schedules change); each alternates
+        # between two sets of accumulator buffers (and block adapters' plans hold their layouts)
+        plans = self._plans.setdefault(key[:7] + key[8:] + (tuple(id(p) for p in values),), {})
+        ptrs = MultiSM3.key_of(values, indices, in_features, *accumulators_and_moms)
+        plan = plans.get(ptrs)
+        with on_device(first):
+            if plan is None or not plan.holds(layouts):
+                while len(plans) >= _PLANS_KEPT:
+                    plans.pop(next(iter(plans)))
+                plan = plans[ptrs] = MultiSM3(values, grads, indices, in_features, *accumulators_and_moms, layouts=layouts)
+            plan(grads, *key[7:])
+        return plan
 
     @staticmethod
     def _torch_step(param, state, layout, lr, momentum, eps, wd) -> None:
@@ -233,3 +273,112 @@ class SM3(torch.optim.Optimizer):
         if wd:
             param.mul_(1 - lr * wd)
         param.add_(update.to(param.dtype), alpha=-lr)
+
+
+class _SteadyStep:
+    """The decisions of a full :class:`SM3` step in which every parameter was a CUDA sparse values tensor
+    on the fused path, repeated by the next steps while each of them still holds — the host time of
+    an optimizer step bounds a training step when kernels are short, and the full step looks up every
+    parameter's layer, layout and launch group again.
+
+    Before anything is written, :meth:`run` checks for every parameter, in the optimizer's order: the
+    same parameter objects in the same groups (same momentum, eps and weight decay; the members of a
+    launch still sharing one lr), the same state dict with the accumulators the last step left there,
+    its momentum buffer and step counter; a dense gradient of the same dtype; the parameter still its
+    layer's values for the adapter, with the same indices tensor, version counter, address and size
+    (a reselection rewrites the indices in place, moving the version on), and its own address and size.
+    Anything else takes the full step (:meth:`SM3._leave_steady`). The two sets of accumulator buffers
+    alternate, as in the full step, and each set keeps its launch plan. Holds the layers by weak
+    reference only."""
+
+    __slots__ = ("state", "groups", "entries", "params", "states", "steps", "launches", "sets", "copies", "plans", "parity")
+
+    @classmethod
+    def after(cls, opt: SM3, items: list, launches: list, steps: list) -> "_SteadyStep":
+        """The memo of the full step that just ran ``items`` ((param, state, layout, group), every
+        parameter of every group, in order) in ``launches`` (``_fused_steps``' result)."""
+        self = cls()
+        self.state = opt.state
+        self.groups = [(g, g["params"], len(g["params"]), g["momentum"], g["eps"], g["weight_decay"]) for g in opt.param_groups]
+        self.entries = []
+        for param, state, (indices, _, _, _), _ in items:
+            layer, adapter = sparse_owner(param)
+            self.entries.append((param, state, weakref.ref(layer), adapter, indices, indices._version, indices.data_ptr(),
+                                 indices.numel(), param.data_ptr(), param.numel(), param.grad.dtype,
+                                 state.get("momentum_buffer"), state["step"]))  # fmt: skip
+        self.params = [item[0] for item in items]
+        self.states = [item[1] for item in items]
+        self.steps = steps
+        # set 0: the accumulators now in the states (the next step's previous ones); set 1: the scratch buffers
+        self.sets = ([(s["row_accumulator"], s["col_accumulator"]) for s in self.states], [opt._scratch[p] for p in self.params])
+        self.copies = [([b for pair in self.sets[1 - k] for b in pair], [a for pair in self.sets[k] for a in pair]) for k in (0, 1)]
+        self.launches = []
+        for key, positions in launches:
+            members = [items[k] for k in positions]
+            lists = [opt._launch_lists(members, [self.sets[1 - k][j] for j in positions]) for k in (0, 1)]
+            for k in (0, 1):  # (the previous accumulators of set k are not yet in the states for k = 1)
+                lists[k][3][:] = [self.sets[k][j][0] for j in positions]
+                lists[k][4][:] = [self.sets[k][j][1] for j in positions]
+            groups = list({id(m[3]): m[3] for m in members}.values())
+            layouts = [lay[3] for _, _, lay, _ in members] if key[6] is not None else None
+            self.launches.append((key, positions, groups, lists, layouts))
+        self.plans = [[None, None] for _ in self.launches]
+        self.parity = 0
+        return self
+
+    def run(self, opt: SM3) -> bool:
+        """The step, when every decision still holds (True); else nothing is done (False)."""
+        if opt.state is not self.state or len(opt.param_groups) != len(self.groups):
+            return False
+        for group, (g, params, n, momentum, eps, wd) in zip(opt.param_groups, self.groups):
+            if (group is not g or group["params"] is not params or len(params) != n or group["momentum"] != momentum
+                    or group["eps"] != eps or group["weight_decay"] != wd):  # fmt: skip
+                return False
+        old = self.sets[self.parity]
+        state_of = opt.state.get
+        grads = []
+        for p, entry, (row, col) in zip(itertools.chain.from_iterable(g[1] for g in self.groups), self.entries, old):
+            param, state, layer_ref, adapter, indices, version, indices_ptr, indices_numel, ptr, numel, grad_dtype, mom, step = entry
+            grad = p.grad
+            if (
+                p is not param or grad is None or grad.dtype is not grad_dtype or grad.is_sparse or state_of(p) is not state
+                or state["row_accumulator"] is not row or state["col_accumulator"] is not col
+                or state.get("momentum_buffer") is not mom or state["step"] is not step
+            ):  # fmt: skip
+                return False
+            layer = layer_ref()
+            if layer is None:
+                return False
+            modules = layer._modules
+            if (
+                modules["sparse_values"]._parameters.get(adapter) is not p or modules["sparse_indices"]._buffers.get(adapter) is not indices
+                or indices._version != version or indices.data_ptr() != indices_ptr or indices.numel() != indices_numel
+                or p.data_ptr() != ptr or p.numel() != numel
+            ):  # fmt: skip
+                return False
+            grads.append(grad)
+        for _, _, groups, _, _ in self.launches:
+            if len(groups) > 1 and any(g["lr"] != groups[0]["lr"] for g in groups):
+                return False
+        # every decision holds: the full step's work, without its lookups
+        torch._foreach_add_(self.steps, 1)
+        torch._foreach_copy_(*self.copies[self.parity])
+        for (key, positions, groups, lists, layouts), plans in zip(self.launches, self.plans):
+            group_grads = grads if len(positions) == len(grads) else [grads[k] for k in positions]
+            hyper = (groups[0]["lr"], *key[8:])
+            plan = plans[self.parity]
+            if plan is None:
+                plan = plans[self.parity] = opt._launch(key[:7] + hyper, self.params[positions[0]], lists[self.parity], group_grads, layouts)
+            else:
+                with on_device(self.params[positions[0]]):
+                    plan(group_grads, *hyper)
+        torch.autograd.graph.increment_version(self.params)  # written by the kernel: as an in-place op would mark them
+        for state, (row, col) in zip(self.states, self.sets[1 - self.parity]):
+            state["row_accumulator"], state["col_accumulator"] = row, col
+        self.parity = 1 - self.parity
+        return True
+
+    def hand_back_scratch(self, scratch: dict) -> None:
+        """Leave in ``scratch`` the buffers the full step expects there (the set not in the states)."""
+        for param, pair in zip(self.params, self.sets[1 - self.parity]):
+            scratch[param] = pair

@@ -1,0 +1,284 @@
+"""SM3's steady step and the merge rewrites' steady hook: the decisions of the last full step repeated
+without their lookups, and every change that must take the full step again taking it.
+
+Both live on the GPU paths (the fused multi-tensor SM3 launch, the multi-tensor merge write). Here they
+run on CPU in Triton's interpreter, the GPU paths selected by hand; on a GPU (marked gpu) compiled.
+"""
+
+import pytest
+import torch
+from peft import get_peft_model
+
+from peft_sparse import SM3, SpIELConfig, SpIELScheduler
+from peft_sparse.core import kernels
+from peft_sparse.core import layer as layer_module
+from peft_sparse.core.selection import BlockGrid
+from peft_sparse.optim import sm3
+
+from .models import inputs, randomize_values, sparse_layers, tiny_llama
+
+pytest.importorskip("triton", reason="Triton is not installed: no fused paths")
+
+
+@pytest.fixture
+def fused_paths(monkeypatch):
+    """The fused SM3 step and the multi-tensor merge write for the tensors' device (on CPU: Triton's
+    interpreter). Returns the devices to build models on."""
+    from .test_triton_kernels import _let_the_interpreter_index_scalars
+
+    if torch.cuda.is_available():
+        return "cuda"
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 before starting Python to run the Triton kernels on CPU")
+    _let_the_interpreter_index_scalars()
+    from peft_sparse.core import triton_kernels
+
+    monkeypatch.setattr(sm3, "_fused_device", lambda param: sm3._fused_kernel() is not None)
+    monkeypatch.setitem(kernels.SCATTER_SUM_KERNELS, "cpu", triton_kernels.scatter_sum_into)
+    return "cpu"
+
+
+def _count_calls(monkeypatch, owner, name, log: list, tag):
+    original = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        result = original(*args, **kwargs)
+        log.append((tag, result))
+        return result
+
+    monkeypatch.setattr(owner, name, counted)
+
+
+@pytest.mark.parametrize("block_shape", [(1, 1), (16, 16)])
+def test_sm3_steady_steps_equal_the_torch_step_and_see_every_change(fused_paths, monkeypatch, block_shape):
+    """Eight SM3 steps (momentum, weight decay, two groups) through the fused launch, against its torch
+    step: the same values, momenta and accumulators. Between steps: the first group's lr halves (the two
+    groups, one launch at first, split), the state is reloaded, the first layer's indices change in
+    place (as a reselection changes them), the weight decay changes, a gradient is missing, a values
+    tensor moves to new storage. Each takes the full step once; every other step is a steady one."""
+    device = fused_paths
+    runs = []
+    for fused in (True, False):
+        full_steps = []
+        if fused:
+            _count_calls(monkeypatch, sm3.SM3, "_fused_steps", full_steps, "full")
+        else:
+            monkeypatch.setattr(sm3, "_fused_kernel", lambda: None)
+        torch.manual_seed(0)
+        config = SpIELConfig(target_modules=["q_proj", "k_proj", "gate_proj", "down_proj"], density=0.25, growth="ma",
+                             block_shape=block_shape, reselection_steps=50)  # fmt: skip
+        model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128), config).to(device)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in named if "mlp" in n]}, {"params": [p for n, p in named if "mlp" not in n]}]
+        opt = SM3(groups, lr=0.02, momentum=0.5, weight_decay=0.1)
+        x = inputs().to(device)
+        full_at = []
+        for step in range(10):
+            model(x, labels=x).loss.backward()
+            if step == 6:
+                named[1][1].grad = None
+            before = len(full_steps)
+            opt.step()
+            full_at.append(len(full_steps) > before)
+            opt.zero_grad()
+            if step >= 1:
+                opt.param_groups[0]["lr"] *= 0.5
+            if step == 2:
+                opt.load_state_dict(opt.state_dict())
+            if step == 3:  # other indices for the first layer, in place
+                layer = sparse_layers(model)[0]
+                indices = layer.sparse_indices["default"]
+                layer.release_training_merge()
+                bh, bw = block_shape
+                grid = BlockGrid(layer.out_features, layer.in_features, block_shape)
+                units = grid.n_units if hasattr(grid, "n_units") else (layer.out_features // bh) * (layer.in_features // bw)
+                chosen = torch.randperm(units, generator=torch.Generator().manual_seed(5))[: indices.numel() // (bh * bw)].sort().values
+                with torch.no_grad():
+                    indices.copy_(grid.expand(chosen.to(device)).to(indices.dtype))
+            if step == 4:
+                opt.param_groups[1]["weight_decay"] = 0.2
+            if step == 7:  # a values tensor on new storage (same object)
+                named[2][1].data = named[2][1].data.clone()
+        states = [opt.state[p] for _, p in named]
+        runs.append(([p.detach().clone() for _, p in named], states, full_at))
+    (v_fused, s_fused, full_at), (v_torch, s_torch, _) = runs
+    for a, b in zip(v_fused, v_torch):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(s_fused, s_torch):
+        for key in ("row_accumulator", "col_accumulator", "momentum_buffer"):
+            torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+        assert a["step"].item() == b["step"].item()
+    assert [s["step"].item() for s in s_fused].count(9) == 1  # (the one without a gradient at step 6)
+    # full at: the first step; after the lr split (step 1 → 2); after the reload (3), the indices (4),
+    # the weight decay (5); with the missing gradient (6) and the step after it (no memo from 6); the move (8)
+    assert full_at == [True, False, True, True, True, True, True, True, True, False]
+
+
+def test_sm3_steady_step_keeps_no_layer_alive(fused_paths):
+    """The steady step refers to layers weakly: a model deleted while its optimizer lives is freed
+    (its base weights with it); the next step takes the full path."""
+    import gc
+    import weakref
+
+    device = fused_paths
+    config = SpIELConfig(target_modules=["q_proj", "down_proj"], density=0.25, growth="ma")
+    model = get_peft_model(tiny_llama(), config).to(device)
+    x = inputs().to(device)
+    opt = SM3([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    model(x, labels=x).loss.backward()
+    opt.step()
+    assert opt._steady is not None
+    weight = weakref.ref(sparse_layers(model)[0].get_base_layer().weight)
+    del model
+    gc.collect()
+    assert weight() is None
+
+
+def _train_merged(device, steps, events, merge=True, built=None):
+    """SpIEL-AG (AdamW) with reselections, merged in place or not; ``events[step](model, opt)`` runs
+    after that step; ``built`` (a list) receives the model when built. Returns (losses, values,
+    indices, model, opt)."""
+    torch.manual_seed(0)
+    config = SpIELConfig(target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], density=0.2, growth="ag",
+                         reselection_steps=4, gradient_estimation_steps=2)  # fmt: skip
+    model = get_peft_model(tiny_llama(), config).to(device)
+    if built is not None:
+        built.append(model)
+    randomize_values(model, scale=0.1)
+    for layer in sparse_layers(model):
+        layer.merge_for_training = merge
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    scheduler = SpIELScheduler(model, opt, total_steps=steps)
+    x = inputs().to(device)
+    model.train()
+    losses = []
+    for step in range(steps):
+        loss = model(x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+        losses.append(loss.item())
+        if step in events:
+            events[step](model, opt)
+    values = [layer.sparse_values["default"].detach().clone() for layer in sparse_layers(model)]
+    indices = [layer.sparse_indices["default"].clone() for layer in sparse_layers(model)]
+    return losses, values, indices, model, opt
+
+
+def test_steady_merge_rewrites_train_bit_for_bit_and_see_every_change(fused_paths, monkeypatch):
+    """The step hook's repeated rewrites (one kept launch, no lookups) train bit for bit like the
+    transient copies, through reselections (indices rewritten in place), an eval/train switch (merges
+    released and set up again), values moved to new storage, a layer leaving the in-place merge, a
+    disabled adapter, a layer merging again, a base weight on new storage (and a step before the next
+    forward pass) and a layer's values replaced by another Parameter (which the optimizer does not
+    hold: the hook leaves that layer alone). Right after each steady rewrite every merged layer's weight holds θ₀ + φ, known
+    to be current (the next forward writes nothing), one generation on and its version counter moved."""
+    device = fused_paths
+    built, ran = [], []
+    original_run = layer_module._SteadyRefresh.run
+
+    def probed_run(self, groups):
+        held = {id(p) for g in groups for p in g["params"]}
+        layers = [layer for layer in sparse_layers(built[0])
+                  if layer._training_merge is not None and id(layer.sparse_values["default"]) in held]  # fmt: skip
+        before = [(layer._training_merge.generation, layer.get_base_layer().weight._version) for layer in layers]
+        others = [layer for layer in sparse_layers(built[0]) if layer not in layers]  # (layers compare by identity)
+        untouched = [(layer.get_base_layer().weight.detach().clone(), layer._training_merge and layer._training_merge.generation)
+                     for layer in others]  # fmt: skip
+        result = original_run(self, groups)
+        ran.append(result)
+        for layer, (weight, generation) in zip(others, untouched):  # not the hook's to write
+            assert torch.equal(layer.get_base_layer().weight, weight)
+            assert (layer._training_merge and layer._training_merge.generation) == generation
+        if result:
+            for layer, (generation, version) in zip(layers, before):
+                merge, values, weight = layer._training_merge, layer.sparse_values["default"], layer.get_base_layer().weight
+                assert merge.current(values)
+                assert merge.generation == generation + 1 and weight._version > version
+                got = weight.detach().view(-1)[layer.sparse_indices["default"].long()]
+                assert torch.equal(got, (merge.base + values.detach()).to(got.dtype))
+        return result
+
+    monkeypatch.setattr(layer_module._SteadyRefresh, "run", probed_run)
+
+    def move_values(model, opt):
+        values = sparse_layers(model)[1].sparse_values["default"]
+        values.data = values.data.clone()
+
+    def leave_merge(model, opt):
+        sparse_layers(model)[2].merge_for_training = False
+
+    def switch(model, opt):
+        model.eval()
+        model.train()
+
+    def disable_once(model, opt):
+        with model.disable_adapter():
+            model(inputs().to(device))
+
+    def new_weight_storage(model, opt):  # θ₀ in new storage (the merged one holds θ₀ + φ at η)
+        layer = sparse_layers(model)[0]
+        weight = layer.get_base_layer().weight
+        theta0 = weight.detach().clone()
+        if layer._training_merge is not None:
+            theta0.view(-1)[layer.sparse_indices["default"].long()] = layer._training_merge.base
+        weight.data = theta0
+        opt.step()  # (no gradients: the values stay) a step hook before any forward pass saw the new storage
+
+    def merge_again(model, opt):
+        sparse_layers(model)[2].merge_for_training = True
+
+    def new_values_parameter(model, opt):  # e.g. an assign-load: the optimizer keeps the old one
+        layer = sparse_layers(model)[3]
+        layer.sparse_values["default"] = torch.nn.Parameter(layer.sparse_values["default"].detach().clone())
+
+    events = {2: move_values, 5: switch, 7: new_weight_storage, 9: leave_merge, 11: disable_once, 12: merge_again,
+              15: new_values_parameter}  # fmt: skip
+    merged = _train_merged(device, 19, events, built=built)
+    transient = _train_merged(device, 19, events, merge=False)
+    assert merged[0] == transient[0]
+    for a, b in zip(merged[1], transient[1]):
+        assert torch.equal(a, b)
+    for a, b in zip(merged[2], transient[2]):
+        assert torch.equal(a, b)
+    assert ran.count(True) >= 5 and ran.count(False) >= 3  # steady rewrites ran, and changes were seen
+
+
+def test_steady_merge_rewrite_before_a_pending_backward(fused_paths, monkeypatch):
+    """An optimizer step between a forward and its backward (no gradients yet: the values stay), its
+    rewrite a steady one: the backward notices the rewrite and builds W + scatter(η, φ) itself, the
+    gradients as with transient copies."""
+    import copy
+
+    device = fused_paths
+    _, _, _, model, opt = _train_merged(device, 3, {})
+    reference = copy.deepcopy(model)
+    for layer in sparse_layers(reference):
+        layer.merge_for_training = False
+    ran = []
+    _count_calls(monkeypatch, layer_module._SteadyRefresh, "run", ran, "steady")
+    x = inputs(seed=3).to(device)
+    loss = model(x, labels=x).loss
+    opt.step()
+    assert ran == [("steady", True)]
+    loss.backward()
+    ref_loss = reference(x, labels=x).loss
+    ref_loss.backward()
+    assert torch.equal(loss, ref_loss)
+    for a, b in zip(sparse_layers(model), sparse_layers(reference)):
+        assert torch.equal(a.sparse_values["default"].grad, b.sparse_values["default"].grad)
+
+
+def test_steady_merge_rewrites_keep_no_layer_alive(fused_paths):
+    import gc
+    import weakref
+
+    _, _, _, model, opt = _train_merged(fused_paths, 3, {})
+    assert layer_module._STEADY_REFRESH.get(opt) is not None
+    weight = weakref.ref(sparse_layers(model)[0].get_base_layer().weight)
+    del model
+    gc.collect()
+    assert weight() is None
