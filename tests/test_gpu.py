@@ -539,3 +539,55 @@ def test_direct_launch_picks_the_kernel_of_each_specialization(monkeypatch):
             assert torch.equal(tk.scaled_product(scale, full, per_row, torch.bfloat16), want), (n_rows, h, offset, call)
             if call == 2:
                 assert len(runs) == before, (n_rows, h, offset)  # the kept kernel, launched directly
+
+
+@pytest.mark.parametrize("tokens, product", [(300, False), (8192, False), (2048, True)])
+def test_block_value_gradient_repeats_its_kept_launch_bit_for_bit(tokens, product):
+    """kernels.block_value_gradient keeps each call shape's launch on the layout and repeats it with new
+    tensors: the same bits as block_sddmm_into into a new tensor, with one token slice or several
+    (summed), X formed in the kernel or not; a non-contiguous input and another token count take the
+    usual launch (another shape keeps its own)."""
+    from peft_sparse.core import triton_kernels as tk
+    from peft_sparse.core.selection import BlockGrid
+
+    g = torch.Generator().manual_seed(tokens)
+    out_f, in_f, shape = 256, 512, (32, 32)
+    grid = BlockGrid(out_f, in_f, shape)
+    blocks = torch.randperm(grid.numel, generator=g)[: grid.numel // 10].sort().values
+    layout = kernels.BlockLayout.of_blocks(blocks.cuda(), out_f, in_f, shape)
+    n = blocks.numel() * 32 * 32
+    launched = []
+    original = tk.LaunchPlan.__call__
+
+    def counted(self, *tensors):
+        done = original(self, *tensors)
+        launched.append(done)
+        return done
+
+    for step in range(-2, 3):  # (two usual launches first: Triton's own launch serves the first two)
+        go = torch.randn(tokens, out_f, generator=g).cuda().to(torch.bfloat16)
+        x = torch.randn(tokens, in_f, generator=g).cuda().to(torch.bfloat16)
+        factor = torch.randn(tokens, in_f, generator=g).cuda().to(torch.bfloat16) if product else None
+        want = tk.block_sddmm_into(go, x, layout, torch.empty(n, device="cuda"), x_factor=factor)
+        if step < 0:
+            continue
+        tk.LaunchPlan.__call__ = counted
+        try:
+            got = kernels.block_value_gradient(go, x, layout, x_factor=factor)
+        finally:
+            tk.LaunchPlan.__call__ = original
+        assert torch.equal(got, want)
+        assert launched == ([True] * step)  # the first call plans, the next ones repeat
+    assert len(layout.launches) == 1
+    (plan, splits), = layout.launches.values()
+    assert (splits > 1) == (tokens == 8192)
+    wide = torch.randn(tokens, 2 * in_f, generator=g).cuda().to(torch.bfloat16)[:, :in_f]  # not contiguous
+    go = torch.randn(tokens, out_f, generator=g).cuda().to(torch.bfloat16)
+    factor = torch.randn(tokens, in_f, generator=g).cuda().to(torch.bfloat16) if product else None
+    assert torch.equal(kernels.block_value_gradient(go, wide, layout, x_factor=factor),
+                       tk.block_sddmm_into(go, wide, layout, torch.empty(n, device="cuda"), x_factor=factor))  # fmt: skip
+    fewer = go[: tokens // 2]
+    half = (factor[: tokens // 2] if product else None)
+    assert torch.equal(kernels.block_value_gradient(fewer, x[: tokens // 2], layout, x_factor=half),
+                       tk.block_sddmm_into(fewer, x[: tokens // 2], layout, torch.empty(n, device="cuda"), x_factor=half))  # fmt: skip
+    assert len(layout.launches) == 2

@@ -859,10 +859,28 @@ def test_launch_plan_repeats_a_direct_launch_with_one_tensor_replaced(tk, monkey
         tk.launch(kernel, (4,), src, out, 7, BLOCK=32)
     plan = tk.launch_plan(kernel, (4,), "OUT", src, out, 7, BLOCK=32)
     assert plan is not None and not plan(torch.zeros(8)) and kernel.compiled.run.launches == []
+    # several slots: each tensor in its place, each checked
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)
+    kernel = Kernel(0)
+    src, out = torch.zeros(8), torch.zeros(8)
+    for _ in range(2):
+        tk.launch(kernel, (4,), src, out, 7, BLOCK=32)
+    plan = tk.launch_plan(kernel, (4,), ("SRC", "OUT"), src, out, 7, BLOCK=32)
+    assert plan is not None and plan.tensors == ()
+    new_src, new_out = torch.zeros(8), torch.zeros(8)
+    assert plan(new_src, new_out)
+    assert kernel.compiled.run.launches[-1][-4:] == (new_src.data_ptr(), new_out.data_ptr(), 7, 32)
+    count = len(kernel.compiled.run.launches)
+    assert not plan(new_src)  # one tensor for two slots
+    assert not plan(new_src, torch.zeros(8, dtype=torch.float64))  # the second one of another dtype
+    assert not plan(torch.zeros(9)[1:], new_out)  # the first one misaligned
+    assert len(kernel.compiled.run.launches) == count
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     # a slot that is not a tensor, or no slot: no plan
     kernel = Kernel(0)
     src, out = torch.zeros(8), torch.zeros(8)
     for _ in range(2):
         tk.launch(kernel, (4,), src, out, 7, BLOCK=32)
     assert tk.launch_plan(kernel, (4,), "n", src, out, 7, BLOCK=32) is None
+    assert tk.launch_plan(kernel, (4,), ("OUT", "n"), src, out, 7, BLOCK=32) is None
     assert tk.launch(kernel, (4,), src, out, 7, BLOCK=32) is None

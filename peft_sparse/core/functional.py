@@ -380,8 +380,7 @@ class SparseDeltaLinear(torch.autograd.Function):
                     if not need_values[a]:
                         continue
                     if blocks[a] is not None:  # straight into the values' order
-                        grad = torch.empty(values[a].numel(), dtype=kernels.accumulation_dtype(g2.dtype), device=g2.device)
-                        kernels.block_sddmm_into(g2, x2, blocks[a], grad, x_factor=x2_factor)
+                        grad = kernels.block_value_gradient(g2, x2, blocks[a], x_factor=x2_factor)
                     else:
                         grad = kernels.value_gradient(g2, x2, indices[a], out_features, in_features, method)
                     value_grads[a] = grad if grad.dtype == values[a].dtype else grad.to(values[a].dtype)

@@ -25,6 +25,8 @@ SDDMM_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 BLOCK_SDDMM_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 # device type → callable(grad_out2d, x2d, layout, out, accumulate) -> out (see block_sddmm_into)
 BLOCK_SDDMM_INTO_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
+# device type → callable(grad_out2d, x2d, layout, x_factor) -> new tensor (see block_value_gradient)
+BLOCK_VALUE_GRADIENT_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 # device type → callable(out, indices, values, source) -> out (see scatter_add_into)
 SCATTER_ADD_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 # device type → callable(out, indices, base, values) -> out (see scatter_sum_into)
@@ -55,6 +57,7 @@ def _load_gpu_kernels() -> None:
     SDDMM_KERNELS.setdefault("cuda", triton_kernels.sddmm)
     BLOCK_SDDMM_KERNELS.setdefault("cuda", triton_kernels.block_sddmm)
     BLOCK_SDDMM_INTO_KERNELS.setdefault("cuda", triton_kernels.block_sddmm_into)
+    BLOCK_VALUE_GRADIENT_KERNELS.setdefault("cuda", triton_kernels.block_value_gradient)
     SCATTER_ADD_KERNELS.setdefault("cuda", triton_kernels.scatter_add_into)
     SCATTER_SUM_KERNELS.setdefault("cuda", triton_kernels.scatter_sum_into)
     SCALED_PRODUCT_KERNELS.setdefault("cuda", triton_kernels.scaled_product)
@@ -362,13 +365,15 @@ class BlockLayout:
     ``units`` holds the ascending block numbers (row-major on the block grid, int64) when the layout
     was made from them, else None (:meth:`block_numbers` computes them)."""
 
-    __slots__ = ("rows", "cols", "base", "stride", "block_shape", "out_features", "in_features", "plans", "units", "__weakref__")
+    __slots__ = ("rows", "cols", "base", "stride", "block_shape", "out_features", "in_features", "plans", "launches", "units",
+                 "__weakref__")  # fmt: skip
 
     def __init__(self, rows, cols, base, stride, block_shape, out_features: int, in_features: int, units=None):
         self.rows, self.cols, self.base, self.stride = rows, cols, base, stride
         self.block_shape = tuple(block_shape)
         self.out_features, self.in_features = out_features, in_features
         self.plans: dict = {}
+        self.launches: dict = {}  # kept kernel launches of this layout's value gradient, per call shape
         self.units = units
 
     def block_numbers(self) -> torch.Tensor:
@@ -407,12 +412,12 @@ class BlockLayout:
         return (self.base[:, None, None] + i[None, :, None] * self.stride.long()[:, None, None] + j[None, None, :]).reshape(-1)
 
     def __getstate__(self):
-        return {k: getattr(self, k) for k in self.__slots__ if k not in ("plans", "__weakref__")}
+        return {k: getattr(self, k) for k in self.__slots__ if k not in ("plans", "launches", "__weakref__")}
 
     def __setstate__(self, state):
         for k, v in state.items():
             setattr(self, k, v)
-        self.plans = {}
+        self.plans, self.launches = {}, {}
 
 
 def _place_tiles(out: torch.Tensor, layout: BlockLayout, tiles: torch.Tensor, accumulate: bool) -> torch.Tensor:
@@ -447,6 +452,22 @@ def block_sddmm_into(grad_out2d, x2d, layout: BlockLayout, out: torch.Tensor, ac
     if x_factor is not None:
         x2d = x2d * x_factor
     return _place_tiles(out, layout, block_sddmm(grad_out2d, x2d, layout.rows, layout.cols, bh, bw), accumulate)
+
+
+def block_value_gradient(grad_out2d, x2d, layout: BlockLayout, x_factor: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The value gradient of a block adapter in a new tensor, in the values' order (float32; float64 for
+    float64 inputs): :func:`block_sddmm_into` into it. On CUDA, where the Triton block kernel applies,
+    each call shape's launch is kept on the layout and repeated (``triton_kernels.block_value_gradient``)."""
+    if grad_out2d.device.type == "cuda":
+        _load_gpu_kernels()
+    kernel = BLOCK_VALUE_GRADIENT_KERNELS.get(grad_out2d.device.type)
+    bh, bw = layout.block_shape
+    dtype = accumulation_dtype(grad_out2d.dtype)
+    if kernel is not None and dtype == torch.float32 and _power_of_two_blocks((bh, bw)) and min(bh, bw) >= 16:
+        with on_device(grad_out2d):
+            return kernel(grad_out2d, x2d, layout, x_factor)
+    out = torch.empty(layout.rows.numel() * bh * bw, dtype=dtype, device=grad_out2d.device)
+    return block_sddmm_into(grad_out2d, x2d, layout, out, x_factor=x_factor)
 
 
 def top_magnitudes_reference(dense: torch.Tensor, k: int, index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

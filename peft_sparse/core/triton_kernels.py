@@ -74,10 +74,10 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     _launch(kernel, grid, args, kwargs, None)
 
 
-def launch_plan(kernel, grid: tuple, slot: str, *args, **kwargs) -> Optional["LaunchPlan"]:
+def launch_plan(kernel, grid: tuple, slot, *args, **kwargs) -> Optional["LaunchPlan"]:
     """:func:`launch`, and when it went straight to a kept compiled kernel, a :class:`LaunchPlan` that
-    repeats this launch with only the tensor argument named ``slot`` replaced (None when Triton's launch
-    served, e.g. at the first calls of a specialization)."""
+    repeats this launch with only the tensor argument named ``slot`` (or the tensor arguments of a tuple
+    of names) replaced (None when Triton's launch served, e.g. at the first calls of a specialization)."""
     return _launch(kernel, grid, args, kwargs, slot)
 
 
@@ -110,57 +110,67 @@ def _launch(kernel, grid: tuple, args: tuple, kwargs: dict, slot: Optional[str])
         return None
     grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     compiled.run(*grid3, torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata, None, None, None, *params.values())
-    if slot is None or not isinstance(params.get(slot), torch.Tensor):
+    if slot is None:
         return None
-    return LaunchPlan(kernel, device, grid3, compiled, params, slot)
+    slots = (slot,) if isinstance(slot, str) else tuple(slot)
+    if not all(isinstance(params.get(name), torch.Tensor) for name in slots):
+        return None
+    return LaunchPlan(kernel, device, grid3, compiled, params, slots)
 
 
 class LaunchPlan:
     """One direct launch (see :func:`launch`) to repeat: the same compiled kernel, grid and arguments
-    except one tensor (``slot``, e.g. an output allocated anew for each launch). The plan passes the
-    other tensors to Triton's launcher as the addresses they had when it was made (the launcher then
-    skips its per-tensor lookups) and holds them, so they stay allocated: the caller keeps the plan only
-    while those tensors are the ones it would pass (same storage, dtype and size; contents may change).
-    ``plan(tensor)`` launches and returns True, or returns False without launching when that tensor would
-    select another specialization (its dtype or 16-byte alignment differ), is not on the plan's device,
-    is not contiguous or has another number of elements than the planned one, or when Triton's launch would
-    do more than launch (hooks, debug modes): the caller then launches as usual. It launches on its own
+    except some tensors (``slots``, e.g. an output allocated anew for each launch, or inputs that change
+    at every call). The plan passes the other tensors to Triton's launcher as the addresses they had
+    when it was made (the launcher then skips its per-tensor lookups) and holds them, so they stay
+    allocated: the caller keeps the plan only while those tensors are the ones it would pass (same
+    storage, dtype and size; contents may change). ``plan(*tensors)`` (one per slot, in order) launches
+    and returns True, or returns False without launching when a tensor would select another
+    specialization (its dtype or 16-byte alignment differ), is not on the plan's device, is not
+    contiguous or has another number of elements than the planned one, or when Triton's launch would do
+    more than launch (hooks, debug modes): the caller then launches as usual. It launches on its own
     device (made current for the launch when another one is), on that device's current stream."""
 
-    __slots__ = ("kernel", "device", "grid", "function", "run", "head", "tail", "aligned", "dtype", "numel", "tensors")
+    __slots__ = ("kernel", "device", "grid", "function", "run", "prefix", "values", "at", "aligned", "dtypes", "numels", "tensors")
 
-    def __init__(self, kernel, device: int, grid: tuple, compiled, params: dict, slot: str):
+    def __init__(self, kernel, device: int, grid: tuple, compiled, params: dict, slots: tuple):
         names = list(params)
-        at = names.index(slot)
-        out = params[slot]
+        self.at = tuple(names.index(name) for name in slots)
+        outs = [params[name] for name in slots]
         self.kernel, self.device, self.grid, self.function = kernel, device, grid, compiled.function
-        self.aligned, self.dtype, self.numel = out.data_ptr() % 16 == 0, out.dtype, out.numel()
-        self.tensors = tuple(v for n, v in params.items() if n != slot and isinstance(v, torch.Tensor))
-        values = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in params.values()]
+        self.aligned = tuple(t.data_ptr() % 16 == 0 for t in outs)
+        self.dtypes = tuple(t.dtype for t in outs)
+        self.numels = tuple(t.numel() for t in outs)
+        self.tensors = tuple(v for n, v in params.items() if n not in slots and isinstance(v, torch.Tensor))
+        self.values = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in params.values()]
         launcher = compiled.run
         if (
             getattr(launcher, "global_scratch_size", None) == 0 and getattr(launcher, "profile_scratch_size", None) == 0
             and all(hasattr(launcher, a) for a in ("launch", "launch_cooperative_grid", "launch_pdl"))
         ):  # the launcher object only forwards to its compiled launch (no scratch memory to allocate)
             self.run = launcher.launch
-            prefix = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, compiled.packed_metadata, None, None, None)
+            self.prefix = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, compiled.packed_metadata, None, None, None)
         else:
             self.run = launcher
-            prefix = (compiled.packed_metadata, None, None, None)
-        self.head, self.tail = (*prefix, *values[:at]), tuple(values[at + 1 :])
+            self.prefix = (compiled.packed_metadata, None, None, None)
 
-    def __call__(self, tensor: torch.Tensor) -> bool:
-        ptr = tensor.data_ptr()
-        if (
-            (ptr % 16 == 0) is not self.aligned or tensor.dtype is not self.dtype or tensor.numel() != self.numel
-            or not tensor.is_contiguous() or tensor.get_device() != self.device or not _plain_launch(self.kernel)
-        ):  # fmt: skip
+    def __call__(self, *tensors: torch.Tensor) -> bool:
+        if len(tensors) != len(self.at) or not _plain_launch(self.kernel):
             return False
+        values = self.values.copy()
+        for tensor, at, aligned, dtype, numel in zip(tensors, self.at, self.aligned, self.dtypes, self.numels):
+            ptr = tensor.data_ptr()
+            if (
+                (ptr % 16 == 0) is not aligned or tensor.dtype is not dtype or tensor.numel() != numel
+                or not tensor.is_contiguous() or tensor.get_device() != self.device
+            ):  # fmt: skip
+                return False
+            values[at] = ptr
         if torch.cuda.current_device() != self.device:  # (the compiled function belongs to its device's context)
             with torch.cuda.device(self.device):
-                return self(tensor)
+                return self(*tensors)
         gx, gy, gz = self.grid
-        self.run(gx, gy, gz, torch._C._cuda_getCurrentRawStream(self.device), self.function, *self.head, ptr, *self.tail)
+        self.run(gx, gy, gz, torch._C._cuda_getCurrentRawStream(self.device), self.function, *self.prefix, *values)
         return True
 
 
@@ -494,13 +504,14 @@ def dot_precision(dtype: torch.dtype) -> str:
 def block_sddmm_into(
     grad_out2d: torch.Tensor, x2d: torch.Tensor, layout, out: torch.Tensor, accumulate: bool = False,
     group: Optional[int] = None, target_programs: Optional[int] = None, x_factor: Optional[torch.Tensor] = None,
+    keep: Optional[list] = None,
 ) -> torch.Tensor:  # fmt: skip
     """The block-sparse dW of ``layout``'s blocks written (or, ``accumulate``, added) into the float32
     ``out`` in ascending element order — the values' order — without an intermediate tile tensor:
     element (i, j) of block b lands at ``layout.base[b] + i·layout.stride[b] + j``. ``group`` (default:
     4 blocks of up to 32×32, fewer for larger blocks, so a program's tile stays within 128 rows or
     columns) caps the blocks per program. ``x_factor`` (X's shape and dtype): X is ``x2d ⊙ x_factor``,
-    formed tile by tile in the kernel with torch's rounding."""
+    formed tile by tile in the kernel with torch's rounding. ``keep``: see :func:`launch_grouped`."""
     bh, bw = layout.block_shape
     if bh < 16 or bw < 16:
         raise ValueError(f"block_sddmm_into supports blocks of at least 16×16, got {(bh, bw)}")
@@ -523,24 +534,56 @@ def block_sddmm_into(
     block_t = 64 if max(bh, bw) <= 64 else 32
     target = target_programs or (_target_programs(g.device) if g.is_cuda else 1)
     plan = block_group_plan(layout, group, 1 if x_factor is None else 2)
-    return launch_grouped(g, x, layout.block_shape, plan, out, accumulate, block_t, target, x_factor=x_factor)
+    return launch_grouped(g, x, layout.block_shape, plan, out, accumulate, block_t, target, x_factor=x_factor, keep=keep)
+
+
+def block_value_gradient(grad_out2d: torch.Tensor, x2d: torch.Tensor, layout, x_factor: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`block_sddmm_into` of ``layout``'s blocks into a new float32 tensor: a block adapter's value
+    gradient, in the values' order. The launch made for a call shape (tokens, element types, ``tl.dot``
+    precision, X formed in the kernel or not) is kept on the layout (``layout.launches``, a
+    :class:`LaunchPlan` and its token slices) and repeated for the next calls of that shape with their
+    tensors — a training step's backward makes one such call per layer, and the repeat skips the
+    choice of group plan and token slices and Triton's argument binding. The same kernel, grid and
+    settings, so the same bits."""
+    bh, bw = layout.block_shape
+    n = layout.rows.numel() * bh * bw
+    g, x = grad_out2d.contiguous(), x2d.contiguous()
+    x2 = x if x_factor is None else x_factor.contiguous()
+    key = (g.shape[0], g.dtype, x.dtype, x2.dtype, x_factor is not None, dot_precision(g.dtype))
+    kept = layout.launches.get(key)
+    if kept is not None and (x_factor is None or x_factor.shape == x.shape):
+        plan, splits = kept
+        dest = torch.empty((splits, n) if splits > 1 else n, dtype=torch.float32, device=g.device)
+        if plan(g, x, x2, dest):
+            return dest.sum(0) if splits > 1 else dest
+        del layout.launches[key]  # (it does not apply: launched as usual, and kept anew if it can be)
+    out = torch.empty(n, dtype=torch.float32, device=g.device)
+    made = [] if g.dtype == x.dtype == x2.dtype else None  # (no conversion in between: the plan's tensors are these)
+    block_sddmm_into(g, x, layout, out, x_factor=x_factor, keep=made)
+    if made and made[0][0] is not None:
+        layout.launches[key] = made[0]
+    return out
 
 
 def launch_grouped(g, x, block_shape, plan: BlockGroups, out, accumulate: bool, block_t: int, target: int,
-                   num_warps: int = 4, num_stages: int = 2, x_factor: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
+                   num_warps: int = 4, num_stages: int = 2, x_factor: Optional[torch.Tensor] = None,
+                   keep: Optional[list] = None) -> torch.Tensor:  # fmt: skip
     """One launch of the grouped block kernel with explicit settings (``target`` 0: no token slices);
     :func:`block_sddmm_into` picks them, ``benchmarks/tune_block.py`` sweeps them. ``x_factor``: X is
-    ``x ⊙ x_factor`` (same strides)."""
+    ``x ⊙ x_factor`` (same strides). ``keep`` (a list): receives (a :class:`LaunchPlan` repeating the
+    launch with new G, X, X2 and output tensors, or None; the number of token slices)."""
     bh, bw = block_shape
     tokens = g.shape[0]
     splits, per = token_splits(plan.size, tokens, block_t, target) if target else (1, tokens)
     dest = out if splits == 1 else torch.empty(splits, out.numel(), dtype=torch.float32, device=out.device)
-    launch(_grouped_block_sddmm_kernel, (plan.size, splits),
+    made = launch_plan(_grouped_block_sddmm_kernel, (plan.size, splits), ("G", "X", "X2", "OUT") if keep is not None else None,
         g, x, x if x_factor is None else x_factor, plan.line, plan.other, plan.base, plan.stride, dest, tokens, per,
         out.numel(), g.stride(0), x.stride(0),
         SHARE_ROWS=plan.share_rows, BH=bh, BW=bw, GROUP=plan.group, BLOCK_T=block_t, ACCUMULATE=accumulate and splits == 1,
         PRODUCT=x_factor is not None, PRECISION=dot_precision(g.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    if keep is not None:
+        keep.append((made, splits))
     if splits > 1:
         if accumulate:
             out += dest.sum(0)
