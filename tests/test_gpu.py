@@ -580,7 +580,7 @@ def test_block_value_gradient_repeats_its_kept_launch_bit_for_bit(tokens, produc
         assert launched == ([True] * step)  # the first call plans, the next ones repeat
     assert len(layout.launches) == 1
     (plan, splits), = layout.launches.values()
-    assert (splits > 1) == (tokens == 8192)
+    assert (splits > 1) == (tokens > 300)  # (300 tokens: too few to slice)
     wide = torch.randn(tokens, 2 * in_f, generator=g).cuda().to(torch.bfloat16)[:, :in_f]  # not contiguous
     go = torch.randn(tokens, out_f, generator=g).cuda().to(torch.bfloat16)
     factor = torch.randn(tokens, in_f, generator=g).cuda().to(torch.bfloat16) if product else None
