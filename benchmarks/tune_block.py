@@ -43,7 +43,12 @@ def main():
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--density", type=float, default=0.052)
     parser.add_argument("--block", type=int, default=32)
+    parser.add_argument("--wide", action="store_true",
+                        help="instead: the shipped orientation rule with groups 4 and 8, BLOCK_T 64 and 128, 2–4 stages, 4 and 8 "
+                             "warps, and half, the default and twice the default token-slice target")  # fmt: skip
     args = parser.parse_args()
+    if args.wide:
+        return wide(args)
     gen = torch.Generator(device="cuda").manual_seed(0)
     bh = bw = args.block
     default_target = triton_kernels._target_programs(torch.device("cuda"))
@@ -106,6 +111,50 @@ def main():
         *(sum(per_layer[n] * t[i] for n, t in total.items()) for i in range(3))))  # fmt: skip
     for c, ms in sorted(layer.items(), key=lambda kv: kv[1])[:8]:
         print(f"    {ms:.4f}  {c}")
+
+
+def wide(args):
+    """The wider sweep of launch settings (shipped orientation rule): per shape the four fastest, then the
+    time per layer of each setting used for every shape."""
+    from triton.testing import do_bench
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bh = bw = args.block
+    default_target = triton_kernels._target_programs(torch.device("cuda"))
+    print(f"{torch.cuda.get_device_name()}, tokens={args.tokens}, density={args.density}, block {bh}×{bw}, default target "
+          f"{default_target}; ms (median); settings (group, BLOCK_T, stages, warps, target × default)")  # fmt: skip
+    per_layer = {"q/o (h,h)": 2, "k/v (kv,h)": 2, "gate/up (i,h)": 2, "down (h,i)": 1}
+    total: dict = {}
+    shipped_total = 0.0
+    for name, (out_f, in_f) in shapes("tinyllama").items():
+        go = torch.randn(args.tokens, out_f, device="cuda", dtype=torch.bfloat16, generator=gen)
+        x = torch.randn(args.tokens, in_f, device="cuda", dtype=torch.bfloat16, generator=gen)
+        grid = BlockGrid(out_f, in_f, (bh, bw))
+        nb = max(1, int(args.density * grid.numel))
+        blocks = torch.randperm(grid.numel, device="cuda", generator=gen)[:nb].sort().values
+        layout = kernels.BlockLayout.of_blocks(blocks, out_f, in_f, (bh, bw))
+        want = go.float().t().mm(x.float()).view(-1)[grid.expand(blocks)]
+        out = torch.empty(want.numel(), device="cuda")
+        shipped = do_bench(lambda: triton_kernels.block_sddmm_into(go, x, layout, out), warmup=5, rep=30, return_mode="median")
+        shipped_total += per_layer[name] * shipped
+        results = []
+        for setting in itertools.product((4, 8), (64, 128), (2, 3, 4), (4, 8), (0.5, 1, 2)):
+            group, block_t, stages, warps, factor = setting
+            plan = triton_kernels.block_group_plan(layout, group)
+            target = int(default_target * factor)
+            run = lambda: triton_kernels.launch_grouped(go, x, (bh, bw), plan, out, False, block_t, target, warps, stages)  # noqa: E731
+            try:
+                torch.testing.assert_close(run(), want, rtol=2e-2, atol=2e-1)
+                ms = do_bench(run, warmup=5, rep=30, return_mode="median")
+            except Exception:  # (e.g. more shared memory than the GPU has)
+                ms = float("inf")
+            results.append((ms, setting))
+            total[setting] = total.get(setting, 0.0) + per_layer[name] * ms
+        results.sort()
+        print(f"{name:<14} blocks {nb:5d}  as shipped {shipped:.4f}  fastest: " + "  ".join(f"{ms:.4f} {c}" for ms, c in results[:4]))
+    print(f"ms per layer (q, k, v, o, gate, up, down): as shipped {shipped_total:.4f}; one setting for every shape:")
+    for setting, ms in sorted(total.items(), key=lambda kv: kv[1])[:10]:
+        print(f"    {ms:.4f}  {setting}")
 
 
 if __name__ == "__main__":
