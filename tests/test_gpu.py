@@ -545,8 +545,8 @@ def test_direct_launch_picks_the_kernel_of_each_specialization(monkeypatch):
 def test_block_value_gradient_repeats_its_kept_launch_bit_for_bit(tokens, product):
     """kernels.block_value_gradient keeps each call shape's launch on the layout and repeats it with new
     tensors: the same bits as block_sddmm_into into a new tensor, with one token slice or several
-    (summed), X formed in the kernel or not; a non-contiguous input and another token count take the
-    usual launch (another shape keeps its own)."""
+    (summed), X formed in the kernel or not; a non-contiguous input (made contiguous first) gives the
+    same bits; another token count keeps a launch of its own, and a layout keeps at most four."""
     from peft_sparse.core import triton_kernels as tk
     from peft_sparse.core.selection import BlockGrid
 
@@ -591,3 +591,8 @@ def test_block_value_gradient_repeats_its_kept_launch_bit_for_bit(tokens, produc
     assert torch.equal(kernels.block_value_gradient(fewer, x[: tokens // 2], layout, x_factor=half),
                        tk.block_sddmm_into(fewer, x[: tokens // 2], layout, torch.empty(n, device="cuda"), x_factor=half))  # fmt: skip
     assert len(layout.launches) == 2
+    for cut in (3, 4, 5, 6, 7):  # more call shapes than a layout keeps: the oldest go
+        tokens_now = tokens // cut
+        got = kernels.block_value_gradient(go[:tokens_now], x[:tokens_now], layout, x_factor=factor[:tokens_now] if product else None)
+        assert got.shape == (n,)
+    assert len(layout.launches) <= 4

@@ -5,6 +5,8 @@ Both live on the GPU paths (the fused multi-tensor SM3 launch, the multi-tensor 
 run on CPU in Triton's interpreter, the GPU paths selected by hand; on a GPU (marked gpu) compiled.
 """
 
+import gc
+
 import pytest
 import torch
 from peft import get_peft_model
@@ -53,11 +55,13 @@ def _count_calls(monkeypatch, owner, name, log: list, tag):
 
 @pytest.mark.parametrize("block_shape", [(1, 1), (16, 16)])
 def test_sm3_steady_steps_equal_the_torch_step_and_see_every_change(fused_paths, monkeypatch, block_shape):
-    """Eight SM3 steps (momentum, weight decay, two groups) through the fused launch, against its torch
-    step: the same values, momenta and accumulators. Between steps: the first group's lr halves (the two
-    groups, one launch at first, split), the state is reloaded, the first layer's indices change in
-    place (as a reselection changes them), the weight decay changes, a gradient is missing, a values
-    tensor moves to new storage. Each takes the full step once; every other step is a steady one."""
+    """Fourteen SM3 steps (momentum, weight decay, two groups) through the fused launch, against its torch
+    step: the same values, momenta and accumulators. Steady steps run back to back (both sets of
+    accumulator buffers, and an odd number of them before a change hands the scratch buffers back).
+    Between steps: the first group's lr halves (the two groups, one launch at first, split), then both
+    lrs halve (read at each steady step), the first layer's indices change in place (as a reselection
+    changes them), the state is reloaded, the weight decay changes, a gradient is missing, a values
+    tensor moves to new storage. Each forces the full step; every other step is a steady one."""
     device = fused_paths
     runs = []
     for fused in (True, False):
@@ -74,32 +78,39 @@ def test_sm3_steady_steps_equal_the_torch_step_and_see_every_change(fused_paths,
         groups = [{"params": [p for n, p in named if "mlp" in n]}, {"params": [p for n, p in named if "mlp" not in n]}]
         opt = SM3(groups, lr=0.02, momentum=0.5, weight_decay=0.1)
         x = inputs().to(device)
-        full_at = []
-        for step in range(10):
+        full_at, kept = [], set()
+        for step in range(14):
             model(x, labels=x).loss.backward()
-            if step == 6:
+            if step == 10:
                 named[1][1].grad = None
             before = len(full_steps)
             opt.step()
             full_at.append(len(full_steps) > before)
+            if fused and step == 7:  # the full step after three steady ones used the buffers they handed back
+                assert all(id(opt.state[p][k]) in kept for _, p in named for k in ("row_accumulator", "col_accumulator"))
             opt.zero_grad()
-            if step >= 1:
-                opt.param_groups[0]["lr"] *= 0.5
+            if fused and step == 6:
+                kept = {id(t) for buffers in opt._steady.sets for pair in buffers for t in pair}
             if step == 2:
-                opt.load_state_dict(opt.state_dict())
-            if step == 3:  # other indices for the first layer, in place
+                opt.param_groups[0]["lr"] *= 0.5
+            if step == 3:
+                for group in opt.param_groups:
+                    group["lr"] *= 0.5
+            if step == 6:  # other indices for the first layer, in place
                 layer = sparse_layers(model)[0]
                 indices = layer.sparse_indices["default"]
                 layer.release_training_merge()
                 bh, bw = block_shape
                 grid = BlockGrid(layer.out_features, layer.in_features, block_shape)
-                units = grid.n_units if hasattr(grid, "n_units") else (layer.out_features // bh) * (layer.in_features // bw)
+                units = (layer.out_features // bh) * (layer.in_features // bw)
                 chosen = torch.randperm(units, generator=torch.Generator().manual_seed(5))[: indices.numel() // (bh * bw)].sort().values
                 with torch.no_grad():
                     indices.copy_(grid.expand(chosen.to(device)).to(indices.dtype))
-            if step == 4:
+            if step == 7:
+                opt.load_state_dict(opt.state_dict())
+            if step == 8:
                 opt.param_groups[1]["weight_decay"] = 0.2
-            if step == 7:  # a values tensor on new storage (same object)
+            if step == 11:  # a values tensor on new storage (same object)
                 named[2][1].data = named[2][1].data.clone()
         states = [opt.state[p] for _, p in named]
         runs.append(([p.detach().clone() for _, p in named], states, full_at))
@@ -110,15 +121,33 @@ def test_sm3_steady_steps_equal_the_torch_step_and_see_every_change(fused_paths,
         for key in ("row_accumulator", "col_accumulator", "momentum_buffer"):
             torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
         assert a["step"].item() == b["step"].item()
-    assert [s["step"].item() for s in s_fused].count(9) == 1  # (the one without a gradient at step 6)
-    # full at: the first step; after the lr split (step 1 → 2); after the reload (3), the indices (4),
-    # the weight decay (5); with the missing gradient (6) and the step after it (no memo from 6); the move (8)
-    assert full_at == [True, False, True, True, True, True, True, True, True, False]
+    assert [s["step"].item() for s in s_fused].count(13) == 1  # (the one without a gradient at step 10)
+    # full at: the first step; after the lr split (2 → 3); after three steady steps, the indices (6 → 7);
+    # the reload (8); the weight decay (9); with the missing gradient (10) and the step after it (no memo
+    # from 10); the move (12)
+    assert full_at == [True, False, False, True, False, False, False, True, True, True, True, True, True, False]
+
+
+def test_a_copied_sm3_steps_like_the_original(fused_paths):
+    """copy.deepcopy of an SM3 optimizer (which carries defaults, state and groups only) steps: its own
+    scratch buffers, plans and steady step start empty."""
+    import copy
+
+    device = fused_paths
+    config = SpIELConfig(target_modules=["q_proj", "down_proj"], density=0.25, growth="ma", reselection_steps=50)
+    model = get_peft_model(tiny_llama(), config).to(device)
+    x = inputs().to(device)
+    opt = SM3([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    model(x, labels=x).loss.backward()
+    opt.step()
+    twin = copy.deepcopy(opt)
+    assert twin._steady is None and twin._scratch == {} and twin._plans == {}
+    twin.step()  # (its own parameters: copies, with their gradients)
 
 
 def test_sm3_steady_step_keeps_no_layer_alive(fused_paths):
     """The steady step refers to layers weakly: a model deleted while its optimizer lives is freed
-    (its base weights with it); the next step takes the full path."""
+    (its base weights with it)."""
     import gc
     import weakref
 
@@ -173,8 +202,8 @@ def test_steady_merge_rewrites_train_bit_for_bit_and_see_every_change(fused_path
     transient copies, through reselections (indices rewritten in place), an eval/train switch (merges
     released and set up again), values moved to new storage, a layer leaving the in-place merge, a
     disabled adapter, a layer merging again, a base weight on new storage (and a step before the next
-    forward pass) and a layer's values replaced by another Parameter (which the optimizer does not
-    hold: the hook leaves that layer alone). Right after each steady rewrite every merged layer's weight holds θ₀ + φ, known
+    forward pass), a layer's values replaced by another Parameter (which the optimizer does not
+    hold: the hook leaves that layer alone) and an optimizer group's member replaced in place for a step. Right after each steady rewrite every merged layer's weight holds θ₀ + φ, known
     to be current (the next forward writes nothing), one generation on and its version counter moved."""
     device = fused_paths
     built, ran = [], []
@@ -235,8 +264,15 @@ def test_steady_merge_rewrites_train_bit_for_bit_and_see_every_change(fused_path
         layer = sparse_layers(model)[3]
         layer.sparse_values["default"] = torch.nn.Parameter(layer.sparse_values["default"].detach().clone())
 
+    def drop_from_optimizer(model, opt):  # a group's member replaced in place: that layer's values are not held
+        params = opt.param_groups[0]["params"]
+        held = params[0]
+        params[0] = torch.nn.Parameter(torch.zeros(1))
+        opt.step()  # (no gradients: nothing changes but the rewrites of the step hook)
+        params[0] = held  # (the scheduler's reselections need every values tensor in the optimizer)
+
     events = {2: move_values, 5: switch, 7: new_weight_storage, 9: leave_merge, 11: disable_once, 12: merge_again,
-              15: new_values_parameter}  # fmt: skip
+              15: new_values_parameter, 16: drop_from_optimizer}  # fmt: skip
     merged = _train_merged(device, 19, events, built=built)
     transient = _train_merged(device, 19, events, merge=False)
     assert merged[0] == transient[0]
@@ -277,8 +313,30 @@ def test_steady_merge_rewrites_keep_no_layer_alive(fused_paths):
     import weakref
 
     _, _, _, model, opt = _train_merged(fused_paths, 3, {})
-    assert layer_module._STEADY_REFRESH.get(opt) is not None
+    steady = layer_module._STEADY_REFRESH.get(opt)
+    assert steady is not None
     weight = weakref.ref(sparse_layers(model)[0].get_base_layer().weight)
+    storages = {layer.get_base_layer().weight.untyped_storage().data_ptr() for layer in sparse_layers(model)}
     del model
     gc.collect()
     assert weight() is None
+    # nothing the steady rewrites hold keeps a weight's storage (e.g. a view of it)
+    assert not any(t.untyped_storage().data_ptr() in storages for t in _tensors_reachable(steady) if t.numel())
+
+
+def _tensors_reachable(root, depth: int = 5) -> list:
+    seen, found, frontier = set(), [], [root]
+    for _ in range(depth):
+        nxt = []
+        for obj in frontier:
+            if id(obj) in seen or isinstance(obj, (type, str, bytes, int, float)):
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, torch.Tensor):
+                found.append(obj)
+                continue
+            slots = getattr(type(obj), "__slots__", ())
+            nxt.extend(getattr(obj, name) for name in slots if name != "__weakref__" and hasattr(obj, name))
+            nxt.extend(gc.get_referents(obj))
+        frontier = nxt
+    return found

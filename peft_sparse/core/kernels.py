@@ -113,6 +113,16 @@ def on_device(tensor: torch.Tensor):
     return contextlib.nullcontext()
 
 
+def increment_versions(tensors: list) -> None:
+    """``torch.autograd.graph.increment_version`` of every tensor: one call for the list where torch
+    takes one (2.5 on), else one per tensor."""
+    try:
+        torch.autograd.graph.increment_version(tensors)
+    except TypeError:  # (torch before 2.5: one tensor per call; nothing was bumped)
+        for tensor in tensors:
+            torch.autograd.graph.increment_version(tensor)
+
+
 def _power_of_two_blocks(block_shape) -> bool:
     """Whether both sides of the block shape are powers of two (the Triton block kernels' tiles)."""
     return all(v & (v - 1) == 0 for v in block_shape)
@@ -170,9 +180,9 @@ def scatter_sum_many(outs, indices, bases, values) -> Optional[list]:
     launch per group of tensors of the same device and element types, not one per tensor. ``values``
     None: ``outs[k].view(-1)[indices[k]] = bases[k]`` exactly (bases in the outputs' dtype).
 
-    Returns the launches made, ``(plan, first output)`` each — calling ``plan()`` on the output's device
-    repeats its group's writes while no tensor moved (``plan.key``) — when every tensor took one of them;
-    else None."""
+    Returns the launches made, ``(plan, an empty tensor on its device)`` each — calling ``plan()`` on
+    that device repeats its group's writes while no tensor moved (``plan.key``); neither holds the
+    tensors — when every tensor took one of them; else None."""
     groups: dict = {}
     alone = []  # on the per-tensor path: no multi-tensor kernel for the device, or a group of one
     for k, out in enumerate(outs):
@@ -202,7 +212,7 @@ def scatter_sum_many(outs, indices, bases, values) -> Optional[list]:
             if plan is None or plan.key != MultiScatterSum.key_of(*args):
                 plan = _MULTI_SCATTER_PLANS[key] = MultiScatterSum(*args)
             plan()
-        launches.append((plan, args[0][0]))
+        launches.append((plan, torch.empty(0, device=args[0][0].device)))
     return None if alone else launches
 
 

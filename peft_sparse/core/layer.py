@@ -319,14 +319,14 @@ def _refresh_after_step(optimizer, args, kwargs) -> None:
 class _SteadyRefresh:
     """The rewrites of an optimizer's last step hook (all in multi-tensor launches), repeated while they
     hold: no layer started or ended a training merge since (``_MERGE_EPOCH``), the optimizer has the same
-    parameter lists, and each layer still has the same merge, values and indices (tensor objects and
+    parameter lists with the same members, and each layer still has the same merge, values and indices (tensor objects and
     addresses) and θ₀'s storage in its weight. The layers and merges are weakly referenced."""
 
     __slots__ = ("epoch", "groups", "entries", "weights", "launches")
 
     def __init__(self, groups: list, due: list, launches: list):
         self.epoch = _MERGE_EPOCH[0]
-        self.groups = [(g["params"], len(g["params"])) for g in groups]
+        self.groups = [(g["params"], list(g["params"])) for g in groups]
         self.entries = [(weakref.ref(layer), weakref.ref(merge), merge.adapter, values, values.data_ptr(), merge.indices.data_ptr())
                         for layer, merge, values in due]  # fmt: skip
         self.launches = launches
@@ -334,8 +334,8 @@ class _SteadyRefresh:
     def run(self, groups: list) -> bool:
         if _MERGE_EPOCH[0] != self.epoch or len(groups) != len(self.groups):
             return False
-        for g, (params, n) in zip(groups, self.groups):
-            if g["params"] is not params or len(params) != n:
+        for g, (params, members) in zip(groups, self.groups):
+            if g["params"] is not params or len(params) != len(members) or any(a is not b for a, b in zip(params, members)):
                 return False
         merges = []
         for layer_ref, merge_ref, adapter, values, values_ptr, indices_ptr in self.entries:
@@ -354,7 +354,7 @@ class _SteadyRefresh:
         for plan, out in self.launches:
             with kernels.on_device(out):
                 plan()
-        torch.autograd.graph.increment_version([m.weight for m in merges])
+        kernels.increment_versions([m.weight for m in merges])
         for merge, (_, _, _, values, values_ptr, _) in zip(merges, self.entries):
             merge.generation += 1
             written = merge.written

@@ -561,8 +561,13 @@ def block_value_gradient(grad_out2d: torch.Tensor, x2d: torch.Tensor, layout, x_
     made = [] if g.dtype == x.dtype == x2.dtype else None  # (no conversion in between: the plan's tensors are these)
     block_sddmm_into(g, x, layout, out, x_factor=x_factor, keep=made)
     if made and made[0][0] is not None:
+        while len(layout.launches) >= _LAUNCHES_KEPT:  # (e.g. token counts that change from step to step)
+            layout.launches.pop(next(iter(layout.launches)))
         layout.launches[key] = made[0]
     return out
+
+
+_LAUNCHES_KEPT = 4  # kept value-gradient launches per layout (call shapes)
 
 
 def launch_grouped(g, x, block_shape, plan: BlockGroups, out, accumulate: bool, block_t: int, target: int,

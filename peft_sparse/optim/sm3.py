@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from ..core.kernels import on_device, rows_cols
+from ..core.kernels import increment_versions, on_device, rows_cols
 from ..core.layer import sparse_owner
 
 
@@ -79,6 +79,11 @@ class SM3(torch.optim.Optimizer):
         self._plans: dict = {}
         # the decisions of the last full step, repeated while they hold (see _SteadyStep)
         self._steady: Optional[_SteadyStep] = None
+
+    def __setstate__(self, state: dict) -> None:
+        # a copy (copy.deepcopy, pickling) carries defaults, state and groups only: no buffers, plans or memo
+        super().__setstate__(state)
+        self._scratch, self._plans, self._steady = {}, {}, None
 
     @staticmethod
     def sparse_layout(param: torch.Tensor, blocks: bool = False):
@@ -284,14 +289,15 @@ class _SteadyStep:
     Before anything is written, :meth:`run` checks for every parameter, in the optimizer's order: the
     same parameter objects in the same groups (same momentum, eps and weight decay; the members of a
     launch still sharing one lr), the same state dict with the accumulators the last step left there,
-    its momentum buffer and step counter; a dense gradient of the same dtype; the parameter still its
+    its momentum buffer and step counter (and the buffers' addresses, which the kept plans hold); a dense
+    gradient of the same dtype; the parameter still its
     layer's values for the adapter, with the same indices tensor, version counter, address and size
     (a reselection rewrites the indices in place, moving the version on), and its own address and size.
     Anything else takes the full step (:meth:`SM3._leave_steady`). The two sets of accumulator buffers
     alternate, as in the full step, and each set keeps its launch plan. Holds the layers by weak
     reference only."""
 
-    __slots__ = ("state", "groups", "entries", "params", "states", "steps", "launches", "sets", "copies", "plans", "parity")
+    __slots__ = ("state", "groups", "entries", "params", "states", "steps", "launches", "sets", "addresses", "copies", "plans", "parity")
 
     @classmethod
     def after(cls, opt: SM3, items: list, launches: list, steps: list) -> "_SteadyStep":
@@ -304,13 +310,15 @@ class _SteadyStep:
         for param, state, (indices, _, _, _), _ in items:
             layer, adapter = sparse_owner(param)
             self.entries.append((param, state, weakref.ref(layer), adapter, indices, indices._version, indices.data_ptr(),
-                                 indices.numel(), param.data_ptr(), param.numel(), param.grad.dtype,
-                                 state.get("momentum_buffer"), state["step"]))  # fmt: skip
+                                 indices.numel(), param.data_ptr(), param.numel(), param.grad.dtype, state.get("momentum_buffer"),
+                                 state["momentum_buffer"].data_ptr() if "momentum_buffer" in state else None, state["step"]))  # fmt: skip
         self.params = [item[0] for item in items]
         self.states = [item[1] for item in items]
         self.steps = steps
         # set 0: the accumulators now in the states (the next step's previous ones); set 1: the scratch buffers
         self.sets = ([(s["row_accumulator"], s["col_accumulator"]) for s in self.states], [opt._scratch[p] for p in self.params])
+        # the kept plans point at these buffers (and the momentum buffers): their addresses are checked too
+        self.addresses = [[(r.data_ptr(), c.data_ptr()) for r, c in self.sets[k]] for k in (0, 1)]
         self.copies = [([b for pair in self.sets[1 - k] for b in pair], [a for pair in self.sets[k] for a in pair]) for k in (0, 1)]
         self.launches = []
         for key, positions in launches:
@@ -337,13 +345,15 @@ class _SteadyStep:
         old = self.sets[self.parity]
         state_of = opt.state.get
         grads = []
-        for p, entry, (row, col) in zip(itertools.chain.from_iterable(g[1] for g in self.groups), self.entries, old):
-            param, state, layer_ref, adapter, indices, version, indices_ptr, indices_numel, ptr, numel, grad_dtype, mom, step = entry
+        members = itertools.chain.from_iterable(g[1] for g in self.groups)
+        for p, entry, (row, col), (row_ptr, col_ptr) in zip(members, self.entries, old, self.addresses[self.parity]):
+            param, state, layer_ref, adapter, indices, version, indices_ptr, indices_numel, ptr, numel, grad_dtype, mom, mom_ptr, step = entry
             grad = p.grad
             if (
                 p is not param or grad is None or grad.dtype is not grad_dtype or grad.is_sparse or state_of(p) is not state
                 or state["row_accumulator"] is not row or state["col_accumulator"] is not col
                 or state.get("momentum_buffer") is not mom or state["step"] is not step
+                or row.data_ptr() != row_ptr or col.data_ptr() != col_ptr or (mom is not None and mom.data_ptr() != mom_ptr)
             ):  # fmt: skip
                 return False
             layer = layer_ref()
@@ -372,7 +382,7 @@ class _SteadyStep:
             else:
                 with on_device(self.params[positions[0]]):
                     plan(group_grads, *hyper)
-        torch.autograd.graph.increment_version(self.params)  # written by the kernel: as an in-place op would mark them
+        increment_versions(self.params)  # written by the kernel: as an in-place op would mark them
         for state, (row, col) in zip(self.states, self.sets[1 - self.parity]):
             state["row_accumulator"], state["col_accumulator"] = row, col
         self.parity = 1 - self.parity
