@@ -23,32 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def build(variant: str):
-    from peft import get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import peft_sparse
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=22, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128)  # fmt: skip
-    model = LlamaForCausalLM(cfg)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    growth = variant.split("-")[1]
-    block_shape = (16, 16) if variant.endswith("-block") else (1, 1)
-    config = peft_sparse.SpIELConfig(target_modules=TARGETS, density=0.25, growth=growth, block_shape=block_shape)
-    model = get_peft_model(model, config)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = peft_sparse.SM3(params, lr=1e-3) if growth == "ma" else torch.optim.AdamW(params, lr=1e-4)
-    scheduler = peft_sparse.SpIELScheduler(model, optimizer, total_steps=10_000)
-    scheduler.t = 100  # a steady step: no window, no reselection
-    scheduler._disarm()
-    return model, optimizer, scheduler  # kept alive: a SpIEL model trained with no scheduler warns
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_overhead import build  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -87,7 +63,7 @@ def main():
     torch.set_num_threads(1)
     ids = torch.randint(0, 128, (1, 8))
     for variant in args.variants.split(","):
-        model, optimizer, scheduler = build(variant)
+        model, optimizer, scheduler = build(variant, density=0.25)
         model.train()
         model(input_ids=ids, labels=ids).loss.backward()
         times = []

@@ -23,7 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def build(variant: str):
+def build(variant: str, density: float = 0.05):
+    """(model, optimizer or None, scheduler or None) of a variant: ``floor``, ``lora``, ``spiel-ma``,
+    ``spiel-ag`` (``-block``: 16×16 blocks), each with a ``q`` prefix for the 4-bit model; the SpIEL
+    variants at ``density``, their scheduler past its windows (steady steps)."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -54,7 +57,9 @@ def build(variant: str):
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         return model, optimizer, None
     growth = variant.split("-")[1]
-    model = get_peft_model(model, peft_sparse.SpIELConfig(target_modules=TARGETS, density=0.05, growth=growth))
+    block_shape = (16, 16) if variant.endswith("-block") else (1, 1)
+    config = peft_sparse.SpIELConfig(target_modules=TARGETS, density=density, growth=growth, block_shape=block_shape)
+    model = get_peft_model(model, config)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = peft_sparse.SM3(params, lr=1e-3) if growth == "ma" else torch.optim.AdamW(params, lr=1e-4)
     scheduler = peft_sparse.SpIELScheduler(model, optimizer, total_steps=10_000)

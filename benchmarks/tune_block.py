@@ -36,6 +36,19 @@ from peft_sparse.core import kernels, triton_kernels  # noqa: E402
 from peft_sparse.core.selection import BlockGrid  # noqa: E402
 
 
+def _problem(args, out_f: int, in_f: int, gen):
+    """A layer's bf16 ∂L/∂Y and X (``args.tokens`` rows), a random block layout at ``args.density``
+    (``args.block``-square blocks), its active elements (ascending) and the dense product there."""
+    go = torch.randn(args.tokens, out_f, device="cuda", dtype=torch.bfloat16, generator=gen)
+    x = torch.randn(args.tokens, in_f, device="cuda", dtype=torch.bfloat16, generator=gen)
+    grid = BlockGrid(out_f, in_f, (args.block, args.block))
+    nb = max(1, int(args.density * grid.numel))
+    blocks = torch.randperm(grid.numel, device="cuda", generator=gen)[:nb].sort().values
+    layout = kernels.BlockLayout.of_blocks(blocks, out_f, in_f, (args.block, args.block))
+    idx = grid.expand(blocks)
+    return go, x, layout, idx, go.float().t().mm(x.float()).view(-1)[idx]
+
+
 def main():
     from triton.testing import do_bench
 
@@ -55,15 +68,9 @@ def main():
     print(f"{torch.cuda.get_device_name()}, tokens={args.tokens}, density={args.density}, block {bh}×{bw}; ms (median)")
     total = {}
     for name, (out_f, in_f) in shapes("tinyllama").items():
-        go = torch.randn(args.tokens, out_f, device="cuda", dtype=torch.bfloat16, generator=gen)
-        x = torch.randn(args.tokens, in_f, device="cuda", dtype=torch.bfloat16, generator=gen)
-        grid = BlockGrid(out_f, in_f, (bh, bw))
-        nb = max(1, int(args.density * grid.numel))
-        blocks = torch.randperm(grid.numel, device="cuda", generator=gen)[:nb].sort().values
-        idx = grid.expand(blocks)
-        layout = kernels.BlockLayout.of_blocks(blocks, out_f, in_f, (bh, bw))
+        go, x, layout, idx, want = _problem(args, out_f, in_f, gen)
+        nb = layout.rows.numel()
         slots = layout.slots()
-        want = go.float().t().mm(x.float()).view(-1)[idx]
         out = torch.empty(idx.numel(), device="cuda")
 
         def per_block():
@@ -127,13 +134,8 @@ def wide(args):
     total: dict = {}
     shipped_total = 0.0
     for name, (out_f, in_f) in shapes("tinyllama").items():
-        go = torch.randn(args.tokens, out_f, device="cuda", dtype=torch.bfloat16, generator=gen)
-        x = torch.randn(args.tokens, in_f, device="cuda", dtype=torch.bfloat16, generator=gen)
-        grid = BlockGrid(out_f, in_f, (bh, bw))
-        nb = max(1, int(args.density * grid.numel))
-        blocks = torch.randperm(grid.numel, device="cuda", generator=gen)[:nb].sort().values
-        layout = kernels.BlockLayout.of_blocks(blocks, out_f, in_f, (bh, bw))
-        want = go.float().t().mm(x.float()).view(-1)[grid.expand(blocks)]
+        go, x, layout, _, want = _problem(args, out_f, in_f, gen)
+        nb = layout.rows.numel()
         out = torch.empty(want.numel(), device="cuda")
         shipped = do_bench(lambda: triton_kernels.block_sddmm_into(go, x, layout, out), warmup=5, rep=30, return_mode="median")
         shipped_total += per_layer[name] * shipped

@@ -86,16 +86,29 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t1", eos_token="t2")
 
 
-def train_on(model, optimizer, scheduler, x, steps: int) -> list:
+def train_on(model, optimizer, scheduler, x, steps: int, after_step=None) -> list:
     """``steps`` training steps on the same batch (labels = inputs), the scheduler stepped after each
-    optimizer step; returns the losses."""
+    optimizer step, then ``after_step(step)`` if given; returns the losses."""
     model.train()
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
         loss = model(x, labels=x).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
         losses.append(loss.item())
+        if after_step is not None:
+            after_step(step)
     return losses
+
+
+def assert_backward_matches_reference(loss, model, reference, x) -> None:
+    """Run the pending ``loss.backward()`` of ``model`` and a fresh pass of ``reference`` on ``x``
+    (labels = inputs): the same loss and the same gradients of every sparse layer's values."""
+    loss.backward()
+    ref_loss = reference(x, labels=x).loss
+    ref_loss.backward()
+    assert torch.equal(loss, ref_loss)
+    for a, b in zip(sparse_layers(model), sparse_layers(reference)):
+        assert torch.equal(a.sparse_values["default"].grad, b.sparse_values["default"].grad)

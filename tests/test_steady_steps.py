@@ -17,7 +17,7 @@ from peft_sparse.core import layer as layer_module
 from peft_sparse.core.selection import BlockGrid
 from peft_sparse.optim import sm3
 
-from .models import inputs, randomize_values, sparse_layers, tiny_llama
+from .models import assert_backward_matches_reference, inputs, randomize_values, sparse_layers, tiny_llama, train_on
 
 pytest.importorskip("triton", reason="Triton is not installed: no fused paths")
 
@@ -180,18 +180,7 @@ def _train_merged(device, steps, events, merge=True, built=None):
         layer.merge_for_training = merge
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     scheduler = SpIELScheduler(model, opt, total_steps=steps)
-    x = inputs().to(device)
-    model.train()
-    losses = []
-    for step in range(steps):
-        loss = model(x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        scheduler.step()
-        losses.append(loss.item())
-        if step in events:
-            events[step](model, opt)
+    losses = train_on(model, opt, scheduler, inputs().to(device), steps, lambda step: step in events and events[step](model, opt))
     values = [layer.sparse_values["default"].detach().clone() for layer in sparse_layers(model)]
     indices = [layer.sparse_indices["default"].clone() for layer in sparse_layers(model)]
     return losses, values, indices, model, opt
@@ -300,12 +289,7 @@ def test_steady_merge_rewrite_before_a_pending_backward(fused_paths, monkeypatch
     loss = model(x, labels=x).loss
     opt.step()
     assert ran == [("steady", True)]
-    loss.backward()
-    ref_loss = reference(x, labels=x).loss
-    ref_loss.backward()
-    assert torch.equal(loss, ref_loss)
-    for a, b in zip(sparse_layers(model), sparse_layers(reference)):
-        assert torch.equal(a.sparse_values["default"].grad, b.sparse_values["default"].grad)
+    assert_backward_matches_reference(loss, model, reference, x)
 
 
 def test_steady_merge_rewrites_keep_no_layer_alive(fused_paths):

@@ -12,7 +12,7 @@ from peft import get_peft_model
 
 from peft_sparse import SM3, SpIELConfig, SpIELScheduler
 
-from .models import inputs, randomize_values, record_full_passes, sparse_layers, tiny_llama, train_on
+from .models import assert_backward_matches_reference, inputs, randomize_values, record_full_passes, sparse_layers, tiny_llama, train_on
 
 
 def _spiel(dtype=torch.float32, growth="ag", **kw):
@@ -478,12 +478,7 @@ def test_backward_after_a_rewrite_since_its_forward_builds_its_own_weight():
     generations = [layer._training_merge.generation for layer in sparse_layers(model)]
     opt.step()  # no gradients yet: the values stay, the step hook rewrites the stored weights
     assert [layer._training_merge.generation for layer in sparse_layers(model)] == [g + 1 for g in generations]
-    loss.backward()
-    ref_loss = reference(x, labels=x).loss
-    ref_loss.backward()
-    assert torch.equal(loss, ref_loss)
-    for a, b in zip(sparse_layers(model), sparse_layers(reference)):
-        assert torch.equal(a.sparse_values["default"].grad, b.sparse_values["default"].grad)
+    assert_backward_matches_reference(loss, model, reference, x)
 
 
 @pytest.mark.parametrize("growth", ["ag", "ma"])

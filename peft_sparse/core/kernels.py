@@ -128,6 +128,11 @@ def _power_of_two_blocks(block_shape) -> bool:
     return all(v & (v - 1) == 0 for v in block_shape)
 
 
+def _grouped_block_shape(block_shape) -> bool:
+    """Whether the grouped Triton block kernel takes blocks of this shape (powers of two, at least 16×16)."""
+    return _power_of_two_blocks(block_shape) and min(block_shape) >= 16
+
+
 def _dense_block_kernel(registry: dict, dense: torch.Tensor, block_shape):
     """The registered kernel reading blocks of ``dense`` for its device, when the blocks tile as Triton
     tiles and ``dense`` is in a type the kernels read; else None (the torch reference serves)."""
@@ -456,7 +461,7 @@ def block_sddmm_into(grad_out2d, x2d, layout: BlockLayout, out: torch.Tensor, ac
         _load_gpu_kernels()
     kernel = BLOCK_SDDMM_INTO_KERNELS.get(grad_out2d.device.type)
     bh, bw = layout.block_shape
-    if kernel is not None and _power_of_two_blocks((bh, bw)) and min(bh, bw) >= 16 and out.dtype == torch.float32 and out.is_contiguous():
+    if kernel is not None and _grouped_block_shape((bh, bw)) and out.dtype == torch.float32 and out.is_contiguous():
         with on_device(grad_out2d):
             return kernel(grad_out2d, x2d, layout, out, accumulate, x_factor=x_factor)
     if x_factor is not None:
@@ -473,7 +478,7 @@ def block_value_gradient(grad_out2d, x2d, layout: BlockLayout, x_factor: Optiona
     kernel = BLOCK_VALUE_GRADIENT_KERNELS.get(grad_out2d.device.type)
     bh, bw = layout.block_shape
     dtype = accumulation_dtype(grad_out2d.dtype)
-    if kernel is not None and dtype == torch.float32 and _power_of_two_blocks((bh, bw)) and min(bh, bw) >= 16:
+    if kernel is not None and dtype == torch.float32 and _grouped_block_shape((bh, bw)):
         with on_device(grad_out2d):
             return kernel(grad_out2d, x2d, layout, x_factor)
     out = torch.empty(layout.rows.numel() * bh * bw, dtype=dtype, device=grad_out2d.device)
@@ -566,7 +571,7 @@ def prepare_block_plans(layouts: list, keys: Optional[list] = None, x_reads: tup
     for i, layout in enumerate(layouts):
         if layout is None or layout.rows.device.type != "cuda":
             continue
-        if not _power_of_two_blocks(layout.block_shape) or min(layout.block_shape) < 16:
+        if not _grouped_block_shape(layout.block_shape):
             continue
         _load_gpu_kernels()
         if "cuda" not in BLOCK_SDDMM_INTO_KERNELS:

@@ -202,7 +202,7 @@ class _TrainingMerge:
         self.adapter, self.indices, self.weight, self.active = adapter, indices, weight, True
         self.weight_ptr = weight.data_ptr()
         self.flat = weight.data.view(-1)  # the storage written (valid while stored_in_weight())
-        self.base = weight.data.view(-1)[indices]  # θ₀ at η
+        self.base = self.flat[indices]  # θ₀ at η
         self.written: Optional[tuple] = None
         self.by_step = False
         self.generation = 0
@@ -224,7 +224,7 @@ class _TrainingMerge:
     def write(self, values: torch.Tensor) -> None:
         """Store θ₀[η] + φ at η (d_φ entries, rounded as the transient copy rounds them)."""
         self.check_indices()
-        kernels.scatter_sum_into(self.weight.data.view(-1), self.indices, self.base, values.detach())
+        kernels.scatter_sum_into(self.flat, self.indices, self.base, values.detach())
         self.written_now(values, by_step=False)
 
     def written_now(self, values: torch.Tensor, by_step: bool) -> None:
@@ -322,7 +322,7 @@ class _SteadyRefresh:
     parameter lists with the same members, and each layer still has the same merge, values and indices (tensor objects and
     addresses) and θ₀'s storage in its weight. The layers and merges are weakly referenced."""
 
-    __slots__ = ("epoch", "groups", "entries", "weights", "launches")
+    __slots__ = ("epoch", "groups", "entries", "launches")
 
     def __init__(self, groups: list, due: list, launches: list):
         self.epoch = _MERGE_EPOCH[0]
@@ -346,7 +346,7 @@ class _SteadyRefresh:
             indices = merge.indices
             if (
                 modules["sparse_values"]._parameters.get(adapter) is not values or modules["sparse_indices"]._buffers.get(adapter) is not indices
-                or merge.weight.data_ptr() != merge.weight_ptr or values.data_ptr() != values_ptr or indices.data_ptr() != indices_ptr
+                or not merge.stored_in_weight() or values.data_ptr() != values_ptr or indices.data_ptr() != indices_ptr
                 or indices.shape != merge.base.shape
             ):  # fmt: skip
                 return False

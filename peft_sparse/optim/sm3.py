@@ -211,7 +211,8 @@ class SM3(torch.optim.Optimizer):
         torch._foreach_copy_(buffers, accumulators)
         for key, positions in groups.items():
             members = [items[k] for k in positions]
-            lists = self._launch_lists(members, [scratch[p] for p, *_ in members])
+            old = [(s["row_accumulator"], s["col_accumulator"]) for _, s, _, _ in members]
+            lists = self._launch_lists(members, old, [scratch[p] for p, *_ in members])
             self._launch(key, members[0][0], lists, [p.grad for p, *_ in members], [lay[3] for _, _, lay, _ in members])
             for param, state, _, _ in members:
                 torch.autograd.graph.increment_version(param)  # written by the kernel: as an in-place op would mark it
@@ -222,12 +223,13 @@ class SM3(torch.optim.Optimizer):
         return list(groups.items())
 
     @staticmethod
-    def _launch_lists(members, new_pairs) -> tuple:
+    def _launch_lists(members, old_pairs, new_pairs) -> tuple:
         """``MultiSM3``'s per-tensor lists but the gradients: values, indices, in_features, the previous
-        (row, col) accumulators, the buffers the updated ones go to, momentum buffers."""
+        (row, col) accumulators (``old_pairs``), the buffers the updated ones go to (``new_pairs``),
+        momentum buffers."""
         return (
             [p for p, _, _, _ in members], [lay[0] for _, _, lay, _ in members], [lay[2] for _, _, lay, _ in members],
-            [s["row_accumulator"] for _, s, _, _ in members], [s["col_accumulator"] for _, s, _, _ in members],
+            [pair[0] for pair in old_pairs], [pair[1] for pair in old_pairs],
             [pair[0] for pair in new_pairs], [pair[1] for pair in new_pairs], [s.get("momentum_buffer") for _, s, _, _ in members],
         )  # fmt: skip
 
@@ -323,10 +325,9 @@ class _SteadyStep:
         self.launches = []
         for key, positions in launches:
             members = [items[k] for k in positions]
-            lists = [opt._launch_lists(members, [self.sets[1 - k][j] for j in positions]) for k in (0, 1)]
-            for k in (0, 1):  # (the previous accumulators of set k are not yet in the states for k = 1)
-                lists[k][3][:] = [self.sets[k][j][0] for j in positions]
-                lists[k][4][:] = [self.sets[k][j][1] for j in positions]
+            # parity k: set k holds the previous accumulators, set 1 − k receives the updated ones
+            lists = [opt._launch_lists(members, [self.sets[k][j] for j in positions], [self.sets[1 - k][j] for j in positions])
+                     for k in (0, 1)]  # fmt: skip
             groups = list({id(m[3]): m[3] for m in members}.values())
             layouts = [lay[3] for _, _, lay, _ in members] if key[6] is not None else None
             self.launches.append((key, positions, groups, lists, layouts))
