@@ -140,7 +140,7 @@ def profiling_setup(rows: int):
     parser.add_argument("--rows", type=int, default=rows, help="table rows to print")
     parser.add_argument("--size", choices=sorted(SIZES), default="tinyllama")
     parser.add_argument("--kernel-table", help="profile_step.py: write every GPU kernel's time per step to this file")
-    parser.add_argument("--hook-profile", action="store_true", help="profile_cycle.py: the reselection hook under cProfile")
+    parser.add_argument("--host-profile", action="store_true", help="profile_cycle.py: window and reselection steps under cProfile")
     parser.add_argument("--pstats", help="profile_step.py: also write the cProfile statistics to this file (pstats format)")
     args = parser.parse_args()
     model, optimizer, hook, _, _ = prepare(args.variant, args.size, total_steps=2 * S + GAMMA + 1)
@@ -149,11 +149,10 @@ def profiling_setup(rows: int):
     return args, model, optimizer, hook, ids
 
 
-def train_step(model, optimizer, hook, ids, hook_profiler=None, phase_events=None) -> list:
+def train_step(model, optimizer, hook, ids, phase_events=None) -> list:
     """One training step as every variant runs it: forward, backward, optimizer, SpIEL scheduler.
     Returns the host time of each of the four phases, in seconds (no synchronisation);
-    ``hook_profiler`` (a ``cProfile.Profile``) records the scheduler hook alone; ``phase_events``
-    (four CUDA events) are recorded at the end of each phase."""
+    ``phase_events`` (four CUDA events) are recorded at the end of each phase."""
     ends = []
 
     def end_of_phase():
@@ -171,11 +170,7 @@ def train_step(model, optimizer, hook, ids, hook_profiler=None, phase_events=Non
         optimizer.zero_grad(set_to_none=True)
     end_of_phase()
     if hook is not None:
-        if hook_profiler is not None:
-            hook_profiler.enable()
         hook()
-        if hook_profiler is not None:
-            hook_profiler.disable()
     end_of_phase()
     return [b - a for a, b in zip(ends, ends[1:])]
 

@@ -1,6 +1,6 @@
 """Where a SpIEL cycle's extra time goes, step by step (GPU): windows, reselections, the step after.
 
-    python benchmarks/profile_cycle.py spiel-ag-block [--rows 12] [--size tinyllama] [--hook-profile]
+    python benchmarks/profile_cycle.py spiel-ag-block [--rows 12] [--size tinyllama] [--host-profile]
 
 Runs the benchmark's schedule (S=20, γ=5, T=46: windows 1–5, 21–25, 41–45; reselections at 5, 25,
 45). Steps 7–26 run as in ``bench_step.py`` and print, per step, the wall time (synchronised) and the
@@ -9,7 +9,11 @@ when the host's total is close to the wall, the GPU waits for the host. Steps 35
 window's first step), 42 (a later window step), 45 (reselection) and 46 (the step after) then run under
 the profiler, one at a time and in two parts (forward + backward; optimizer + scheduler hook), each
 synchronised: their kernel count, summed kernel time, the top kernels and top host operations (own
-CPU time) of each part, and the host time of the four phases.
+CPU time) of each part, and the host time of the four phases. ``--host-profile``: steps 21, 22, 25
+and 26 (a window's first and second step, the reselection, the step after) also run whole under
+cProfile, which prints where their host time goes by Python function (own time; cumulative time of
+this library's functions;
+cProfile slows Python calls, so these steps' wall times are not comparable with the others').
 """
 
 import statistics
@@ -22,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import profiling_setup, train_step  # noqa: E402
 
+HOST_PROFILED = {21: "window, first step", 22: "window, second step", 25: "reselection", 26: "after reselection"}
 PROFILED = {35: "steady", 41: "window, first step", 42: "window, later step", 45: "reselection", 46: "after reselection"}
 
 
@@ -41,11 +46,11 @@ def _report(prof, title: str, rows: int) -> None:
 def main():
     args, model, optimizer, hook, ids = profiling_setup(rows=12)
 
-    def phases(hook_profiler=None):  # host ms of forward, backward, optimizer, hook
-        return [seconds * 1e3 for seconds in train_step(model, optimizer, hook, ids, hook_profiler)]
+    def phases():  # host ms of forward, backward, optimizer, hook
+        return [seconds * 1e3 for seconds in train_step(model, optimizer, hook, ids)]
 
     print(f"{args.variant}: step  wall ms  | host ms: forward backward optimizer hook (total)")
-    walls = {}
+    walls, host_reports = {}, []
     for t in range(1, 47):
         torch.cuda.synchronize()
         if t in PROFILED:
@@ -71,16 +76,20 @@ def main():
             print("   host ms " + " ".join(f"{h:.1f}" for h in host) + f" ({sum(host):.1f})")
             continue
         start = time.perf_counter()
-        if t == 25 and args.hook_profile:  # the first partial reselection's hook under cProfile
+        if t in HOST_PROFILED and args.host_profile:  # the whole step under cProfile
             import cProfile
             import io
             import pstats
 
             profiler = cProfile.Profile()
-            host = phases(profiler)
-            text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.rows)
-            hook_report = text.getvalue()
+            profiler.enable()
+            host = phases()
+            profiler.disable()
+            for order, restriction in (("tottime", ()), ("cumulative", ("peft_sparse",))):
+                text = io.StringIO()
+                pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(*restriction, 2 * args.rows)
+                where = " (this library's functions)" if restriction else ""
+                host_reports.append(f"step {t} ({HOST_PROFILED[t]}) under cProfile, by {order}{where}:\n" + text.getvalue())
         else:
             host = phases()
         torch.cuda.synchronize()
@@ -88,8 +97,8 @@ def main():
         walls[t] = wall
         if t >= 7 and t <= 26:
             print(f"  {t:3d}  {wall:7.1f}  | " + " ".join(f"{h:7.1f}" for h in host) + f"  ({sum(host):.1f})")
-    if args.hook_profile:
-        print("\nstep 25's scheduler hook (the reselection) under cProfile:\n" + hook_report)
+    for report in host_reports:
+        print("\n" + report)
     steady = [walls[t] for t in range(7, 21)]
     print(f"\nsteady steps 7–20: median {statistics.median(steady):.1f} ms; cycle 7–26 mean {statistics.fmean(walls[t] for t in range(7, 27)):.1f} ms")
 

@@ -111,6 +111,23 @@ def test_block_value_gradient_matches_dense_reference(method):
     torch.testing.assert_close(layer.sparse_values["default"].grad, dW.view(-1)[layer.sparse_indices["default"].long()])
 
 
+def test_block_value_gradient_adds_into_a_given_output():
+    """kernels.block_value_gradient with ``out`` adds the blocks' dW to it (the torch path on CPU)."""
+    g = torch.Generator().manual_seed(3)
+    grid = BlockGrid(64, 96, (16, 32))
+    units = torch.tensor([0, 4, 5, 11])
+    layout = kernels.BlockLayout.of_blocks(units, 64, 96, (16, 32))
+    go, x = torch.randn(7, 64, generator=g), torch.randn(7, 96, generator=g)
+    start = torch.randn(units.numel() * 16 * 32, generator=g)
+    out = start.clone()
+    got = kernels.block_value_gradient(go, x, layout, out=out)
+    dW = go.t().mm(x).reshape(-1)
+    want = start.clone()
+    want[layout.slots()] += dW[grid.block_major(units).reshape(-1)]
+    assert got is out
+    torch.testing.assert_close(out, want)
+
+
 def test_block_shape_errors():
     with pytest.raises(ValueError, match=r"block_shape=\(0, 4\)"):
         SpIELConfig(target_modules="all-linear", density=0.1, block_shape=(0, 4))
@@ -224,7 +241,8 @@ def test_candidate_slots_formula_matches_a_search():
 
 def test_window_first_step_picks_the_top_blocks_by_float32_gradient_sums():
     """Hand-built ∂L/∂W: the candidates are the K blocks of largest Σ|g| (ties → lower block number),
-    in ascending element order, with this micro-batch's gradients there and empty window sums."""
+    in ascending element order, with this micro-batch's gradients there; the window sums come at the
+    step's end."""
     from peft_sparse.methods.spiel import _WindowStatistics
 
     grid = BlockGrid(4, 6, (2, 2))  # 2 × 3 blocks
@@ -238,13 +256,16 @@ def test_window_first_step_picks_the_top_blocks_by_float32_gradient_sums():
     assert stats.candidate_units.tolist() == [1, 5]
     assert stats.candidates.tolist() == [2, 3, 8, 9, 16, 17, 22, 23]
     assert torch.equal(stats.step_sum, dense.reshape(-1)[stats.candidates.long()].float())
-    assert stats.grad_sum.tolist() == [0.0] * 8 and stats.grad_sq_sum.tolist() == [0.0] * 8
+    assert stats.grad_sum is None and stats.grad_sq_sum is None
     assert torch.equal(stats.candidate_blocks.slots(), torch.searchsorted(stats.candidates.long(), grid.block_major(stats.candidate_units).reshape(-1)))
     stats3 = _WindowStatistics(3, grid)
     stats3(None, dense)
     assert stats3.candidate_units.tolist() == [1, 3, 5]  # both tied blocks once K reaches them
     stats(None, dense)  # a second micro-batch of the same step adds to the step's sum
-    assert torch.equal(stats.step_sum, 2 * dense.reshape(-1)[stats.candidates.long()].float())
+    step = 2 * dense.reshape(-1)[stats.candidates.long()].float()
+    assert torch.equal(stats.step_sum, step)
+    stats.end_step()
+    assert torch.equal(stats.grad_sum, step) and torch.equal(stats.grad_sq_sum, step * step) and not stats.step_sum.any()
 
 
 def test_window_first_step_picks_the_top_weights_by_gradient_magnitude():
@@ -258,4 +279,6 @@ def test_window_first_step_picks_the_top_weights_by_gradient_magnitude():
     assert stats.candidates.tolist() == [1, 3, 4]  # |−2|, then three tied at 1.0: positions 3 and 4 first
     assert stats.candidates.dtype == torch.int32
     assert stats.step_sum.tolist() == [-2.0, 1.0, -1.0] and stats.step_sum.dtype == torch.float32
-    assert stats.grad_sum.tolist() == [0.0] * 3
+    assert stats.grad_sum is None
+    stats.end_step()
+    assert stats.grad_sum.tolist() == [-2.0, 1.0, -1.0] and stats.grad_sq_sum.tolist() == [4.0, 1.0, 1.0]

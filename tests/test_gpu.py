@@ -596,3 +596,82 @@ def test_block_value_gradient_repeats_its_kept_launch_bit_for_bit(tokens, produc
         got = kernels.block_value_gradient(go[:tokens_now], x[:tokens_now], layout, x_factor=factor[:tokens_now] if product else None)
         assert got.shape == (n,)
     assert len(layout.launches) <= 4
+
+
+@pytest.mark.parametrize("tokens, product", [(300, False), (8192, False), (2048, True)])
+def test_block_value_gradient_adds_into_out_with_its_kept_launch(tokens, product):
+    """Given ``out`` (an AG window's sums at its candidate blocks), kernels.block_value_gradient adds the
+    block gradient to it with a kept launch of its own: the same bits as block_sddmm_into accumulating
+    into a copy of the same start, with one token slice or several; a new-tensor call keeps another."""
+    from peft_sparse.core import triton_kernels as tk
+    from peft_sparse.core.selection import BlockGrid
+
+    g = torch.Generator().manual_seed(tokens + 1)
+    out_f, in_f, shape = 256, 512, (32, 32)
+    grid = BlockGrid(out_f, in_f, shape)
+    blocks = torch.randperm(grid.numel, generator=g)[: grid.numel // 10].sort().values
+    layout = kernels.BlockLayout.of_blocks(blocks.cuda(), out_f, in_f, shape)
+    n = blocks.numel() * 32 * 32
+    launched = []
+    original = tk.LaunchPlan.__call__
+
+    def counted(self, *tensors):
+        done = original(self, *tensors)
+        launched.append(done)
+        return done
+
+    sums = torch.randn(n, generator=g).cuda()
+    for step in range(-2, 3):
+        go = torch.randn(tokens, out_f, generator=g).cuda().to(torch.bfloat16)
+        x = torch.randn(tokens, in_f, generator=g).cuda().to(torch.bfloat16)
+        factor = torch.randn(tokens, in_f, generator=g).cuda().to(torch.bfloat16) if product else None
+        want = tk.block_sddmm_into(go, x, layout, sums.clone(), accumulate=True, x_factor=factor)
+        if step < 0:
+            continue
+        tk.LaunchPlan.__call__ = counted
+        try:
+            got = kernels.block_value_gradient(go, x, layout, x_factor=factor, out=sums)
+        finally:
+            tk.LaunchPlan.__call__ = original
+        assert got is sums and torch.equal(sums, want)
+        assert launched == ([True] * step)
+    (plan, splits), = layout.launches.values()
+    assert (splits > 1) == (tokens > 300)
+    fresh = kernels.block_value_gradient(go, x, layout, x_factor=factor)
+    assert torch.equal(fresh, tk.block_sddmm_into(go, x, layout, torch.empty(n, device="cuda"), x_factor=factor))
+    assert len(layout.launches) == 2  # the sum and the new tensor: two launches
+
+
+def test_candidate_selection_launches_repeat_per_layer_shape():
+    """A window's first step selects candidate blocks layer by layer with three kernels (block sums, top
+    blocks, gather) whose launches are kept per layer shape and repeated with each layer's tensors: the
+    same results as the references (and, for the sums, as Triton's own launch) at every call."""
+    from peft_sparse.core import triton_kernels as tk
+
+    launched = []
+    original = tk.LaunchPlan.__call__
+
+    def counted(self, *tensors):
+        done = original(self, *tensors)
+        launched.append(done)
+        return done
+
+    g = torch.Generator().manual_seed(5)
+    tk.LaunchPlan.__call__ = counted
+    try:
+        for step in range(5):
+            for out_f, in_f in ((256, 512), (128, 512)):  # two layer shapes, alternating
+                dense = torch.randn(out_f, in_f, generator=g).to(torch.bfloat16).cuda()
+                keys = kernels.block_score_keys(dense, (32, 32))
+                direct = torch.empty_like(keys)
+                tk._block_score_keys_kernel[(keys.numel(),)](dense, direct, in_f, in_f // 32, BH=32, BW=32, num_warps=4)
+                assert torch.equal(keys, direct)
+                units = kernels.top_blocks(keys, 9)
+                assert torch.equal(units.cpu(), kernels.top_blocks_reference(keys.cpu(), 9))
+                layout, idx, vals = kernels.gather_blocks(dense, units, (32, 32), torch.int32)
+                r_layout, r_idx, r_vals = kernels.gather_blocks_reference(dense.cpu(), units.cpu(), (32, 32), torch.int32)
+                assert torch.equal(idx.cpu(), r_idx) and torch.equal(vals.cpu(), r_vals)
+                assert torch.equal(layout.base.cpu(), r_layout.base) and torch.equal(layout.stride.cpu(), r_layout.stride)
+    finally:
+        tk.LaunchPlan.__call__ = original
+    assert launched.count(True) >= 3 * 2 * 2 and not any(d is False for d in launched)  # kept launches repeated, none refused

@@ -278,7 +278,8 @@ def test_rank_one_counts_in_tensor_chunks_give_the_same_growth(monkeypatch):
 
 def test_window_steps_of_many_tensors_end_as_each_would_alone():
     """The batched end of a window step (multi-tensor operations over every tensor's statistics) leaves
-    the same sums, bit for bit, as ending each tensor's step on its own; unarmed statistics are skipped."""
+    the same sums, bit for bit, as ending each tensor's step on its own; unarmed statistics are skipped.
+    The window's first end allocates the sums of all tensors of a dtype in one buffer."""
     from peft_sparse.core.selection import BlockGrid
     from peft_sparse.methods.spiel import _end_steps, _WindowStatistics
 
@@ -288,7 +289,7 @@ def test_window_steps_of_many_tensors_end_as_each_would_alone():
         for store in (batched, alone):
             stats = _WindowStatistics(n, BlockGrid(1, 1), dtype)
             stats.candidates = torch.arange(n)
-            stats.step_sum, stats.grad_sum, stats.grad_sq_sum = (torch.zeros(n, dtype=dtype) for _ in range(3))
+            stats.step_sum = torch.zeros(n, dtype=dtype)  # Σ g and Σ g² not yet allocated, as in a window's first step
             store.append(stats)
     idle = _WindowStatistics(3, BlockGrid(1, 1))  # never armed: no candidates
     for _ in range(3):
@@ -302,4 +303,8 @@ def test_window_steps_of_many_tensors_end_as_each_would_alone():
     for a, b in zip(batched, alone):
         for key in ("step_sum", "grad_sum", "grad_sq_sum"):
             assert torch.equal(getattr(a, key), getattr(b, key)), key
-    assert idle.step_sum is None
+    assert idle.step_sum is None and idle.grad_sum is None
+    storage = batched[0].grad_sum.untyped_storage().data_ptr()
+    assert all(s.grad_sum.untyped_storage().data_ptr() == storage for s in batched[:2])
+    assert batched[0].grad_sq_sum.untyped_storage().data_ptr() == storage
+    assert batched[2].grad_sum.untyped_storage().data_ptr() != storage  # (float64: a buffer of its own)

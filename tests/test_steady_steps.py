@@ -272,6 +272,34 @@ def test_steady_merge_rewrites_train_bit_for_bit_and_see_every_change(fused_path
     assert ran.count(True) >= 5 and ran.count(False) >= 3  # steady rewrites ran, and changes were seen
 
 
+def test_a_reselection_keeps_the_step_hooks_rewrites(fused_paths, monkeypatch):
+    """A reselection moves every merge to its new indices in place (the same merge objects and θ₀
+    tensors): the step hook's kept rewrites survive it, the next step repeats them steady and leaves
+    θ₀ + φ at the new indices; training stays bit for bit that of the transient copies."""
+    ran, seen = [], {}
+    _count_calls(monkeypatch, layer_module._SteadyRefresh, "run", ran, "run")
+
+    def probe(model, opt):
+        layers = [layer for layer in sparse_layers(model) if layer._training_merge is not None]
+        seen[len(seen)] = (layer_module._STEADY_REFRESH.get(opt), [(layer._training_merge, layer._training_merge.base) for layer in layers],
+                           [layer.sparse_indices["default"].clone() for layer in layers], len(ran))  # fmt: skip
+        for layer in layers:
+            merge, values = layer._training_merge, layer.sparse_values["default"].detach()
+            got = layer.get_base_layer().weight.detach().view(-1)[layer.sparse_indices["default"].long()]
+            assert torch.equal(got, (merge.base + values).to(got.dtype))
+
+    # steps are counted from 0 here: the reselection at t = 6 ends step 5
+    merged = _train_merged(fused_paths, 9, {4: probe, 5: probe, 6: probe})
+    (memo, merges, indices, _), (memo_after, merges_after, indices_after, _), (memo_next, merges_next, _, runs) = (seen[i] for i in range(3))
+    assert memo is not None and memo_after is memo and memo_next is memo
+    assert all(a[0] is b[0] and a[1] is b[1] for a, b in zip(merges, merges_after)) and len(merges) == len(merges_after) > 0
+    assert all(a[0] is b[0] for a, b in zip(merges, merges_next))
+    assert not all(torch.equal(a, b) for a, b in zip(indices, indices_after))  # (the reselection moved indices)
+    assert ran[runs - 1] == ("run", True)  # the step after the reselection: steady
+    transient = _train_merged(fused_paths, 9, {}, merge=False)
+    assert merged[0] == transient[0] and all(torch.equal(a, b) for a, b in zip(merged[1], transient[1]))
+
+
 def test_steady_merge_rewrite_before_a_pending_backward(fused_paths, monkeypatch):
     """An optimizer step between a forward and its backward (no gradients yet: the values stay), its
     rewrite a steady one: the backward notices the rewrite and builds W + scatter(η, φ) itself, the

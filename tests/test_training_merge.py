@@ -484,7 +484,9 @@ def test_backward_after_a_rewrite_since_its_forward_builds_its_own_weight():
 @pytest.mark.parametrize("growth", ["ag", "ma"])
 def test_reselection_rewrites_every_merge_in_batches_and_the_next_forward_writes_nothing(monkeypatch, growth):
     """A reselection writes θ₀ back at the old positions of every layer (bit for bit, −0.0 included) and
-    θ₀ + φ at the new ones, each in one batched write; the next forward uses them as they are."""
+    θ₀ + φ at the new ones, each in one batched write; the next forward uses them as they are. The
+    merges stay the same objects (θ₀ read anew into their own tensors), except where the base weight's
+    storage was replaced since the last pass (θ₀ there): that layer's merge is set up again."""
     model = _spiel(growth=growth)
     layers = sparse_layers(model)
     first = layers[0].get_base_layer().weight
@@ -502,16 +504,25 @@ def test_reselection_rewrites_every_merge_in_batches_and_the_next_forward_writes
         opt.zero_grad()
         if step == 2:
             before = [layer.sparse_indices["default"].clone() for layer in layers]
+            moved = layers[1].get_base_layer().weight
+            moved.data = theta0[layers[1].module_name].clone()  # new storage holding θ₀: nothing to write back there
+            merges = [layer._training_merge for layer in layers]
+            bases = [m.base for m in merges]
             writes = _count_writes(monkeypatch)
         scheduler.step()
-    assert writes == {"single": 0, "many": 2 * len(layers)}  # θ₀ back, then θ₀ + φ: one batch each
-    for layer, old in zip(layers, before):
+    assert writes == {"single": 0, "many": 2 * len(layers) - 1}  # θ₀ back, then θ₀ + φ: one batch each
+    for at, (layer, old) in enumerate(zip(layers, before)):
         assert not torch.equal(layer.sparse_indices["default"], old)
         assert layer._training_merge is not None
+        if at == 1:
+            assert layer._training_merge is not merges[1]
+        else:
+            assert layer._training_merge is merges[at] and layer._training_merge.base is bases[at]
+            assert torch.equal(bases[at], theta0[layer.module_name].view(-1)[layer.sparse_indices["default"].long()])
         stored = layer.get_base_layer().weight.detach()
         assert torch.equal(stored, _expected_merged(theta0[layer.module_name], layer))
     model(x, labels=x)
-    assert writes == {"single": 0, "many": 2 * len(layers)}  # nothing written in forward
+    assert writes == {"single": 0, "many": 2 * len(layers) - 1}  # nothing written in forward
     model.eval()
     for layer in layers:
         restored = layer.get_base_layer().weight

@@ -531,6 +531,27 @@ def test_top_magnitudes_radix_selection_matches_the_reference(tk, dtype, n, k):
     assert chosen.min() >= big[rest].max()  # really the k largest
 
 
+@pytest.mark.parametrize("n, k", [(6, 1), (6, 4), (3000, 1), (3000, 777), (2049, 2048), (5000, 4999)])
+def test_top_blocks_radix_selection_matches_the_reference(tk, n, k):
+    """The Triton selection of the k largest block keys: the reference's ascending blocks, with sums
+    shared by many blocks (ties → lower blocks, across chunk boundaries), zeros, ±inf and NaNs of
+    either sign bit (NaN above inf; a NaN with the sign bit set below every number, as its bits rank)."""
+    g = torch.Generator().manual_seed(n + k)
+    sums = torch.rand(n, generator=g) * 100
+    sums[::5] = sums[2]  # a sum shared by a fifth of the blocks
+    sums[3::17] = 0.0
+    special = torch.tensor([float("nan"), float("inf"), -float("nan"), -float("inf")])
+    sums[-4:] = special if n >= 8 else sums[-4:]
+    bits = sums.view(torch.int32)
+    if n >= 8:
+        bits[-2] = torch.tensor(0xFFC00000 - 2**32, dtype=torch.int32)  # a NaN with the sign bit set
+    keys = (bits.long() << 32) | (0xFFFFFFFF - torch.arange(n))
+    want = kernels.top_blocks_reference(keys, k)
+    got = tk.top_blocks(keys.to(_device()), k).cpu()
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert torch.equal(want, torch.topk(keys, k).indices.sort().values)  # really the k largest keys
+
+
 def test_top_blocks_breaks_ties_toward_lower_blocks():
     sums = torch.tensor([1.0, 3.0, 2.0, 3.0, 0.0, 2.0])
     keys = (sums.view(torch.int32).long() << 32) | (0xFFFFFFFF - torch.arange(6))
@@ -538,6 +559,17 @@ def test_top_blocks_breaks_ties_toward_lower_blocks():
     assert kernels.top_blocks(keys, 3).tolist() == [1, 2, 3]
     assert kernels.top_blocks(keys, 4).tolist() == [1, 2, 3, 5]
     assert kernels.top_blocks(keys, 9).tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_program_map_covers_every_entry_once(tk):
+    """The multi-tensor kernels' program map: each program's tensor and first entry, ``_MULTI_BLOCK``
+    entries apart, every entry of every tensor (an empty one included) in exactly one program."""
+    counts = [1, tk._MULTI_BLOCK, 0, 2 * tk._MULTI_BLOCK + 5, 7]
+    programs, counts_t, tensor_of, start = tk._program_map(counts, torch.device(_device()))
+    assert programs == 1 + 1 + 0 + 3 + 1 and counts_t.tolist() == counts
+    assert tensor_of.dtype == torch.int32 and tensor_of.tolist() == [0, 1, 3, 3, 3, 4]
+    assert start.dtype == torch.int64 and start.tolist() == [0, 0, 0, tk._MULTI_BLOCK, 2 * tk._MULTI_BLOCK, 0]
+    assert tk._program_map([], torch.device(_device()))[0] == 0
 
 
 def test_plans_of_many_layouts_equal_the_plans_one_by_one(tk):

@@ -37,6 +37,8 @@ SCALED_PRODUCT_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 NF4_COMPOSE_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 # device type → callable(dense, k, index_dtype) -> (indices, values) (see top_magnitudes)
 TOP_MAGNITUDES_KERNELS: dict[str, Callable[..., tuple]] = {}
+# device type → callable(keys, k) -> ascending block numbers (see top_blocks)
+TOP_BLOCKS_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 # device type → callable(dense, block_shape) -> keys (see block_score_keys)
 BLOCK_SCORE_KEYS_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 # device type → callable(dense, units, block_shape, index_dtype) -> (layout, indices, values) (see gather_blocks)
@@ -65,6 +67,7 @@ def _load_gpu_kernels() -> None:
     BLOCK_SCORE_KEYS_KERNELS.setdefault("cuda", triton_kernels.block_score_keys)
     GATHER_BLOCKS_KERNELS.setdefault("cuda", triton_kernels.gather_blocks)
     TOP_MAGNITUDES_KERNELS.setdefault("cuda", triton_kernels.top_magnitudes)
+    TOP_BLOCKS_KERNELS.setdefault("cuda", triton_kernels.top_blocks)
 
 # bytes of scratch memory the reference SDDMM may use per chunk
 _REFERENCE_CHUNK_BYTES = 64 * 2**20
@@ -469,20 +472,24 @@ def block_sddmm_into(grad_out2d, x2d, layout: BlockLayout, out: torch.Tensor, ac
     return _place_tiles(out, layout, block_sddmm(grad_out2d, x2d, layout.rows, layout.cols, bh, bw), accumulate)
 
 
-def block_value_gradient(grad_out2d, x2d, layout: BlockLayout, x_factor: Optional[torch.Tensor] = None) -> torch.Tensor:
+def block_value_gradient(grad_out2d, x2d, layout: BlockLayout, x_factor: Optional[torch.Tensor] = None,
+                         out: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
     """The value gradient of a block adapter in a new tensor, in the values' order (float32; float64 for
-    float64 inputs): :func:`block_sddmm_into` into it. On CUDA, where the Triton block kernel applies,
-    each call shape's launch is kept on the layout and repeated (``triton_kernels.block_value_gradient``)."""
+    float64 inputs): :func:`block_sddmm_into` into it; given ``out``, added to ``out`` instead
+    (``accumulate``). On CUDA, where the Triton block kernel applies, each call shape's launch is kept
+    on the layout and repeated (``triton_kernels.block_value_gradient``)."""
     if grad_out2d.device.type == "cuda":
         _load_gpu_kernels()
     kernel = BLOCK_VALUE_GRADIENT_KERNELS.get(grad_out2d.device.type)
     bh, bw = layout.block_shape
-    dtype = accumulation_dtype(grad_out2d.dtype)
-    if kernel is not None and dtype == torch.float32 and _grouped_block_shape((bh, bw)):
+    dtype = accumulation_dtype(grad_out2d.dtype) if out is None else out.dtype
+    if kernel is not None and dtype == torch.float32 and _grouped_block_shape((bh, bw)) and (out is None or out.is_contiguous()):
         with on_device(grad_out2d):
-            return kernel(grad_out2d, x2d, layout, x_factor)
-    out = torch.empty(layout.rows.numel() * bh * bw, dtype=dtype, device=grad_out2d.device)
-    return block_sddmm_into(grad_out2d, x2d, layout, out, x_factor=x_factor)
+            return kernel(grad_out2d, x2d, layout, x_factor, out)
+    if out is None:
+        out = torch.empty(layout.rows.numel() * bh * bw, dtype=dtype, device=grad_out2d.device)
+        return block_sddmm_into(grad_out2d, x2d, layout, out, x_factor=x_factor)
+    return block_sddmm_into(grad_out2d, x2d, layout, out, accumulate=True, x_factor=x_factor)
 
 
 def top_magnitudes_reference(dense: torch.Tensor, k: int, index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -532,11 +539,23 @@ def block_score_keys(dense: torch.Tensor, block_shape) -> torch.Tensor:
     return block_score_keys_reference(dense, block_shape)
 
 
-def top_blocks(keys: torch.Tensor, k: int) -> torch.Tensor:
-    """Ascending block numbers of the k largest :func:`block_score_keys` (ties → lower blocks)."""
+def top_blocks_reference(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending block numbers (int64) of the k largest :func:`block_score_keys` (ties → lower blocks)."""
     k = min(k, keys.numel())
     top = torch.topk(keys, k, sorted=False).values
     return (0xFFFFFFFF - (top & 0xFFFFFFFF)).sort().values
+
+
+def top_blocks(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`top_blocks_reference`; on CUDA one Triton launch (a radix selection over the keys' sums
+    and an ordered compaction) instead of a top-k, two integer operations and a sort."""
+    if keys.device.type == "cuda":
+        _load_gpu_kernels()
+    kernel = TOP_BLOCKS_KERNELS.get(keys.device.type)
+    if kernel is not None and keys.dtype == torch.int64 and 0 < k < keys.numel():
+        with on_device(keys):
+            return kernel(keys.contiguous(), k)
+    return top_blocks_reference(keys, k)
 
 
 def gather_blocks_reference(dense: torch.Tensor, units: torch.Tensor, block_shape, index_dtype: torch.dtype):

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from peft.tuners._buffer_dict import BufferDict
@@ -392,6 +392,42 @@ def release_training_merges(layers: list) -> list:
         merge.active = False
         _MERGED_LAYERS.discard(layer)
     return released
+
+
+def reseat_training_merges(layers: list, change_indices: Callable[[], None]) -> None:
+    """Move the training merges of ``layers`` to the new indices that ``change_indices()`` writes into
+    their indices tensors in place (a reselection), bit for bit as releasing them before the change and
+    merging them again after it would: θ₀ written back at the old indices, θ₀ read at the new ones into
+    each merge's own θ₀ tensor, θ₀[η] + φ written there (one multi-tensor launch per write). The merges
+    stay the same objects holding the same tensors, so the optimizer step hook's kept rewrites
+    (:class:`_SteadyRefresh`) still apply to them. A merge whose base weight's storage was replaced, or
+    whose indices or values are no longer the layer's, is released and merged again instead."""
+    kept, others = [], []
+    for layer in layers:
+        merge = layer._training_merge
+        if merge is None:
+            continue
+        modules = layer._modules
+        values = modules["sparse_values"]._parameters.get(merge.adapter)
+        if merge.active and values is not None and merge.stored_in_weight() and merge.indices is modules["sparse_indices"]._buffers.get(merge.adapter):
+            merge.check_indices()
+            kept.append((merge, values))
+        else:
+            others.append(layer)
+    if kept:
+        with torch.no_grad():
+            kernels.scatter_sum_many([m.flat for m, _ in kept], [m.indices for m, _ in kept], [m.base for m, _ in kept], None)
+    released = release_training_merges(others)
+    change_indices()
+    if kept:
+        with torch.no_grad():
+            for merge, _ in kept:
+                merge.check_indices()
+                torch.index_select(merge.flat, 0, merge.indices, out=merge.base)  # θ₀ at the new indices
+            kernels.scatter_sum_many([m.flat for m, _ in kept], [m.indices for m, _ in kept], [m.base for m, _ in kept], [v.detach() for _, v in kept])
+        for merge, values in kept:
+            merge.written_now(values, by_step=True)
+    merge_for_training_many(released)
 
 
 def merge_for_training_many(layers: list) -> None:

@@ -118,6 +118,28 @@ def _launch(kernel, grid: tuple, args: tuple, kwargs: dict, slot: Optional[str])
     return LaunchPlan(kernel, device, grid3, compiled, params, slots)
 
 
+# (kernel, key) → a LaunchPlan whose slots are all the launch's tensors (see launch_kept)
+_KEPT_LAUNCHES: dict = {}
+_KEPT_LAUNCHES_MAX = 256
+
+
+def launch_kept(kernel, grid: tuple, key: tuple, slots: tuple, tensors: tuple, *args, **kwargs) -> None:
+    """:func:`launch`, repeated for later calls with the same ``key`` from a kept :class:`LaunchPlan` with
+    every tensor argument a slot (``slots``: their names; ``tensors``: this call's, in that order), so
+    the plan holds no tensor. ``key`` must fix everything else the launch depends on — the grid, every
+    scalar and constexpr argument, the device — e.g. a layer shape's: the layers of a model share a
+    handful of shapes, and a training step launches each such kernel once per layer."""
+    whole_key = (kernel, tensors[0].device, key)
+    plan = _KEPT_LAUNCHES.get(whole_key)
+    if plan is not None and plan(*tensors):
+        return
+    made = launch_plan(kernel, grid, slots, *args, **kwargs)
+    if made is not None:
+        while len(_KEPT_LAUNCHES) >= _KEPT_LAUNCHES_MAX:
+            _KEPT_LAUNCHES.pop(next(iter(_KEPT_LAUNCHES)))
+        _KEPT_LAUNCHES[whole_key] = made
+
+
 class LaunchPlan:
     """One direct launch (see :func:`launch`) to repeat: the same compiled kernel, grid and arguments
     except some tensors (``slots``, e.g. an output allocated anew for each launch, or inputs that change
@@ -537,29 +559,41 @@ def block_sddmm_into(
     return launch_grouped(g, x, layout.block_shape, plan, out, accumulate, block_t, target, x_factor=x_factor, keep=keep)
 
 
-def block_value_gradient(grad_out2d: torch.Tensor, x2d: torch.Tensor, layout, x_factor: Optional[torch.Tensor] = None) -> torch.Tensor:
+def block_value_gradient(grad_out2d: torch.Tensor, x2d: torch.Tensor, layout, x_factor: Optional[torch.Tensor] = None,
+                         out: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
     """:func:`block_sddmm_into` of ``layout``'s blocks into a new float32 tensor: a block adapter's value
-    gradient, in the values' order. The launch made for a call shape (tokens, element types, ``tl.dot``
-    precision, X formed in the kernel or not) is kept on the layout (``layout.launches``, a
-    :class:`LaunchPlan` and its token slices) and repeated for the next calls of that shape with their
-    tensors — a training step's backward makes one such call per layer, and the repeat skips the
-    choice of group plan and token slices and Triton's argument binding. The same kernel, grid and
-    settings, so the same bits."""
+    gradient, in the values' order; or, given ``out`` (float32, contiguous, the layout's size), added to
+    ``out`` (e.g. an AG window's sums at candidate blocks). The launch made for a call shape (tokens,
+    element types, ``tl.dot`` precision, X formed in the kernel or not, new tensor or sum) is kept on
+    the layout (``layout.launches``, a :class:`LaunchPlan` and its token slices) and repeated for the
+    next calls of that shape with their tensors — a training step's backward makes one such call per
+    layer, and the repeat skips the choice of group plan and token slices and Triton's argument
+    binding. The same kernel, grid and settings, so the same bits."""
     bh, bw = layout.block_shape
     n = layout.rows.numel() * bh * bw
     g, x = grad_out2d.contiguous(), x2d.contiguous()
     x2 = x if x_factor is None else x_factor.contiguous()
-    key = (g.shape[0], g.dtype, x.dtype, x2.dtype, x_factor is not None, dot_precision(g.dtype))
+    accumulate = out is not None
+    key = (g.shape[0], g.dtype, x.dtype, x2.dtype, x_factor is not None, dot_precision(g.dtype), accumulate)
     kept = layout.launches.get(key)
     if kept is not None and (x_factor is None or x_factor.shape == x.shape):
         plan, splits = kept
-        dest = torch.empty((splits, n) if splits > 1 else n, dtype=torch.float32, device=g.device)
+        if splits > 1:
+            dest = torch.empty(splits, n, dtype=torch.float32, device=g.device)
+        else:
+            dest = out if accumulate else torch.empty(n, dtype=torch.float32, device=g.device)
         if plan(g, x, x2, dest):
-            return dest.sum(0) if splits > 1 else dest
+            if splits == 1:
+                return dest
+            if not accumulate:
+                return dest.sum(0)
+            out += dest.sum(0)  # (as launch_grouped sums its token slices into an accumulated output)
+            return out
         del layout.launches[key]  # (it does not apply: launched as usual, and kept anew if it can be)
-    out = torch.empty(n, dtype=torch.float32, device=g.device)
+    if not accumulate:
+        out = torch.empty(n, dtype=torch.float32, device=g.device)
     made = [] if g.dtype == x.dtype == x2.dtype else None  # (no conversion in between: the plan's tensors are these)
-    block_sddmm_into(g, x, layout, out, x_factor=x_factor, keep=made)
+    block_sddmm_into(g, x, layout, out, accumulate=accumulate, x_factor=x_factor, keep=made)
     if made and made[0][0] is not None:
         while len(layout.launches) >= _LAUNCHES_KEPT:  # (e.g. token counts that change from step to step)
             layout.launches.pop(next(iter(layout.launches)))
@@ -642,8 +676,59 @@ def block_score_keys(dense: torch.Tensor, block_shape) -> torch.Tensor:
     n = (out_f // bh) * (in_f // bw)
     keys = torch.empty(n, dtype=torch.int64, device=dense.device)
     if n:
-        _block_score_keys_kernel[(n,)](dense, keys, in_f, in_f // bw, BH=bh, BW=bw, num_warps=4)
+        launch_kept(_block_score_keys_kernel, (n,), (out_f, in_f, dense.dtype, bh, bw), ("DENSE", "KEYS"), (dense, keys),
+                    dense, keys, in_f, in_f // bw, BH=bh, BW=bw, num_warps=4)  # fmt: skip
     return keys
+
+
+_TOP_BLOCKS_CHUNK = 1024
+
+
+@triton.jit
+def _top_blocks_kernel(KEYS, n, k, OUT, CHUNK: tl.constexpr):
+    # one program. The keys' high 32 bits (the signed float32 bits of a block's sum, shifted to unsigned
+    # order) decide; ties go to lower positions, as the low 32 bits (2³²−1 − position) rank them. Four
+    # radix levels of 8 bits find the high bits of the k-th largest key and how many keys lie above
+    # them; one pass over the keys then writes, in ascending order, the positions above those bits and
+    # the lowest tied positions still needed
+    bins = tl.arange(0, 256)
+    kth = tl.full((), 0, tl.int64)  # the k-th largest key's high bits, found 8 bits at a time
+    need = tl.full((), 0, tl.int64) + k  # how many of the keys that share kth's bits found so far to take
+    for level in tl.static_range(4):
+        shift = 24 - 8 * level
+        hist = tl.zeros((256,), tl.int32)
+        for start in range(0, n, CHUNK):
+            offs = start + tl.arange(0, CHUNK).to(tl.int64)
+            m = offs < n
+            high = (tl.load(KEYS + offs, mask=m, other=0) >> 32) + 2147483648  # in [0, 2³²)
+            match = m & ((high >> (shift + 8)) == (kth >> (shift + 8)))
+            hist += tl.histogram(((high >> shift) & 255).to(tl.int32), 256, mask=match)
+        counts = hist.to(tl.int64)
+        above = tl.sum(counts, axis=0) - tl.cumsum(counts, 0)  # keys in the bins above each bin
+        pick = (above < need) & (above + counts >= need)
+        kth += tl.sum(tl.where(pick, bins.to(tl.int64), 0), axis=0) << shift
+        need -= tl.sum(tl.where(pick, above, 0), axis=0)
+    written = tl.full((), 0, tl.int64)
+    tied = tl.full((), 0, tl.int64)
+    for start in range(0, n, CHUNK):
+        offs = start + tl.arange(0, CHUNK).to(tl.int64)
+        m = offs < n
+        high = (tl.load(KEYS + offs, mask=m, other=0) >> 32) + 2147483648
+        eq = (m & (high == kth)).to(tl.int64)
+        rank = tied + tl.cumsum(eq, 0) - eq
+        take = ((m & (high > kth)) | ((eq > 0) & (rank < need))).to(tl.int64)
+        tl.store(OUT + written + tl.cumsum(take, 0) - take, offs, mask=take > 0)
+        written += tl.sum(take, axis=0)
+        tied += tl.sum(eq, axis=0)
+
+
+def top_blocks(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`~peft_sparse.core.kernels.top_blocks` for 0 < k < ``keys.numel()`` (contiguous int64 keys of
+    :func:`block_score_keys`) in one launch: no top-k, no sort."""
+    out = torch.empty(k, dtype=torch.int64, device=keys.device)
+    n = keys.numel()
+    launch_kept(_top_blocks_kernel, (1,), (n, k), ("KEYS", "OUT"), (keys, out), keys, n, k, out, CHUNK=_TOP_BLOCKS_CHUNK, num_warps=4)
+    return out
 
 
 # top_magnitudes: |x| of a 16-bit float as a 15-bit integer key (sign bit cleared: non-negative floats
@@ -787,9 +872,9 @@ def gather_blocks(dense: torch.Tensor, units: torch.Tensor, block_shape, index_d
     idx = torch.empty(n * bh * bw, dtype=index_dtype, device=dev)
     out = torch.empty(n * bh * bw, dtype=torch.float32, device=dev)
     if n:
-        _gather_blocks_kernel[(n,)](
-            units, n, _search_rounds(n, 64), in_f // bw, dense, in_f, rows, cols, base, stride, idx, out, BH=bh, BW=bw, K=64,
-        )  # fmt: skip
+        launch_kept(_gather_blocks_kernel, (n,), (n, out_f, in_f, dense.dtype, units.dtype, index_dtype, bh, bw),
+                    ("UNITS", "DENSE", "ROWS", "COLS", "BASE", "STRIDE", "IDX", "OUT"), (units, dense, rows, cols, base, stride, idx, out),
+                    units, n, _search_rounds(n, 64), in_f // bw, dense, in_f, rows, cols, base, stride, idx, out, BH=bh, BW=bw, K=64)  # fmt: skip
     return BlockLayout(rows, cols, base, stride, block_shape, out_f, in_f, units.long()), idx, out
 
 
@@ -910,14 +995,16 @@ def _address_table(tensors, device: torch.device) -> torch.Tensor:
 
 def _program_map(counts: list, device: torch.device) -> tuple:
     """(programs, counts, tensor of each program, first entry of each program) for tensors of ``counts``
-    entries, ``_MULTI_BLOCK`` entries per program."""
+    entries, ``_MULTI_BLOCK`` entries per program: the two per-program tables are computed on ``device``
+    from one small copy (no program-sized host tensor to fill, pin and copy)."""
     blocks = [-(-n // _MULTI_BLOCK) for n in counts]
     programs = sum(blocks)
-    tensor_of = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), torch.tensor(blocks, dtype=torch.int64))
-    first = torch.tensor([0] + blocks[:-1], dtype=torch.int64).cumsum(0)  # first program of each tensor
-    start = (torch.arange(programs, dtype=torch.int64) - first.repeat_interleave(torch.tensor(blocks))) * _MULTI_BLOCK
-    counts_t = torch.tensor(counts, dtype=torch.int64)
-    return programs, to_device_async(counts_t, device), to_device_async(tensor_of, device), to_device_async(start, device)
+    sizes = to_device_async(torch.tensor([counts, blocks], dtype=torch.int64).reshape(2, len(counts)), device)
+    counts_t, blocks_t = sizes[0], sizes[1]
+    tensor_of = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32, device=device), blocks_t, output_size=programs)
+    first = torch.cumsum(blocks_t, 0) - blocks_t  # first program of each tensor
+    start = (torch.arange(programs, dtype=torch.int64, device=device) - first[tensor_of.long()]) * _MULTI_BLOCK
+    return programs, counts_t, tensor_of, start
 
 
 @triton.jit

@@ -45,7 +45,7 @@ from safetensors.torch import load_file, save_file
 
 from ..core import kernels
 from ..core.config import SparseConfig
-from ..core.layer import SparseLayer, index_dtype, merge_for_training_many, release_training_merges
+from ..core.layer import SparseLayer, index_dtype, reseat_training_merges
 from ..core.selection import BlockGrid, module_generator, random_indices, segmented_rank, top_k_set
 from ..core.tuner import SparseTuner
 from ..optim.sm3 import SM3
@@ -730,13 +730,11 @@ class _WindowStatistics:
                 layout, self.candidates, first = kernels.gather_blocks(own, self.candidate_units, block_shape, index_dtype(flat.numel()))
                 if self.block_kernel:
                     self.candidate_blocks = layout
-            n = self.candidates.numel()
-            self.grad_sum = torch.zeros(n, dtype=self.dtype, device=flat.device)
-            self.grad_sq_sum = torch.zeros(n, dtype=self.dtype, device=flat.device)
+            # (Σ g and Σ g² are allocated at the step's end, all tensors' together: see _end_steps)
             if first is not None and self.dtype == torch.float32:  # this micro-batch's gradients at the candidates
                 self.step_sum = first
                 return
-            self.step_sum = torch.zeros(n, dtype=self.dtype, device=flat.device)
+            self.step_sum = torch.zeros(self.candidates.numel(), dtype=self.dtype, device=flat.device)
             if _distributed():
                 flat = dense_grad.reshape(-1)
         self.step_sum += flat.index_select(0, self.candidates)
@@ -755,12 +753,19 @@ class _WindowStatistics:
     def add_candidate_gradients(self, grad_out2d: torch.Tensor, x2d: torch.Tensor, x_factor: Optional[torch.Tensor] = None) -> None:
         """Add one micro-batch's gradient at the candidate blocks (``candidate_blocks``) to ``step_sum``
         from the block kernel, instead of from the dense dW (``x_factor``: the layer input is
-        ``x2d ⊙ x_factor``, formed tile by tile; see :func:`~peft_sparse.core.kernels.block_sddmm_into`)."""
-        kernels.block_sddmm_into(grad_out2d, x2d, self.candidate_blocks, self.step_sum, accumulate=True, x_factor=x_factor)
+        ``x2d ⊙ x_factor``, formed tile by tile; see :func:`~peft_sparse.core.kernels.block_sddmm_into`),
+        repeating the launch kept for the call's shape (:func:`~peft_sparse.core.kernels.block_value_gradient`)."""
+        kernels.block_value_gradient(grad_out2d, x2d, self.candidate_blocks, x_factor=x_factor, out=self.step_sum)
+
+    def allocate_sums(self) -> None:
+        """Zero Σ g and Σ g² (see :func:`_end_steps`, which allocates many tensors' at once)."""
+        if self.candidates is not None and self.grad_sum is None:
+            self.grad_sum, self.grad_sq_sum = torch.zeros(2, self.step_sum.numel(), dtype=self.dtype, device=self.step_sum.device)
 
     def end_step(self) -> None:
         if self.candidates is None:
             return
+        self.allocate_sums()
         self.grad_sum += self.step_sum
         self.grad_sq_sum += self.step_sum * self.step_sum
         self.step_sum.zero_()
@@ -768,6 +773,7 @@ class _WindowStatistics:
     def tensors(self) -> dict:
         if self.candidates is None:
             return {}
+        self.allocate_sums()
         tensors = {"candidates": self.candidates, "step_sum": self.step_sum, "grad_sum": self.grad_sum, "grad_sq_sum": self.grad_sq_sum}
         if self.candidate_units is not None:  # block adapters
             tensors["candidate_units"] = self.candidate_units
@@ -781,7 +787,13 @@ def _end_steps(statistics: list) -> None:
     for stats in statistics:
         if stats.candidates is not None:
             groups.setdefault((stats.step_sum.device, stats.step_sum.dtype), []).append(stats)
-    for members in groups.values():
+    for (device, dtype), members in groups.items():
+        fresh = [m for m in members if m.grad_sum is None]  # the window's first step: one allocation for all
+        if fresh:
+            sizes = [m.step_sum.numel() for m in fresh]
+            sums = torch.zeros(2, sum(sizes), dtype=dtype, device=device)
+            for m, grad_sum, grad_sq_sum in zip(fresh, sums[0].split(sizes), sums[1].split(sizes)):
+                m.grad_sum, m.grad_sq_sum = grad_sum, grad_sq_sum
         step = [m.step_sum for m in members]
         torch._foreach_add_([m.grad_sum for m in members], step)
         torch._foreach_add_([m.grad_sq_sum for m in members], torch._foreach_mul(step, step))
@@ -865,6 +877,8 @@ def _squared_norm(params: list) -> torch.Tensor:
     device = params[0].grad.device
     grads = [p.grad.detach() if p.grad.dtype in (torch.float32, torch.float64) else p.grad.detach().float() for p in params]
     norms = torch._foreach_norm(grads)
+    if all(n.device == device for n in norms):  # (stacked, then widened: the same float64 values, two launches)
+        return torch.stack(norms).to(torch.float64).square().sum()
     return torch.stack([n.to(device=device, dtype=torch.float64) for n in norms]).square().sum()
 
 
@@ -1069,13 +1083,17 @@ class SpIELScheduler:
         new_values[grown] = 0
         torch._foreach_copy_([v.data for v in values], list(torch.split(new_values, result.sizes)))
         torch._foreach_copy_(ages, list(torch.split(new_ages, result.sizes)))
-        merged = release_training_merges(layers)  # θ₀ back at the old positions before they change (SparseLayer docstring)
-        if len({i.dtype for i in indices}) == 1:
-            torch._foreach_copy_(indices, list(torch.split(result.new_indices.to(indices[0].dtype), result.sizes)))
-        else:  # int32 and int64 indices (tensors of 2³¹ weights or more) side by side
-            for index, new in zip(indices, result.indices):
-                index.copy_(new)
-        merge_for_training_many(merged)  # and θ₀[η] + φ at the new ones, for the next forward pass
+
+        def change_indices():
+            if len({i.dtype for i in indices}) == 1:
+                torch._foreach_copy_(indices, list(torch.split(result.new_indices.to(indices[0].dtype), result.sizes)))
+            else:  # int32 and int64 indices (tensors of 2³¹ weights or more) side by side
+                for index, new in zip(indices, result.indices):
+                    index.copy_(new)
+
+        # θ₀ back at the old positions before they change (SparseLayer docstring), θ₀[η] + φ at the new
+        # ones for the next forward pass
+        reseat_training_merges(layers, change_indices)
         reindex_optimizer_states(self.optimizer, values, source)
         n_grown = sum(result.dropped)
         if group[0][2] is not None:  # AG: seeds for the next optimizer step, from the window's ĝ, ŝ
@@ -1182,8 +1200,8 @@ class SpIELScheduler:
     def save(self, directory: str) -> None:
         """Write the state as ``spiel_scheduler.json`` + ``spiel_scheduler.safetensors`` (no pickle)."""
         state = self.state_dict()
-        tensors = {
-            f"{group}::{module}::{key}": value.contiguous()
+        tensors = {  # (window sums are views of one buffer for all tensors: safetensors wants their own storage)
+            f"{group}::{module}::{key}": value.contiguous() if value.untyped_storage().nbytes() == value.nbytes else value.clone()
             for group in self._TENSOR_GROUPS
             for module, entries in state.pop(group).items()
             for key, value in entries.items()

@@ -12,6 +12,7 @@ A SpIEL-AG estimation window is the γ steps ending at a reselection: steps t_r 
 
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 
@@ -37,6 +38,7 @@ def in_estimation_window(t: int, reselection_steps: int, gradient_estimation_ste
     return next_reselection < total_steps and next_reselection - gradient_estimation_steps < t
 
 
+@functools.lru_cache(maxsize=4096)  # (a reselection asks once per tensor, for a few distinct sizes)
 def replacement_count(
     t: int, total_steps: int, d_phi: int, initial_reselection_rate: float, schedule: str, gradient_estimation_steps: int
 ) -> int:
