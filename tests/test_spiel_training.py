@@ -358,26 +358,42 @@ def test_a_reloaded_trainable_adapter_keeps_training_with_its_ages(tmp_path):
     assert any(not torch.equal(b, l.sparse_indices["default"]) for b, l in zip(before, sparse_layers(loaded)))
 
 
-def test_a_nan_window_gradient_raises_at_the_reselection_with_the_adapter_untouched():
-    model = _spiel("ag")
+@pytest.mark.parametrize("block_shape", [(1, 1), (4, 4)])
+@pytest.mark.parametrize("at", [2, 8], ids=["first-reselection", "partial-reselection"])
+def test_a_nan_window_gradient_raises_at_the_reselection_with_the_adapter_untouched(block_shape, at):
+    """The reselection's edits are conditioned on its flag on the device, read once at the end: with a
+    NaN in one tensor's window sums it raises, and values, indices, ages, optimizer moments, the base
+    weights (merged in place for training), the block layouts (the same objects) and the seeds waiting
+    for the next step are all as they were."""
+    model = _spiel("ag", block_shape=block_shape, density=0.1)
     opt = _optimizer(model, "ag")
     scheduler = SpIELScheduler(model, opt, total_steps=20)
-    _run(model, opt, scheduler, 1)  # step 1 of the first window (γ=2): statistics exist
-    stats = next(iter(scheduler.statistics.values()))
+    _run(model, opt, scheduler, at - 1)  # the first step of the reselection's window (γ=2): statistics exist
+    stats = max(scheduler.statistics.values(), key=lambda s: s.grad_sum.numel())  # (a tensor with units to replace)
     stats.grad_sum[3] = float("nan")  # as if a NaN gradient had reached one tensor's window sums
     model.train()
     _loss(model, _batch(1)).backward()
     opt.step()
     opt.zero_grad()
+    layers = sparse_layers(model)
     before = {m.module_name: (m.sparse_indices["default"].clone(), m.sparse_values["default"].detach().clone(),
-                              m.sparse_ages["default"].clone()) for m in sparse_layers(model)}  # fmt: skip
+                              m.sparse_ages["default"].clone(), m.get_base_layer().weight.detach().clone(),
+                              m.cached_block_metadata("default"),
+                              [opt.state[m.sparse_values["default"]][k].clone() for k in ("exp_avg", "exp_avg_sq")])
+              for m in layers}  # fmt: skip
+    assert sum(m._training_merge is not None for m in layers) > 0
     with pytest.raises(ValueError, match="NaN"):
-        scheduler.step()  # t = γ: the reselection
-    for m in sparse_layers(model):
-        indices, values, ages = before[m.module_name]
+        scheduler.step()  # t = at: the reselection
+    for m in layers:
+        indices, values, ages, weight, layout, moments = before[m.module_name]
         assert torch.equal(m.sparse_indices["default"], indices)
         assert torch.equal(m.sparse_values["default"].detach(), values)
         assert torch.equal(m.sparse_ages["default"], ages)
+        assert torch.equal(m.get_base_layer().weight.detach(), weight)
+        assert m.cached_block_metadata("default") is layout
+        for key, moment in zip(("exp_avg", "exp_avg_sq"), moments):
+            assert torch.equal(opt.state[m.sparse_values["default"]][key], moment)
+    assert scheduler.seeding.pending == {}
 
 
 def test_a_shortfall_is_reselected_tensor_by_tensor_and_reported():

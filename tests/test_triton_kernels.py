@@ -916,3 +916,22 @@ def test_launch_plan_repeats_a_direct_launch_with_one_tensor_replaced(tk, monkey
     assert tk.launch_plan(kernel, (4,), "n", src, out, 7, BLOCK=32) is None
     assert tk.launch_plan(kernel, (4,), ("OUT", "n"), src, out, 7, BLOCK=32) is None
     assert tk.launch(kernel, (4,), src, out, 7, BLOCK=32) is None
+    # a retargeted plan: a held tensor replaced by another like it (the old plan unchanged), or refused
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)
+    kernel = Kernel(0)
+    for _ in range(2):
+        tk.launch(kernel, (4,), src, out, 7, BLOCK=32)
+    plan = tk.launch_plan(kernel, (4,), "OUT", src, out, 7, BLOCK=32)
+    assert plan is not None and plan.kept_names == ("SRC",)
+    other = torch.zeros(8)
+    moved = plan.retargeted(SRC=other)
+    assert moved is not None and moved.tensors == (other,) and plan.tensors == (src,)
+    new_out = torch.zeros(8)
+    assert moved(new_out) and kernel.compiled.run.launches[-1][-4:] == (other.data_ptr(), new_out.data_ptr(), 7, 32)
+    assert plan(new_out) and kernel.compiled.run.launches[-1][-4:] == (src.data_ptr(), new_out.data_ptr(), 7, 32)
+    assert plan.retargeted(SRC=torch.zeros(8, dtype=torch.float64)) is None
+    assert plan.retargeted(SRC=torch.zeros(9)) is None
+    assert plan.retargeted(SRC=torch.zeros(9)[1:]) is None
+    assert plan.retargeted(SRC=torch.zeros(16)[::2]) is None
+    with pytest.raises(ValueError, match="'OUT' is not a tensor this launch holds"):
+        plan.retargeted(OUT=torch.zeros(8))

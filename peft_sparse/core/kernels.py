@@ -604,6 +604,20 @@ def prepare_block_plans(layouts: list, keys: Optional[list] = None, x_reads: tup
         triton_kernels.build_plans(chosen, chosen_keys)
 
 
+def carry_launches(olds: list, news: list) -> None:
+    """For each pair of layouts of one tensor (``olds[i]`` before a reselection, ``news[i]`` after it,
+    its group plans built): the value-gradient launches kept on the old layout, retargeted to the new
+    one (``triton_kernels.carry_launches``), so the next backward pass repeats them instead of planning
+    each layer's launch anew."""
+    pairs = [(old, new) for old, new in zip(olds, news) if old is not None and new is not None and old.launches]
+    if not pairs:
+        return
+    from . import triton_kernels  # (launches are only kept where the Triton kernels ran)
+
+    for old, new in pairs:
+        triton_kernels.carry_launches(old, new)
+
+
 class CostModel:
     """Chooses ``"dense"`` or ``"sddmm"`` for a layer from its shape, token count and number of indices.
 

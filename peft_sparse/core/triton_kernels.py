@@ -153,17 +153,19 @@ class LaunchPlan:
     more than launch (hooks, debug modes): the caller then launches as usual. It launches on its own
     device (made current for the launch when another one is), on that device's current stream."""
 
-    __slots__ = ("kernel", "device", "grid", "function", "run", "prefix", "values", "at", "aligned", "dtypes", "numels", "tensors")
+    __slots__ = ("kernel", "device", "grid", "function", "run", "prefix", "values", "at", "aligned", "dtypes", "numels", "tensors",
+                 "names", "kept_names")  # fmt: skip
 
     def __init__(self, kernel, device: int, grid: tuple, compiled, params: dict, slots: tuple):
-        names = list(params)
+        names = self.names = tuple(params)
         self.at = tuple(names.index(name) for name in slots)
         outs = [params[name] for name in slots]
         self.kernel, self.device, self.grid, self.function = kernel, device, grid, compiled.function
         self.aligned = tuple(t.data_ptr() % 16 == 0 for t in outs)
         self.dtypes = tuple(t.dtype for t in outs)
         self.numels = tuple(t.numel() for t in outs)
-        self.tensors = tuple(v for n, v in params.items() if n not in slots and isinstance(v, torch.Tensor))
+        self.kept_names = tuple(n for n, v in params.items() if n not in slots and isinstance(v, torch.Tensor))
+        self.tensors = tuple(params[n] for n in self.kept_names)
         self.values = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in params.values()]
         launcher = compiled.run
         if (
@@ -194,6 +196,31 @@ class LaunchPlan:
         gx, gy, gz = self.grid
         self.run(gx, gy, gz, torch._C._cuda_getCurrentRawStream(self.device), self.function, *self.prefix, *values)
         return True
+
+    def retargeted(self, **tensors: torch.Tensor) -> Optional["LaunchPlan"]:
+        """This launch with some of the tensors it holds (by parameter name) replaced by others of the
+        same dtype, number of elements, device and 16-byte alignment, contiguous — e.g. a block
+        layout's plan tables after a reselection rebuilt them in new tensors of the same sizes — as a
+        new plan, without Triton's argument binding; None when a replacement differs (the caller then
+        launches as usual). Naming a slot or a parameter that is not a tensor is an error."""
+        kept = dict(zip(self.kept_names, self.tensors))
+        values = self.values.copy()
+        for name, tensor in tensors.items():
+            if name not in kept:
+                raise ValueError(f"retargeted: {name!r} is not a tensor this launch holds (held: {self.kept_names})")
+            old = kept[name]
+            if (
+                tensor.dtype is not old.dtype or tensor.numel() != old.numel() or tensor.device != old.device
+                or (tensor.data_ptr() % 16 == 0) is not (old.data_ptr() % 16 == 0) or not tensor.is_contiguous()
+            ):  # fmt: skip
+                return None
+            kept[name] = tensor
+            values[self.names.index(name)] = tensor.data_ptr()
+        plan = LaunchPlan.__new__(LaunchPlan)
+        for attr in LaunchPlan.__slots__:
+            setattr(plan, attr, getattr(self, attr))
+        plan.tensors, plan.values = tuple(kept[n] for n in self.kept_names), values
+        return plan
 
 
 @triton.jit
@@ -602,6 +629,26 @@ def block_value_gradient(grad_out2d: torch.Tensor, x2d: torch.Tensor, layout, x_
 
 
 _LAUNCHES_KEPT = 4  # kept value-gradient launches per layout (call shapes)
+
+
+def carry_launches(old, new) -> None:
+    """Give the layout ``new`` the value-gradient launches kept on ``old`` (see
+    :func:`block_value_gradient`) when both place as many blocks in a tensor of the same shape — a
+    reselection's new layout of a layer —, retargeted to ``new``'s group plans, which must be built
+    already (e.g. by :func:`build_plans` with ``old``'s plan keys): a plan's size depends only on the
+    block count and the tensor's shape (:meth:`BlockGroups.of_layouts`), so the grid, the token slices
+    and the compiled kernel stay; only the plan tables change."""
+    if (not old.launches or old.rows.numel() != new.rows.numel() or old.block_shape != new.block_shape
+            or (old.out_features, old.in_features) != (new.out_features, new.in_features)):  # fmt: skip
+        return
+    for key, (plan, splits) in old.launches.items():
+        groups_key = plan_key(new, None, 2 if key[4] else 1)  # (key[4]: X formed from two factors)
+        was, now = old.plans.get(groups_key), new.plans.get(groups_key)
+        if key in new.launches or was is None or now is None or now.size != was.size:
+            continue
+        moved = plan.retargeted(LINE=now.line, OTHER=now.other, BASE=now.base, STRIDE=now.stride)
+        if moved is not None:
+            new.launches[key] = (moved, splits)
 
 
 def launch_grouped(g, x, block_shape, plan: BlockGroups, out, accumulate: bool, block_t: int, target: int,

@@ -36,7 +36,7 @@ import os
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from typing import Callable, ClassVar, Optional
 
 import torch
 import torch.distributed as dist
@@ -906,6 +906,25 @@ def _find_spiel_adapter(model, adapter_name: Optional[str]):
     return inner, tuner, adapter_name, spiel[adapter_name]
 
 
+def _candidate_units(item: TensorReselection) -> int:
+    """How many candidate units (weights, or blocks) an AG tensor's window chose."""
+    if item.grid.unit > 1 and item.candidate_units is not None:
+        return item.candidate_units.numel()
+    return item.candidates.numel() // item.grid.unit
+
+
+@dataclass
+class _GroupEdit:
+    """What :meth:`SpIELScheduler._apply_all` did to a group of tensors: its report sums (device: age of
+    the dropped, age of the kept, indices not active before), counts, and how to undo what a failed
+    condition left (the block layouts and the seeds)."""
+
+    sums: torch.Tensor
+    replaced: int
+    shortfall: int
+    undo: Callable[[], None]
+
+
 class SpIELScheduler:
     """Drives SpIEL's reselections from optimizer steps; works with any training loop.
 
@@ -1018,9 +1037,13 @@ class SpIELScheduler:
         """Drop/grow every tensor, then edit values, ages, indices and optimizer state in place.
 
         All tensors of a device are reselected together (:func:`reselect_all`: a handful of launches
-        for all of them, no host synchronisation for AG until one check of the whole result), and the
-        edits are gathered once over the concatenation. Nothing is edited before the check: a NaN
-        score raises with the adapter untouched."""
+        for all of them, no host synchronisation for AG), and the edits are gathered once over the
+        concatenation. AG's result carries a device flag (enough eligible candidates, finite scores);
+        where no shortfall is possible its edits are conditioned on the flag on the device and one host
+        synchronisation, with the report's, reads it — a fallen flag means the edits changed nothing,
+        and the checked path then runs (a NaN score raises with the adapter's contents untouched).
+        Otherwise (several devices, or fewer candidates than active units) every flag is read first
+        and nothing is edited before every group is checked."""
         c, name = self.config, self.adapter_name
         by_device: dict = {}  # device → [(layer, TensorReselection, window statistics)]
         for layer in self.layers:
@@ -1048,30 +1071,54 @@ class SpIELScheduler:
                     continue
                 item.row_acc, item.col_acc = state["row_accumulator"], state["col_accumulator"]
             by_device.setdefault(values.device, []).append((layer, item, stats))
-        results = []
+        results = []  # (group, result, ok: a bool, or the device flag its edits are conditioned on)
         for group in by_device.values():
-            result = reselect_all([item for _, item, _ in group], c.growth)
-            results.append((group, result, bool(result.ok)))
-        checked = {}
-        for at, (group, result, ok) in enumerate(results):
-            if not ok:  # a shortfall or a non-finite score somewhere: tensor by tensor, checked (raises on NaN)
-                items = [it for _, it, _ in group]
-                per_tensor = [reselect_ag(it.values, it.indices, it.k, it.candidates, it.score.abs(), it.grid, it.units, it.candidate_units)
-                              for it in items]  # fmt: skip
-                checked[at] = AllReselections.of_tensors(items, per_tensor)
-        totals = {"replaced": 0, "shortfall": 0, "sums": []}  # nothing is edited before every group is checked
-        for at, (group, result, _) in enumerate(results):
-            self._apply_all(t, group, checked.get(at, result), totals)
-        return self._report(t, totals)
+            items = [item for _, item, _ in group]
+            result = reselect_all(items, c.growth)
+            if c.growth == "ma":  # (MA's selection has no flag: it always succeeds)
+                results.append((group, result, True))
+            elif len(by_device) == 1 and all(_candidate_units(it) >= it.values.numel() // it.grid.unit for it in items):
+                # no shortfall possible (SpIEL's K ≥ d_φ): the flag only falls for a non-finite score. The
+                # edits go ahead conditioned on it on the device and the report's one host synchronisation
+                # checks it, so the host issues them while the device still finishes the step
+                results.append((group, result, result.ok))
+            else:
+                results.append((group, result, bool(result.ok)))
+        checked = {at: self._checked(group) for at, (group, _, ok) in enumerate(results) if ok is False}  # (all before any edit)
+        edits = [self._apply_all(t, group, checked.get(at, result), None if isinstance(ok, bool) else ok)
+                 for at, (group, result, ok) in enumerate(results)]  # fmt: skip
+        flags = [(at, ok) for at, (_, _, ok) in enumerate(results) if not isinstance(ok, bool)]
+        report, down = self._report(t, edits, flags)
+        if down:  # the edits of these groups changed nothing: their layouts back, their seeds dropped, and
+            for at in down:  # the checked path (which raises on a non-finite score, the adapter as it was)
+                edits[at].undo()
+                edits[at] = self._apply_all(t, results[at][0], self._checked(results[at][0]), None)
+            report, _ = self._report(t, edits, [])
+        return report
 
-    def _apply_all(self, t: int, group: list, result: AllReselections, totals: dict) -> None:
-        """Edit values, ages, indices and optimizer state of a group of tensors from one result."""
+    def _checked(self, group: list) -> AllReselections:
+        """The group's reselection tensor by tensor, checked: fewer eligible candidates than k shrink k
+        (reported as a shortfall); a non-finite score raises, nothing edited."""
+        items = [it for _, it, _ in group]
+        per_tensor = [reselect_ag(it.values, it.indices, it.k, it.candidates, it.score.abs(), it.grid, it.units, it.candidate_units)
+                      for it in items]  # fmt: skip
+        return AllReselections.of_tensors(items, per_tensor)
+
+    def _apply_all(self, t: int, group: list, result: AllReselections, condition: Optional[torch.Tensor]) -> "_GroupEdit":
+        """Edit values, ages, indices and optimizer state of a group of tensors from one result.
+        ``condition`` (a device flag): the edits hold only where it is True; otherwise every slot keeps its
+        old weight, and the values, ages, indices, merges and optimizer state keep their contents (the
+        returned edit's ``undo`` then puts the old block layouts back and drops the seeds)."""
         name = self.adapter_name
         layers = [layer for layer, _, _ in group]
         values = [layer.sparse_values[name] for layer in layers]
         ages = [layer.sparse_ages[name] for layer in layers]
         indices = [layer.sparse_indices[name] for layer in layers]
         source = result.source
+        new_indices = result.new_indices
+        if condition is not None:  # (False: every slot its own source, the old indices)
+            source = torch.where(condition, source, torch.arange(source.numel(), device=source.device))
+            new_indices = torch.where(condition, new_indices, torch.cat(indices).to(new_indices.dtype))
         grown = source < 0
         gather = source.clamp(min=0)
         all_ages = torch.cat(ages)
@@ -1086,9 +1133,9 @@ class SpIELScheduler:
 
         def change_indices():
             if len({i.dtype for i in indices}) == 1:
-                torch._foreach_copy_(indices, list(torch.split(result.new_indices.to(indices[0].dtype), result.sizes)))
+                torch._foreach_copy_(indices, list(torch.split(new_indices.to(indices[0].dtype), result.sizes)))
             else:  # int32 and int64 indices (tensors of 2³¹ weights or more) side by side
-                for index, new in zip(indices, result.indices):
+                for index, new in zip(indices, torch.split(new_indices, result.sizes)):
                     index.copy_(new)
 
         # θ₀ back at the old positions before they change (SparseLayer docstring), θ₀[η] + φ at the new
@@ -1110,21 +1157,36 @@ class SpIELScheduler:
             pieces = zip(torch.split(local, result.dropped), torch.split(grad_mean, result.dropped), torch.split(grad_sq_mean, result.dropped))
             for value, (s, g, s2) in zip(values, pieces):
                 self.seeding.pending[id(value)] = (s, g, s2)
-        layouts, plan_keys = [], []
+        olds, layouts, plan_keys = [], [], []
         for layer, (_, item, _), units, meta in zip(layers, group, result.units, result.block_metadata):
             if units is not None and item.grid.unit > 1:
                 old = layer.cached_block_metadata(name)
+                olds.append((layer, old))
                 layouts.append(layer.set_block_metadata(name, units, meta))
                 plan_keys.append(list(old.plans) if old is not None else [])
         kernels.prepare_block_plans(layouts, plan_keys)  # the plans the old layouts used, all layers at once
-        totals["sums"].append(torch.stack([age_before - kept_age, kept_age, result.changed.to(age_before.device)]))
-        totals["replaced"] += n_grown
-        totals["shortfall"] += result.shortfall
+        kernels.carry_launches([old for _, old in olds], layouts)  # and their kept value-gradient launches
 
-    def _report(self, t: int, totals: dict) -> dict:
+        def undo():
+            for layer, old in olds:
+                if old is not None:
+                    layer.set_block_metadata(name, old.block_numbers(), old)
+            if self.seeding is not None:
+                for value in values:
+                    self.seeding.pending.pop(id(value), None)
+
+        sums = torch.stack([age_before - kept_age, kept_age, result.changed.to(age_before.device)])
+        return _GroupEdit(sums, n_grown, result.shortfall, undo)
+
+    def _report(self, t: int, edits: list, flags: list) -> tuple[dict, list]:
+        """The reselection's statistics and the positions of the groups whose flag (``flags``: (position,
+        device flag) pairs) is down, read in one host synchronisation."""
         total = sum(layer.sparse_values[self.adapter_name].numel() for layer in self.layers)
-        replaced, shortfall, sums = totals["replaced"], totals["shortfall"], totals["sums"]
-        dropped_age, kept_age, changed = torch.stack(sums).sum(0).tolist() if sums else (0, 0, 0)
+        replaced, shortfall = sum(e.replaced for e in edits), sum(e.shortfall for e in edits)
+        numbers = [e.sums.double() for e in edits] + [ok.reshape(1).double().to(edits[0].sums.device) for _, ok in flags]
+        read = torch.cat([torch.stack(numbers[: len(edits)]).sum(0), *numbers[len(edits) :]]).tolist() if edits else [0, 0, 0]
+        dropped_age, kept_age, changed = read[:3]
+        down = [at for (at, _), ok in zip(flags, read[3:]) if not ok]
         out = {
             "spiel/step": t,
             "spiel/replaced": replaced,
@@ -1134,8 +1196,9 @@ class SpIELScheduler:
         }
         if shortfall:
             out["spiel/shortfall"] = shortfall
-            warnings.warn(f"SpIEL step {t}: {shortfall} fewer weights replaced than scheduled (not enough eligible candidates)")
-        return out
+            if not down:
+                warnings.warn(f"SpIEL step {t}: {shortfall} fewer weights replaced than scheduled (not enough eligible candidates)")
+        return out, down
 
     # -- state
     def state_dict(self) -> dict:
