@@ -102,6 +102,7 @@ def test_linear_and_cosine_schedules():
     T, d, xi, gamma = 100, 1000, 0.2, 5
     assert replacement_count(5, T, d, xi, "linear", gamma) == d  # first reselection: everything
     assert replacement_count(25, T, d, xi, "linear", gamma) == 150  # ⌊0.2·75/100·1000⌋
+    assert replacement_count(25, T, d, torch.tensor(xi, dtype=torch.float64), "linear", gamma) == 150  # (an unhashable rate)
     assert replacement_count(45, T, d, xi, "linear", gamma) == 110
     assert replacement_count(25, T, 7, 0.3, "linear", gamma) == 1  # ⌊0.3·0.75·7⌋ = ⌊1.575⌋
     assert replacement_count(50, 100, 10, 0.3, "linear", gamma) == 1  # exactly 1.5 → 1

@@ -363,8 +363,9 @@ def test_a_reloaded_trainable_adapter_keeps_training_with_its_ages(tmp_path):
 def test_a_nan_window_gradient_raises_at_the_reselection_with_the_adapter_untouched(block_shape, at):
     """The reselection's edits are conditioned on its flag on the device, read once at the end: with a
     NaN in one tensor's window sums it raises, and values, indices, ages, optimizer moments, the base
-    weights (merged in place for training), the block layouts (the same objects) and the seeds waiting
-    for the next step are all as they were."""
+    weights (merged in place for training; one moved to new storage holding θ₀, which the reselection
+    merged anew), the block layouts (the same objects) and the seeds waiting for the next step are all
+    as they were."""
     model = _spiel("ag", block_shape=block_shape, density=0.1)
     opt = _optimizer(model, "ag")
     scheduler = SpIELScheduler(model, opt, total_steps=20)
@@ -376,6 +377,13 @@ def test_a_nan_window_gradient_raises_at_the_reselection_with_the_adapter_untouc
     opt.step()
     opt.zero_grad()
     layers = sparse_layers(model)
+    moved = layers[1]  # θ₀ moved to new storage since the last pass: the reselection sets its merge up anew
+    weight, merge = moved.get_base_layer().weight, moved._training_merge
+    theta0 = weight.detach().clone()
+    theta0.view(-1)[merge.indices.long()] = merge.base
+    weight.data = theta0
+    waiting = {id(layers[0].sparse_values["default"]): (torch.zeros(0, dtype=torch.long), torch.zeros(0), torch.zeros(0))}
+    scheduler.seeding.pending.update(waiting)  # seeds of an earlier reselection that no step has taken yet
     before = {m.module_name: (m.sparse_indices["default"].clone(), m.sparse_values["default"].detach().clone(),
                               m.sparse_ages["default"].clone(), m.get_base_layer().weight.detach().clone(),
                               m.cached_block_metadata("default"),
@@ -393,7 +401,7 @@ def test_a_nan_window_gradient_raises_at_the_reselection_with_the_adapter_untouc
         assert m.cached_block_metadata("default") is layout
         for key, moment in zip(("exp_avg", "exp_avg_sq"), moments):
             assert torch.equal(opt.state[m.sparse_values["default"]][key], moment)
-    assert scheduler.seeding.pending == {}
+    assert scheduler.seeding.pending == waiting
 
 
 def test_a_shortfall_is_reselected_tensor_by_tensor_and_reported():

@@ -531,6 +531,42 @@ def test_reselection_rewrites_every_merge_in_batches_and_the_next_forward_writes
     assert torch.signbit(first.view(-1)[before[0][:3].long()]).all()
 
 
+def test_reselection_keeps_in_place_only_the_merges_a_forward_pass_would_keep():
+    """A reselection moves a merge in place only where a forward pass would keep it: a layer told to stop
+    merging in place (``merge_for_training = False`` since its last pass) gets θ₀ back and no merge; a
+    merge not registered for the optimizer step's rewrites is set up anew and registered; the other
+    merges stay the same objects. Every merged weight holds θ₀ + φ at the new indices."""
+    from peft_sparse.core import layer as layer_module
+
+    model = _spiel()
+    theta0 = _base_weights(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    scheduler = SpIELScheduler(model, opt, total_steps=8)
+    x = inputs()
+    model.train()
+    layers = sparse_layers(model)
+    for step in (1, 2):  # the reselection at t = γ = 2
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 2:
+            layers[1].merge_for_training = False
+            layer_module._MERGED_LAYERS.discard(layers[2])
+            merges = [layer._training_merge for layer in layers]
+            assert all(m is not None for m in merges)
+        scheduler.step()
+    stopped, unregistered = layers[1], layers[2]
+    assert stopped._training_merge is None and torch.equal(stopped.get_base_layer().weight, theta0[stopped.module_name])
+    assert unregistered._training_merge is not merges[2] and unregistered in layer_module._MERGED_LAYERS
+    for layer, merge in zip(layers, merges):
+        if layer is stopped:
+            continue
+        assert layer in layer_module._MERGED_LAYERS
+        assert (layer._training_merge is merge) is (layer is not unregistered)
+        assert torch.equal(layer.get_base_layer().weight.detach(), _expected_merged(theta0[layer.module_name], layer))
+
+
 def test_steady_forward_skips_the_lookups_but_sees_every_change(monkeypatch):
     """After an optimizer step a training forward reuses the last pass's decisions (no per-pass
     lookups); anything that changes one of them sends the pass through the full path. Outputs always

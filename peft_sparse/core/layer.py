@@ -394,14 +394,17 @@ def release_training_merges(layers: list) -> list:
     return released
 
 
-def reseat_training_merges(layers: list, change_indices: Callable[[], None]) -> None:
+def reseat_training_merges(layers: list, change_indices: Callable[[], None]) -> list:
     """Move the training merges of ``layers`` to the new indices that ``change_indices()`` writes into
     their indices tensors in place (a reselection), bit for bit as releasing them before the change and
     merging them again after it would: θ₀ written back at the old indices, θ₀ read at the new ones into
     each merge's own θ₀ tensor, θ₀[η] + φ written there (one multi-tensor launch per write). The merges
     stay the same objects holding the same tensors, so the optimizer step hook's kept rewrites
-    (:class:`_SteadyRefresh`) still apply to them. A merge whose base weight's storage was replaced, or
-    whose indices or values are no longer the layer's, is released and merged again instead."""
+    (:class:`_SteadyRefresh`) still apply to them. A merge that a forward pass would not keep — its
+    base weight or that weight's storage replaced, its indices or values no longer the layer's, the
+    layer no longer merging in place (``merge_for_training``, :meth:`SparseLayer._can_merge_in_place`)
+    or no longer registered for the step hook (e.g. a copy) — is released and set up again as a
+    forward pass would. Returns the layers set up again, with their adapters."""
     kept, others = [], []
     for layer in layers:
         merge = layer._training_merge
@@ -409,7 +412,12 @@ def reseat_training_merges(layers: list, change_indices: Callable[[], None]) -> 
             continue
         modules = layer._modules
         values = modules["sparse_values"]._parameters.get(merge.adapter)
-        if merge.active and values is not None and merge.stored_in_weight() and merge.indices is modules["sparse_indices"]._buffers.get(merge.adapter):
+        base = layer.get_base_layer()
+        if (
+            merge.active and values is not None and merge.stored_in_weight() and merge.weight is base.weight
+            and merge.indices is modules["sparse_indices"]._buffers.get(merge.adapter) and layer in _MERGED_LAYERS
+            and layer.merge_for_training and layer._can_merge_in_place(base, values)
+        ):  # fmt: skip
             merge.check_indices()
             kept.append((merge, values))
         else:
@@ -428,6 +436,7 @@ def reseat_training_merges(layers: list, change_indices: Callable[[], None]) -> 
         for merge, values in kept:
             merge.written_now(values, by_step=True)
     merge_for_training_many(released)
+    return [(layer, adapter) for layer, adapter in released if layer._training_merge is not None]
 
 
 def merge_for_training_many(layers: list) -> None:

@@ -45,7 +45,7 @@ from safetensors.torch import load_file, save_file
 
 from ..core import kernels
 from ..core.config import SparseConfig
-from ..core.layer import SparseLayer, index_dtype, reseat_training_merges
+from ..core.layer import SparseLayer, index_dtype, release_training_merges, reseat_training_merges
 from ..core.selection import BlockGrid, module_generator, random_indices, segmented_rank, top_k_set
 from ..core.tuner import SparseTuner
 from ..optim.sm3 import SM3
@@ -1140,9 +1140,10 @@ class SpIELScheduler:
 
         # θ₀ back at the old positions before they change (SparseLayer docstring), θ₀[η] + φ at the new
         # ones for the next forward pass
-        reseat_training_merges(layers, change_indices)
+        merged_anew = reseat_training_merges(layers, change_indices)
         reindex_optimizer_states(self.optimizer, values, source)
         n_grown = sum(result.dropped)
+        waiting: dict = {}
         if group[0][2] is not None:  # AG: seeds for the next optimizer step, from the window's ĝ, ŝ
             n = max(1, self.steps_in_window)
             slots = torch.nonzero_static(grown, size=n_grown).squeeze(1)  # ascending: tensor by tensor
@@ -1156,6 +1157,8 @@ class SpIELScheduler:
             local = slots - torch.repeat_interleave(kernels.table(starts, dev), kernels.table(result.dropped, dev), output_size=n_grown)
             pieces = zip(torch.split(local, result.dropped), torch.split(grad_mean, result.dropped), torch.split(grad_sq_mean, result.dropped))
             for value, (s, g, s2) in zip(values, pieces):
+                if id(value) in self.seeding.pending:  # (seeds of an earlier reselection no step has taken yet)
+                    waiting[id(value)] = self.seeding.pending[id(value)]
                 self.seeding.pending[id(value)] = (s, g, s2)
         olds, layouts, plan_keys = [], [], []
         for layer, (_, item, _), units, meta in zip(layers, group, result.units, result.block_metadata):
@@ -1174,6 +1177,10 @@ class SpIELScheduler:
             if self.seeding is not None:
                 for value in values:
                     self.seeding.pending.pop(id(value), None)
+                self.seeding.pending.update(waiting)
+            # merges set up anew (their weight's storage replaced since the last pass, say): θ₀ back, left
+            # to the next forward pass as before
+            release_training_merges([layer for layer, _ in merged_anew])
 
         sums = torch.stack([age_before - kept_age, kept_age, result.changed.to(age_before.device)])
         return _GroupEdit(sums, n_grown, result.shortfall, undo)

@@ -38,16 +38,20 @@ def in_estimation_window(t: int, reselection_steps: int, gradient_estimation_ste
     return next_reselection < total_steps and next_reselection - gradient_estimation_steps < t
 
 
-@functools.lru_cache(maxsize=4096)  # (a reselection asks once per tensor, for a few distinct sizes)
 def replacement_count(
     t: int, total_steps: int, d_phi: int, initial_reselection_rate: float, schedule: str, gradient_estimation_steps: int
 ) -> int:
     """k(i, t): how many of the d_φ(i) indices of one tensor to replace at reselection step t."""
+    return _replacement_count(int(t), int(total_steps), int(d_phi), float(initial_reselection_rate), schedule, int(gradient_estimation_steps))
+
+
+@functools.lru_cache(maxsize=4096)  # (a reselection asks once per tensor, for a few distinct sizes)
+def _replacement_count(t: int, total_steps: int, d_phi: int, initial_reselection_rate: float, schedule: str, gradient_estimation_steps: int) -> int:
     if t == first_reselection_step(gradient_estimation_steps):
         return d_phi
     if schedule == "linear":
         # exact rational arithmetic on ξ as written, so e.g. ξ=0.3 gives ⌊0.3·…⌋ and not ⌊0.2999…·…⌋
-        k = math.floor(Fraction(repr(float(initial_reselection_rate))) * (total_steps - t) * d_phi / total_steps)
+        k = math.floor(Fraction(repr(initial_reselection_rate)) * (total_steps - t) * d_phi / total_steps)
     elif schedule == "cosine":
         k = math.floor(initial_reselection_rate / 2 * (1 + math.cos(math.pi * t / total_steps)) * d_phi)
     else:
