@@ -177,6 +177,27 @@ def test_deepcopy_and_load_state_dict_while_merged():
         assert torch.equal(w, theta0[name])
 
 
+def test_a_deep_copy_merges_in_place_after_the_original_is_gone():
+    """A deep copy's layers check their own model (not the original) for other users of their base
+    weights: once the original is freed, the copy still merges in place for training."""
+    import gc
+
+    model = _spiel()
+    randomize_values(model, scale=0.1)
+    clone = copy.deepcopy(model)
+    theta0 = _base_weights(clone)
+    del model
+    gc.collect()
+    clone.train()
+    x = inputs()
+    clone(x)
+    layers = sparse_layers(clone)
+    assert all(layer._model_ref() is clone.base_model.model for layer in layers)
+    assert all(layer._training_merge is not None for layer in layers)
+    for layer in layers:
+        assert torch.equal(layer.get_base_layer().weight.detach(), _expected_merged(theta0[layer.module_name], layer))
+
+
 def test_gradient_checkpointing_recomputes_merged():
     runs = []
     for ckpt in (False, True):

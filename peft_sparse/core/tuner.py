@@ -65,6 +65,18 @@ class SparseTuner(BaseTuner):
     #: methods whose indices change during training keep per-index ages (SpIEL)
     dynamic: bool = False
 
+    def __setstate__(self, state):
+        # a copy (copy.deepcopy, unpickling) holds copies of the layers, whose model reference still names
+        # the original model (a weak reference copies as itself): point them at this copy's model, which
+        # they check for other users of their base weights before merging in place
+        super().__setstate__(state)
+        model = self._modules.get("model")
+        if model is not None:
+            ref = weakref.ref(model)
+            for module in model.modules():
+                if isinstance(module, SparseLayer):
+                    module._model_ref = ref
+
     # ------------------------------------------------------------------------------- the policy
     @abstractmethod
     def initial_indices(self, config: SparseConfig, layer: SparseLayer, module_name: str, count: int) -> torch.Tensor:
