@@ -30,7 +30,8 @@ would round them, so outputs are bit-identical. θ₀ is
 written back (``release_training_merge``) whenever anything else may look at the
 base weight: ``eval()``, ``state_dict()``, ``load_state_dict()``, ``.to()``/``.cuda()``, merging,
 unloading, disabling or deleting adapters, ``logical_weight()``, ``nn.DataParallel`` replication
-(replicas never merge), and before a reselection edits the indices. Each in-place write bumps the
+(replicas never merge), and before a reselection edits the indices (which then moves each merge to
+its new indices in place: ``reseat_training_merges``). Each in-place write bumps the
 weight's version counter, so a pass that saved the weight itself errors instead of reading changed
 values; a backward whose forward ran merged but finds the merge released rebuilds W + scatter(η, φ)
 from θ₀. Code that edits ``sparse_indices`` in place must call ``release_training_merge()`` first. Set
