@@ -1,5 +1,7 @@
 """On a CUDA device: the compiled Triton paths inside real layers, SpIEL steps, qSpIEL (skipped without a GPU)."""
 
+import contextlib
+
 import pytest
 import torch
 from peft import get_peft_model
@@ -542,6 +544,34 @@ def test_direct_launch_picks_the_kernel_of_each_specialization(monkeypatch):
                 assert len(runs) == before, (n_rows, h, offset)  # the kept kernel, launched directly
 
 
+@contextlib.contextmanager
+def _plan_launches():
+    """Records, while open, what each kept launch (``LaunchPlan``) returned: True when it launched."""
+    from peft_sparse.core import triton_kernels as tk
+
+    launched, original = [], tk.LaunchPlan.__call__
+
+    def counted(self, *tensors):
+        done = original(self, *tensors)
+        launched.append(done)
+        return done
+
+    tk.LaunchPlan.__call__ = counted
+    try:
+        yield launched
+    finally:
+        tk.LaunchPlan.__call__ = original
+
+
+def _tenth_of_the_blocks(g, out_f: int, in_f: int):
+    """The BlockLayout (on CUDA) of a random tenth of the 32×32 blocks of an (out_f, in_f) matrix."""
+    from peft_sparse.core.selection import BlockGrid
+
+    grid = BlockGrid(out_f, in_f, (32, 32))
+    blocks = torch.randperm(grid.numel, generator=g)[: grid.numel // 10].sort().values
+    return kernels.BlockLayout.of_blocks(blocks.cuda(), out_f, in_f, (32, 32))
+
+
 @pytest.mark.parametrize("tokens, product", [(300, False), (8192, False), (2048, True)])
 def test_block_value_gradient_repeats_its_kept_launch_bit_for_bit(tokens, product):
     """kernels.block_value_gradient keeps each call shape's launch on the layout and repeats it with new
@@ -549,22 +579,11 @@ def test_block_value_gradient_repeats_its_kept_launch_bit_for_bit(tokens, produc
     (summed), X formed in the kernel or not; a non-contiguous input (made contiguous first) gives the
     same bits; another token count keeps a launch of its own, and a layout keeps at most four."""
     from peft_sparse.core import triton_kernels as tk
-    from peft_sparse.core.selection import BlockGrid
 
     g = torch.Generator().manual_seed(tokens)
-    out_f, in_f, shape = 256, 512, (32, 32)
-    grid = BlockGrid(out_f, in_f, shape)
-    blocks = torch.randperm(grid.numel, generator=g)[: grid.numel // 10].sort().values
-    layout = kernels.BlockLayout.of_blocks(blocks.cuda(), out_f, in_f, shape)
-    n = blocks.numel() * 32 * 32
-    launched = []
-    original = tk.LaunchPlan.__call__
-
-    def counted(self, *tensors):
-        done = original(self, *tensors)
-        launched.append(done)
-        return done
-
+    out_f, in_f = 256, 512
+    layout = _tenth_of_the_blocks(g, out_f, in_f)
+    n = layout.rows.numel() * 32 * 32
     for step in range(-2, 3):  # (two usual launches first: Triton's own launch serves the first two)
         go = torch.randn(tokens, out_f, generator=g).cuda().to(torch.bfloat16)
         x = torch.randn(tokens, in_f, generator=g).cuda().to(torch.bfloat16)
@@ -572,13 +591,10 @@ def test_block_value_gradient_repeats_its_kept_launch_bit_for_bit(tokens, produc
         want = tk.block_sddmm_into(go, x, layout, torch.empty(n, device="cuda"), x_factor=factor)
         if step < 0:
             continue
-        tk.LaunchPlan.__call__ = counted
-        try:
+        with _plan_launches() as launched:
             got = kernels.block_value_gradient(go, x, layout, x_factor=factor)
-        finally:
-            tk.LaunchPlan.__call__ = original
         assert torch.equal(got, want)
-        assert launched == ([True] * step)  # the first call plans, the next ones repeat
+        assert launched == ([True] if step else [])  # the first call plans, the next ones repeat
     assert len(layout.launches) == 1
     (plan, splits), = layout.launches.values()
     assert (splits > 1) == (tokens > 300)  # (300 tokens: too few to slice)
@@ -605,22 +621,11 @@ def test_block_value_gradient_adds_into_out_with_its_kept_launch(tokens, product
     block gradient to it with a kept launch of its own: the same bits as block_sddmm_into accumulating
     into a copy of the same start, with one token slice or several; a new-tensor call keeps another."""
     from peft_sparse.core import triton_kernels as tk
-    from peft_sparse.core.selection import BlockGrid
 
     g = torch.Generator().manual_seed(tokens + 1)
-    out_f, in_f, shape = 256, 512, (32, 32)
-    grid = BlockGrid(out_f, in_f, shape)
-    blocks = torch.randperm(grid.numel, generator=g)[: grid.numel // 10].sort().values
-    layout = kernels.BlockLayout.of_blocks(blocks.cuda(), out_f, in_f, shape)
-    n = blocks.numel() * 32 * 32
-    launched = []
-    original = tk.LaunchPlan.__call__
-
-    def counted(self, *tensors):
-        done = original(self, *tensors)
-        launched.append(done)
-        return done
-
+    out_f, in_f = 256, 512
+    layout = _tenth_of_the_blocks(g, out_f, in_f)
+    n = layout.rows.numel() * 32 * 32
     sums = torch.randn(n, generator=g).cuda()
     for step in range(-2, 3):
         go = torch.randn(tokens, out_f, generator=g).cuda().to(torch.bfloat16)
@@ -629,13 +634,10 @@ def test_block_value_gradient_adds_into_out_with_its_kept_launch(tokens, product
         want = tk.block_sddmm_into(go, x, layout, sums.clone(), accumulate=True, x_factor=factor)
         if step < 0:
             continue
-        tk.LaunchPlan.__call__ = counted
-        try:
+        with _plan_launches() as launched:
             got = kernels.block_value_gradient(go, x, layout, x_factor=factor, out=sums)
-        finally:
-            tk.LaunchPlan.__call__ = original
         assert got is sums and torch.equal(sums, want)
-        assert launched == ([True] * step)
+        assert launched == ([True] if step else [])
     (plan, splits), = layout.launches.values()
     assert (splits > 1) == (tokens > 300)
     fresh = kernels.block_value_gradient(go, x, layout, x_factor=factor)
@@ -649,17 +651,8 @@ def test_candidate_selection_launches_repeat_per_layer_shape():
     same results as the references (and, for the sums, as Triton's own launch) at every call."""
     from peft_sparse.core import triton_kernels as tk
 
-    launched = []
-    original = tk.LaunchPlan.__call__
-
-    def counted(self, *tensors):
-        done = original(self, *tensors)
-        launched.append(done)
-        return done
-
     g = torch.Generator().manual_seed(5)
-    tk.LaunchPlan.__call__ = counted
-    try:
+    with _plan_launches() as launched:
         for step in range(5):
             for out_f, in_f in ((256, 512), (128, 512)):  # two layer shapes, alternating
                 dense = torch.randn(out_f, in_f, generator=g).to(torch.bfloat16).cuda()
@@ -673,8 +666,6 @@ def test_candidate_selection_launches_repeat_per_layer_shape():
                 r_layout, r_idx, r_vals = kernels.gather_blocks_reference(dense.cpu(), units.cpu(), (32, 32), torch.int32)
                 assert torch.equal(idx.cpu(), r_idx) and torch.equal(vals.cpu(), r_vals)
                 assert torch.equal(layout.base.cpu(), r_layout.base) and torch.equal(layout.stride.cpu(), r_layout.stride)
-    finally:
-        tk.LaunchPlan.__call__ = original
     assert launched.count(True) >= 3 * 2 * 2 and not any(d is False for d in launched)  # kept launches repeated, none refused
 
 
@@ -704,21 +695,10 @@ def test_a_reselected_layout_takes_over_the_kept_launches(tokens):
     kernels.prepare_block_plans([new, fewer], [list(old.plans), list(old.plans)])
     kernels.carry_launches([old, old], [new, fewer])
     assert set(new.launches) == set(old.launches) and not fewer.launches
-    launched = []
-    original = tk.LaunchPlan.__call__
-
-    def counted(self, *tensors):
-        done = original(self, *tensors)
-        launched.append(done)
-        return done
-
     n = count * 32 * 32
-    tk.LaunchPlan.__call__ = counted
-    try:
+    with _plan_launches() as launched:
         got = kernels.block_value_gradient(go, x, new)
         got_product = kernels.block_value_gradient(go, x, new, x_factor=factor)
-    finally:
-        tk.LaunchPlan.__call__ = original
     assert launched == [True, True]
     assert torch.equal(got, tk.block_sddmm_into(go, x, new, torch.empty(n, device="cuda")))
     assert torch.equal(got_product, tk.block_sddmm_into(go, x, new, torch.empty(n, device="cuda"), x_factor=factor))
