@@ -486,10 +486,10 @@ def block_value_gradient(grad_out2d, x2d, layout: BlockLayout, x_factor: Optiona
     if kernel is not None and dtype == torch.float32 and _grouped_block_shape((bh, bw)) and (out is None or out.is_contiguous()):
         with on_device(grad_out2d):
             return kernel(grad_out2d, x2d, layout, x_factor, out)
+    accumulate = out is not None
     if out is None:
         out = torch.empty(layout.rows.numel() * bh * bw, dtype=dtype, device=grad_out2d.device)
-        return block_sddmm_into(grad_out2d, x2d, layout, out, x_factor=x_factor)
-    return block_sddmm_into(grad_out2d, x2d, layout, out, accumulate=True, x_factor=x_factor)
+    return block_sddmm_into(grad_out2d, x2d, layout, out, accumulate=accumulate, x_factor=x_factor)
 
 
 def top_magnitudes_reference(dense: torch.Tensor, k: int, index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

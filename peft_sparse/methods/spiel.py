@@ -730,7 +730,7 @@ class _WindowStatistics:
                 layout, self.candidates, first = kernels.gather_blocks(own, self.candidate_units, block_shape, index_dtype(flat.numel()))
                 if self.block_kernel:
                     self.candidate_blocks = layout
-            # (Σ g and Σ g² are allocated at the step's end, all tensors' together: see _end_steps)
+            # (Σ g and Σ g² are allocated at the step's end, all tensors' together: see _allocate_sums)
             if first is not None and self.dtype == torch.float32:  # this micro-batch's gradients at the candidates
                 self.step_sum = first
                 return
@@ -757,15 +757,10 @@ class _WindowStatistics:
         repeating the launch kept for the call's shape (:func:`~peft_sparse.core.kernels.block_value_gradient`)."""
         kernels.block_value_gradient(grad_out2d, x2d, self.candidate_blocks, x_factor=x_factor, out=self.step_sum)
 
-    def allocate_sums(self) -> None:
-        """Zero Σ g and Σ g² (see :func:`_end_steps`, which allocates many tensors' at once)."""
-        if self.candidates is not None and self.grad_sum is None:
-            self.grad_sum, self.grad_sq_sum = torch.zeros(2, self.step_sum.numel(), dtype=self.dtype, device=self.step_sum.device)
-
     def end_step(self) -> None:
         if self.candidates is None:
             return
-        self.allocate_sums()
+        _allocate_sums([self])
         self.grad_sum += self.step_sum
         self.grad_sq_sum += self.step_sum * self.step_sum
         self.step_sum.zero_()
@@ -773,11 +768,25 @@ class _WindowStatistics:
     def tensors(self) -> dict:
         if self.candidates is None:
             return {}
-        self.allocate_sums()
+        _allocate_sums([self])
         tensors = {"candidates": self.candidates, "step_sum": self.step_sum, "grad_sum": self.grad_sum, "grad_sq_sum": self.grad_sq_sum}
         if self.candidate_units is not None:  # block adapters
             tensors["candidate_units"] = self.candidate_units
         return tensors
+
+
+def _allocate_sums(statistics: list) -> None:
+    """Zero Σ g and Σ g² of the armed statistics that have none yet (a window's first step), one buffer
+    per device and dtype for all of them (views of it)."""
+    groups: dict = {}
+    for stats in statistics:
+        if stats.candidates is not None and stats.grad_sum is None:
+            groups.setdefault((stats.step_sum.device, stats.step_sum.dtype), []).append(stats)
+    for (device, dtype), fresh in groups.items():
+        sizes = [m.step_sum.numel() for m in fresh]
+        sums = torch.zeros(2, sum(sizes), dtype=dtype, device=device)
+        for m, grad_sum, grad_sq_sum in zip(fresh, sums[0].split(sizes), sums[1].split(sizes)):
+            m.grad_sum, m.grad_sq_sum = grad_sum, grad_sq_sum
 
 
 def _end_steps(statistics: list) -> None:
@@ -787,13 +796,8 @@ def _end_steps(statistics: list) -> None:
     for stats in statistics:
         if stats.candidates is not None:
             groups.setdefault((stats.step_sum.device, stats.step_sum.dtype), []).append(stats)
-    for (device, dtype), members in groups.items():
-        fresh = [m for m in members if m.grad_sum is None]  # the window's first step: one allocation for all
-        if fresh:
-            sizes = [m.step_sum.numel() for m in fresh]
-            sums = torch.zeros(2, sum(sizes), dtype=dtype, device=device)
-            for m, grad_sum, grad_sq_sum in zip(fresh, sums[0].split(sizes), sums[1].split(sizes)):
-                m.grad_sum, m.grad_sq_sum = grad_sum, grad_sq_sum
+    _allocate_sums(statistics)
+    for members in groups.values():
         step = [m.step_sum for m in members]
         torch._foreach_add_([m.grad_sum for m in members], step)
         torch._foreach_add_([m.grad_sq_sum for m in members], torch._foreach_mul(step, step))
@@ -917,7 +921,7 @@ def _candidate_units(item: TensorReselection) -> int:
 class _GroupEdit:
     """What :meth:`SpIELScheduler._apply_all` did to a group of tensors: its report sums (device: age of
     the dropped, age of the kept, indices not active before), counts, and how to undo what a failed
-    condition left (the block layouts and the seeds)."""
+    condition left (block layouts, seeds, merges set up anew)."""
 
     sums: torch.Tensor
     replaced: int
@@ -1108,7 +1112,8 @@ class SpIELScheduler:
         """Edit values, ages, indices and optimizer state of a group of tensors from one result.
         ``condition`` (a device flag): the edits hold only where it is True; otherwise every slot keeps its
         old weight, and the values, ages, indices, merges and optimizer state keep their contents (the
-        returned edit's ``undo`` then puts the old block layouts back and drops the seeds)."""
+        returned edit's ``undo`` then puts the old block layouts back, the seeds as they were, and θ₀
+        back where a merge was set up anew)."""
         name = self.adapter_name
         layers = [layer for layer, _, _ in group]
         values = [layer.sparse_values[name] for layer in layers]
