@@ -148,6 +148,8 @@ def main():
     parser.add_argument("--variants", default="linear,linear4bit,sparse,sparse-block,sparse-4bit")
     parser.add_argument("--cprofile", action="store_true", help="then the host time's top functions per variant (cProfile)")
     parser.add_argument("--pstats", help="with --cprofile: also write each variant's and phase's statistics to <this prefix>-<variant>-<phase>.prof")
+    parser.add_argument("--product-input", action="store_true",
+                        help="the input is a product a ⊙ b (as a gated MLP's down_proj reads): sparse layers rebuild it in backward instead of keeping it")
     parser.add_argument("--ops", action="store_true", help="first, the host time of single operations a layer call makes")
     parser.add_argument("--burst-ops", help="TOKENS,IN,OUT: first, host time of single operations at these real shapes, timed call by call")
     args = parser.parse_args()
@@ -159,7 +161,10 @@ def main():
     for variant in args.variants.split(","):
         model = build(variant, args.size)
         x = torch.randn(args.tokens, args.size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        if args.product_input:  # every call reads the same X = a ⊙ b (one rebuild record, as q/k/v share one)
+            x = x * torch.randn(args.tokens, args.size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(args.tokens, args.size, device="cuda", dtype=torch.bfloat16)
+        keep = args.product_input  # (backward through the shared product node more than once)
         fwd, bwd = [], []
         for _ in range(6):
             torch.cuda.synchronize()
@@ -167,7 +172,7 @@ def main():
             ys = [model(x) for _ in range(args.calls)]
             mid = time.perf_counter()
             for y in ys:
-                y.backward(g)
+                y.backward(g, retain_graph=keep)
             end = time.perf_counter()
             torch.cuda.synchronize()
             fwd.append((mid - start) / args.calls * 1e6)
@@ -187,7 +192,7 @@ def main():
                     ys = [model(x) for _ in range(args.calls)]
                 else:
                     for y in ys:
-                        y.backward(g)
+                        y.backward(g, retain_graph=keep)
                 profiler.disable()
                 torch.cuda.synchronize()
                 if args.pstats:

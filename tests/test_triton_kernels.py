@@ -82,12 +82,47 @@ def test_block_sddmm_rejects_unsupported_shapes(tk):
         tk.block_sddmm(z, z, torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 4, 4)
 
 
-@pytest.mark.parametrize("momentum, weight_decay, out_f, in_f, nnz", [(0.0, 0.0, 12, 20, 70), (0.5, 0.1, 12, 20, 70), (0.0, 0.0, 40, 100, 3000)])
-def test_fused_sm3_step_matches_torch_sm3(tk, momentum, weight_decay, out_f, in_f, nnz):
+@pytest.mark.parametrize("src_dtype, index_dtype, dtype", [(torch.bfloat16, torch.int32, torch.float32), (torch.float16, torch.int64, torch.float32),
+                                                       (torch.float32, torch.int32, torch.float32), (torch.float32, torch.int32, torch.bfloat16)])
+def test_gather_as_matches_index_select(tk, src_dtype, index_dtype, dtype):
+    """The value gradient's gather: the same values as ``index_select`` + ``to`` (every 16-bit value is
+    exact in float32; float32 → bfloat16 rounds as torch does when compiled), in one launch, ragged last
+    block included; no indices give an empty result."""
+    g = torch.Generator().manual_seed(11)
+    flat = (torch.randn(3000, generator=g) * 1e-3).to(src_dtype).to(_device())
+    flat[5] = float("nan")
+    flat[7] = float("-inf")
+    idx = torch.cat([torch.tensor([5, 7]), random_indices(3000, 1500, g)]).to(index_dtype).to(_device())
+    got = tk.gather_as(flat, idx, dtype)
+    want = flat.index_select(0, idx).to(dtype)
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32 or _device() == "cuda":
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # (NaN payloads included)
+    else:
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-2, atol=1e-5)
+    assert tk.gather_as(flat, idx[:0], dtype).shape == (0,)
+
+
+def test_gather_as_dispatch_falls_back_to_torch():
+    """``kernels.gather_as`` takes the torch path where no kernel applies (CPU tensors, float64)."""
+    flat = torch.arange(10, dtype=torch.float64)
+    idx = torch.tensor([9, 0, 3], dtype=torch.int32)
+    out = kernels.gather_as(flat, idx, torch.float32)
+    assert out.dtype == torch.float32 and out.tolist() == [9.0, 0.0, 3.0]
+
+
+@pytest.mark.parametrize("momentum, weight_decay, out_f, in_f, nnz, index_dtype", [
+    (0.0, 0.0, 12, 20, 70, torch.int32), (0.5, 0.1, 12, 20, 70, torch.int32), (0.0, 0.0, 40, 100, 3000, torch.int32),
+    (0.0, 0.0, 40, 100, 3000, torch.int64),
+])  # fmt: skip
+def test_fused_sm3_step_matches_torch_sm3(tk, momentum, weight_decay, out_f, in_f, nnz, index_dtype):
+    """The fused step against the sequential definition; 3000 of 4000 entries: each column is met by
+    tens of entries over several programs (the column maxima skip entries that cannot raise them),
+    with 32-bit and 64-bit index arithmetic."""
     from peft_sparse import SM3
 
     g = torch.Generator().manual_seed(3)
-    idx = random_indices(out_f * in_f, nnz, g).to(torch.int32).to(_device())
+    idx = random_indices(out_f * in_f, nnz, g).to(index_dtype).to(_device())
     values = torch.randn(nnz, generator=g).to(_device())
     rows, cols = kernels.rows_cols(idx, in_f)
     row_acc, col_acc = torch.rand(out_f, generator=g).to(_device()), torch.rand(in_f, generator=g).to(_device())

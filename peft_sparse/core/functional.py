@@ -373,7 +373,7 @@ class SparseDeltaLinear(torch.autograd.Function):
                 flat = dW.view(-1)
                 for a in range(n):
                     if need_values[a]:
-                        value_grads[a] = flat.index_select(0, indices[a]).to(values[a].dtype)
+                        value_grads[a] = kernels.gather_as(flat, indices[a], values[a].dtype)
                 del dW, flat
             else:
                 for a in range(n):

@@ -31,6 +31,8 @@ BLOCK_VALUE_GRADIENT_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 SCATTER_ADD_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 # device type → callable(out, indices, base, values) -> out (see scatter_sum_into)
 SCATTER_SUM_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
+# device type → callable(flat, indices, dtype) -> tensor (see gather_as)
+GATHER_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 # device type → callable(scale, full, per_row, dtype) -> tensor (see scaled_product)
 SCALED_PRODUCT_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 # device type → callable(packed, code, absmax, nested, blocksize, shape, dtype, indices, values) (see nf4_compose)
@@ -62,6 +64,7 @@ def _load_gpu_kernels() -> None:
     BLOCK_VALUE_GRADIENT_KERNELS.setdefault("cuda", triton_kernels.block_value_gradient)
     SCATTER_ADD_KERNELS.setdefault("cuda", triton_kernels.scatter_add_into)
     SCATTER_SUM_KERNELS.setdefault("cuda", triton_kernels.scatter_sum_into)
+    GATHER_KERNELS.setdefault("cuda", triton_kernels.gather_as)
     SCALED_PRODUCT_KERNELS.setdefault("cuda", triton_kernels.scaled_product)
     NF4_COMPOSE_KERNELS.setdefault("cuda", triton_kernels.nf4_compose)
     BLOCK_SCORE_KEYS_KERNELS.setdefault("cuda", triton_kernels.block_score_keys)
@@ -299,6 +302,17 @@ def scaled_product(scale: torch.Tensor, p: torch.Tensor, q: torch.Tensor, dtype:
             with on_device(full):
                 return kernel(scale, full, per_row, dtype)
     return scaled_product_reference(scale, p, q, dtype)
+
+
+def gather_as(flat: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``flat.index_select(0, indices).to(dtype)``: e.g. the value gradient's entries of a 16-bit dW, as
+    float32. On CUDA one Triton launch that converts as it gathers (the same values: every 16-bit and
+    float32 value converts exactly to float32)."""
+    kernel = _gpu_kernel(GATHER_KERNELS, flat) if flat.dim() == 1 and dtype in _KERNEL_FLOAT_TYPES else None
+    if kernel is None or indices.dtype not in (torch.int32, torch.int64) or indices.device != flat.device:
+        return flat.index_select(0, indices).to(dtype)
+    with on_device(flat):
+        return kernel(flat, indices.reshape(-1) if indices.is_contiguous() else indices.contiguous(), dtype)
 
 
 def dense_weight_gradient(grad_out2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
@@ -675,9 +689,7 @@ def value_gradient(
     if method == "auto":
         method = COST_MODEL.choose(grad_out2d.device, grad_out2d.shape[0], out_features, in_features, indices.numel())
     if method == "dense":
-        grad = dense_weight_gradient(grad_out2d, x2d).view(-1).index_select(0, indices)
-        acc = accumulation_dtype(grad_out2d.dtype)
-        return grad if grad.dtype == acc else grad.to(acc)
+        return gather_as(dense_weight_gradient(grad_out2d, x2d).view(-1), indices, accumulation_dtype(grad_out2d.dtype))
     if method == "sddmm":
         rows, cols = rows_cols(indices, in_features)
         return sddmm(grad_out2d, x2d, rows, cols)

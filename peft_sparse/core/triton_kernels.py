@@ -1008,6 +1008,29 @@ def scatter_sum_into(out: torch.Tensor, indices: torch.Tensor, base: torch.Tenso
 
 
 @triton.jit
+def _gather_kernel(SRC, IDX, OUT, n, BLOCK: tl.constexpr):
+    # OUT[j] = SRC[IDX[j]] converted to OUT's element type
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    i = tl.load(IDX + offs, mask=m, other=0)
+    tl.store(OUT + offs, tl.load(SRC + i, mask=m, other=0.0).to(OUT.dtype.element_ty), mask=m)
+
+
+_GATHER_BLOCK = 1024
+
+
+def gather_as(flat: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``flat.index_select(0, indices).to(dtype)`` in one launch (no intermediate in ``flat``'s type):
+    ``flat`` a contiguous 1-D tensor, ``indices`` int32 or int64. Launches are kept per size and types."""
+    n = indices.numel()
+    out = torch.empty(n, dtype=dtype, device=flat.device)
+    if n:
+        launch_kept(_gather_kernel, (triton.cdiv(n, _GATHER_BLOCK),), (n, flat.dtype, indices.dtype, dtype), ("SRC", "IDX", "OUT"),
+                    (flat, indices, out), flat, indices, out, n, BLOCK=_GATHER_BLOCK)  # fmt: skip
+    return out
+
+
+@triton.jit
 def _segment_max(row_a, value_a, row_b, value_b):
     # combine of a scan over (row, value) runs: restart at a new row
     return row_b, tl.where(row_a == row_b, tl.maximum(value_a, value_b), value_b)
@@ -1097,16 +1120,27 @@ def _multi_sm3_kernel(
     row_old, col_old, row_new, col_new = _sm3_accumulators(ROW_OLD_PTRS, COL_OLD_PTRS, ROW_NEW_PTRS, COL_NEW_PTRS, t, ACC_T)
     offs = start + tl.arange(0, BLOCK)
     m = offs < n
-    idx = tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
+    # row and column of each index: in 32-bit arithmetic when the indices are int32 (a matrix of fewer
+    # than 2³¹ elements; 64-bit division costs several times more)
+    if IDX_T.dtype.element_ty == tl.int32:
+        in_features = in_features.to(tl.int32)
+        idx = tl.load(idx_ptr + offs, mask=m, other=0)
+        next_r = tl.load(idx_ptr + offs + 1, mask=offs + 1 < n, other=0) // in_features
+    else:
+        idx = tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
+        next_r = tl.load(idx_ptr + offs + 1, mask=offs + 1 < n, other=0).to(tl.int64) // in_features
     r = idx // in_features
-    c = idx % in_features
+    c = idx - r * in_features
     g = tl.load(grad + offs, mask=m, other=0.0).to(tl.float32)
     nu = tl.minimum(tl.load(row_old + r, mask=m, other=0.0), tl.load(col_old + c, mask=m, other=0.0)) + g * g
     _, run_max = tl.associative_scan((r, nu), 0, _segment_max)
-    next_idx = tl.load(idx_ptr + offs + 1, mask=offs + 1 < n, other=-1).to(tl.int64)
-    last_of_run = (next_idx // in_features != r) | (tl.arange(0, BLOCK) == BLOCK - 1) | (offs + 1 >= n)
+    last_of_run = (next_r != r) | (tl.arange(0, BLOCK) == BLOCK - 1) | (offs + 1 >= n)
     tl.atomic_max(row_new + r, run_max, mask=m & last_of_run, sem="relaxed")  # max commutes: no ordering needed
-    tl.atomic_max(col_new + c, nu, mask=m, sem="relaxed")
+    # a column's entries are spread over many programs, one atomic each: skip those whose ν does not exceed
+    # the column's maximum so far (read from L2; a stale read is lower, never higher: the maximum only
+    # grows), so most entries issue none. (NaN: ν <= anything is false, so it still goes.)
+    seen = tl.load(col_new + c, mask=m, other=0.0, cache_modifier=".cg")
+    tl.atomic_max(col_new + c, nu, mask=m & ~(nu <= seen), sem="relaxed")
     _sm3_apply(VALUES_PTRS, MOM_PTRS, t, offs, m, g, nu, VALUES_T, ACC_T, lr, momentum, eps, decay, HAS_MOMENTUM)
 
 
