@@ -7,8 +7,10 @@ call is what the host spends issuing it — the cost that bounds a training step
 short (qSpIEL on an H100). Variants: ``linear`` (nn.Linear, bf16), ``linear4bit`` (bitsandbytes NF4,
 double quantization), ``sparse`` (SpIEL over nn.Linear: merged in place), ``sparse-4bit`` (SpIEL over
 the NF4 layer: fused dequantization + delta), each forward (graph built) and backward (input and, for
-sparse layers, value gradients). ``sparse-block``: 32×32 blocks, value gradients from the grouped block
-kernel.
+sparse layers, value gradients), call by call as training runs them: sparse layers take an SM3 step
+(not timed) after each backward, so every forward pass is a steady one. ``sparse-block``: 32×32 blocks,
+value gradients from the grouped block kernel. ``--product-input``: the input is a product a ⊙ b, which
+sparse layers rebuild in backward instead of keeping it.
 """
 
 import argparse
@@ -158,50 +160,67 @@ def main():
     if args.ops:
         ops_table(args)
     print(f"{torch.cuda.get_device_name()}: host µs per call (median of 5 rounds of {args.calls}), {args.tokens}×{args.size}")
+    import peft_sparse
+
     for variant in args.variants.split(","):
         model = build(variant, args.size)
+        # Training's order, call by call: forward (timed), backward (timed), and for sparse layers an SM3
+        # step (not timed), so each forward pass is a steady one, the merge rewritten in place by the step
+        # hook. The layer is called without PeftModel's wrapper.
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = peft_sparse.SM3(params, lr=1e-6) if variant.startswith("sparse") else None
+        call = model.base_model.model if variant.startswith("sparse") else model
         x = torch.randn(args.tokens, args.size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        if args.product_input:  # every call reads the same X = a ⊙ b (one rebuild record, as q/k/v share one)
+        if args.product_input:  # every call reads the same X = a ⊙ b
             x = x * torch.randn(args.tokens, args.size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(args.tokens, args.size, device="cuda", dtype=torch.bfloat16)
         keep = args.product_input  # (backward through the shared product node more than once)
+
+        def calls(n: int, forward_profile=None, backward_profile=None) -> tuple[float, float]:
+            fwd = bwd = 0.0
+            for _ in range(n):
+                start = time.perf_counter()
+                if forward_profile is not None:
+                    forward_profile.enable()
+                y = call(x)
+                if forward_profile is not None:
+                    forward_profile.disable()
+                mid = time.perf_counter()
+                if backward_profile is not None:
+                    backward_profile.enable()
+                y.backward(g, retain_graph=keep)
+                if backward_profile is not None:
+                    backward_profile.disable()
+                fwd += mid - start
+                bwd += time.perf_counter() - mid
+                if optimizer is not None:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+            return fwd / n * 1e6, bwd / n * 1e6
+
         fwd, bwd = [], []
         for _ in range(6):
             torch.cuda.synchronize()
-            start = time.perf_counter()
-            ys = [model(x) for _ in range(args.calls)]
-            mid = time.perf_counter()
-            for y in ys:
-                y.backward(g, retain_graph=keep)
-            end = time.perf_counter()
+            f, b = calls(args.calls)
             torch.cuda.synchronize()
-            fwd.append((mid - start) / args.calls * 1e6)
-            bwd.append((end - mid) / args.calls * 1e6)
-            del ys
+            fwd.append(f)
+            bwd.append(b)
         print(f"  {variant:<12} forward {statistics.median(fwd[1:]):6.1f}  backward {statistics.median(bwd[1:]):6.1f}", flush=True)
         if args.cprofile:
             import cProfile
             import io
             import pstats
 
-            for phase in ("forward", "backward"):
-                ys = [model(x) for _ in range(args.calls)] if phase == "backward" else None
-                profiler = cProfile.Profile()
-                profiler.enable()
-                if phase == "forward":
-                    ys = [model(x) for _ in range(args.calls)]
-                else:
-                    for y in ys:
-                        y.backward(g, retain_graph=keep)
-                profiler.disable()
-                torch.cuda.synchronize()
+            profiles = {"forward": cProfile.Profile(), "backward": cProfile.Profile()}
+            calls(args.calls, profiles["forward"], profiles["backward"])
+            torch.cuda.synchronize()
+            for phase, profiler in profiles.items():
                 if args.pstats:
                     profiler.dump_stats(f"{args.pstats}-{variant}-{phase}.prof")
                 text = io.StringIO()
                 pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(12)
                 lines = [ln for ln in text.getvalue().splitlines() if ln.strip() and "Ordered" not in ln and "List reduced" not in ln]
                 print(f"    cProfile {phase}, {args.calls} calls:\n" + "\n".join("      " + ln[:150] for ln in lines))
-                del ys
         if variant == "sparse-4bit":  # the fused weight alone, and bitsandbytes' dequantization alone
             import bitsandbytes.functional as bnb_f
 
