@@ -201,8 +201,10 @@ def _broadcast(*shapes: torch.Size) -> Optional[tuple]:
 
 def _new_rebuild(node, x: torch.Tensor) -> Optional[InputRebuild]:
     a, b = _saved(node, "_saved_self"), _saved(node, "_saved_other")
+    shape = x.shape
     if a is not None and b is not None:
-        if _broadcast(a.shape, b.shape) == tuple(x.shape) and torch.result_type(a, b) == x.dtype:
+        same = a.dtype == b.dtype == x.dtype and a.shape == b.shape == shape  # (the usual case, checked cheaply)
+        if same or (_broadcast(a.shape, b.shape) == tuple(shape) and torch.result_type(a, b) == x.dtype):
             return InputRebuild(node, None, None, x.dtype)
         return None
     if (a is None) == (b is None) or x.dtype not in (torch.float16, torch.bfloat16):
@@ -215,9 +217,9 @@ def _new_rebuild(node, x: torch.Tensor) -> Optional[InputRebuild]:
     if inner is None or type(inner).__name__ != "MulBackward0":
         return None
     p, q = _saved(inner, "_saved_self"), _saved(inner, "_saved_other")
-    if p is None or q is None or s.dtype != x.dtype or not (s.device == p.device == q.device == x.device):
+    if p is None or q is None or s.dtype != x.dtype or not (s.get_device() == p.get_device() == q.get_device() == x.get_device()):
         return None
-    if _broadcast(p.shape, q.shape) != tuple(x.shape) or _broadcast(s.shape, x.shape) != tuple(x.shape):
+    if _broadcast(p.shape, q.shape) != tuple(shape) or (s.shape != shape and _broadcast(s.shape, shape) != tuple(shape)):
         return None
     return InputRebuild(node, inner, saved_name, x.dtype)
 
