@@ -68,6 +68,24 @@ class _Identity(torch.autograd.Function):
         return g
 
 
+class _Linear(torch.autograd.Function):
+    """F.linear inside an autograd function's forward (as the sparse layer calls it), input gradient only."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(w)
+        return torch.nn.functional.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.mm(ctx.saved_tensors[0]), None
+
+
+def _no_grad_linear(x, w):
+    with torch.no_grad():
+        return torch.nn.functional.linear(x, w)
+
+
 def ops_table(args) -> None:
     """Host µs of single operations at the layer benchmark's shapes (the GPU never waits at these sizes)."""
     x = torch.randn(args.tokens, args.size, device="cuda", dtype=torch.bfloat16)
@@ -86,6 +104,9 @@ def ops_table(args) -> None:
         "reshape": lambda: x.reshape(-1, args.size),
         "detach": lambda: w.detach(),
         "Function.apply (identity)": lambda: _Identity.apply(xr),
+        "F.linear, input needs grad": lambda: torch.nn.functional.linear(xr, w),
+        "F.linear under no_grad": lambda: _no_grad_linear(xr, w),
+        "Function.apply(F.linear)": lambda: _Linear.apply(xr, w),
         "torch.cuda.current_device": torch.cuda.current_device,
         "data_ptr + _version": lambda: (w.data_ptr(), w._version),
     }
