@@ -703,3 +703,49 @@ def test_training_observer_runs_once_and_before_the_steady_checks():
     second = model(x).logits  # the observer turns the in-place merge off before the checks
     assert len(calls) == 2 and layer._training_merge is None and layer._steady is None
     assert torch.equal(first, second)
+
+
+def test_steady_merged_passes_take_the_lean_forward_with_the_generic_results(monkeypatch):
+    """A steady pass of a layer merged in place, input and bias in the weight's dtype and autocast off,
+    multiplies by the stored weight through MergedDeltaLinear; its loss, input gradient and value
+    gradients are the generic pass's, bit for bit. Under autocast it takes the generic pass."""
+    from peft_sparse.core import functional
+    from peft_sparse.core import layer as layer_module
+
+    model, _, x = _steady_after_steps(2)
+    layers = sparse_layers(model)
+    lean = []
+    monkeypatch.setattr(layer_module, "merged_apply", lambda *a: lean.append(1) or functional.merged_apply(*a))
+
+    def pass_results():
+        lean.clear()
+        embeds = model.get_input_embeddings()(x).detach().requires_grad_()
+        loss = model(inputs_embeds=embeds, labels=x).loss
+        loss.backward()
+        grads = [layer.sparse_values["default"].grad.clone() for layer in layers]
+        for layer in layers:
+            layer.sparse_values["default"].grad = None
+        return loss.detach(), embeds.grad, grads, len(lean)
+
+    loss, x_grad, grads, taken = pass_results()
+    assert taken == len(layers) and all(layer._steady is not None for layer in layers)
+    monkeypatch.setattr(layer_module, "merged_apply", lambda *a: lean.append(1) or functional.sparse_delta_apply(*a))
+    loss_b, x_grad_b, grads_b, _ = pass_results()  # (the same decisions, through the generic forward)
+    assert torch.equal(loss, loss_b) and torch.equal(x_grad, x_grad_b)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_b))
+    # a bfloat16 model under bfloat16 autocast: steady, merged in place, but through the generic forward
+    model = _spiel(torch.bfloat16)
+    randomize_values(model, scale=0.1)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    monkeypatch.setattr(layer_module, "merged_apply", lambda *a: lean.append(1) or functional.merged_apply(*a))
+    for _ in range(2):
+        model(x, labels=x).loss.backward()
+        opt.step()
+    lean.clear()
+    model(x)
+    assert len(lean) == len(layers)
+    lean.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x)
+    assert not lean and all(layer._steady is not None for layer in sparse_layers(model))

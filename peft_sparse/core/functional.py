@@ -414,8 +414,25 @@ class GivenWeightLinear(SparseDeltaLinear):
         return (grad_x, None, *rest)
 
 
+class MergedDeltaLinear(SparseDeltaLinear):
+    """:class:`SparseDeltaLinear` for a steady training pass of one adapter merged in place (``premerged``):
+    X and the bias already in the stored weight's dtype, autocast off — what the caller checked, so forward
+    multiplies by the stored weight without the generic pass's decisions. Arguments and backward are
+    :class:`SparseDeltaLinear`'s (``spec``'s ``premerged`` is the merge)."""
+
+    @staticmethod
+    def forward(ctx, x, bias, spec, indices, values):
+        merge = spec[4]
+        weight = merge.weight
+        y = F.linear(x, weight, bias)
+        ctx.spec, ctx.dtype, ctx.generation, ctx.x_meta = spec, weight.dtype, merge.generation, (x.shape, x.dtype)
+        _save_for_backward(ctx, x, spec[2], (indices, values), 1)
+        return y
+
+
 sparse_delta_apply = _direct_apply(SparseDeltaLinear)
 given_weight_apply = _direct_apply(GivenWeightLinear)
+merged_apply = _direct_apply(MergedDeltaLinear)
 
 
 def sparse_delta_linear(

@@ -67,6 +67,7 @@ from .functional import (
     _compute_dtype,
     compose_weight,
     given_weight_apply,
+    merged_apply,
     sparse_delta_apply,
     sparse_delta_linear,
     sparse_delta_linear_reference,
@@ -1020,15 +1021,19 @@ class SparseLayer(BaseTunerLayer):
                             return y.to(x.dtype)
                         self._nf4_rebuild = None  # (it did not apply: the generic path plans anew, without checking it again)
                     return sparse_delta_apply(x, base._parameters.get("bias"), spec, indices, values).to(x.dtype)
+                autocast = torch.is_autocast_enabled(device := x.device.type)
                 if (
                     self.merge_for_training
-                    and (not torch.is_autocast_enabled(device := x.device.type) or torch.get_autocast_dtype(device) == weight.dtype)
+                    and (not autocast or torch.get_autocast_dtype(device) == weight.dtype)
                     and merge.stored_in_weight()
                     and not weight.requires_grad
                     and merge.current(values)
                 ):
                     spec = (merge.stored_weight, False, self, blocks, merge, 1)
-                    return sparse_delta_apply(x, base._parameters.get("bias"), spec, indices, values)
+                    bias = base._parameters.get("bias")
+                    if not autocast and x.dtype is weight.dtype and (bias is None or bias.dtype is weight.dtype):
+                        return merged_apply(x, bias, spec, indices, values)  # (the generic pass would make no other decision)
+                    return sparse_delta_apply(x, bias, spec, indices, values)
             self._steady = None  # (assigned only when set: nn.Module.__setattr__ costs host time on every pass)
         if self.disable_adapters:
             self.release_training_merge()
