@@ -3,6 +3,10 @@ k largest |dW| of a bf16 dW, k = the layer's share of the budget) as shipped, pe
 chunk sizes. Every result is checked against the torch reference first.
 
     python benchmarks/micro_topmag.py
+
+On an H200 (2026-11-27, ``benchmarks/results/2026-11-27-h200-micro-s17.txt``): 0.19–0.23 ms per layer with
+the shipped chunk of 4096 entries, the best or within 10% of the best of 1024, 4096 and 16384 at each
+TinyLlama shape.
 """
 
 import torch
