@@ -103,12 +103,31 @@ def test_gather_as_matches_index_select(tk, src_dtype, index_dtype, dtype):
     assert tk.gather_as(flat, idx[:0], dtype).shape == (0,)
 
 
-def test_gather_as_dispatch_falls_back_to_torch():
-    """``kernels.gather_as`` takes the torch path where no kernel applies (CPU tensors, float64)."""
-    flat = torch.arange(10, dtype=torch.float64)
+def test_gather_as_dispatch(monkeypatch):
+    """``kernels.gather_as`` hands a contiguous 1-D tensor of a kernel type with int32/int64 indices on its
+    device to the registered kernel, and takes the torch path otherwise (float64, a non-contiguous or
+    2-D source, a float64 target) with the same values; other index types get index_select's error."""
+    calls = []
+    monkeypatch.setitem(kernels.GATHER_KERNELS, "cpu", lambda flat, idx, dtype: calls.append(1) or flat.index_select(0, idx).to(dtype))
+    monkeypatch.setattr(kernels, "_GPU_KERNELS_TRIED", True)
     idx = torch.tensor([9, 0, 3], dtype=torch.int32)
-    out = kernels.gather_as(flat, idx, torch.float32)
-    assert out.dtype == torch.float32 and out.tolist() == [9.0, 0.0, 3.0]
+    for flat, index, dtype, kernel in [
+        (torch.arange(10, dtype=torch.bfloat16), idx, torch.float32, True),
+        (torch.arange(10, dtype=torch.float32), idx.long(), torch.bfloat16, True),
+        (torch.arange(10, dtype=torch.float64), idx, torch.float32, False),
+        (torch.arange(20, dtype=torch.float32)[::2], idx, torch.float32, False),
+        (torch.arange(10, dtype=torch.float32), idx, torch.float64, False),
+    ]:  # fmt: skip
+        calls.clear()
+        out = kernels.gather_as(flat, index, dtype)
+        assert bool(calls) == kernel and out.dtype == dtype
+        assert torch.equal(out, flat.index_select(0, index.long()).to(dtype))
+    calls.clear()
+    row = torch.tensor([1], dtype=torch.int32)
+    assert kernels.gather_as(torch.arange(10.0).view(2, 5), row, torch.float32).tolist() == [[5.0, 6.0, 7.0, 8.0, 9.0]]
+    with pytest.raises(RuntimeError, match="int32 or int64"):  # as index_select refuses them
+        kernels.gather_as(torch.arange(10.0), idx.to(torch.int16), torch.float32)
+    assert not calls
 
 
 @pytest.mark.parametrize("momentum, weight_decay, out_f, in_f, nnz, index_dtype", [
@@ -139,8 +158,7 @@ def test_fused_sm3_step_matches_torch_sm3(tk, momentum, weight_decay, out_f, in_
     v = values.clone()
     new_r, new_c = tk.sm3_sparse_step(v, grad, idx, in_f, row_acc, col_acc, mom, 0.1, momentum, 1e-30, weight_decay)
     torch.testing.assert_close(v, want_v, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(new_r, want_r)
-    torch.testing.assert_close(new_c, want_c)
+    assert torch.equal(new_r, want_r) and torch.equal(new_c, want_c)  # (maxima: exact)
     assert SM3 is not None
 
 

@@ -1021,11 +1021,13 @@ _GATHER_BLOCK = 1024
 
 def gather_as(flat: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``flat.index_select(0, indices).to(dtype)`` in one launch (no intermediate in ``flat``'s type):
-    ``flat`` a contiguous 1-D tensor, ``indices`` int32 or int64. Launches are kept per size and types."""
+    ``flat`` a contiguous 1-D tensor, ``indices`` int32 or int64 within its bounds (not checked here: the
+    layers' indices are checked when they are set or loaded). Launches are kept per sizes and types."""
     n = indices.numel()
     out = torch.empty(n, dtype=dtype, device=flat.device)
     if n:
-        launch_kept(_gather_kernel, (triton.cdiv(n, _GATHER_BLOCK),), (n, flat.dtype, indices.dtype, dtype), ("SRC", "IDX", "OUT"),
+        key = (n, flat.numel(), flat.dtype, indices.dtype, dtype)  # (a kept launch checks every slot's size)
+        launch_kept(_gather_kernel, (triton.cdiv(n, _GATHER_BLOCK),), key, ("SRC", "IDX", "OUT"),
                     (flat, indices, out), flat, indices, out, n, BLOCK=_GATHER_BLOCK)  # fmt: skip
     return out
 
@@ -1136,11 +1138,12 @@ def _multi_sm3_kernel(
     _, run_max = tl.associative_scan((r, nu), 0, _segment_max)
     last_of_run = (next_r != r) | (tl.arange(0, BLOCK) == BLOCK - 1) | (offs + 1 >= n)
     tl.atomic_max(row_new + r, run_max, mask=m & last_of_run, sem="relaxed")  # max commutes: no ordering needed
-    # a column's entries are spread over many programs, one atomic each: skip those whose ν does not exceed
-    # the column's maximum so far (read from L2; a stale read is lower, never higher: the maximum only
-    # grows), so most entries issue none. (NaN: ν <= anything is false, so it still goes.)
+    # a column's entries are spread over many programs, one atomic each: skip those whose ν is below the
+    # column's maximum so far (read from L2; a stale read is lower, never higher: the maximum only grows),
+    # so most entries issue none. Only strictly lower ones: an equal ν may differ in the sign of zero, which
+    # the atomic orders by bit pattern; a NaN ν (never below anything) still goes.
     seen = tl.load(col_new + c, mask=m, other=0.0, cache_modifier=".cg")
-    tl.atomic_max(col_new + c, nu, mask=m & ~(nu <= seen), sem="relaxed")
+    tl.atomic_max(col_new + c, nu, mask=m & ~(nu < seen), sem="relaxed")
     _sm3_apply(VALUES_PTRS, MOM_PTRS, t, offs, m, g, nu, VALUES_T, ACC_T, lr, momentum, eps, decay, HAS_MOMENTUM)
 
 
