@@ -390,3 +390,17 @@ def test_given_weight_linear_equals_sparse_delta_linear(adapters):
     for a, b in zip(*results):
         assert a is not None and torch.equal(a, b)
 
+
+
+def test_broadcast_shortcut_agrees_with_the_broadcast():
+    """The quick answers of ``_broadcasts_to`` (one shape is X's, the other X's, per row or per column)
+    are the full broadcast's, for matching and mismatching shapes alike."""
+    from itertools import product
+
+    from peft_sparse.core.functional import _broadcast, _broadcasts_to
+
+    shape = torch.Size([2, 3, 4])
+    others = [(2, 3, 4), (4,), (2, 3, 1), (1, 3, 4), (3, 4), (1,), (), (2, 1, 4), (2, 3, 5), (5,), (2, 3, 2), (3, 1), (1, 1, 1), (2, 2, 4)]
+    for a, b in product(others, repeat=2):
+        a, b = torch.Size(a), torch.Size(b)
+        assert _broadcasts_to(shape, a, b) == (_broadcast(a, b) == tuple(shape)), (a, b)

@@ -199,6 +199,16 @@ def _broadcast(*shapes: torch.Size) -> Optional[tuple]:
     return tuple(out)
 
 
+def _broadcasts_to(shape: torch.Size, a: torch.Size, b: torch.Size) -> bool:
+    """Whether shapes ``a`` and ``b`` broadcast to exactly ``shape``: at once when one of them is ``shape``
+    and the other ``shape`` too, one entry per row (``(..., 1)``) or one per column (``shape[-1:]``), else
+    through :func:`_broadcast`."""
+    for full, other in ((a, b), (b, a)):
+        if full == shape and (other == shape or other == shape[-1:] or (len(other) == len(shape) and other[-1] == 1 and other[:-1] == shape[:-1])):
+            return True
+    return _broadcast(a, b) == tuple(shape)
+
+
 def _new_rebuild(node, x: torch.Tensor) -> Optional[InputRebuild]:
     a, b = _saved(node, "_saved_self"), _saved(node, "_saved_other")
     shape = x.shape
@@ -219,7 +229,7 @@ def _new_rebuild(node, x: torch.Tensor) -> Optional[InputRebuild]:
     p, q = _saved(inner, "_saved_self"), _saved(inner, "_saved_other")
     if p is None or q is None or s.dtype != x.dtype or not (s.get_device() == p.get_device() == q.get_device() == x.get_device()):
         return None
-    if _broadcast(p.shape, q.shape) != tuple(shape) or (s.shape != shape and _broadcast(s.shape, shape) != tuple(shape)):
+    if not _broadcasts_to(shape, p.shape, q.shape) or not _broadcasts_to(shape, s.shape, shape):
         return None
     return InputRebuild(node, inner, saved_name, x.dtype)
 
