@@ -213,8 +213,7 @@ def _new_rebuild(node, x: torch.Tensor) -> Optional[InputRebuild]:
     a, b = _saved(node, "_saved_self"), _saved(node, "_saved_other")
     shape = x.shape
     if a is not None and b is not None:
-        same = a.dtype == b.dtype == x.dtype and a.shape == b.shape == shape  # (the usual case, checked cheaply)
-        if same or (_broadcast(a.shape, b.shape) == tuple(shape) and torch.result_type(a, b) == x.dtype):
+        if _broadcasts_to(shape, a.shape, b.shape) and (a.dtype == b.dtype == x.dtype or torch.result_type(a, b) == x.dtype):
             return InputRebuild(node, None, None, x.dtype)
         return None
     if (a is None) == (b is None) or x.dtype not in (torch.float16, torch.bfloat16):

@@ -312,7 +312,7 @@ def gather_as(flat: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype) -> 
     if kernel is None or indices.dtype not in (torch.int32, torch.int64) or indices.device != flat.device:
         return flat.index_select(0, indices).to(dtype)
     with on_device(flat):
-        return kernel(flat, indices.reshape(-1) if indices.is_contiguous() else indices.contiguous(), dtype)
+        return kernel(flat, indices.reshape(-1).contiguous(), dtype)
 
 
 def dense_weight_gradient(grad_out2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:

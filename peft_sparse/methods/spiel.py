@@ -283,8 +283,6 @@ def reselect_ag(
     grid: Optional[BlockGrid] = None,
     units: Optional[torch.Tensor] = None,
     candidate_units: Optional[torch.Tensor] = None,
-    *,
-    deferred_check: bool = False,
 ):
     """DROP the k units (weights or blocks) with the smallest Σ|φ|; GROW the k eligible candidate
     units with the largest Σ ``score`` (score = |ĝ| per candidate weight).
@@ -292,10 +290,7 @@ def reselect_ag(
     ``candidates`` are ascending flat indices covering whole units. If fewer than k candidates are
     eligible, drop only as many as can be grown (the largest k' ≤ k with k' eligible) and report
     the shortfall (in units). With at least d_φ candidates (SpIEL's K ≥ d_φ) that cannot happen.
-
-    ``deferred_check=True`` returns ``(result, ok)`` with no host synchronisation: ``ok`` is a device
-    flag that is False when the scores are not finite or fewer than k candidates are eligible, in
-    which case the caller must call again without it. Otherwise one host synchronisation.
+    One host synchronisation (the batched path, :func:`reselect_all`, has none).
     """
     grid = grid or UNSTRUCTURED
     units, magnitude, unit_of_element = _drop(values, indices, grid, units)
@@ -303,10 +298,7 @@ def reselect_ag(
     cand_score = grid.unit_sums(candidates, score, cand_units)
     wanted = k = min(k, units.numel())
     result, n_eligible = _grow_ag(units, magnitude, unit_of_element, indices, k, candidates, cand_units, cand_score, grid)
-    finite = torch.isfinite(score).all()
-    if deferred_check:
-        return result, (n_eligible >= k) & finite
-    n_eligible, finite = torch.stack([n_eligible, finite.long()]).tolist()
+    n_eligible, finite = torch.stack([n_eligible, torch.isfinite(score).all().long()]).tolist()
     if not finite:
         raise ValueError("growth scores contain NaN or infinite values (a NaN gradient?)")
     while n_eligible < k:  # the largest k' ≤ k with k' eligible candidates after dropping k'
