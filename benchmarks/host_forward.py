@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def build(sparse: bool, hidden: int, device: str):
+def build(sparse: bool, hidden: int, device: str, block: int = 1):
     from peft import get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -49,7 +49,7 @@ def build(sparse: bool, hidden: int, device: str):
     if not sparse:
         model.enable_input_require_grads()
         return model, None, None
-    model = get_peft_model(model, peft_sparse.SpIELConfig(target_modules=TARGETS, density=0.05, growth="ma"))
+    model = get_peft_model(model, peft_sparse.SpIELConfig(target_modules=TARGETS, density=0.05, growth="ma", block_shape=(block, block)))
     optimizer = peft_sparse.SM3([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     scheduler = peft_sparse.SpIELScheduler(model, optimizer, total_steps=10_000)
     scheduler.t = 100  # steady steps: no window, no reselection
@@ -63,6 +63,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--block", type=int, default=1, help="square block side of the sparse layers (1: unstructured)")
     args = parser.parse_args()
     from peft_sparse.core import functional
     from peft_sparse.core import layer as layer_module
@@ -71,7 +72,7 @@ def main():
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     ids = torch.randint(0, 1024, (1, args.tokens), device=device)
     floor, _, _ = build(False, args.hidden, device)
-    model, optimizer, scheduler = build(True, args.hidden, device)
+    model, optimizer, scheduler = build(True, args.hidden, device, args.block)
     floor.train()
     model.train()
     for _ in range(3):  # every layer merged in place and rewritten by the step hook: steady passes
@@ -113,7 +114,7 @@ def main():
                 times[name].append(elapsed)
     where = torch.cuda.get_device_name() if device.startswith("cuda") else "CPU"
     print(f"{where}: forward host time, median of {args.rounds} interleaved rounds, {len(layers)} sparse layers, "
-          f"{args.tokens} tokens, hidden {args.hidden}")  # fmt: skip
+          f"{args.tokens} tokens, hidden {args.hidden}, blocks {args.block}×{args.block}")  # fmt: skip
     floor_ms = statistics.median(times["floor"]) * 1e3
     for name, values in times.items():
         ms = statistics.median(values) * 1e3

@@ -1,0 +1,55 @@
+"""Steady training steps of one variant at the benchmark's shapes, for a host sampler to attribute the
+host's time (e.g. ``py-spy record --native -f raw -o stacks.txt -- python benchmarks/host_steps.py spiel-ma``).
+
+    python benchmarks/host_steps.py spiel-ma [--steps 60] [--size tinyllama]
+
+After 7 warm-up steps (SpIEL: the first reselection and the kernels' compilation behind it), it runs
+``--steps`` steps inside :func:`steady_steps` with the SpIEL scheduler no longer stepped, so that no window or
+reselection comes (every step a steady one; a sampler's stacks are filtered on that function's name),
+each followed by a synchronisation. It prints the median host time of each phase and the median step.
+"""
+
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_step import PHASES, profiling_setup, train_step  # noqa: E402
+
+WARMUP = 7
+
+
+def steady_steps(model, optimizer, ids, steps: int) -> tuple[list, list]:
+    phases, walls = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        phases.append(train_step(model, optimizer, None, ids))
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - start)
+    return phases, walls
+
+
+def main():
+    steps = 60
+    if "--steps" in sys.argv:
+        i = sys.argv.index("--steps")
+        steps = int(sys.argv[i + 1])
+        del sys.argv[i : i + 2]
+    args, model, optimizer, hook, ids = profiling_setup(rows=0)
+    for _ in range(WARMUP):
+        train_step(model, optimizer, hook, ids)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the unscheduled-training guard: the scheduler is paused on purpose)
+        phases, walls = steady_steps(model, optimizer, ids, steps)
+    host = {name: statistics.median(p[i] for p in phases) * 1e3 for i, name in enumerate(PHASES)}
+    print(f"{torch.cuda.get_device_name()}: {args.variant}, {steps} steady steps: median step {statistics.median(walls) * 1e3:.1f} ms; "
+          "host per phase (median ms): " + ", ".join(f"{k} {v:.1f}" for k, v in host.items()))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
