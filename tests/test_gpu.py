@@ -574,36 +574,6 @@ def _tenth_of_the_blocks(g, out_f: int, in_f: int):
     return kernels.BlockLayout.of_blocks(blocks.cuda(), out_f, in_f, (32, 32))
 
 
-@pytest.mark.parametrize("accumulate", [False, True])
-def test_block_kernel_sums_its_token_slices_in_slice_order_on_every_launch(accumulate):
-    """The grouped kernel's own sum of its token slices (the last program of a group to finish sums the
-    partials): over many launches with many groups and slices, always the slice-order sum of one launch
-    per slice, bit for bit — a partial read before it is written, or a counter left set, would show."""
-    from peft_sparse.core import triton_kernels as tk
-
-    g = torch.Generator().manual_seed(3)
-    out_f, in_f, tokens = 1024, 2048, 8192
-    layout = _tenth_of_the_blocks(g, out_f, in_f)
-    plan = tk.block_group_plan(layout)
-    go = torch.randn(tokens, out_f, generator=g).cuda().to(torch.bfloat16)
-    x = torch.randn(tokens, in_f, generator=g).cuda().to(torch.bfloat16)
-    n = layout.rows.numel() * 32 * 32
-    target = 8 * tk._target_programs(go.device)
-    splits, per = tk.token_splits(plan.size, tokens, 64, target)
-    assert splits >= 8
-    want = None
-    for t in range(0, tokens, per):
-        partial = tk.launch_grouped(go[t : t + per].contiguous(), x[t : t + per].contiguous(), (32, 32), plan, torch.empty(n, device="cuda"), False, 64, 0)
-        want = partial if want is None else want + partial
-    start = torch.randn(n, generator=g).cuda()
-    if accumulate:
-        want = start + want
-    for _ in range(30):
-        got = tk.launch_grouped(go, x, (32, 32), plan, start.clone() if accumulate else torch.full((n,), float("nan"), device="cuda"), accumulate, 64, target)
-        assert torch.equal(got, want)
-    assert not plan.count.any()
-
-
 @pytest.mark.parametrize("tokens, product", [(300, False), (8192, False), (2048, True)])
 def test_block_value_gradient_repeats_its_kept_launch_bit_for_bit(tokens, product):
     """kernels.block_value_gradient keeps each call shape's launch on the layout and repeats it with new

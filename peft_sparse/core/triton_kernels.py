@@ -373,19 +373,15 @@ def _x_tile(X, X2, offs, mask, PRODUCT: tl.constexpr):
 
 @triton.jit
 def _grouped_block_sddmm_kernel(
-    G, X, X2, LINE, OTHER, BASE, STRIDE, OUT, PART, COUNT, T, split_tokens, split_stride, stride_g, stride_x,
+    G, X, X2, LINE, OTHER, BASE, STRIDE, OUT, T, split_tokens, split_stride, stride_g, stride_x,
     SHARE_ROWS: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
-    ACCUMULATE: tl.constexpr, PRODUCT: tl.constexpr, PRECISION: tl.constexpr, SPLIT_SUM: tl.constexpr,
+    ACCUMULATE: tl.constexpr, PRODUCT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # program (p, s): group p — up to GROUP blocks on one block row (SHARE_ROWS: one ∂L/∂Y tile read
     # for all of them) or one block column (one X tile) — over the token slice s. Element (i, j) of a
-    # block goes to OUT[base + i·stride + j] (ascending element order of the values).
+    # block goes to OUT[s·split_stride + base + i·stride + j] (ascending element order of the values).
     # PRODUCT: X is the elementwise product X ⊙ X2 (same layout), formed tile by tile as torch's
-    # multiplication rounds it, so that the product never goes through memory.
-    # SPLIT_SUM (several token slices): each program writes its partial to PART[s·split_stride + …] and
-    # counts itself in COUNT[p]; the group's last program to arrive sums the partials in slice order
-    # (the same bits whichever program comes last), adds them to OUT (ACCUMULATE) or writes them there,
-    # and sets COUNT[p] back to 0 for the next launch
+    # multiplication rounds it, so that the product never goes through memory
     p = tl.program_id(0)
     s = tl.program_id(1)
     line = tl.load(LINE + p).to(tl.int64)
@@ -429,22 +425,10 @@ def _grouped_block_sddmm_kernel(
         stride = tl.load(STRIDE + p * GROUP + member, mask=valid, other=0).to(tl.int64)
         offs = base[:, None] + (k % BH)[:, None].to(tl.int64) * stride[:, None] + tl.arange(0, BW)[None, :]
         mask = valid[:, None]
-    if SPLIT_SUM:
-        tl.store(PART + s.to(tl.int64) * split_stride + offs, acc, mask=mask)
-        tl.debug_barrier()  # (every thread's partial stored before the count releases them)
-        splits = tl.num_programs(1)
-        if tl.atomic_add(COUNT + p, 1) == splits - 1:  # (acquire-release: the other partials are visible)
-            total = tl.load(PART + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            for j in range(1, splits):
-                total += tl.load(PART + j * split_stride + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            if ACCUMULATE:
-                total = tl.load(OUT + offs, mask=mask, other=0.0) + total
-            tl.store(OUT + offs, total, mask=mask)
-            tl.atomic_xchg(COUNT + p, 0)
-    else:
-        if ACCUMULATE:
-            acc += tl.load(OUT + offs, mask=mask, other=0.0)
-        tl.store(OUT + offs, acc, mask=mask)
+    offs += s.to(tl.int64) * split_stride
+    if ACCUMULATE:
+        acc += tl.load(OUT + offs, mask=mask, other=0.0)
+    tl.store(OUT + offs, acc, mask=mask)
 
 
 class BlockGroups:
@@ -457,20 +441,11 @@ class BlockGroups:
     for many layouts at once): the number of groups is bounded by ``n // group + lines`` and the spare
     rows of the plan hold line −1."""
 
-    __slots__ = ("line", "other", "base", "stride", "share_rows", "group", "size", "_count")
+    __slots__ = ("line", "other", "base", "stride", "share_rows", "group", "size")
 
     def __init__(self, line, other, base, stride, share_rows: bool, group: int):
         self.line, self.other, self.base, self.stride = line, other, base, stride
         self.share_rows, self.group, self.size = share_rows, group, line.numel()
-        self._count = None
-
-    @property
-    def count(self) -> torch.Tensor:
-        """Per group, the token slices done so far in the launch under way (int32, zero between launches:
-        the kernel's last slice of a group sets it back), made at first use."""
-        if self._count is None:
-            self._count = torch.zeros(self.size, dtype=torch.int32, device=self.line.device)
-        return self._count
 
     @staticmethod
     def of_layouts(layouts: list, share_rows: bool, group: int) -> list:
@@ -630,10 +605,17 @@ def block_value_gradient(grad_out2d: torch.Tensor, x2d: torch.Tensor, layout, x_
     kept = layout.launches.get(key)
     if kept is not None and (x_factor is None or x_factor.shape == x.shape):
         plan, splits = kept
-        dest = out if accumulate else torch.empty(n, dtype=torch.float32, device=g.device)
-        part = dest if splits == 1 else torch.empty(splits, n, dtype=torch.float32, device=g.device)
-        if plan(g, x, x2, dest, part):
-            return dest
+        if splits > 1:
+            dest = torch.empty(splits, n, dtype=torch.float32, device=g.device)
+        else:
+            dest = out if accumulate else torch.empty(n, dtype=torch.float32, device=g.device)
+        if plan(g, x, x2, dest):
+            if splits == 1:
+                return dest
+            if not accumulate:
+                return dest.sum(0)
+            out += dest.sum(0)  # (as launch_grouped sums its token slices into an accumulated output)
+            return out
         del layout.launches[key]  # (it does not apply: launched as usual, and kept anew if it can be)
     if not accumulate:
         out = torch.empty(n, dtype=torch.float32, device=g.device)
@@ -664,7 +646,7 @@ def carry_launches(old, new) -> None:
         was, now = old.plans.get(groups_key), new.plans.get(groups_key)
         if key in new.launches or was is None or now is None or now.size != was.size:
             continue
-        moved = plan.retargeted(LINE=now.line, OTHER=now.other, BASE=now.base, STRIDE=now.stride, COUNT=now.count)
+        moved = plan.retargeted(LINE=now.line, OTHER=now.other, BASE=now.base, STRIDE=now.stride)
         if moved is not None:
             new.launches[key] = (moved, splits)
 
@@ -672,25 +654,27 @@ def carry_launches(old, new) -> None:
 def launch_grouped(g, x, block_shape, plan: BlockGroups, out, accumulate: bool, block_t: int, target: int,
                    num_warps: int = 4, num_stages: int = 2, x_factor: Optional[torch.Tensor] = None,
                    keep: Optional[list] = None) -> torch.Tensor:  # fmt: skip
-    """One launch of the grouped block kernel with explicit settings (``target`` 0: no token slices; with
-    several, the kernel sums their partials itself, in slice order, through a scratch tensor of one
-    partial per slice);
+    """One launch of the grouped block kernel with explicit settings (``target`` 0: no token slices);
     :func:`block_sddmm_into` picks them, ``benchmarks/tune_block.py`` sweeps them. ``x_factor``: X is
     ``x ⊙ x_factor`` (same strides). ``keep`` (a list): receives (a :class:`LaunchPlan` repeating the
     launch with new G, X, X2 and output tensors, or None; the number of token slices)."""
     bh, bw = block_shape
     tokens = g.shape[0]
     splits, per = token_splits(plan.size, tokens, block_t, target) if target else (1, tokens)
-    part = out if splits == 1 else torch.empty(splits, out.numel(), dtype=torch.float32, device=out.device)
-    made = launch_plan(_grouped_block_sddmm_kernel, (plan.size, splits), ("G", "X", "X2", "OUT", "PART") if keep is not None else None,
-        g, x, x if x_factor is None else x_factor, plan.line, plan.other, plan.base, plan.stride, out, part, plan.count,
-        tokens, per, out.numel(), g.stride(0), x.stride(0),
-        SHARE_ROWS=plan.share_rows, BH=bh, BW=bw, GROUP=plan.group, BLOCK_T=block_t, ACCUMULATE=accumulate,
-        PRODUCT=x_factor is not None, PRECISION=dot_precision(g.dtype), SPLIT_SUM=splits > 1, num_warps=num_warps,
-        num_stages=num_stages,
+    dest = out if splits == 1 else torch.empty(splits, out.numel(), dtype=torch.float32, device=out.device)
+    made = launch_plan(_grouped_block_sddmm_kernel, (plan.size, splits), ("G", "X", "X2", "OUT") if keep is not None else None,
+        g, x, x if x_factor is None else x_factor, plan.line, plan.other, plan.base, plan.stride, dest, tokens, per,
+        out.numel(), g.stride(0), x.stride(0),
+        SHARE_ROWS=plan.share_rows, BH=bh, BW=bw, GROUP=plan.group, BLOCK_T=block_t, ACCUMULATE=accumulate and splits == 1,
+        PRODUCT=x_factor is not None, PRECISION=dot_precision(g.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if keep is not None:
         keep.append((made, splits))
+    if splits > 1:
+        if accumulate:
+            out += dest.sum(0)
+        else:
+            torch.sum(dest, 0, out=out)
     return out
 
 
