@@ -1,5 +1,6 @@
-"""Steady training steps of one variant at the benchmark's shapes, for a host sampler to attribute the
-host's time (e.g. ``py-spy record --native -f raw -o stacks.txt -- python benchmarks/host_steps.py spiel-ma``).
+"""Steady training steps of one variant at the benchmark's shapes, with the host time of each phase: a run
+to attach a sampling profiler to (its stacks filtered on :func:`steady_steps`). (``py-spy record --native``
+at 250 Hz did not finish within 170 s around it on an H100 host: BENCHMARKS.md, round s18.)
 
     python benchmarks/host_steps.py spiel-ma [--steps 60] [--size tinyllama]
 
