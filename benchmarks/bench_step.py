@@ -4,6 +4,10 @@
     python benchmarks/bench_step.py --variant spiel-ag                         # one variant (what the batch runs)
     python benchmarks/bench_step.py --variants qfloor,qspiel-ma --rounds 3     # interleaved rounds of a batch
 
+With ``--rounds 3`` or more, it also prints each variant's full-cycle mean taken over each step position's
+median over the rounds: host stalls that hit one round at one step (they hit the floor's runs too) are out,
+while the SpIEL cycle's windows and reselections, at the same positions in every round, stay in.
+
 Setup (the issue's): Llama architecture with TinyLlama-1.1B shapes (or ``--size llama2-7b``), random
 init, bf16, 8×1024 tokens per step, all 7 linear projection types targeted, trainable budget = LoRA
 r=64 (50.46M for TinyLlama), AdamW (SM3 for SpIEL-MA), median and mean of 40 timed steps after 6
@@ -327,6 +331,28 @@ def main():
                        "peak_mem_gib": max(r["peak_mem_gib"] for r in runs)})  # fmt: skip
     print(f"(below: the median over {args.rounds} rounds of each run's median and mean; the largest peak memory)")
     print_table(merged)
+    if args.rounds >= 3:
+        print_stepwise(by)
+
+
+def stepwise_median_mean(runs: list[list[float]]) -> float:
+    """The mean over step positions of each position's median over runs (``runs``: each run's
+    ``step_s_all``, same length): with 3 or more interleaved rounds, a step stalled in one round by the
+    host is out, while the windows and reselections, at the same positions in every round, stay."""
+    if len({len(r) for r in runs}) != 1:
+        raise ValueError(f"runs of different lengths: {[len(r) for r in runs]}")
+    return statistics.fmean(statistics.median(steps) for steps in zip(*runs))
+
+
+def print_stepwise(by: dict) -> None:
+    """Per variant, the full-cycle mean with each step position's median over rounds (stepwise_median_mean),
+    beside the plain statistics, and its ratio to the floor's (qfloor's for q* variants) same statistic."""
+    stat = {v: stepwise_median_mean([r["step_s_all"] for r in runs]) for v, runs in by.items()}
+    print(f"\nmean over step positions of the median over {len(next(iter(by.values())))} rounds (a step stalled in one round is out):")
+    for v, value in stat.items():
+        base = stat.get("qfloor") if v.startswith("q") and "qfloor" in stat else stat.get("floor")
+        ratio = f"{value / base:.3f}" if base else "-"
+        print(f"  {v:<16} {value * 1e3:8.1f} ms   × floor {ratio}")
 
 
 def run_batch(args, variants: list, batch_id: str) -> list:
