@@ -293,6 +293,7 @@ def main():
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after warm-up (diagnosis of collector pauses)")
     parser.add_argument("--out", default=None, help="JSONL file (default benchmarks/results/<date>-<gpu>.jsonl)")
     parser.add_argument("--rounds", type=int, default=1, help="run the batch this many times, interleaved (one record per run)")
+    parser.add_argument("--full-record", action="store_true", help=argparse.SUPPRESS)  # (a batch's child: step times included)
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -302,7 +303,7 @@ def main():
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        print(json.dumps({k: v for k, v in record.items() if k != "step_s_all"}))
+        print(json.dumps(record if args.full_record else {k: v for k, v in record.items() if k != "step_s_all"}))
         return
     variants = [v.strip() for v in (args.variants or ",".join(VARIANTS)).split(",") if v.strip()]
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -360,7 +361,7 @@ def run_batch(args, variants: list, batch_id: str) -> list:
     records = []
     for v in variants:
         cmd = [sys.executable, __file__, "--variant", v, "--size", args.size, "--seq", str(args.seq), "--bs", str(args.bs),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-id", batch_id]  # fmt: skip
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-id", batch_id, "--full-record"]  # fmt: skip
         if args.gc_freeze:
             cmd.append("--gc-freeze")
         if args.out:
