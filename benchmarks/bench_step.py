@@ -7,6 +7,8 @@
 With ``--rounds 3`` or more, it also prints each variant's full-cycle mean taken over each step position's
 median over the rounds: host stalls that hit one round at one step (they hit the floor's runs too) are out,
 while the SpIEL cycle's windows and reselections, at the same positions in every round, stay in.
+``--settle 180`` runs the floor untimed for that long first: a fresh machine's host got 2.3 times faster
+over its first minutes in round s18 (BENCHMARKS.md), which moved the host-bound SpIEL steps with it.
 
 Setup (the issue's): Llama architecture with TinyLlama-1.1B shapes (or ``--size llama2-7b``), random
 init, bf16, 8×1024 tokens per step, all 7 linear projection types targeted, trainable budget = LoRA
@@ -294,6 +296,9 @@ def main():
     parser.add_argument("--out", default=None, help="JSONL file (default benchmarks/results/<date>-<gpu>.jsonl)")
     parser.add_argument("--rounds", type=int, default=1, help="run the batch this many times, interleaved (one record per run)")
     parser.add_argument("--full-record", action="store_true", help=argparse.SUPPRESS)  # (a batch's child: step times included)
+    parser.add_argument("--settle", type=float, default=0.0,
+                        help="before the batch, run the floor untimed for at least this many seconds (a fresh machine's host "
+                             "speeds up over its first minutes: BENCHMARKS.md, round s18)")  # fmt: skip
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -310,6 +315,9 @@ def main():
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")
     batch_id = args.batch_id or datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
+    if args.settle < 0:
+        parser.error(f"--settle must be at least 0 seconds, got {args.settle}")
+    settle(args)
     records = []
     for round_ in range(args.rounds):
         if args.rounds > 1:
@@ -354,6 +362,22 @@ def print_stepwise(by: dict) -> None:
         base = stat.get("qfloor") if v.startswith("q") and "qfloor" in stat else stat.get("floor")
         ratio = f"{value / base:.3f}" if base else "-"
         print(f"  {v:<16} {value * 1e3:8.1f} ms   × floor {ratio}")
+
+
+def settle(args) -> None:
+    """Runs of the floor, untimed and not recorded, until ``args.settle`` seconds have passed; each prints
+    its forward pass's host time, which shows when the host has stopped speeding up."""
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as scratch:
+        while time.perf_counter() - start < args.settle:
+            cmd = [sys.executable, __file__, "--variant", "floor", "--size", args.size, "--seq", str(args.seq), "--bs", str(args.bs),
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-id", "settle", "--out", str(Path(scratch) / "settle.jsonl")]  # fmt: skip
+            result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            if result.returncode != 0:
+                raise SystemExit(f"--settle: the floor failed\n{result.stderr[-3000:]}")
+            record = json.loads(result.stdout.strip().splitlines()[-1])
+            print(f"settle: floor {record['step_s_median'] * 1e3:.1f} ms per step, forward host "
+                  f"{record['phase_ends_ms_median']['forward'][0]:.1f} ms", flush=True)  # fmt: skip
 
 
 def run_batch(args, variants: list, batch_id: str) -> list:
