@@ -221,16 +221,20 @@ def _random_tensor_reselection(g, out_f, in_f, block, density, growth, ties):
 
 
 @pytest.mark.parametrize("growth", ["ag", "ma"])
-@pytest.mark.parametrize("block", [(1, 1), (2, 4)])
+@pytest.mark.parametrize("block, density", [((1, 1), 0.3), ((2, 4), 0.3), ((4, 2), 0.6), ((1, 8), 0.15)])
 @pytest.mark.parametrize("ties", [False, True])
-def test_reselect_all_equals_reselecting_each_tensor(growth, block, ties):
-    """The batched drop/grow over many tensors gives, tensor by tensor, exactly the per-tensor result."""
-    from peft_sparse.methods.spiel import reselect_all
+def test_reselect_all_equals_reselecting_each_tensor(growth, block, density, ties):
+    """The batched drop/grow over many tensors gives, tensor by tensor, exactly the per-tensor result:
+    indices, sources, candidate rows, dropped counts, new blocks and their layouts (block tensors work
+    on blocks only), and the count of weights not active before (a dropped block grown again is none)."""
+    from peft_sparse.core.kernels import BlockLayout
+    from peft_sparse.methods.spiel import _isin_sorted, reselect_all
 
     g = torch.Generator().manual_seed(7)
     shapes = [(8, 16), (16, 8), (8, 16), (24, 32), (8, 8)]
-    items = [_random_tensor_reselection(g, o, i, block, 0.3, growth, ties) for o, i in shapes]
+    items = [_random_tensor_reselection(g, o, i, block, density, growth, ties) for o, i in shapes]
     batched = reselect_all(items, growth)
+    changed = 0
     d_start, c_start = 0, 0
     for i, it in enumerate(items):
         if growth == "ag":
@@ -249,7 +253,15 @@ def test_reselect_all_equals_reselecting_each_tensor(growth, block, ties):
         assert batched.dropped[i] == want.dropped
         if it.grid.unit > 1:
             assert batched.units[i].tolist() == want.units.tolist()
+            layout, expected = batched.block_metadata[i], BlockLayout.of_blocks(want.units, it.grid.out_features, it.grid.in_features, block)
+            for field in ("rows", "cols", "base", "stride"):
+                assert torch.equal(getattr(layout, field), getattr(expected, field)), field
+            # weight (i, j) of each new block is the new index at its slot
+            assert torch.equal(batched.indices[i][layout.slots()], it.grid.block_major(want.units).reshape(-1))
+        changed += int((~_isin_sorted(want.indices, it.indices)).sum())
         d_start += d
+    assert int(batched.changed) == changed
+    assert batched.new_indices.dtype == batched.source.dtype == batched.grown_from.dtype == torch.int64
 
 
 def test_reselect_all_flags_a_shortfall_and_a_nan_score():
@@ -273,8 +285,8 @@ def test_rank_one_counts_in_tensor_chunks_give_the_same_growth(monkeypatch):
     import peft_sparse.methods.spiel as spiel
 
     monkeypatch.setattr(spiel, "_COUNT_CHUNK", 40)  # one tensor per chunk
-    test_reselect_all_equals_reselecting_each_tensor("ma", (1, 1), False)
-    test_reselect_all_equals_reselecting_each_tensor("ma", (2, 4), True)
+    test_reselect_all_equals_reselecting_each_tensor("ma", (1, 1), 0.3, False)
+    test_reselect_all_equals_reselecting_each_tensor("ma", (2, 4), 0.3, True)
 
 
 def test_window_steps_of_many_tensors_end_as_each_would_alone():
