@@ -603,8 +603,7 @@ def reselect_all(items: list, growth: str) -> AllReselections:
         seg_c, c_start_t = _segments([it.candidates.numel() for it in items], dev)
         cand_gid = torch.cat([it.candidates for it in items]).long() + e_off_t[seg_c]
         score = torch.cat([it.score for it in items]).float().abs()  # |ĝ| (Eq. 7.5)
-        grown_gid, ok, per_tensor_ok = _grow_ag_all(cand_gid, score, score, seg_c, c_start_t, c_start_t, kept_gid, k_t, sum(k))[:3]
-        grown_from_rows = torch.searchsorted(cand_gid, grown_gid)
+        grown_gid, ok, per_tensor_ok, grown_from_rows = _grow_ag_all(cand_gid, score, score, seg_c, c_start_t, c_start_t, kept_gid, k_t, sum(k))
     else:  # Alg. 3: the k weights with the largest √⁴(R_i·C_j) (Eq. 7.7)
         grown_gid = _grow_ma_all(items, kept_gid, d, k, u_off)
 
@@ -612,7 +611,7 @@ def reselect_all(items: list, growth: str) -> AllReselections:
     rows = grown_from_rows if grown_from_rows is not None else torch.full_like(grown_gid, -1)
     merged = _merge(eid, ~dropped, sum(d) - sum(k), grown_gid, rows)
     new_flat = merged.indices - e_off_t[seg_e]
-    changed = (~_isin_sorted(merged.indices, eid)).sum()
+    changed = (~_isin_sorted(grown_gid, eid)).sum()  # (the kept weights were active; a dropped weight grown again is no change)
     return AllReselections(d, merged.source, merged.grown_from, new_flat, [None] * n, k, ok, changed, per_tensor_ok, [None] * n)
 
 
