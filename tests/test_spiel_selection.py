@@ -196,12 +196,13 @@ def _random_tensor_reselection(g, out_f, in_f, block, density, growth, ties):
     grid = BlockGrid(out_f, in_f, block)
     n_units = max(2, int(grid.numel * density))
     units = torch.randperm(grid.numel, generator=g)[:n_units].sort().values
-    indices = grid.expand(units).to(torch.int32)
+    indices = grid.expand(units).to(torch.int32 if torch.rand((), generator=g) < 0.7 else torch.int64)
     values = torch.randn(indices.numel(), generator=g)
     if ties:
         values = torch.randint(-2, 3, (indices.numel(),), generator=g).float() / 4
     k = int(torch.randint(1, n_units + 1, (1,), generator=g))
-    item = TensorReselection(values, indices, k, grid, units=units if grid.unit > 1 else None)
+    given = grid.unit > 1 and torch.rand((), generator=g) < 0.7  # (otherwise derived from the indices)
+    item = TensorReselection(values, indices, k, grid, units=units if given else None)
     if growth == "ag":
         n_cand = min(grid.numel, n_units + int(torch.randint(0, n_units + 1, (1,), generator=g)))
         item.candidate_units = torch.randperm(grid.numel, generator=g)[:n_cand].sort().values
@@ -209,7 +210,7 @@ def _random_tensor_reselection(g, out_f, in_f, block, density, growth, ties):
         item.score = torch.rand(item.candidates.numel(), generator=g)
         if ties:
             item.score = torch.randint(0, 3, (item.candidates.numel(),), generator=g).float()
-        if grid.unit == 1:
+        if grid.unit == 1 or torch.rand((), generator=g) < 0.3:
             item.candidate_units = None
     else:
         item.row_acc = torch.rand(out_f, generator=g) + 0.01
@@ -255,13 +256,18 @@ def test_reselect_all_equals_reselecting_each_tensor(growth, block, density, tie
             assert batched.units[i].tolist() == want.units.tolist()
             layout, expected = batched.block_metadata[i], BlockLayout.of_blocks(want.units, it.grid.out_features, it.grid.in_features, block)
             for field in ("rows", "cols", "base", "stride"):
-                assert torch.equal(getattr(layout, field), getattr(expected, field)), field
+                got, wanted = getattr(layout, field), getattr(expected, field)
+                assert got.dtype == wanted.dtype and torch.equal(got, wanted), field
             # weight (i, j) of each new block is the new index at its slot
             assert torch.equal(batched.indices[i][layout.slots()], it.grid.block_major(want.units).reshape(-1))
         changed += int((~_isin_sorted(want.indices, it.indices)).sum())
         d_start += d
     assert int(batched.changed) == changed
     assert batched.new_indices.dtype == batched.source.dtype == batched.grown_from.dtype == torch.int64
+    if growth == "ag":
+        assert batched.per_tensor_ok.tolist() == [True] * len(items)
+    else:
+        assert batched.per_tensor_ok is None and bool((batched.grown_from == -1).all())
 
 
 def test_reselect_all_flags_a_shortfall_and_a_nan_score():
@@ -278,6 +284,31 @@ def test_reselect_all_flags_a_shortfall_and_a_nan_score():
     assert not bool(result.ok) and result.per_tensor_ok.tolist() == [True, False]
     nan = make([0, 5, 6, 7], [1.0, float("nan"), 3.0, 4.0])
     assert reselect_all([nan, fine], "ag").per_tensor_ok.tolist() == [False, True]
+
+
+def test_reselect_all_flags_a_shortfall_of_candidate_blocks():
+    """Block tensors: too few eligible candidate blocks, or a NaN among a candidate block's scores, lower
+    that tensor's flag (its result is then discarded for the checked path); the others' are unharmed."""
+    from peft_sparse.methods.spiel import TensorReselection, reselect_all
+
+    grid = BlockGrid(4, 8, (2, 2))  # 2 × 4 blocks
+    active = torch.tensor([1, 2, 3, 4])
+
+    def make(cand_units, score=None):
+        cand_units = torch.tensor(cand_units)
+        candidates = grid.expand(cand_units).to(torch.int32)
+        return TensorReselection(
+            torch.arange(1.0, 17.0), grid.expand(active).to(torch.int32), 3, grid, units=active, candidates=candidates,
+            candidate_units=cand_units, score=score if score is not None else torch.arange(float(candidates.numel())),
+        )  # fmt: skip
+
+    fine = make([0, 5, 6, 7])
+    assert bool(reselect_all([fine, fine], "ag").ok)
+    short = make([1, 4])  # keeps block 4: only block 1 is eligible for k=3
+    result = reselect_all([fine, short], "ag")
+    assert not bool(result.ok) and result.per_tensor_ok.tolist() == [True, False]
+    nan = make([0, 5, 6, 7], torch.tensor([1.0] * 5 + [float("nan")] + [1.0] * 10))
+    assert reselect_all([fine, nan], "ag").per_tensor_ok.tolist() == [True, False]
 
 
 def test_rank_one_counts_in_tensor_chunks_give_the_same_growth(monkeypatch):
