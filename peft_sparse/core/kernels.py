@@ -436,12 +436,17 @@ class BlockLayout:
         base, stride = cls.positions(block_rows, block_shape)
         return cls(block_rows.to(torch.int32), (blocks % cols).to(torch.int32), base, stride, block_shape, out_features, in_features, blocks)
 
+    @staticmethod
+    def element_slots(base: torch.Tensor, stride: torch.Tensor, block_shape) -> torch.Tensor:
+        """(blocks, bh, bw): ``base[b] + i·stride[b] + j``, where element (i, j) of block b sits."""
+        bh, bw = block_shape
+        i = torch.arange(bh, device=base.device)
+        j = torch.arange(bw, device=base.device)
+        return base[:, None, None] + i[None, :, None] * stride.long()[:, None, None] + j[None, None, :]
+
     def slots(self) -> torch.Tensor:
         """Position of element (i, j) of block b at [b·bh·bw + i·bw + j]."""
-        bh, bw = self.block_shape
-        i = torch.arange(bh, device=self.base.device)
-        j = torch.arange(bw, device=self.base.device)
-        return (self.base[:, None, None] + i[None, :, None] * self.stride.long()[:, None, None] + j[None, None, :]).reshape(-1)
+        return self.element_slots(self.base, self.stride, self.block_shape).reshape(-1)
 
     def __getstate__(self):
         return {k: getattr(self, k) for k in self.__slots__ if k not in ("plans", "launches", "__weakref__")}

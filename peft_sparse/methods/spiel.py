@@ -267,11 +267,16 @@ def _grow_ag(units, magnitude, unit_of_element, indices, k, candidates, cand_uni
 
 def _merge_units(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The ascending union of two ascending, disjoint unit lists."""
+    return _merged_units(a, b)[0]
+
+
+def _merged_units(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """(the ascending union of two ascending, disjoint unit lists, where ``a``'s and ``b``'s units sit in it)."""
     at_a, at_b = _union_positions(a, b)
     out = torch.empty(a.numel() + b.numel(), dtype=torch.long, device=a.device)
     out[at_a] = a
     out[at_b] = b
-    return out
+    return out, at_a, at_b
 
 
 def reselect_ag(
@@ -664,8 +669,7 @@ def _reselect_blocks(items: list, growth: str, d: list, k: list, u_off: list, ma
     in_features = table([it.grid.in_features for it in items])
     d_start_t = table(_starts(d))
     row_span = 1 + max(it.grid.rows for it in items)  # (block rows of different tensors never share a key)
-    i_ = torch.arange(bh, device=dev)[None, :, None]
-    j_ = torch.arange(bw, device=dev)[None, None, :]
+    slots = kernels.BlockLayout.element_slots  # (blocks, bh, bw): where each block's weights sit
 
     def layout(gid, seg, unit_start_t):  # ascending global units → local unit, block row, column, base, stride
         local = gid - u_off_t[seg]
@@ -673,16 +677,13 @@ def _reselect_blocks(items: list, growth: str, d: list, k: list, u_off: list, ma
         base, stride = kernels.BlockLayout.positions(seg * row_span + rows, (bh, bw), start=unit_start_t[seg])
         return local, rows, cols, base, stride
 
-    def slots(base, stride, first):  # (blocks, bh, bw): where each block's weights sit, from slot ``first`` on
-        return (first + base)[:, None, None] + i_ * stride.long()[:, None, None] + j_
-
     # DROP (§7.3.1): the k smallest Σ|φ| blocks of each tensor, ties → lowest block
     units_local = [it.units if it.units is not None else it.grid.units(it.indices) for it in items]
     u_sizes = [u.numel() for u in units_local]
     seg_u, u_start_t = _segments(u_sizes, dev)
     unit_gid = torch.cat(units_local).long() + u_off_t[seg_u]
     _, _, _, old_base, old_stride = layout(unit_gid, seg_u, u_start_t)
-    unit_magnitude = magnitude[slots(old_base, old_stride, d_start_t[seg_u]).reshape(-1)].view(-1, unit).sum(1)
+    unit_magnitude = magnitude[slots(d_start_t[seg_u] + old_base, old_stride, (bh, bw)).reshape(-1)].view(-1, unit).sum(1)
     dropped_unit = segmented_rank(unit_magnitude.view(torch.int32).long(), seg_u, u_start_t) < k_t[seg_u]
     kept_at = torch.nonzero_static(~dropped_unit, size=sum(u_sizes) - sum(k)).squeeze(1)
     kept_gid = unit_gid[kept_at]
@@ -697,29 +698,26 @@ def _reselect_blocks(items: list, growth: str, d: list, k: list, u_off: list, ma
         seg_c, c_start_t = _segments([c.numel() for c in cand_units], dev)
         cand_gid = torch.cat(cand_units).long() + u_off_t[seg_c]
         _, _, _, c_base, c_stride = layout(cand_gid, seg_c, c_start_t)
-        cand_score = score[slots(c_base, c_stride, ce_start_t[seg_c]).reshape(-1)].view(-1, unit).sum(1)
+        cand_score = score[slots(ce_start_t[seg_c] + c_base, c_stride, (bh, bw)).reshape(-1)].view(-1, unit).sum(1)
         grown_gid, ok, per_tensor_ok, grown_at = _grow_ag_all(cand_gid, cand_score, score, seg_c, c_start_t, ce_start_t, kept_gid, k_t, sum(k))
     else:  # Alg. 3: the k blocks with the largest Σ√⁴(R_i·C_j) (Eq. 7.7)
         grown_gid = _grow_ma_all(items, kept_gid, u_sizes, k, u_off)
 
     # MERGE: the new blocks (kept and grown, ascending) and their weights at their slots
-    at_kept, at_grown = _union_positions(kept_gid, grown_gid)
-    all_units = torch.empty(kept_gid.numel() + grown_gid.numel(), dtype=torch.long, device=dev)
-    all_units[at_kept] = kept_gid
-    all_units[at_grown] = grown_gid
-    seg_nu = seg_u  # (every tensor keeps its number of blocks)
-    local, rows, cols, base, stride = layout(all_units, seg_nu, u_start_t)
-    new_slots = slots(base, stride, d_start_t[seg_nu])  # (blocks, bh, bw)
+    all_units, at_kept, at_grown = _merged_units(kept_gid, grown_gid)
+    local, rows, cols, base, stride = layout(all_units, seg_u, u_start_t)  # (every tensor keeps its number of blocks)
+    new_slots = slots(d_start_t[seg_u] + base, stride, (bh, bw))
     total = sum(d)
     new_flat = torch.empty(total, dtype=torch.long, device=dev)
-    weights = ((rows * bh)[:, None, None] + i_) * in_features[seg_nu][:, None, None] + (cols * bw)[:, None, None] + j_
+    width = in_features[seg_u]
+    weights = slots(rows * bh * width + cols * bw, width, (bh, bw))  # (a block's weights in its row-major matrix)
     new_flat[new_slots.reshape(-1)] = weights.reshape(-1)
     del weights
     source = torch.full((total,), -1, dtype=torch.long, device=dev)
-    source[new_slots[at_kept].reshape(-1)] = slots(old_base[kept_at], old_stride[kept_at], d_start_t[seg_u[kept_at]]).reshape(-1)
+    source[new_slots[at_kept].reshape(-1)] = slots(d_start_t[seg_u[kept_at]] + old_base[kept_at], old_stride[kept_at], (bh, bw)).reshape(-1)
     grown_from = torch.full((total,), -1, dtype=torch.long, device=dev)
     if growth == "ag":
-        grown_from[new_slots[at_grown].reshape(-1)] = slots(c_base[grown_at], c_stride[grown_at], ce_start_t[seg_c[grown_at]]).reshape(-1)
+        grown_from[new_slots[at_grown].reshape(-1)] = slots(ce_start_t[seg_c[grown_at]] + c_base[grown_at], c_stride[grown_at], (bh, bw)).reshape(-1)
     del new_slots
     changed = (~_isin_sorted(grown_gid, unit_gid)).sum() * unit  # (a dropped block grown again is no change)
 
@@ -1200,9 +1198,7 @@ class SpIELScheduler:
             rows = result.grown_from[slots]
             grad_mean = torch.cat([stats.grad_sum for _, _, stats in group])[rows] / n
             grad_sq_mean = torch.cat([stats.grad_sq_sum for _, _, stats in group])[rows] / n
-            starts = [0]  # each tensor's first slot: the grown slots become slots of their own tensor
-            for size in result.sizes[:-1]:
-                starts.append(starts[-1] + size)
+            starts = _starts(result.sizes)  # each tensor's first slot: the grown slots become slots of their own tensor
             dev = slots.device
             local = slots - torch.repeat_interleave(kernels.table(starts, dev), kernels.table(result.dropped, dev), output_size=n_grown)
             pieces = zip(torch.split(local, result.dropped), torch.split(grad_mean, result.dropped), torch.split(grad_sq_mean, result.dropped))
