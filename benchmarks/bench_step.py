@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -364,18 +365,30 @@ def print_stepwise(by: dict) -> None:
         print(f"  {v:<16} {value * 1e3:8.1f} ms   × floor {ratio}")
 
 
+def run_child(args, variant: str, batch_id: str, out: Optional[str]):
+    """One variant in a fresh process (``out``: its JSONL file, default the results file): (its full record,
+    or None when it failed; the process's stderr)."""
+    cmd = [sys.executable, __file__, "--variant", variant, "--size", args.size, "--seq", str(args.seq), "--bs", str(args.bs),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-id", batch_id, "--full-record"]  # fmt: skip
+    if args.gc_freeze:
+        cmd.append("--gc-freeze")
+    if out:
+        cmd += ["--out", out]
+    result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if result.returncode != 0:
+        return None, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
+
+
 def settle(args) -> None:
     """Runs of the floor, untimed and not recorded, until ``args.settle`` seconds have passed; each prints
     its forward pass's host time, which shows when the host has stopped speeding up."""
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
         while time.perf_counter() - start < args.settle:
-            cmd = [sys.executable, __file__, "--variant", "floor", "--size", args.size, "--seq", str(args.seq), "--bs", str(args.bs),
-                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-id", "settle", "--out", str(Path(scratch) / "settle.jsonl")]  # fmt: skip
-            result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            if result.returncode != 0:
-                raise SystemExit(f"--settle: the floor failed\n{result.stderr[-3000:]}")
-            record = json.loads(result.stdout.strip().splitlines()[-1])
+            record, stderr = run_child(args, "floor", "settle", str(Path(scratch) / "settle.jsonl"))
+            if record is None:
+                raise SystemExit(f"--settle: the floor failed\n{stderr[-3000:]}")
             print(f"settle: floor {record['step_s_median'] * 1e3:.1f} ms per step, forward host "
                   f"{record['phase_ends_ms_median']['forward'][0]:.1f} ms", flush=True)  # fmt: skip
 
@@ -384,17 +397,10 @@ def run_batch(args, variants: list, batch_id: str) -> list:
     """Each variant once, in a fresh process; their records."""
     records = []
     for v in variants:
-        cmd = [sys.executable, __file__, "--variant", v, "--size", args.size, "--seq", str(args.seq), "--bs", str(args.bs),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-id", batch_id, "--full-record"]  # fmt: skip
-        if args.gc_freeze:
-            cmd.append("--gc-freeze")
-        if args.out:
-            cmd += ["--out", args.out]
-        result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        if result.returncode != 0:
-            print(f"{v}: FAILED\n{result.stderr[-3000:]}", flush=True)
+        record, stderr = run_child(args, v, batch_id, args.out)
+        if record is None:
+            print(f"{v}: FAILED\n{stderr[-3000:]}", flush=True)
             continue
-        record = json.loads(result.stdout.strip().splitlines()[-1])
         records.append(record)
         print(f"{v}: {record['step_s_median']:.3f} s, {record['peak_mem_gib']:.1f} GiB", flush=True)
     return records
