@@ -280,6 +280,33 @@ def test_training_without_a_scheduler_warns_once():
     assert not [w for w in caught if "no SpIELScheduler attached" in str(w.message)]
 
 
+def test_layers_drop_the_guard_while_a_scheduler_lives_and_get_it_back_after():
+    """While a scheduler drives the adapter its layers call no observer (the guard has nothing to watch);
+    once the scheduler is gone they call the guard again, and training on without one warns."""
+    import gc
+
+    model = _spiel(gradient_estimation_steps=2)
+    layers = sparse_layers(model)
+    guard = layers[0].training_observer
+    assert guard is not None and all(layer.training_observer is guard for layer in layers)
+    scheduler = SpIELScheduler(model, _optimizer(model, "ag"), total_steps=20)
+    assert all(layer.training_observer is None for layer in layers)
+    other = layers[1]
+    calls = []
+    other.training_observer = calls.append  # (another observer set meanwhile is left alone)
+    del scheduler
+    gc.collect()
+    assert all(layer.training_observer is guard for layer in layers if layer is not other)
+    assert other.training_observer == calls.append
+    model.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            _loss(model, _batch(step)).backward()
+    assert len([w for w in caught if "no SpIELScheduler attached" in str(w.message)]) == 1
+    assert len(calls) == 4
+
+
 def test_state_dict_round_trip_inside_a_window():
     model = _spiel(reselection_steps=6, gradient_estimation_steps=3)
     opt = _optimizer(model, "ag")

@@ -134,6 +134,14 @@ class _UnscheduledTrainingGuard:
             )
 
 
+def _watch_again(guard: _UnscheduledTrainingGuard, layers: list) -> None:
+    """A scheduler is gone: the layers it took the guard from watch again (unless given another observer)."""
+    for ref in layers:
+        layer = ref()
+        if layer is not None and layer.training_observer is None:
+            layer.training_observer = guard
+
+
 class SpIELModel(SparseTuner):
     """PEFT tuner of :class:`SpIELConfig`: random initial indices, per-index ages, and a guard that
     warns when the adapter trains with nobody reselecting its indices."""
@@ -1006,6 +1014,12 @@ class SpIELScheduler:
         guard = tuner.__dict__.get("_guard") if isinstance(tuner, SpIELModel) else None
         if guard is not None:
             guard.scheduler = weakref.ref(self)
+            # nothing to watch while this scheduler lives: its layers drop the guard (a call and its checks
+            # per layer and pass, in the forward's host time) and get it back when the scheduler is gone
+            idle = [weakref.ref(m) for m in self.layers if m.training_observer is guard]
+            for ref in idle:
+                ref().training_observer = None
+            weakref.finalize(self, _watch_again, guard, idle)
         self._arm_if_window(1)
 
     # -- windows
