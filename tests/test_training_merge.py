@@ -705,6 +705,59 @@ def test_training_observer_runs_once_and_before_the_steady_checks():
     assert torch.equal(first, second)
 
 
+@pytest.mark.parametrize("mode", ["all", "products", "none"])
+def test_the_lean_forward_keeps_or_rebuilds_each_input_as_the_generic_pass_does(monkeypatch, mode):
+    """Layer by layer, the lean forward (MergedDeltaLinear, its own save) keeps X, registers a rebuild or
+    keeps nothing (values not trained) exactly where the generic forward does, in each rebuild mode, with
+    the same loss and gradients bit for bit."""
+    from peft_sparse.core import functional
+    from peft_sparse.core import layer as layer_module
+
+    model = _spiel(torch.bfloat16)
+    randomize_values(model, scale=0.1)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    x = inputs()
+    model.train()
+    for _ in range(2):
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    layers = sparse_layers(model)
+    for layer in layers:
+        layer.rebuild_inputs = mode
+    layers[0].sparse_values["default"].requires_grad_(False)  # (its X is needed by nobody)
+    taken = []
+
+    def pass_results(apply):
+        monkeypatch.setattr(layer_module, "merged_apply", lambda *a: taken.append(1) or apply(*a))
+        embeds = model.get_input_embeddings()(x).detach().requires_grad_()
+        loss = model(inputs_embeds=embeds, labels=x).loss
+        saved, stack, seen = [], [loss.grad_fn], set()
+        while stack:  # each sparse layer's decision, in the graph's order
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            if type(node).__name__ in ("MergedDeltaLinearBackward", "SparseDeltaLinearBackward"):
+                saved.append((node.x_saved, node.x_rebuild is not None))
+            stack.extend(f for f, _ in node.next_functions)
+        loss.backward()
+        grads = [layer.sparse_values["default"].grad for layer in layers]
+        for layer in layers:
+            layer.sparse_values["default"].grad = None
+        return loss.detach(), embeds.grad, grads, saved
+
+    lean = pass_results(functional.merged_apply)
+    assert len(taken) == len(layers)
+    generic = pass_results(functional.sparse_delta_apply)
+    assert lean[3] == generic[3] and len(lean[3]) == len(layers)
+    assert (False, False) in lean[3] and any(kept for kept, _ in lean[3]) == (mode != "all")
+    assert any(rebuilt for _, rebuilt in lean[3]) == (mode != "none")
+    assert torch.equal(lean[0], generic[0]) and torch.equal(lean[1], generic[1])
+    assert lean[2][0] is None and generic[2][0] is None
+    assert all(torch.equal(a, b) for a, b in zip(lean[2][1:], generic[2][1:]))
+
+
 def test_steady_merged_passes_take_the_lean_forward_with_the_generic_results(monkeypatch):
     """A steady pass of a layer merged in place, input and bias in the weight's dtype and autocast off,
     multiplies by the stored weight through MergedDeltaLinear; its loss, input gradient and value

@@ -233,13 +233,14 @@ def _new_rebuild(node, x: torch.Tensor) -> Optional[InputRebuild]:
     return InputRebuild(node, inner, saved_name, x.dtype)
 
 
-def _direct_apply(function: type) -> Callable:
+def _direct_apply(function: type, fixed: bool = False) -> Callable:
     """``function.apply`` without ``torch.autograd.Function.apply``'s Python wrapper, which on every call
     builds a closure, inspects ``setup_context`` and unwraps every argument (microseconds of host time per
     layer call, which bounds a training step whose kernels are short). Tensor arguments go through the
     same unwrapping of a dead functorch wrapper (a tensor that escaped a finished transform). While
     functorch transforms are active, and under ``torch.compile`` (which knows ``Function.apply``), the
-    wrapper's own path."""
+    wrapper's own path. ``fixed``: :class:`MergedDeltaLinear`'s five arguments (x, bias, spec, indices,
+    values), passed by name and unwrapped one by one, without building the argument list."""
     active = getattr(torch._C, "_are_functorch_transforms_active", None)
     unwrap = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
     compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
@@ -249,6 +250,15 @@ def _direct_apply(function: type) -> Callable:
     wrapped = function.apply
 
     tensor = torch.Tensor
+
+    if fixed:
+
+        def apply_fixed(x, bias, spec, indices, values):
+            if active() or compiling():
+                return wrapped(x, bias, spec, indices, values)
+            return direct(unwrap(x), bias if bias is None else unwrap(bias), spec, unwrap(indices), unwrap(values))
+
+        return apply_fixed
 
     def apply(*args):
         if active() or compiling():
@@ -435,13 +445,21 @@ class MergedDeltaLinear(SparseDeltaLinear):
         weight = merge.weight
         y = F.linear(x, weight, bias)
         ctx.spec, ctx.dtype, ctx.generation, ctx.x_meta = spec, weight.dtype, merge.generation, (x.shape, x.dtype)
-        _save_for_backward(ctx, x, spec[2], (indices, values), 1)
+        # what _save_for_backward decides, for its one adapter
+        rebuild = input_rebuild(x, spec[2]._rebuild_inputs) if ctx.needs_input_grad[4] else None
+        ctx.x_rebuild = rebuild
+        if rebuild is not None or not ctx.needs_input_grad[4]:
+            ctx.x_saved = False
+            ctx.save_for_backward(indices, values)
+        else:
+            ctx.x_saved = True
+            ctx.save_for_backward(x, indices, values)
         return y
 
 
 sparse_delta_apply = _direct_apply(SparseDeltaLinear)
 given_weight_apply = _direct_apply(GivenWeightLinear)
-merged_apply = _direct_apply(MergedDeltaLinear)
+merged_apply = _direct_apply(MergedDeltaLinear, fixed=True)
 
 
 def sparse_delta_linear(

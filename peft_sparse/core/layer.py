@@ -242,13 +242,9 @@ class _TrainingMerge:
         """Whether the stored weight is known to hold these values: written by the step hook of an
         optimizer that holds them, and their version, data pointer and storage unchanged since."""
         written = self.written
-        return (
-            self.by_step
-            and written is not None
-            and written[0] == values._version
-            and written[1] == values.data_ptr()
-            and written[2].data_ptr() == values.untyped_storage().data_ptr()
-        )
+        # (the written storage is held: while it lives no other storage's memory holds its address, so an
+        # equal data pointer points into that storage)
+        return self.by_step and written is not None and written[0] == values._version and written[1] == values.data_ptr()
 
     def stored_in_weight(self) -> bool:
         """Whether the base weight still uses the storage θ₀ was read from (not replaced through ``.data``)."""
@@ -985,7 +981,7 @@ class SparseLayer(BaseTunerLayer):
             # decision of the full path below is checked again here,
             # only without its lookups: the host time of a layer call bounds the step when kernels are short.
             # (The observer runs first, as in the full path: whatever it changes is seen by the checks.)
-            current, name, values, dtype, indices, indices_key, base, weight, merge, blocks = steady
+            current, name, values, dtype, indices, indices_key, base, weight, merge, blocks, device = steady
             if (
                 self.training_observer is not None and self.training and torch.is_grad_enabled() and not self._disable_adapters
                 and not self.merged_adapters and self._active_adapter == current and name in self._modules["sparse_values"]._parameters
@@ -1021,11 +1017,11 @@ class SparseLayer(BaseTunerLayer):
                             return y.to(x.dtype)
                         self._nf4_rebuild = None  # (it did not apply: the generic path plans anew, without checking it again)
                     return sparse_delta_apply(x, base._parameters.get("bias"), spec, indices, values).to(x.dtype)
-                autocast = torch.is_autocast_enabled(device := x.device.type)
+                autocast = torch.is_autocast_enabled(device)  # (the weight's device type: X on another fails in F.linear)
                 if (
                     self.merge_for_training
                     and (not autocast or torch.get_autocast_dtype(device) == weight.dtype)
-                    and merge.stored_in_weight()
+                    and weight.data_ptr() == merge.weight_ptr  # (merge.stored_in_weight(): the steady merge's weight is this one)
                     and not weight.requires_grad
                     and merge.current(values)
                 ):
@@ -1073,7 +1069,7 @@ class SparseLayer(BaseTunerLayer):
             current, idx = self._active_adapter, indices[0]
             current = current if isinstance(current, str) else list(current)  # (a copy: compared by value)
             self._steady = (current, active[0], values[0], values[0].dtype, idx, (idx._version, idx.data_ptr()), base, base.weight,
-                            premerged, blocks)  # fmt: skip
+                            premerged, blocks, base.weight.device.type)  # fmt: skip
         return y.to(x.dtype) if self.quantization_backend is not None else y
 
     def _base_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
