@@ -280,31 +280,69 @@ def test_training_without_a_scheduler_warns_once():
     assert not [w for w in caught if "no SpIELScheduler attached" in str(w.message)]
 
 
-def test_layers_drop_the_guard_while_a_scheduler_lives_and_get_it_back_after():
-    """While a scheduler drives the adapter its layers call no observer (the guard has nothing to watch);
-    once the scheduler is gone they call the guard again, and training on without one warns."""
+def test_the_guard_idles_while_a_scheduler_lives_and_a_copy_gets_its_own():
+    """While a scheduler drives the adapter the guard is idle, and steady passes call no idle observer;
+    it wakes when the last attached scheduler is gone (not when an older one goes while a newer one
+    lives). A copy of the model taken meanwhile has a guard of its own, attached to nothing."""
     import gc
+    import pickle
 
     model = _spiel(gradient_estimation_steps=2)
     layers = sparse_layers(model)
     guard = layers[0].training_observer
-    assert guard is not None and all(layer.training_observer is guard for layer in layers)
-    scheduler = SpIELScheduler(model, _optimizer(model, "ag"), total_steps=20)
-    assert all(layer.training_observer is None for layer in layers)
-    other = layers[1]
-    calls = []
-    other.training_observer = calls.append  # (another observer set meanwhile is left alone)
+    assert guard is not None and all(layer.training_observer is guard for layer in layers) and not guard.idle
+    opt = _optimizer(model, "ag")
+    scheduler = SpIELScheduler(model, opt, total_steps=20)
+    assert guard.idle
+
+    class Observer:
+        idle = True
+
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, layer):
+            self.calls += 1
+
+    observer = layers[1].training_observer = Observer()
+    model.train()
+    for step in range(3):
+        _loss(model, _batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert layers[1]._steady is not None
+    calls = observer.calls  # (the full passes before the layer was steady call it)
+    _loss(model, _batch(3)).backward()
+    assert observer.calls == calls  # a steady pass skips an idle observer
+    observer.idle = False
+    _loss(model, _batch(4)).backward()
+    assert observer.calls == calls + 1
+    opt.zero_grad()
+    layers[1].training_observer = guard
+
+    clone = copy.deepcopy(model)
+    own = sparse_layers(clone)[0].training_observer
+    assert own is not guard and not own.idle and own.scheduler is None
+    assert all(layer.training_observer is own for layer in sparse_layers(clone))
+    assert pickle.loads(pickle.dumps(guard)).scheduler is None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            _loss(clone, _batch(step)).backward()
+    assert len([w for w in caught if "no SpIELScheduler attached" in str(w.message)]) == 1
+
+    newer = SpIELScheduler(model, opt, total_steps=20)
     del scheduler
     gc.collect()
-    assert all(layer.training_observer is guard for layer in layers if layer is not other)
-    assert other.training_observer == calls.append
-    model.train()
+    assert guard.idle  # (the newer one lives)
+    del newer
+    gc.collect()
+    assert not guard.idle
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(4):
             _loss(model, _batch(step)).backward()
     assert len([w for w in caught if "no SpIELScheduler attached" in str(w.message)]) == 1
-    assert len(calls) == 4
 
 
 def test_state_dict_round_trip_inside_a_window():

@@ -190,9 +190,9 @@ def add_delta_to_base(
 class _TrainingMerge:
     """The state of an adapter merged into its base weight's storage for training (see the module docstring).
 
-    ``written``: what the values were at the last write — version counter, data pointer, and the
-    storage itself (held, so its address cannot be handed to another tensor while it is compared) —
-    and whether that write came from the step hook of an optimizer holding them (``by_step``). Only
+    ``written``: what the values were at the last write — version counter, data pointer, the storage
+    itself (held, so its address cannot be handed to another tensor while it is compared) and where its
+    memory was (a resize frees or moves it) — and whether that write came from the step hook of an optimizer holding them (``by_step``). Only
     then may a forward pass trust the stored weight without rewriting it: values changed by anything
     else (a master-weight wrapper copying into ``.data`` after its inner optimizer stepped, say) may not
     move their version counter. ``weight_ptr``: the base weight's storage when θ₀ was read.
@@ -235,16 +235,23 @@ class _TrainingMerge:
         # of silently using the changed values
         torch.autograd.graph.increment_version(self.weight)
         self.generation += 1
-        self.written = (values._version, values.data_ptr(), values.untyped_storage())
+        storage = values.untyped_storage()
+        self.written = (values._version, values.data_ptr(), storage, storage.data_ptr())
         self.by_step = by_step
 
     def current(self, values: torch.Tensor) -> bool:
         """Whether the stored weight is known to hold these values: written by the step hook of an
         optimizer that holds them, and their version, data pointer and storage unchanged since."""
         written = self.written
-        # (the written storage is held: while it lives no other storage's memory holds its address, so an
-        # equal data pointer points into that storage)
-        return self.by_step and written is not None and written[0] == values._version and written[1] == values.data_ptr()
+        # (the written storage is held and still where it was written — not freed or moved by a resize —, so
+        # no other storage's memory holds its address: an equal data pointer points into that storage)
+        return (
+            self.by_step
+            and written is not None
+            and written[0] == values._version
+            and written[1] == values.data_ptr()
+            and written[2].data_ptr() == written[3]
+        )
 
     def stored_in_weight(self) -> bool:
         """Whether the base weight still uses the storage θ₀ was read from (not replaced through ``.data``)."""
@@ -356,9 +363,10 @@ class _SteadyRefresh:
         for merge, (_, _, _, values, values_ptr, _) in zip(merges, self.entries):
             merge.generation += 1
             written = merge.written
-            # (the same address as the storage the last write holds: that very storage)
-            storage = written[2] if written is not None and written[1] == values_ptr else values.untyped_storage()
-            merge.written = (values._version, values_ptr, storage)
+            # (the same address as the storage the last write holds, still where it was: that very storage)
+            same = written is not None and written[1] == values_ptr and written[2].data_ptr() == written[3]
+            storage = written[2] if same else values.untyped_storage()
+            merge.written = (values._version, values_ptr, storage, written[3] if same else storage.data_ptr())
             merge.by_step = True
         return True
 
@@ -546,7 +554,8 @@ class SparseLayer(BaseTunerLayer):
         self.dense_grad_count = 0
         self.value_grad_method = "auto"
         self._rebuild_inputs = "all"
-        # called with the layer on every training forward pass (dynamic methods watch for a missing scheduler)
+        # called with the layer on every training forward pass (dynamic methods watch for a missing scheduler);
+        # steady passes skip an observer whose ``idle`` attribute is true
         self.training_observer = None
         # keep the training adapter merged in the base weight's storage (module docstring)
         self.merge_for_training = True
@@ -982,8 +991,10 @@ class SparseLayer(BaseTunerLayer):
             # only without its lookups: the host time of a layer call bounds the step when kernels are short.
             # (The observer runs first, as in the full path: whatever it changes is seen by the checks.)
             current, name, values, dtype, indices, indices_key, base, weight, merge, blocks, device = steady
+            observer = self.training_observer
             if (
-                self.training_observer is not None and self.training and torch.is_grad_enabled() and not self._disable_adapters
+                observer is not None and not getattr(observer, "idle", False)  # (idle: nothing to watch for now)
+                and self.training and torch.is_grad_enabled() and not self._disable_adapters
                 and not self.merged_adapters and self._active_adapter == current and name in self._modules["sparse_values"]._parameters
             ):  # (where the full path calls it: its adapter is active on this layer)  # fmt: skip
                 self.training_observer(self)

@@ -105,14 +105,30 @@ class _UnscheduledTrainingGuard:
 
     Without a scheduler nothing ever reselects, and SpIEL silently degrades to a random fixed mask.
     Counts training forward passes of one layer (≥ optimizer steps, so the warning is never late).
+    ``idle`` while the attached scheduler lives: a steady layer pass then skips the call and its checks
+    (see ``SparseLayer.forward``). A copy of the model (deepcopy, pickling) gets a guard of its own,
+    attached to no scheduler: the copy has none.
     """
 
     def __init__(self):
         self.scheduler = None  # weakref to the attached SpIELScheduler
+        self.idle = False
         self.first_reselection = None
         self._counted_layer = None
         self.forwards = 0
         self.warned = False
+
+    def attach(self, scheduler) -> None:
+        self.scheduler = weakref.ref(scheduler)
+        self.idle = True
+        weakref.finalize(scheduler, self._scheduler_gone)
+
+    def _scheduler_gone(self) -> None:
+        if self.scheduler is None or self.scheduler() is None:  # (not while a newer scheduler lives)
+            self.idle = False
+
+    def __getstate__(self):
+        return {**self.__dict__, "scheduler": None, "idle": False, "_counted_layer": None}
 
     def __call__(self, layer) -> None:
         if self.warned or (self.scheduler is not None and self.scheduler() is not None):
@@ -132,14 +148,6 @@ class _UnscheduledTrainingGuard:
                 RuntimeWarning,
                 stacklevel=3,
             )
-
-
-def _watch_again(guard: _UnscheduledTrainingGuard, layers: list) -> None:
-    """A scheduler is gone: the layers it took the guard from watch again (unless given another observer)."""
-    for ref in layers:
-        layer = ref()
-        if layer is not None and layer.training_observer is None:
-            layer.training_observer = guard
 
 
 class SpIELModel(SparseTuner):
@@ -1013,13 +1021,7 @@ class SpIELScheduler:
         self.last_statistics: dict = {}
         guard = tuner.__dict__.get("_guard") if isinstance(tuner, SpIELModel) else None
         if guard is not None:
-            guard.scheduler = weakref.ref(self)
-            # nothing to watch while this scheduler lives: its layers drop the guard (a call and its checks
-            # per layer and pass, in the forward's host time) and get it back when the scheduler is gone
-            idle = [weakref.ref(m) for m in self.layers if m.training_observer is guard]
-            for ref in idle:
-                ref().training_observer = None
-            weakref.finalize(self, _watch_again, guard, idle)
+            guard.attach(self)
         self._arm_if_window(1)
 
     # -- windows
