@@ -331,6 +331,13 @@ def test_the_guard_idles_while_a_scheduler_lives_and_a_copy_gets_its_own():
             _loss(clone, _batch(step)).backward()
     assert len([w for w in caught if "no SpIELScheduler attached" in str(w.message)]) == 1
 
+    twin = copy.deepcopy(scheduler)  # (with its own copy of the model, whose guard it drives)
+    twin_guard = sparse_layers(twin.model)[0].training_observer
+    assert twin_guard is not guard and twin_guard.idle and twin_guard.scheduler() is twin and guard.scheduler() is scheduler
+    del twin
+    gc.collect()
+    assert not twin_guard.idle and guard.idle
+
     newer = SpIELScheduler(model, opt, total_steps=20)
     del scheduler
     gc.collect()

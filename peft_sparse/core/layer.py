@@ -192,10 +192,10 @@ class _TrainingMerge:
 
     ``written``: what the values were at the last write — version counter, data pointer, the storage
     itself (held, so its address cannot be handed to another tensor while it is compared) and where its
-    memory was (a resize frees or moves it) — and whether that write came from the step hook of an optimizer holding them (``by_step``). Only
-    then may a forward pass trust the stored weight without rewriting it: values changed by anything
-    else (a master-weight wrapper copying into ``.data`` after its inner optimizer stepped, say) may not
-    move their version counter. ``weight_ptr``: the base weight's storage when θ₀ was read.
+    memory was (a resize frees or moves it) — and whether that write came from the step hook of an
+    optimizer holding them (``by_step``). Only then may a forward pass trust the stored weight without
+    rewriting it: values changed by anything else (a master-weight wrapper copying into ``.data`` after its
+    inner optimizer stepped, say) may not move their version counter. ``weight_ptr``: the base weight's storage when θ₀ was read.
     ``generation`` counts the writes (a backward checks that its forward's weight is still the stored one)."""
 
     __slots__ = ("adapter", "indices", "weight", "weight_ptr", "flat", "base", "active", "written", "by_step", "generation", "__weakref__")

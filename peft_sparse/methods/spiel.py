@@ -1019,10 +1019,18 @@ class SpIELScheduler:
         self.statistics: dict[str, _WindowStatistics] = {}
         self.seeding = DeferredSeeding(self.optimizer, [m.sparse_values[self.adapter_name] for m in self.layers]) if self.uses_windows else None
         self.last_statistics: dict = {}
+        self._attach_guard(tuner)
+        self._arm_if_window(1)
+
+    def _attach_guard(self, tuner) -> None:
         guard = tuner.__dict__.get("_guard") if isinstance(tuner, SpIELModel) else None
         if guard is not None:
             guard.attach(self)
-        self._arm_if_window(1)
+
+    def __setstate__(self, state: dict) -> None:
+        # a copy (deepcopy, pickling) drives its copy of the model: its guard is this scheduler's
+        self.__dict__.update(state)
+        self._attach_guard(_find_spiel_adapter(self.model, self.adapter_name)[1])
 
     # -- windows
     @property
