@@ -475,15 +475,7 @@ def test_values_at_the_address_of_a_freed_written_storage_are_not_trusted():
     evaluation pass does; otherwise a storage that only names the address (never read) stands in."""
     config = SpIELConfig(target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], density=0.2, reselection_steps=3,
                          gradient_estimation_steps=2)  # fmt: skip
-    model = get_peft_model(tiny_llama(hidden_size=128, intermediate_size=192), config)
-    randomize_values(model, scale=0.1)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    x = inputs()
-    model.train()
-    for _ in range(2):
-        model(x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad()
+    model, _, x = _steady_after_steps(2, get_peft_model(tiny_llama(hidden_size=128, intermediate_size=192), config))
     layer = sparse_layers(model)[0]
     values, merge = layer.sparse_values["default"], layer._training_merge
     assert merge.current(values)
@@ -704,9 +696,10 @@ def test_steady_forward_skips_the_lookups_but_sees_every_change(monkeypatch):
     check(steady=False)
 
 
-def _steady_after_steps(steps: int):
-    """(model, SGD optimizer, inputs) after ``steps`` training steps: every layer's pass is steady."""
-    model = _spiel()
+def _steady_after_steps(steps: int, model=None):
+    """(model, SGD optimizer, inputs) after ``steps`` training steps of ``model`` (default: ``_spiel()``)
+    with randomized values: every layer's pass is steady."""
+    model = _spiel() if model is None else model
     randomize_values(model, scale=0.1)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     x = inputs()
@@ -759,15 +752,7 @@ def test_the_lean_forward_keeps_or_rebuilds_each_input_as_the_generic_pass_does(
     from peft_sparse.core import functional
     from peft_sparse.core import layer as layer_module
 
-    model = _spiel(torch.bfloat16)
-    randomize_values(model, scale=0.1)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    x = inputs()
-    model.train()
-    for _ in range(2):
-        model(x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad()
+    model, _, x = _steady_after_steps(2, _spiel(torch.bfloat16))
     layers = sparse_layers(model)
     for layer in layers:
         layer.rebuild_inputs = mode

@@ -268,15 +268,20 @@ def _direct_apply(function: type, fixed: bool = False) -> Callable:
     return apply
 
 
-def _save_for_backward(ctx, x: torch.Tensor, hooks, indices_and_values: tuple, n_adapters: int) -> None:
+def _values_need_grad(ctx, n_adapters: int) -> bool:
+    """Whether any of the function's last ``n_adapters`` inputs (the values) needs a gradient."""
+    needs = ctx.needs_input_grad
+    return any(needs[len(needs) - n_adapters :])
+
+
+def _save_for_backward(ctx, x: torch.Tensor, mode: str, indices_and_values: tuple, need_values: bool) -> None:
     """Save what backward needs: the indices, the values and X — or, when autograd already keeps what X
-    is made of (:class:`InputRebuild`), how to rebuild X; X not at all when no value needs a gradient."""
-    ctx.x_rebuild = None
-    if not any(ctx.needs_input_grad[len(ctx.needs_input_grad) - n_adapters :]):
+    is made of (:class:`InputRebuild`, ``mode`` as in :func:`input_rebuild`), how to rebuild X; X not at all
+    when no value needs a gradient (``need_values`` False)."""
+    rebuild = input_rebuild(x, mode) if need_values else None
+    ctx.x_rebuild = rebuild
+    if rebuild is not None or not need_values:
         ctx.x_saved = False
-        ctx.save_for_backward(*indices_and_values)
-    elif (rebuild := input_rebuild(x, getattr(hooks, "rebuild_inputs", "all"))) is not None:
-        ctx.x_saved, ctx.x_rebuild = False, rebuild
         ctx.save_for_backward(*indices_and_values)
     else:
         ctx.x_saved = True
@@ -315,7 +320,7 @@ class SparseDeltaLinear(torch.autograd.Function):
         ctx.spec, ctx.dtype = spec, dtype
         ctx.generation = premerged.generation if premerged is not None else None
         ctx.x_meta = (x.shape, x.dtype)  # (and out_features = y.shape[-1], in_features = x.shape[-1])
-        _save_for_backward(ctx, x, hooks, indices_and_values, n_adapters)
+        _save_for_backward(ctx, x, getattr(hooks, "rebuild_inputs", "all"), indices_and_values, _values_need_grad(ctx, n_adapters))
         return y
 
     @staticmethod
@@ -424,7 +429,7 @@ class GivenWeightLinear(SparseDeltaLinear):
         del merged, x_in
         ctx.spec, ctx.dtype, ctx.generation = spec, dtype, None
         ctx.x_meta = (x.shape, x.dtype)
-        _save_for_backward(ctx, x, spec[2], indices_and_values, spec[5])
+        _save_for_backward(ctx, x, getattr(spec[2], "rebuild_inputs", "all"), indices_and_values, _values_need_grad(ctx, spec[5]))
         return y
 
     @staticmethod
@@ -445,15 +450,7 @@ class MergedDeltaLinear(SparseDeltaLinear):
         weight = merge.weight
         y = F.linear(x, weight, bias)
         ctx.spec, ctx.dtype, ctx.generation, ctx.x_meta = spec, weight.dtype, merge.generation, (x.shape, x.dtype)
-        # what _save_for_backward decides, for its one adapter
-        rebuild = input_rebuild(x, spec[2]._rebuild_inputs) if ctx.needs_input_grad[4] else None
-        ctx.x_rebuild = rebuild
-        if rebuild is not None or not ctx.needs_input_grad[4]:
-            ctx.x_saved = False
-            ctx.save_for_backward(indices, values)
-        else:
-            ctx.x_saved = True
-            ctx.save_for_backward(x, indices, values)
+        _save_for_backward(ctx, x, spec[2]._rebuild_inputs, (indices, values), ctx.needs_input_grad[4])  # (its one adapter's values)
         return y
 
 
