@@ -337,13 +337,13 @@ def test_steady_merge_rewrites_keep_no_layer_alive(fused_paths):
 
 
 def _tensors_reachable(root, depth: int = 5) -> list:
-    seen, found, frontier = set(), [], [root]
+    seen, found, frontier = {}, [], [root]  # (seen holds the objects, so that no id is reused while it counts)
     for _ in range(depth):
         nxt = []
         for obj in frontier:
             if id(obj) in seen or isinstance(obj, (type, str, bytes, int, float)):
                 continue
-            seen.add(id(obj))
+            seen[id(obj)] = obj
             if isinstance(obj, torch.Tensor):
                 found.append(obj)
                 continue

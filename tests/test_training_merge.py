@@ -763,12 +763,14 @@ def test_the_lean_forward_keeps_or_rebuilds_each_input_as_the_generic_pass_does(
         monkeypatch.setattr(layer_module, "merged_apply", lambda *a: taken.append(1) or apply(*a))
         embeds = model.get_input_embeddings()(x).detach().requires_grad_()
         loss = model(inputs_embeds=embeds, labels=x).loss
-        saved, stack, seen = [], [loss.grad_fn], set()
+        # (seen holds the nodes, not only their ids: a built-in node's Python object lives only while
+        # referenced, so a freed one's id can come back for another node)
+        saved, stack, seen = [], [loss.grad_fn], {}
         while stack:  # each sparse layer's decision, in the graph's order
             node = stack.pop()
             if node is None or id(node) in seen:
                 continue
-            seen.add(id(node))
+            seen[id(node)] = node
             if type(node).__name__ in ("MergedDeltaLinearBackward", "SparseDeltaLinearBackward"):
                 saved.append((node.x_saved, node.x_rebuild is not None))
             stack.extend(f for f, _ in node.next_functions)
