@@ -282,3 +282,43 @@ def test_window_first_step_picks_the_top_weights_by_gradient_magnitude():
     assert stats.grad_sum is None
     stats.end_step()
     assert stats.grad_sum.tolist() == [-2.0, 1.0, -1.0] and stats.grad_sq_sum.tolist() == [4.0, 1.0, 1.0]
+
+
+def test_the_cost_model_rates_an_unmeasured_block_shape_by_the_measured_shapes_inside_it():
+    """A block shape without a measured rate gets that of the largest measured shape inside it (tiles in
+    tiles, row vectors in row vectors), not the slowest rate: 64×64 blocks run at least as fast per
+    element as 32×32 ones, so at the benchmark's budget they take the block kernel too."""
+    model = kernels.CostModel()
+    rates = model.block_relative_rate
+    assert model.block_rate((32, 32)) == rates[(32, 32)] and model.block_rate((1, 64)) == rates[(1, 64)]
+    assert model.block_rate((64, 64)) == rates[(32, 32)] == model.block_rate((128, 32))
+    assert model.block_rate((16, 32)) == rates[(16, 16)] == model.block_rate((32, 16))
+    assert model.block_rate((1, 128)) == rates[(1, 64)]
+    assert model.block_rate((8, 8)) == min(rates.values()) == model.block_rate((1, 16))
+    cuda = torch.device("cuda")  # (only the device's type is read)
+    nnz = int(0.052 * 2048 * 2048)  # TinyLlama's q_proj at the benchmark's budget, 8192 tokens
+    assert [model.choose_block(cuda, 8192, 2048, 2048, nnz, s) for s in [(32, 32), (64, 64), (1, 64)]] == ["block", "block", "dense"]
+
+
+def test_a_64x64_block_adapter_takes_the_block_kernel_with_the_dense_gradients(monkeypatch):
+    """A block shape outside the measured table (64×64) computes its value gradient with the block kernel,
+    no dense dW, and gets the dense path's gradients."""
+    def grads(method):
+        config = SpIELConfig(target_modules=["gate_proj", "down_proj"], density=0.1, growth="ma", block_shape=(64, 64))
+        model = get_peft_model(tiny_llama(hidden_size=256, intermediate_size=512), config)
+        randomize_values(model, scale=0.05)
+        for layer in sparse_layers(model):
+            layer.value_grad_method = method
+        x = inputs()
+        model.train()
+        model(x, labels=x).loss.backward()
+        return [layer.sparse_values["default"].grad for layer in sparse_layers(model)]
+
+    dense = grads("dense")
+    calls = []
+    original = kernels.dense_weight_gradient
+    monkeypatch.setattr(kernels, "dense_weight_gradient", lambda g, x: calls.append(1) or original(g, x))
+    auto = grads("auto")
+    assert calls == [] and len(auto) == 4
+    for a, b in zip(auto, dense):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -663,9 +663,21 @@ class CostModel:
     block_overhead = {"cuda": 6e9, "cpu": 0.0}
     dense_overhead = {"cuda": 8e9, "cpu": 0.0}
 
+    def block_rate(self, block_shape) -> float:
+        """The block kernel's rate (fraction of the GEMM rate) for ``block_shape``: the measured one, else
+        that of the largest measured shape that fits inside it (row vectors within row vectors, tiles
+        within tiles) — a larger block reads fewer operand bytes per multiply-add, so it runs at least
+        as fast per element as a block it contains; the slowest measured rate when none fits."""
+        bh, bw = (int(d) for d in block_shape)
+        rate = self.block_relative_rate.get((bh, bw))
+        if rate is not None:
+            return rate
+        inside = [(h * w, r) for (h, w), r in self.block_relative_rate.items() if h <= bh and w <= bw and (h == 1) == (bh == 1)]
+        return max(inside)[1] if inside else min(self.block_relative_rate.values())
+
     def choose_block(self, device: torch.device, tokens: int, out_features: int, in_features: int, nnz: int, block_shape) -> str:
         """``"block"`` (block-sparse product) or ``"dense"`` (GEMM + gather) for a block adapter."""
-        rate = self.block_relative_rate.get(tuple(block_shape), 0.004)
+        rate = self.block_rate(block_shape)
         block_cost = self.block_overhead.get(device.type, 0.0) + tokens * nnz / rate
         dense_cost = self.dense_overhead.get(device.type, 0.0) + tokens * out_features * in_features
         return "block" if block_cost < dense_cost else "dense"
