@@ -53,7 +53,7 @@ VARIANTS = [
     "floor", "qfloor", "lora", "lora-ckpt", "qlora", "shira", "supertuning", "full",
     "spiel-ag", "spiel-ma", "spiel-ag-block", "spiel-ma-block", "qspiel-ag", "qspiel-ma",
 ]  # fmt: skip
-BLOCK_SHAPE = (32, 32)  # the fastest block kernel in benchmarks/value_grad.py on an H200
+BLOCK = 32  # block variants' square block side (--block): 32×32 was the fastest of 16×16, 32×32 and 1×64 in benchmarks/value_grad.py on an H200
 S, GAMMA = 20, 5  # the paper's reselection interval and estimation window (thesis Table 7.1)
 
 
@@ -84,8 +84,9 @@ def build_model(size: str, quantized: bool):
     return AutoModelForCausalLM.from_pretrained(cache, quantization_config=q, dtype=torch.bfloat16, device_map={"": 0})
 
 
-def prepare(variant: str, size: str, total_steps: int):
-    """(model, optimizer or None, per-step hook or None, block_shape) for a variant."""
+def prepare(variant: str, size: str, total_steps: int, block: int = BLOCK):
+    """(model, optimizer or None, per-step hook or None, block_shape) for a variant (``block``: the block
+    variants' square block side)."""
     import torch
     from peft import LoraConfig, ShiraConfig, SupertuningConfig, get_peft_model
 
@@ -116,7 +117,7 @@ def prepare(variant: str, size: str, total_steps: int):
         model = get_peft_model(model, SupertuningConfig(sparsity=1 - budget / targeted, target_modules=TARGETS))
     elif "spiel" in variant:
         growth = "ma" if variant.endswith("-ma") or "-ma-" in variant else "ag"
-        block_shape = BLOCK_SHAPE if variant.endswith("-block") else (1, 1)
+        block_shape = (block, block) if variant.endswith("-block") else (1, 1)
         config = peft_sparse.SpIELConfig(
             target_modules=TARGETS, num_tunable_weights=budget, growth=growth, reselection_steps=S,
             gradient_estimation_steps=GAMMA, block_shape=block_shape,
@@ -197,7 +198,7 @@ def run_one(args) -> dict:
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = True
-    model, optimizer, hook, block_shape, trainable = prepare(args.variant, args.size, args.warmup + args.steps)
+    model, optimizer, hook, block_shape, trainable = prepare(args.variant, args.size, args.warmup + args.steps, args.block)
     model.train()
     g = torch.Generator(device="cuda").manual_seed(0)
     vocab = SIZES[args.size]["vocab_size"]
@@ -291,6 +292,7 @@ def main():
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--bs", type=int, default=8)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--block", type=int, default=BLOCK, help="square block side of the -block variants")
     parser.add_argument("--warmup", type=int, default=6)
     parser.add_argument("--batch-id", default=None)
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after warm-up (diagnosis of collector pauses)")
@@ -369,7 +371,8 @@ def run_child(args, variant: str, batch_id: str, out: Optional[str]):
     """One variant in a fresh process (``out``: its JSONL file, default the results file): (its full record,
     or None when it failed; the process's stderr)."""
     cmd = [sys.executable, __file__, "--variant", variant, "--size", args.size, "--seq", str(args.seq), "--bs", str(args.bs),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-id", batch_id, "--full-record"]  # fmt: skip
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-id", batch_id, "--block", str(args.block),
+           "--full-record"]  # fmt: skip
     if args.gc_freeze:
         cmd.append("--gc-freeze")
     if out:
