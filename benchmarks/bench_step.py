@@ -3,6 +3,7 @@
     python benchmarks/bench_step.py --variants floor,lora,spiel-ag,spiel-ma      # a batch, table at the end
     python benchmarks/bench_step.py --variant spiel-ag                         # one variant (what the batch runs)
     python benchmarks/bench_step.py --variants qfloor,qspiel-ma --rounds 3     # interleaved rounds of a batch
+    python benchmarks/bench_step.py --variants floor,spiel-ma-block --block 64  # 64×64 blocks (default 32×32)
 
 With ``--rounds 3`` or more, it also prints each variant's full-cycle mean taken over each step position's
 median over the rounds: host stalls that hit one round at one step (they hit the floor's runs too) are out,
