@@ -4,9 +4,11 @@
 
 For each (out, in) of the model's projections and each density, times (median, triton.testing.do_bench):
 ``dense`` (one bf16 GEMM dW = Gᵀ·X, then gather), ``sddmm`` (unstructured kernel), and the block
-kernels (16×16, 32×32, 1×64). Checks every kernel against the dense result first. Prints the table
-and the density below which the SDDMM beats the dense path (the crossover), and appends JSON lines
-to benchmarks/results/<date>-<gpu>-value-grad.jsonl.
+kernels as block adapters call them: 16×16, 32×32 and 64×64 through ``block_sddmm_into`` (the grouped
+kernel, values' order), 1×64 through ``block_sddmm``. Checks every kernel against the dense result
+first. Prints the table, the density below which the SDDMM beats the dense path (the crossover) and
+each kernel's rate relative to the GEMM (the cost model's ``sddmm_relative_rate`` and
+``block_relative_rate``), and appends JSON lines to benchmarks/results/<date>-<gpu>-value-grad.jsonl.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def main():
     g = torch.Generator(device="cuda").manual_seed(0)
     T = args.tokens
     print(f"{gpu}, tokens={T}, bf16; times in ms (median)")
-    print(f"{'shape':<16}{'density':>8}{'dense':>9}{'sddmm':>9}{'blk16':>9}{'blk32':>9}{'row64':>9}")
+    blocks_of = {"blk16": (16, 16), "blk32": (32, 32), "blk64": (64, 64), "row64": (1, 64)}
+    print(f"{'shape':<16}{'density':>8}{'dense':>9}{'sddmm':>9}" + "".join(f"{label:>9}" for label in blocks_of))
     records = []
     for name, (out_f, in_f) in shapes(args.size).items():
         go = torch.randn(T, out_f, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -65,17 +68,26 @@ def main():
             torch.testing.assert_close(got, dense_ref.view(-1)[idx], rtol=2e-2, atol=2e-1)
             row["dense"] = do_bench(lambda: kernels.dense_weight_gradient(go, x).view(-1)[idx].float(), return_mode="median")
             row["sddmm"] = do_bench(lambda: triton_kernels.sddmm(go, x, rows, cols), return_mode="median")
-            for label, (bh, bw) in {"blk16": (16, 16), "blk32": (32, 32), "row64": (1, 64)}.items():
+            for label, (bh, bw) in blocks_of.items():
                 grid = BlockGrid(out_f, in_f, (bh, bw))
                 nb = max(1, nnz // (bh * bw))
+                row[f"{label}_density"] = nb * bh * bw / (out_f * in_f)  # (whole blocks: at most the density)
                 blocks = torch.randperm(grid.numel, device="cuda", generator=g)[:nb].sort().values
-                br, bc = (blocks // grid.cols).to(torch.int32), (blocks % grid.cols).to(torch.int32)
-                tiles = triton_kernels.block_sddmm(go, x, br, bc, bh, bw)
-                want = dense_ref.view(grid.rows, bh, grid.cols, bw).permute(0, 2, 1, 3)[br.long(), bc.long()]
-                torch.testing.assert_close(tiles, want, rtol=2e-2, atol=2e-1)
-                row[label] = do_bench(lambda: triton_kernels.block_sddmm(go, x, br, bc, bh, bw), return_mode="median")
+                if bh == 1:  # (row vectors: the one-block-per-program kernel, tiles out)
+                    br, bc = (blocks // grid.cols).to(torch.int32), (blocks % grid.cols).to(torch.int32)
+                    tiles = triton_kernels.block_sddmm(go, x, br, bc, bh, bw)
+                    want = dense_ref.view(grid.rows, bh, grid.cols, bw).permute(0, 2, 1, 3)[br.long(), bc.long()]
+                    torch.testing.assert_close(tiles, want, rtol=2e-2, atol=2e-1)
+                    row[label] = do_bench(lambda: triton_kernels.block_sddmm(go, x, br, bc, bh, bw), return_mode="median")
+                    continue
+                layout = kernels.BlockLayout.of_blocks(blocks, out_f, in_f, (bh, bw))
+                out = torch.empty(nb * bh * bw, device="cuda")
+                got = triton_kernels.block_sddmm_into(go, x, layout, out)
+                torch.testing.assert_close(got, dense_ref.view(-1)[grid.expand(blocks)], rtol=2e-2, atol=2e-1)
+                row[label] = do_bench(lambda: triton_kernels.block_sddmm_into(go, x, layout, out), return_mode="median")
             records.append(row)
-            print(f"{name:<16}{density:>8.3f}{row['dense']:>9.3f}{row['sddmm']:>9.3f}{row['blk16']:>9.3f}{row['blk32']:>9.3f}{row['row64']:>9.3f}", flush=True)
+            print(f"{name:<16}{density:>8.3f}{row['dense']:>9.3f}{row['sddmm']:>9.3f}" + "".join(f"{row[label]:>9.3f}" for label in blocks_of),
+                  flush=True)  # fmt: skip
     with open(out_path, "a") as f:
         for r in records:
             f.write(json.dumps({**r, "date": datetime.date.today().isoformat()}) + "\n")
@@ -84,8 +96,10 @@ def main():
     for name in shapes(args.size):
         wins = [r["density"] for r in records if r["shape"] == name and r["sddmm"] < r["dense"]]
         print(f"  {name:<16} {max(wins) if wins else 'none (dense always faster)'}")
-    rates = [r["dense"] / r["sddmm"] * r["density"] for r in records]
-    print(f"implied SDDMM rate relative to the GEMM (cost model): median {sorted(rates)[len(rates) // 2]:.4f}")
+    # rate relative to the GEMM: the kernel does (its density) of the GEMM's multiply-adds in its time
+    for label in ("sddmm", *blocks_of):
+        rates = sorted(r["dense"] / r[label] * r.get(f"{label}_density", r["density"]) for r in records)
+        print(f"implied {label} rate relative to the GEMM (cost model): median {rates[len(rates) // 2]:.4f}")
 
 
 if __name__ == "__main__":
