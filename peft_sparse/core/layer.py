@@ -235,9 +235,18 @@ class _TrainingMerge:
         # of silently using the changed values
         torch.autograd.graph.increment_version(self.weight)
         self.generation += 1
-        storage = values.untyped_storage()
-        self.written = (values._version, values.data_ptr(), storage, storage.data_ptr())
+        self.record_write(values, values.data_ptr())
         self.by_step = by_step
+
+    def record_write(self, values: torch.Tensor, values_ptr: int) -> None:
+        """``written`` for ``values`` (at ``values_ptr``) just written. The storage the last record holds is
+        kept when it is at this address and still where it was: that very storage (no lookup)."""
+        written = self.written
+        if written is not None and written[1] == values_ptr and written[2].data_ptr() == written[3]:
+            self.written = (values._version, values_ptr, written[2], written[3])
+        else:
+            storage = values.untyped_storage()
+            self.written = (values._version, values_ptr, storage, storage.data_ptr())
 
     def current(self, values: torch.Tensor) -> bool:
         """Whether the stored weight is known to hold these values: written by the step hook of an
@@ -362,11 +371,7 @@ class _SteadyRefresh:
         kernels.increment_versions([m.weight for m in merges])
         for merge, (_, _, _, values, values_ptr, _) in zip(merges, self.entries):
             merge.generation += 1
-            written = merge.written
-            # (the same address as the storage the last write holds, still where it was: that very storage)
-            same = written is not None and written[1] == values_ptr and written[2].data_ptr() == written[3]
-            storage = written[2] if same else values.untyped_storage()
-            merge.written = (values._version, values_ptr, storage, written[3] if same else storage.data_ptr())
+            merge.record_write(values, values_ptr)
             merge.by_step = True
         return True
 

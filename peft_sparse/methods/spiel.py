@@ -131,7 +131,7 @@ class _UnscheduledTrainingGuard:
         return {**self.__dict__, "scheduler": None, "idle": False, "_counted_layer": None}
 
     def __call__(self, layer) -> None:
-        if self.warned or (self.scheduler is not None and self.scheduler() is not None):
+        if self.warned or self.idle:  # (idle: an attached scheduler lives)
             return
         if self._counted_layer is None or self._counted_layer() is None:
             self._counted_layer = weakref.ref(layer)
@@ -277,13 +277,8 @@ def _grow_ag(units, magnitude, unit_of_element, indices, k, candidates, cand_uni
     grown = grid.expand(grown_units)
     keep = kept if unit_of_element is None else kept[unit_of_element]
     result = _merge(indices, keep, (units.numel() - k) * grid.unit, grown, torch.searchsorted(candidates.long(), grown))
-    result.units = _merge_units(kept_ids.long(), grown_units)
+    result.units = _merged_units(kept_ids.long(), grown_units)[0]
     return result, eligible.sum()
-
-
-def _merge_units(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The ascending union of two ascending, disjoint unit lists."""
-    return _merged_units(a, b)[0]
 
 
 def _merged_units(a: torch.Tensor, b: torch.Tensor) -> tuple:
@@ -401,7 +396,7 @@ def reselect_ma(
     grown = grid.expand(grown_units)
     keep = kept if unit_of_element is None else kept[unit_of_element]
     result = _merge(indices, keep, (units.numel() - k) * grid.unit, grown, torch.full_like(grown, -1))
-    result.units = _merge_units(kept_ids.long(), grown_units)
+    result.units = _merged_units(kept_ids.long(), grown_units)[0]
     return result
 
 
