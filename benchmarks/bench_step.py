@@ -3,7 +3,7 @@
     python benchmarks/bench_step.py --variants floor,lora,spiel-ag,spiel-ma      # a batch, table at the end
     python benchmarks/bench_step.py --variant spiel-ag                         # one variant (what the batch runs)
     python benchmarks/bench_step.py --variants qfloor,qspiel-ma --rounds 3     # interleaved rounds of a batch
-    python benchmarks/bench_step.py --variants floor,spiel-ma-block --block 64  # 64×64 blocks (default 32×32)
+    python benchmarks/bench_step.py --variants floor,spiel-ma-block --block 32  # 32×32 blocks (default 64×64)
 
 With ``--rounds 3`` or more, it also prints each variant's full-cycle mean taken over each step position's
 median over the rounds: host stalls that hit one round at one step (they hit the floor's runs too) are out,
@@ -54,7 +54,7 @@ VARIANTS = [
     "floor", "qfloor", "lora", "lora-ckpt", "qlora", "shira", "supertuning", "full",
     "spiel-ag", "spiel-ma", "spiel-ag-block", "spiel-ma-block", "qspiel-ag", "qspiel-ma",
 ]  # fmt: skip
-BLOCK = 32  # block variants' square block side (--block): 32×32 was the fastest of 16×16, 32×32 and 1×64 in benchmarks/value_grad.py on an H200
+BLOCK = 64  # block variants' square block side (--block): 64×64 ran fastest of 16×16, 32×32, 64×64 and 1×64, per weight in benchmarks/value_grad.py and per step in bench_step.py, on an H200 (BENCHMARKS.md, round s21)
 S, GAMMA = 20, 5  # the paper's reselection interval and estimation window (thesis Table 7.1)
 
 
