@@ -54,7 +54,7 @@ VARIANTS = [
     "floor", "qfloor", "lora", "lora-ckpt", "qlora", "shira", "supertuning", "full",
     "spiel-ag", "spiel-ma", "spiel-ag-block", "spiel-ma-block", "qspiel-ag", "qspiel-ma",
 ]  # fmt: skip
-BLOCK = 64  # block variants' square block side (--block): 64×64 ran fastest of 16×16, 32×32, 64×64 and 1×64, per weight in benchmarks/value_grad.py and per step in bench_step.py, on an H200 (BENCHMARKS.md, round s21)
+BLOCK = 64  # block variants' square block side (--block): 64×64 gave the fastest block steps on an H200 (BENCHMARKS.md, rounds s20 and s21)
 S, GAMMA = 20, 5  # the paper's reselection interval and estimation window (thesis Table 7.1)
 
 

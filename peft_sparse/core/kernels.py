@@ -659,8 +659,8 @@ class CostModel:
     # GEMM's poor efficiency on small shapes). The fixed costs: an H100 (benchmarks/value_grad.py, 8192
     # tokens): dense dW + gather of a 256×2048 layer took 0.037 ms for 0.013 ms of MACs. The rates: the
     # grouped kernel (block_sddmm_into) on an H200 at TinyLlama's shapes, 5.2% and 10% density, where
-    # the MACs outweigh the fixed cost (BENCHMARKS.md, round s21): 64×64 ran at 0.22–0.25 of the GEMM
-    # rate, 32×32 at 0.16–0.20, 16×16 at 0.065–0.085; 1×64 (one block per program) at 0.004.
+    # the MACs outweigh the fixed cost (BENCHMARKS.md, round s21): 64×64 ran at 0.18–0.25 of the GEMM
+    # rate, 32×32 at 0.16–0.20, 16×16 at 0.067–0.087; 1×64 (one block per program) at 0.004.
     block_relative_rate = {(64, 64): 0.22, (32, 32): 0.2, (16, 16): 0.065, (1, 64): 0.004}
     block_overhead = {"cuda": 6e9, "cpu": 0.0}
     dense_overhead = {"cuda": 8e9, "cpu": 0.0}
