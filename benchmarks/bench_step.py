@@ -21,7 +21,9 @@ once (windows 21–25 and 41–45, reselections at 25 and 45, the steps right af
 and 46); their mean is the mean over full cycles. Step 6 stays in the warm-up because it is the
 first step outside a window: block variants compile their Triton kernel there.
 
-Each record is appended as a JSON line to ``benchmarks/results/<date>-<gpu>.jsonl``.
+Each record is appended as a JSON line to ``benchmarks/results/<date>-<gpu>.jsonl``. Besides the step
+times it holds, per timed step and phase, when the host finished issuing it and when the GPU finished
+it (a step that waited for the host shows which pass did), and the host's CPU model, clock and load.
 """
 
 from __future__ import annotations
@@ -195,6 +197,23 @@ def phase_ends(issued: list, events: list) -> tuple[list, list]:
     return list(itertools.accumulate(issued)), [events[0].elapsed_time(e) / 1e3 for e in events[1:]]
 
 
+def host_description() -> dict:
+    """The host's CPU model, logical CPU count and the median current clock of its CPUs (Linux), to tell
+    machines apart when their host times differ."""
+    info = {"cpus": os.cpu_count()}
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return info
+    models = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    mhz = [float(line.split(":", 1)[1]) for line in lines if line.startswith("cpu MHz")]
+    if models:
+        info["cpu"] = models[0]
+    if mhz:
+        info["cpu_mhz_median"] = round(statistics.median(mhz))
+    return info
+
+
 def run_one(args) -> dict:
     import torch
 
@@ -216,10 +235,12 @@ def run_one(args) -> dict:
             gc_clock["total"] += time.perf_counter() - gc_clock.pop("start", time.perf_counter())
 
     gc.callbacks.append(on_gc)
+    load = []  # the host's 1-minute load average at the start and the end of the timed steps
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            load.append(os.getloadavg()[0])
             if args.gc_freeze:
                 gc.freeze()
         ids = batches[step % len(batches)]
@@ -236,6 +257,7 @@ def run_one(args) -> dict:
             host_done.append(host)
             gpu_done.append(gpu)
     gc.callbacks.remove(on_gc)
+    load.append(os.getloadavg()[0])
     return {
         "variant": args.variant,
         "step_s_median": statistics.median(times),
@@ -246,6 +268,10 @@ def run_one(args) -> dict:
             phase: [round(statistics.median(d[i] for d in done) * 1e3, 2) for done in (host_done, gpu_done)]
             for i, phase in enumerate(PHASES)
         },  # phase → [host issued, GPU done]
+        # per timed step, per phase: [host issued, GPU done] in ms (which pass of a slow step waited for the host)
+        "phase_ends_ms_all": [[[round(h * 1e3, 1), round(g * 1e3, 1)] for h, g in zip(*done)] for done in zip(host_done, gpu_done)],
+        "host": host_description(),
+        "loadavg_1min": load,
         "gc_freeze": args.gc_freeze,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
         "gpu": torch.cuda.get_device_name(),
