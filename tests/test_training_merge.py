@@ -791,6 +791,59 @@ def test_the_lean_forward_keeps_or_rebuilds_each_input_as_the_generic_pass_does(
     assert all(torch.equal(a, b) for a, b in zip(lean[2][1:], generic[2][1:]))
 
 
+@pytest.mark.parametrize("block_shape, method", [((1, 1), "auto"), ((1, 1), "sddmm"), ((16, 16), "auto"), ((16, 16), "sddmm"), ((16, 16), "dense")])
+def test_the_lean_backward_gives_the_generic_backwards_gradients(monkeypatch, block_shape, method):
+    """A steady merged pass's backward (MergedDeltaLinear's own) gives the generic backward's input and
+    value gradients bit for bit, block or unstructured, for each value-gradient method, X kept or rebuilt
+    (a product's factors read by the block kernel); it does not call the generic backward. During an AG
+    window (a dense-gradient consumer) and after the merge was written back it hands over to it."""
+    from peft_sparse.core import functional
+
+    model, _, x = _steady_after_steps(2, _spiel(torch.bfloat16, block_shape=block_shape))
+    layers = sparse_layers(model)
+    for layer in layers:
+        layer.value_grad_method = method
+    generic_calls = []
+    generic = functional.SparseDeltaLinear.backward
+
+    def counted(ctx, g):
+        generic_calls.append(1)
+        return generic(ctx, g)
+
+    monkeypatch.setattr(functional.SparseDeltaLinear, "backward", staticmethod(counted))
+
+    def pass_results(backward=None):
+        if backward is not None:
+            monkeypatch.setattr(functional.MergedDeltaLinear, "backward", staticmethod(backward))
+        generic_calls.clear()
+        embeds = model.get_input_embeddings()(x).detach().requires_grad_()
+        loss = model(inputs_embeds=embeds, labels=x).loss
+        assert all(layer._steady is not None for layer in layers)
+        loss.backward()
+        grads = [layer.sparse_values["default"].grad for layer in layers]
+        for layer in layers:
+            layer.sparse_values["default"].grad = None
+        return embeds.grad, grads, len(generic_calls)
+
+    lean_x, lean_values, lean_generic = pass_results()
+    assert lean_generic == 0
+    generic_x, generic_values, generic_generic = pass_results(counted)
+    assert generic_generic == len(layers)
+    assert torch.equal(lean_x, generic_x) and all(torch.equal(a, b) for a, b in zip(lean_values, generic_values))
+    monkeypatch.undo()  # (the lean backward back)
+    monkeypatch.setattr(functional.SparseDeltaLinear, "backward", staticmethod(counted))
+    seen = []
+    layers[0].dense_grad_consumer = lambda layer, dense: seen.append(dense.shape)
+    try:
+        generic_calls.clear()
+        loss = model(x, labels=x).loss
+        layers[1].release_weight_merge()  # θ₀ written back after forward: backward must rebuild the weight
+        loss.backward()
+        assert len(generic_calls) == 2 and len(seen) == 1
+    finally:
+        layers[0].dense_grad_consumer = None
+
+
 def test_steady_merged_passes_take_the_lean_forward_with_the_generic_results(monkeypatch):
     """A steady pass of a layer merged in place, input and bias in the weight's dtype and autocast off,
     multiplies by the stored weight through MergedDeltaLinear; its loss, input gradient and value

@@ -453,6 +453,45 @@ class MergedDeltaLinear(SparseDeltaLinear):
         _save_for_backward(ctx, x, spec[2]._rebuild_inputs, (indices, values), ctx.needs_input_grad[4])  # (its one adapter's values)
         return y
 
+    @staticmethod
+    def backward(ctx, grad_out):
+        # The steady pass's backward: the generic one's decisions for what forward checked (one adapter,
+        # merged in place; X, weight and output of one dtype, so no casts), without its general lookups —
+        # this runs once per layer call in the backward pass, whose host time can bound a step. Anything
+        # else (an AG window's dense gradients, a bias to differentiate, the merge written back since
+        # forward) takes the generic backward.
+        spec = ctx.spec
+        layer, merge = spec[2], spec[4]
+        needs = ctx.needs_input_grad  # (x, bias, spec, indices, values)
+        if layer.dense_grad_consumer is not None or needs[1] or not merge.still_merged(ctx.generation):
+            return SparseDeltaLinear.backward(ctx, grad_out)
+        x_shape = ctx.x_meta[0]
+        in_features = x_shape[-1]
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (tokens, out)
+        grad_x = g2.mm(merge.weight).view(x_shape) if needs[0] else None
+        if not needs[4]:
+            return grad_x, None, None, None, None
+        saved = ctx.saved_tensors
+        x, indices, values = saved if ctx.x_saved else (None, *saved)
+        block = spec[3][0] if spec[3] else None
+        method = layer.value_grad_method
+        if block is not None and (method == "dense" or (method == "auto" and kernels.COST_MODEL.choose_block(
+                g2.device, g2.shape[0], g2.shape[1], in_features, values.numel(), block.block_shape) == "dense")):  # fmt: skip
+            block = None
+        factors = None
+        if x is None:  # rebuilt (ctx.x_rebuild); X = A ⊙ B read only by the block kernel: formed tile by tile
+            factors = ctx.x_rebuild.factors() if block is not None else None
+            if factors is None:
+                x = ctx.x_rebuild.get()
+        if block is not None:
+            if factors is not None:
+                grad = kernels.block_value_gradient(g2, factors[0].reshape(-1, in_features), block, x_factor=factors[1].reshape(-1, in_features))
+            else:
+                grad = kernels.block_value_gradient(g2, x.reshape(-1, in_features), block)
+        else:
+            grad = kernels.value_gradient(g2, x.reshape(-1, in_features), indices, g2.shape[1], in_features, method)
+        return grad_x, None, None, None, grad if grad.dtype == values.dtype else grad.to(values.dtype)
+
 
 sparse_delta_apply = _direct_apply(SparseDeltaLinear)
 given_weight_apply = _direct_apply(GivenWeightLinear)
