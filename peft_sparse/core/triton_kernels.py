@@ -309,7 +309,7 @@ def token_splits(n_blocks: int, tokens: int, block_t: int, target_programs: int)
 
     A block's product runs over all tokens inside one program, so with few blocks most of the GPU
     idles while each program walks the token axis alone; cutting the tokens into slices (partial
-    products summed afterwards) gives ≈ ``target_programs`` programs, each slice at least 4 steps of
+    products, summed by the launch itself) gives ≈ ``target_programs`` programs, each slice at least 4 steps of
     ``block_t`` tokens long. The slice length is a multiple of ``block_t``.
     """
     want = max(1, -(-target_programs // max(1, n_blocks)))
@@ -669,7 +669,7 @@ def launch_grouped(g, x, block_shape, plan: BlockGroups, out, accumulate: bool, 
     """One launch of the grouped block kernel with explicit settings (``target`` 0: no token slices);
     :func:`block_sddmm_into` picks them, ``benchmarks/tune_block.py`` sweeps them. ``x_factor``: X is
     ``x ⊙ x_factor`` (same strides). ``keep`` (a list): receives (a :class:`LaunchPlan` repeating the
-    launch with new G, X, X2 and output tensors, or None; the number of token slices)."""
+    launch with new G, X, X2, output and partial-product tensors, or None; the number of token slices)."""
     bh, bw = block_shape
     tokens = g.shape[0]
     splits, per = token_splits(plan.size, tokens, block_t, target) if target else (1, tokens)
