@@ -10,6 +10,8 @@ to one interval). For each it prints the median step and host time per phase and
 process (Linux ``/proc/self/task``), the CPU time and context switches over the steps. For the sparse
 variants it also prints the host time spent inside the layers' backward functions per step, measured
 around each call, and the host time between the end of one such call and the start of the next.
+The script imports ``bench_step.py`` beside it, which puts its own tree first on the import path: to
+compare two trees, run each tree's copy of the scripts.
 """
 
 import statistics
@@ -58,10 +60,12 @@ class BackwardTimer:
 
         self.calls = []  # (start, end) per call, perf_counter seconds
         self.originals = {}
-        cls = functional.SparseDeltaLinear  # (the others' backward calls or inherits it)
-        original = cls.__dict__["backward"]
-        self.originals[cls] = original
-        cls.backward = staticmethod(self._wrap(original.__func__))
+        # (GivenWeightLinear's backward calls SparseDeltaLinear's; MergedDeltaLinear's hands over to it only
+        # in AG windows and after a merge was written back, which steady steps never see)
+        for cls in (functional.SparseDeltaLinear, functional.MergedDeltaLinear):
+            original = cls.__dict__["backward"]
+            self.originals[cls] = original
+            cls.backward = staticmethod(self._wrap(original.__func__))
 
     def _wrap(self, backward):
         calls = self.calls

@@ -309,7 +309,7 @@ def token_splits(n_blocks: int, tokens: int, block_t: int, target_programs: int)
 
     A block's product runs over all tokens inside one program, so with few blocks most of the GPU
     idles while each program walks the token axis alone; cutting the tokens into slices (partial
-    products, summed by the launch itself) gives ≈ ``target_programs`` programs, each slice at least 4 steps of
+    products summed afterwards) gives ≈ ``target_programs`` programs, each slice at least 4 steps of
     ``block_t`` tokens long. The slice length is a multiple of ``block_t``.
     """
     want = max(1, -(-target_programs // max(1, n_blocks)))
@@ -373,19 +373,15 @@ def _x_tile(X, X2, offs, mask, PRODUCT: tl.constexpr):
 
 @triton.jit
 def _grouped_block_sddmm_kernel(
-    G, X, X2, LINE, OTHER, BASE, STRIDE, OUT, PARTIAL, ARRIVED, T, split_tokens, split_stride, stride_g, stride_x,
+    G, X, X2, LINE, OTHER, BASE, STRIDE, OUT, T, split_tokens, split_stride, stride_g, stride_x,
     SHARE_ROWS: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
-    ACCUMULATE: tl.constexpr, PRODUCT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    ACCUMULATE: tl.constexpr, PRODUCT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # program (p, s): group p — up to GROUP blocks on one block row (SHARE_ROWS: one ∂L/∂Y tile read
     # for all of them) or one block column (one X tile) — over the token slice s. Element (i, j) of a
-    # block goes to OUT[base + i·stride + j] (ascending element order of the values).
+    # block goes to OUT[s·split_stride + base + i·stride + j] (ascending element order of the values).
     # PRODUCT: X is the elementwise product X ⊙ X2 (same layout), formed tile by tile as torch's
-    # multiplication rounds it, so that the product never goes through memory.
-    # SPLIT (more than one token slice): each program writes its partial product to
-    # PARTIAL[s·split_stride + …] and counts itself in ARRIVED[p]; the group's last program to arrive
-    # sums the slices in slice order (the same bits whichever program comes last) into OUT and sets
-    # ARRIVED[p] back to 0 for the next launch
+    # multiplication rounds it, so that the product never goes through memory
     p = tl.program_id(0)
     s = tl.program_id(1)
     line = tl.load(LINE + p).to(tl.int64)
@@ -429,23 +425,10 @@ def _grouped_block_sddmm_kernel(
         stride = tl.load(STRIDE + p * GROUP + member, mask=valid, other=0).to(tl.int64)
         offs = base[:, None] + (k % BH)[:, None].to(tl.int64) * stride[:, None] + tl.arange(0, BW)[None, :]
         mask = valid[:, None]
-    if SPLIT:
-        tl.store(PARTIAL + s.to(tl.int64) * split_stride + offs, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial written before the count (released at GPU scope with it)
-        arrived = tl.atomic_add(ARRIVED + p, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(1) - 1:  # the last slice of group p: the others' partials are visible
-            tl.debug_barrier()
-            acc = tl.load(PARTIAL + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            for other_s in range(1, tl.num_programs(1)):
-                acc += tl.load(PARTIAL + other_s * split_stride + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            if ACCUMULATE:
-                acc += tl.load(OUT + offs, mask=mask, other=0.0)
-            tl.store(OUT + offs, acc, mask=mask)
-            tl.store(ARRIVED + p, 0)
-    else:
-        if ACCUMULATE:
-            acc += tl.load(OUT + offs, mask=mask, other=0.0)
-        tl.store(OUT + offs, acc, mask=mask)
+    offs += s.to(tl.int64) * split_stride
+    if ACCUMULATE:
+        acc += tl.load(OUT + offs, mask=mask, other=0.0)
+    tl.store(OUT + offs, acc, mask=mask)
 
 
 class BlockGroups:
@@ -458,13 +441,11 @@ class BlockGroups:
     for many layouts at once): the number of groups is bounded by ``n // group + lines`` and the spare
     rows of the plan hold line −1."""
 
-    __slots__ = ("line", "other", "base", "stride", "arrived", "share_rows", "group", "size")
+    __slots__ = ("line", "other", "base", "stride", "share_rows", "group", "size")
 
-    def __init__(self, line, other, base, stride, share_rows: bool, group: int, arrived=None):
+    def __init__(self, line, other, base, stride, share_rows: bool, group: int):
         self.line, self.other, self.base, self.stride = line, other, base, stride
         self.share_rows, self.group, self.size = share_rows, group, line.numel()
-        # per group, the token slices done so far in a launch (0 between launches; see the kernel)
-        self.arrived = arrived if arrived is not None else torch.zeros_like(line)
 
     @staticmethod
     def of_layouts(layouts: list, share_rows: bool, group: int) -> list:
@@ -482,7 +463,6 @@ class BlockGroups:
         other_t = torch.full((total, group), -1, dtype=torch.int32, device=dev)
         base_t = torch.zeros((total, group), dtype=torch.int64, device=dev)
         stride_t = torch.zeros((total, group), dtype=torch.int32, device=dev)
-        arrived_t = torch.zeros((total,), dtype=torch.int32, device=dev)
         n_all = sum(ns)
         if n_all:
             # blocks keyed by (layout, line); they come in (row, col) order, so a stable sort by the key
@@ -511,8 +491,8 @@ class BlockGroups:
             other_t[row, slot] = other.to(torch.int32)
             base_t[row, slot] = base.long()
             stride_t[row, slot] = stride.to(torch.int32)
-        parts = zip(line_t.split(sizes), other_t.split(sizes), base_t.split(sizes), stride_t.split(sizes), arrived_t.split(sizes))
-        return [BlockGroups(a, b, c, d, share_rows, group, e) for a, b, c, d, e in parts]
+        parts = zip(line_t.split(sizes), other_t.split(sizes), base_t.split(sizes), stride_t.split(sizes))
+        return [BlockGroups(a, b, c, d, share_rows, group) for a, b, c, d in parts]
 
 
 def default_group(block_shape) -> int:
@@ -625,9 +605,17 @@ def block_value_gradient(grad_out2d: torch.Tensor, x2d: torch.Tensor, layout, x_
     kept = layout.launches.get(key)
     if kept is not None and (x_factor is None or x_factor.shape == x.shape):
         plan, splits = kept
-        dest = out if accumulate else torch.empty(n, dtype=torch.float32, device=g.device)
-        if plan(g, x, x2, dest, dest if splits == 1 else torch.empty(splits, n, dtype=torch.float32, device=g.device)):
-            return dest
+        if splits > 1:
+            dest = torch.empty(splits, n, dtype=torch.float32, device=g.device)
+        else:
+            dest = out if accumulate else torch.empty(n, dtype=torch.float32, device=g.device)
+        if plan(g, x, x2, dest):
+            if splits == 1:
+                return dest
+            if not accumulate:
+                return dest.sum(0)
+            out += dest.sum(0)  # (as launch_grouped sums its token slices into an accumulated output)
+            return out
         del layout.launches[key]  # (it does not apply: launched as usual, and kept anew if it can be)
     if not accumulate:
         out = torch.empty(n, dtype=torch.float32, device=g.device)
@@ -658,7 +646,7 @@ def carry_launches(old, new) -> None:
         was, now = old.plans.get(groups_key), new.plans.get(groups_key)
         if key in new.launches or was is None or now is None or now.size != was.size:
             continue
-        moved = plan.retargeted(LINE=now.line, OTHER=now.other, BASE=now.base, STRIDE=now.stride, ARRIVED=now.arrived)
+        moved = plan.retargeted(LINE=now.line, OTHER=now.other, BASE=now.base, STRIDE=now.stride)
         if moved is not None:
             new.launches[key] = (moved, splits)
 
@@ -669,20 +657,24 @@ def launch_grouped(g, x, block_shape, plan: BlockGroups, out, accumulate: bool, 
     """One launch of the grouped block kernel with explicit settings (``target`` 0: no token slices);
     :func:`block_sddmm_into` picks them, ``benchmarks/tune_block.py`` sweeps them. ``x_factor``: X is
     ``x ⊙ x_factor`` (same strides). ``keep`` (a list): receives (a :class:`LaunchPlan` repeating the
-    launch with new G, X, X2, output and partial-product tensors, or None; the number of token slices)."""
+    launch with new G, X, X2 and output tensors, or None; the number of token slices)."""
     bh, bw = block_shape
     tokens = g.shape[0]
     splits, per = token_splits(plan.size, tokens, block_t, target) if target else (1, tokens)
-    # the token slices' partial products, summed inside the launch (one slice: none, OUT stands in)
-    partial = out if splits == 1 else torch.empty(splits, out.numel(), dtype=torch.float32, device=out.device)
-    made = launch_plan(_grouped_block_sddmm_kernel, (plan.size, splits), ("G", "X", "X2", "OUT", "PARTIAL") if keep is not None else None,
-        g, x, x if x_factor is None else x_factor, plan.line, plan.other, plan.base, plan.stride, out, partial, plan.arrived,
-        tokens, per, out.numel(), g.stride(0), x.stride(0),
-        SHARE_ROWS=plan.share_rows, BH=bh, BW=bw, GROUP=plan.group, BLOCK_T=block_t, ACCUMULATE=accumulate, PRODUCT=x_factor is not None,
-        PRECISION=dot_precision(g.dtype), SPLIT=splits > 1, num_warps=num_warps, num_stages=num_stages,
+    dest = out if splits == 1 else torch.empty(splits, out.numel(), dtype=torch.float32, device=out.device)
+    made = launch_plan(_grouped_block_sddmm_kernel, (plan.size, splits), ("G", "X", "X2", "OUT") if keep is not None else None,
+        g, x, x if x_factor is None else x_factor, plan.line, plan.other, plan.base, plan.stride, dest, tokens, per,
+        out.numel(), g.stride(0), x.stride(0),
+        SHARE_ROWS=plan.share_rows, BH=bh, BW=bw, GROUP=plan.group, BLOCK_T=block_t, ACCUMULATE=accumulate and splits == 1,
+        PRODUCT=x_factor is not None, PRECISION=dot_precision(g.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if keep is not None:
         keep.append((made, splits))
+    if splits > 1:
+        if accumulate:
+            out += dest.sum(0)
+        else:
+            torch.sum(dest, 0, out=out)
     return out
 
 
