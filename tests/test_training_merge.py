@@ -791,18 +791,24 @@ def test_the_lean_forward_keeps_or_rebuilds_each_input_as_the_generic_pass_does(
     assert all(torch.equal(a, b) for a, b in zip(lean[2][1:], generic[2][1:]))
 
 
-@pytest.mark.parametrize("block_shape, method", [((1, 1), "auto"), ((1, 1), "sddmm"), ((16, 16), "auto"), ((16, 16), "sddmm"), ((16, 16), "dense")])
-def test_the_lean_backward_gives_the_generic_backwards_gradients(monkeypatch, block_shape, method):
+@pytest.mark.parametrize("dtype, mode", [(torch.bfloat16, "all"), (torch.float32, "none")])
+@pytest.mark.parametrize("block_shape, method", [((1, 1), "auto"), ((1, 1), "sddmm"), ((1, 1), "dense"), ((16, 16), "auto"),
+                                                 ((16, 16), "sddmm"), ((16, 16), "dense")])  # fmt: skip
+def test_the_lean_backward_gives_the_generic_backwards_gradients(monkeypatch, block_shape, method, dtype, mode):
     """A steady merged pass's backward (MergedDeltaLinear's own) gives the generic backward's input and
-    value gradients bit for bit, block or unstructured, for each value-gradient method, X kept or rebuilt
-    (a product's factors read by the block kernel); it does not call the generic backward. During an AG
-    window (a dense-gradient consumer) and after the merge was written back it hands over to it."""
+    value gradients bit for bit, block or unstructured, for each value-gradient method, X rebuilt (in
+    bfloat16: a product's factors read by the block kernel) or kept (``rebuild_inputs="none"``), a layer
+    whose values are frozen, with and without an input gradient at the first layers; it does not call
+    the generic backward. During an AG window (a dense-gradient consumer) and after the merge was written
+    back it hands over to it."""
     from peft_sparse.core import functional
 
-    model, _, x = _steady_after_steps(2, _spiel(torch.bfloat16, block_shape=block_shape))
+    model, _, x = _steady_after_steps(2, _spiel(dtype, block_shape=block_shape))
     layers = sparse_layers(model)
     for layer in layers:
         layer.value_grad_method = method
+        layer.rebuild_inputs = mode
+    layers[2].sparse_values["default"].requires_grad_(False)
     generic_calls = []
     generic = functional.SparseDeltaLinear.backward
 
@@ -812,11 +818,9 @@ def test_the_lean_backward_gives_the_generic_backwards_gradients(monkeypatch, bl
 
     monkeypatch.setattr(functional.SparseDeltaLinear, "backward", staticmethod(counted))
 
-    def pass_results(backward=None):
-        if backward is not None:
-            monkeypatch.setattr(functional.MergedDeltaLinear, "backward", staticmethod(backward))
+    def pass_results(input_grad: bool):
         generic_calls.clear()
-        embeds = model.get_input_embeddings()(x).detach().requires_grad_()
+        embeds = model.get_input_embeddings()(x).detach().requires_grad_(input_grad)
         loss = model(inputs_embeds=embeds, labels=x).loss
         assert all(layer._steady is not None for layer in layers)
         loss.backward()
@@ -825,13 +829,17 @@ def test_the_lean_backward_gives_the_generic_backwards_gradients(monkeypatch, bl
             layer.sparse_values["default"].grad = None
         return embeds.grad, grads, len(generic_calls)
 
-    lean_x, lean_values, lean_generic = pass_results()
-    assert lean_generic == 0
-    generic_x, generic_values, generic_generic = pass_results(counted)
-    assert generic_generic == len(layers)
-    assert torch.equal(lean_x, generic_x) and all(torch.equal(a, b) for a, b in zip(lean_values, generic_values))
-    monkeypatch.undo()  # (the lean backward back)
-    monkeypatch.setattr(functional.SparseDeltaLinear, "backward", staticmethod(counted))
+    for input_grad in (True, False):
+        lean_x, lean_values, lean_generic = pass_results(input_grad)
+        assert lean_generic == 0
+        with monkeypatch.context() as m:
+            m.setattr(functional.MergedDeltaLinear, "backward", staticmethod(counted))
+            generic_x, generic_values, generic_generic = pass_results(input_grad)
+        assert generic_generic == len(layers)
+        assert (lean_x is None) == (generic_x is None) == (not input_grad)
+        assert lean_x is None or torch.equal(lean_x, generic_x)
+        assert lean_values[2] is None and generic_values[2] is None
+        assert all(torch.equal(a, b) for k, (a, b) in enumerate(zip(lean_values, generic_values)) if k != 2)
     seen = []
     layers[0].dense_grad_consumer = lambda layer, dense: seen.append(dense.shape)
     try:

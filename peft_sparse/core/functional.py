@@ -469,9 +469,9 @@ class MergedDeltaLinear(SparseDeltaLinear):
         in_features = x_shape[-1]
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (tokens, out)
         grad_x = g2.mm(merge.weight).view(x_shape) if needs[0] else None
+        saved = ctx.saved_tensors  # (read in every case, as the generic backward does: autograd's in-place edit check)
         if not needs[4]:
             return grad_x, None, None, None, None
-        saved = ctx.saved_tensors
         x, indices, values = saved if ctx.x_saved else (None, *saved)
         block = spec[3][0] if spec[3] else None
         method = layer.value_grad_method
