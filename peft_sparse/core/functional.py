@@ -441,8 +441,9 @@ class GivenWeightLinear(SparseDeltaLinear):
 class MergedDeltaLinear(SparseDeltaLinear):
     """:class:`SparseDeltaLinear` for a steady training pass of one adapter merged in place (``premerged``):
     X and the bias already in the stored weight's dtype, autocast off — what the caller checked, so forward
-    multiplies by the stored weight without the generic pass's decisions. Arguments and backward are
-    :class:`SparseDeltaLinear`'s (``spec``'s ``premerged`` is the merge)."""
+    multiplies by the stored weight without the generic pass's decisions. Arguments are
+    :class:`SparseDeltaLinear`'s (``spec``'s ``premerged`` is the merge); backward takes the generic one's
+    decisions for these passes in a lean form, and hands over to it for anything else."""
 
     @staticmethod
     def forward(ctx, x, bias, spec, indices, values):
