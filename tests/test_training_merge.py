@@ -696,13 +696,13 @@ def test_steady_forward_skips_the_lookups_but_sees_every_change(monkeypatch):
     check(steady=False)
 
 
-def _steady_after_steps(steps: int, model=None):
+def _steady_after_steps(steps: int, model=None, device: str = "cpu"):
     """(model, SGD optimizer, inputs) after ``steps`` training steps of ``model`` (default: ``_spiel()``)
-    with randomized values: every layer's pass is steady."""
-    model = _spiel() if model is None else model
+    with randomized values, on ``device``: every layer's pass is steady."""
+    model = (_spiel() if model is None else model).to(device)
     randomize_values(model, scale=0.1)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    x = inputs()
+    x = inputs().to(device)
     model.train()
     for _ in range(steps):
         model(x, labels=x).loss.backward()
@@ -791,19 +791,21 @@ def test_the_lean_forward_keeps_or_rebuilds_each_input_as_the_generic_pass_does(
     assert all(torch.equal(a, b) for a, b in zip(lean[2][1:], generic[2][1:]))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype, mode", [(torch.bfloat16, "all"), (torch.float32, "none")])
 @pytest.mark.parametrize("block_shape, method", [((1, 1), "auto"), ((1, 1), "sddmm"), ((1, 1), "dense"), ((16, 16), "auto"),
                                                  ((16, 16), "sddmm"), ((16, 16), "dense")])  # fmt: skip
-def test_the_lean_backward_gives_the_generic_backwards_gradients(monkeypatch, block_shape, method, dtype, mode):
+def test_the_lean_backward_gives_the_generic_backwards_gradients(monkeypatch, block_shape, method, dtype, mode, device):
     """A steady merged pass's backward (MergedDeltaLinear's own) gives the generic backward's input and
     value gradients bit for bit, block or unstructured, for each value-gradient method, X rebuilt (in
     bfloat16: a product's factors read by the block kernel) or kept (``rebuild_inputs="none"``), a layer
     whose values are frozen, with and without an input gradient at the first layers; it does not call
     the generic backward. During an AG window (a dense-gradient consumer) and after the merge was written
-    back it hands over to it."""
+    back it hands over to it. On CUDA the kernels are the compiled Triton ones (the block kernel under
+    ``sddmm``, reading the product's factors in bfloat16)."""
     from peft_sparse.core import functional
 
-    model, _, x = _steady_after_steps(2, _spiel(dtype, block_shape=block_shape))
+    model, _, x = _steady_after_steps(2, _spiel(dtype, block_shape=block_shape), device)
     layers = sparse_layers(model)
     for layer in layers:
         layer.value_grad_method = method
