@@ -34,8 +34,9 @@ def steady_steps(model, optimizer, ids, steps: int) -> tuple[list, list]:
     return phases, walls
 
 
-def main():
-    steps = 60
+def steady_setup(steps: int) -> tuple:
+    """The command line (``--steps``, default ``steps``; then :func:`profiling_setup`'s) and a prepared
+    variant after the warm-up steps: (steps, args, model, optimizer, input ids)."""
     if "--steps" in sys.argv:
         i = sys.argv.index("--steps")
         steps = int(sys.argv[i + 1])
@@ -44,6 +45,11 @@ def main():
     for _ in range(WARMUP):
         train_step(model, optimizer, hook, ids)
     torch.cuda.synchronize()
+    return steps, args, model, optimizer, ids
+
+
+def main():
+    steps, args, model, optimizer, ids = steady_setup(60)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the unscheduled-training guard: the scheduler is paused on purpose)
         phases, walls = steady_steps(model, optimizer, ids, steps)

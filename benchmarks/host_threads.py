@@ -14,6 +14,7 @@ The script imports ``bench_step.py`` beside it, which puts its own tree first on
 compare two trees, run each tree's copy of the scripts.
 """
 
+import os
 import statistics
 import sys
 import time
@@ -23,20 +24,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import PHASES, profiling_setup, train_step  # noqa: E402
-
-WARMUP = 7
+from bench_step import PHASES, train_step  # noqa: E402
+from host_steps import steady_setup  # noqa: E402
 
 
 def thread_counters() -> dict:
     """{tid: (name, user+system CPU seconds, voluntary, involuntary context switches)} for this process."""
-    ticks = 100.0
-    try:
-        import os
-
-        ticks = float(os.sysconf("SC_CLK_TCK"))
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
+    ticks = float(os.sysconf("SC_CLK_TCK"))  # (Linux: the unit of /proc's CPU times)
     out = {}
     for task in Path("/proc/self/task").iterdir():
         try:
@@ -109,16 +103,8 @@ def run(model, optimizer, ids, steps: int, timer):
 
 
 def main():
-    steps = 30
-    if "--steps" in sys.argv:
-        i = sys.argv.index("--steps")
-        steps = int(sys.argv[i + 1])
-        del sys.argv[i : i + 2]
-    args, model, optimizer, hook, ids = profiling_setup(rows=0)
-    for _ in range(WARMUP):
-        train_step(model, optimizer, hook, ids)
-    torch.cuda.synchronize()
-    timer = BackwardTimer() if args.variant != "floor" and not args.variant.endswith("floor") else None
+    steps, args, model, optimizer, ids = steady_setup(30)
+    timer = BackwardTimer() if not args.variant.endswith("floor") else None
     print(f"{torch.cuda.get_device_name()}: {args.variant}, {steps} steady steps, {len(thread_counters())} threads")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the unscheduled-training guard: the scheduler is paused on purpose)
