@@ -36,7 +36,9 @@ def steady_steps(model, optimizer, ids, steps: int) -> tuple[list, list]:
 
 def steady_setup(steps: int) -> tuple:
     """The command line (``--steps``, default ``steps``; then :func:`profiling_setup`'s) and a prepared
-    variant after the warm-up steps: (steps, args, model, optimizer, input ids)."""
+    variant after the warm-up steps: (steps, args, model, optimizer, per-step hook, input ids). The caller
+    holds the hook (a SpIEL scheduler's ``step``) without calling it: while the scheduler lives, its layers'
+    training observers stay idle, as in training."""
     if "--steps" in sys.argv:
         i = sys.argv.index("--steps")
         steps = int(sys.argv[i + 1])
@@ -45,11 +47,11 @@ def steady_setup(steps: int) -> tuple:
     for _ in range(WARMUP):
         train_step(model, optimizer, hook, ids)
     torch.cuda.synchronize()
-    return steps, args, model, optimizer, ids
+    return steps, args, model, optimizer, hook, ids
 
 
 def main():
-    steps, args, model, optimizer, ids = steady_setup(60)
+    steps, args, model, optimizer, hook, ids = steady_setup(60)  # (hook held: the scheduler lives, not stepped)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the unscheduled-training guard: the scheduler is paused on purpose)
         phases, walls = steady_steps(model, optimizer, ids, steps)

@@ -103,7 +103,7 @@ def run(model, optimizer, ids, steps: int, timer):
 
 
 def main():
-    steps, args, model, optimizer, ids = steady_setup(30)
+    steps, args, model, optimizer, hook, ids = steady_setup(30)
     timer = BackwardTimer() if not args.variant.endswith("floor") else None
     print(f"{torch.cuda.get_device_name()}: {args.variant}, {steps} steady steps, {len(thread_counters())} threads")
     with warnings.catch_warnings():
