@@ -95,6 +95,9 @@ class _Heads(nn.Module):
         self.r = [torch.randn(3, 5, n, generator=g).to(dtype) for n in (12, 8, 4)]
 
     def forward(self, x):
+        if self.mode == "leaf":  # the layers read the model's input itself (no history: never grouped)
+            return [self.a(x), self.b(x), self.c(x)]
+        x = x * 1.0  # (an input with history, as a norm's output is)
         if self.mode == "all":
             ys = [self.a(x), self.b(x), self.c(x)]
         elif self.mode == "a-only":
@@ -103,6 +106,16 @@ class _Heads(nn.Module):
             ys = [self.a(x), self.b(x.clone()), self.c(x)]
         elif self.mode == "checkpointed":
             ys = list(checkpoint(lambda x: (self.a(x), self.b(x), self.c(x)), x, use_reentrant=False))
+        elif self.mode == "members-checkpointed":  # a outside the checkpoint, b and c inside it
+
+            def region(x):  # (with a product after b and c that saves tensors, as most regions do)
+                yb, yc = self.b(x), self.c(x)
+                return yb, yc + 0.0 * (yc * yc)
+
+            ys = [self.a(x), *checkpoint(region, x, use_reentrant=False)]
+        elif self.mode == "raise-after-a":  # e.g. out of memory between the projections
+            self.a(x)
+            raise torch.OutOfMemoryError("simulated")
         return sum((y * r).sum() for y, r in zip(ys, self.r))
 
 
@@ -268,3 +281,127 @@ def test_copies_start_without_groups():
     assert copied.base_model.model.a._shared.group is None
     assert torch.equal(model(x), copied(x))  # (the copy's first passes run alone)
     assert "SharedInputLinearBackward" not in _node_counts(copied(x).grad_fn)
+
+
+def test_a_member_kept_alone_leaves_the_others_grouped():
+    model, _, x = _steady_heads()
+    heads = model.base_model.model
+    heads.b.group_shared_inputs = False
+    for _ in range(2):
+        result = _heads_pass(model, x)
+    assert result[3].get("SharedInputLinearBackward") == 1 and result[3].get("MergedDeltaLinearBackward") == 1
+    _assert_matches_reference(result, _reference(model, x))
+
+
+def test_separate_backward_passes_from_an_input_without_history():
+    """Outputs of one node free what the node needs at their first backward pass; layers reading an input
+    without history (a leaf) are never grouped, so a backward pass per output works as with layers alone."""
+    model, _, x = _steady_heads()
+    heads = model.base_model.model
+    heads.mode = "leaf"
+    xg = x.detach().clone().requires_grad_()
+    ys = model(xg)
+    assert not any(_node_counts(y.grad_fn).get("SharedInputLinearBackward") for y in ys)
+    for y, r in zip(ys, heads.r):
+        (y * r).sum().backward()
+    heads.mode = "all"  # (the reference's loss: the same sum)
+    reference = _reference(model, x)
+    torch.testing.assert_close(xg.grad.double(), reference[1], rtol=1e-5, atol=1e-5)
+    for n in "abc":
+        torch.testing.assert_close(getattr(heads, n).sparse_values["default"].grad.double(), reference[2][n], rtol=1e-5, atol=1e-5)
+
+
+def test_layers_of_two_models_on_one_input_group_within_each_model():
+    """Two models reading the same tensor (an ensemble, a teacher and a student) each group their own
+    layers; deleting one frees its layers, whatever the other still holds."""
+    import gc
+    import weakref
+
+    first, opt, x = _steady_heads()
+    second, opt2, _ = _steady_heads()
+    first.base_model.model.mode = second.base_model.model.mode = "leaf"
+    for _ in range(3):
+        h = x * 1.0
+        loss = sum((y * r).sum() for m in (first, second) for y, r in zip(m(h), m.base_model.model.r))
+        loss.backward()
+        opt.step()
+        opt2.step()
+    del loss
+    a1, a2 = first.base_model.model.a, second.base_model.model.a
+    assert a1._shared.group == (first.base_model.model.b, first.base_model.model.c)
+    assert a2._shared.group == (second.base_model.model.b, second.base_model.model.c)
+    h = x.detach().clone().requires_grad_() * 1.0
+    ys1, ys2 = first(h), second(h)
+    assert _node_counts(ys1[2].grad_fn).get("SharedInputLinearBackward") == 1
+    assert ys2[1].grad_fn is ys2[2].grad_fn and ys2[1].grad_fn is not ys1[1].grad_fn
+    layer = weakref.ref(second.base_model.model.b)
+    del second, opt2, ys2, a2
+    gc.disable()
+    try:
+        assert layer() is None
+    finally:
+        gc.enable()
+
+
+def test_outputs_nobody_takes_are_dropped_and_hold_no_layer():
+    """A pass that raised after the leader's call leaves its members' outputs untaken: the next forward pass
+    of the model drops them before it runs (they hold that pass's graph), and its results are autograd's.
+    Untaken outputs do not keep their layers alive: deleting the model frees them without the collector."""
+    import gc
+    import weakref
+
+    model, _, x = _steady_heads()
+    heads = model.base_model.model
+    heads.mode = "raise-after-a"
+    with pytest.raises(torch.OutOfMemoryError):
+        model(x.detach().clone().requires_grad_())
+    assert heads.b._shared.stash is not None and heads.c._shared.stash is not None
+    seen = []
+    hook = heads.register_forward_pre_hook(lambda module, args: seen.append((module.b._shared.stash, module.c._shared.stash)))
+    heads.mode = "all"
+    result = _heads_pass(model, x)
+    hook.remove()
+    assert seen == [(None, None)]
+    _assert_matches_reference(result, _reference(model, x))
+    heads.mode = "a-only"
+    _heads_pass(model, x)
+    assert heads.b._shared.stash is not None  # (b's output, untaken)
+    layer = weakref.ref(heads.b)
+    del heads
+    gc.disable()
+    try:
+        del model
+        assert layer() is None
+    finally:
+        gc.enable()
+
+
+def test_members_inside_a_checkpoint_run_alone():
+    """The leader outside a non-reentrant checkpoint, its members inside: the members run alone in the
+    first pass as in the recomputation (which must save what the first pass saved)."""
+    model, _, x = _steady_heads()
+    heads = model.base_model.model
+    heads.mode = "members-checkpointed"
+    for _ in range(2):
+        result = _heads_pass(model, x)
+        _assert_matches_reference(result, _reference(model, x))
+
+
+@pytest.mark.parametrize("change", ["edit", "train"])
+def test_a_members_bias_changed_after_the_group_computed_its_output_is_seen(change):
+    model, _, x = _steady_heads()
+    heads = model.base_model.model
+    bias = heads.b.get_base_layer().bias
+
+    def pre(module, args):
+        with torch.no_grad():
+            bias.add_(1.0)
+        if change == "train":
+            bias.requires_grad_(True)
+
+    hook = heads.b.register_forward_pre_hook(pre)
+    result = _heads_pass(model, x)
+    hook.remove()
+    _assert_matches_reference(result, _reference(model, x))  # (the reference reads the edited bias)
+    if change == "train":
+        torch.testing.assert_close(bias.grad, heads.r[1].sum((0, 1)))

@@ -522,7 +522,11 @@ class SharedInputLinear(torch.autograd.Function):
         x = tensors[0]
         ys = tuple(F.linear(x, spec[4].weight, bias) for bias, spec in members)  # (..., out_i) each
         ctx.set_materialize_grads(False)
-        ctx.members, ctx.x_meta = members, (x.shape, x.dtype)
+        # the layers weakly: a member's output waiting for its layer's call holds this node, and the layer holds
+        # that output (a cycle through the autograd graph, which the collector does not see, if they were strong)
+        ctx.layers = tuple(weakref.ref(spec[2]) for _, spec in members)
+        ctx.members = tuple((bias, (*spec[:2], None, *spec[3:])) for bias, spec in members)
+        ctx.x_meta = (x.shape, x.dtype)
         ctx.generations = tuple(spec[4].generation for _, spec in members)
         # Each member's indices and values with their version counters, checked in backward for the members
         # whose outputs were read — not saved through autograd, which would refuse the backward of every
@@ -546,20 +550,21 @@ class SharedInputLinear(torch.autograd.Function):
         for i, g in enumerate(grads):
             if g is None:  # an output nobody read
                 continue
-            spec = members[i][1]
-            layer, merge = spec[2], spec[4]
+            layer, spec = ctx.layers[i](), members[i][1]
+            merge = spec[4]
             (indices, indices_version), (values, values_version) = rest[i], rest[n + i]
-            need_x, need_values = needs[n - i], needs[1 + 2 * n + i]
+            need_x, need_values = needs[n - i], needs[1 + 2 * n + i] and layer is not None  # (a layer gone: nobody reads its gradient)
             if indices._version != indices_version or values._version != values_version:
                 raise RuntimeError(
-                    f"{layer.module_name}: its indices or values were modified by an inplace operation after the "
+                    f"{getattr(layer, 'module_name', 'a sparse layer')}: its indices or values were modified by an inplace operation after the "
                     f"forward pass that used them (version {indices._version}/{values._version}, expected "
                     f"{indices_version}/{values_version}); backward cannot compute their gradients."
                 )
             if need_values and x is None:
                 x = rebuild.get()  # (the group's one read)
                 rebuild = None
-            if layer.dense_grad_consumer is not None or not merge.still_merged(ctx.generations[i]):
+            if (layer is not None and layer.dense_grad_consumer is not None) or not merge.still_merged(ctx.generations[i]):
+                spec = (*spec[:2], layer, *spec[3:])  # (a layer gone: θ₀ rebuilt without its hooks, no value gradient)
                 member = _MemberContext(x if need_values else None, indices, values, spec, x_meta, need_x, need_values, ctx.generations[i])
                 grad_xs[n - 1 - i], _, _, _, value_grads[i] = SparseDeltaLinear.backward(member, g)
                 continue

@@ -54,9 +54,13 @@ after one that saw them together: the first layer's call computes every output, 
 takes its own after its own steady checks, provided the input is the same tensor, unedited, and its merge
 was not rewritten since (:class:`_SharedInput`). The same operations, hence the same bits; one call's host
 work instead of several in each pass. A layer that does not come, comes with another input or finds
-anything changed runs alone; the group is then dropped and looked for again. Never while saved-tensor
-hooks are active (activation checkpointing: the recomputation must save what the first pass saved),
-under ``torch.compile`` or functorch transforms. ``group_shared_inputs = False`` keeps a layer alone.
+anything changed (merge, bias, checkpoint context) runs alone; the group is then dropped and looked for
+again, and outputs nobody took are dropped when the model's next forward pass starts (they hold that
+pass's graph). Groups hold layers of one model only, and only inputs with autograd history: outputs of
+one node can be backpropagated separately only as far as the graph behind them allows, and from an
+input without history separate layers allow it. Never while saved-tensor hooks are active (activation
+checkpointing: the recomputation must save what the first pass saved), under ``torch.compile`` or
+functorch transforms. ``group_shared_inputs = False`` keeps a layer alone.
 """
 
 from __future__ import annotations
@@ -555,7 +559,7 @@ class _SharedInput:
     takes it. ``missed``: a stash was there but its layer's call did not take it (the leader then stops
     grouping and looks again). A copy of a layer (deepcopy, pickling) starts with none of these."""
 
-    __slots__ = ("group", "stash", "missed")
+    __slots__ = ("group", "stash", "missed", "__weakref__")
 
     def __init__(self):
         self.group: Optional[tuple] = None
@@ -569,6 +573,23 @@ class _SharedInput:
 # the input of the last steady merged call that ran alone and the layers that read it since, in call
 # order: [weak reference to X, X's version counter, [weak references to the layers]] (see _note_shared_input)
 _LAST_INPUT: list = [None, 0, None]
+# group leaders (their _SharedInput) that stashed outputs since a sparse model's forward pass last started
+_STASHED: "weakref.WeakSet[_SharedInput]" = weakref.WeakSet()
+
+
+def drop_untaken_outputs(*_) -> None:
+    """Forget the outputs that group leaders computed for layers whose calls have not come (a forward pass
+    that raised after a leader's call, or a layer the model skipped): they hold that pass's graph. The
+    tuner runs this before each forward pass of its model (a forward pre-hook); the layers whose outputs
+    were dropped run alone in the next pass, and their groups are found again."""
+    if not _STASHED:
+        return
+    for leader in list(_STASHED):
+        for layer in leader.group or ():
+            shared = layer._shared
+            if shared.stash is not None:
+                shared.stash, shared.missed = None, True
+    _STASHED.clear()
 
 
 def _note_shared_input(layer: "SparseLayer", x: torch.Tensor) -> None:
@@ -578,7 +599,12 @@ def _note_shared_input(layer: "SparseLayer", x: torch.Tensor) -> None:
     ref = last[0]
     if ref is not None and ref() is x and last[1] == x._version:
         readers = last[2]
-        if all(r() is not layer for r in readers):
+        first = readers[0]()
+        model = layer._model_ref() if layer._model_ref is not None else None
+        if (
+            first is not None and model is not None and first._model_ref is not None and first._model_ref() is model
+            and all(r() is not layer for r in readers)
+        ):  # (layers of one model only: another model reading the same tensor runs its own groups)  # fmt: skip
             readers.append(weakref.ref(layer))
             members = tuple(r() for r in readers)
             if all(m is not None for m in members):
@@ -1126,9 +1152,13 @@ class SparseLayer(BaseTunerLayer):
                     if not autocast and x.dtype is weight.dtype and (bias is None or bias.dtype is weight.dtype):
                         # (the generic pass would make no other decision)
                         if stash is not None:
-                            if stash[0] is x and stash[1] == x._version and stash[2] == merge.generation and not observed:
+                            if (
+                                stash[0] is x and stash[1] == x._version and stash[2] == merge.generation and not observed
+                                and stash[4] is bias and (bias is None or (bias._version == stash[5] and not bias.requires_grad))
+                                and not _saved_tensor_hooks_active()  # (a checkpoint's recomputation runs alone: so must its first pass)
+                            ):  # fmt: skip
                                 shared.missed = False
-                                return stash[3]  # computed by the group's first layer, from this X and this merge
+                                return stash[3]  # computed by the group's first layer, from this X, merge and bias
                         elif shared.group is not None and self.group_shared_inputs:
                             y = self._group_forward(x, bias, spec, indices, values)
                             if y is not None:
@@ -1213,19 +1243,26 @@ class SparseLayer(BaseTunerLayer):
                     layer._shared.stash, layer._shared.missed = None, False
                 self._shared.group = None
                 return None
-        if (bias is not None and bias.requires_grad) or _compiling() or _transforms_active() or _saved_tensor_hooks_active():
-            return None  # (a recomputing checkpoint must save what the first pass saved: never grouped there)
-        parts = [(bias, spec, indices, values)]
+        if (
+            x.grad_fn is None  # (an input without history: separate backward passes from one layer's output each must work)
+            or (bias is not None and bias.requires_grad) or _compiling() or _transforms_active()
+            or _saved_tensor_hooks_active()  # (a recomputing checkpoint must save what the first pass saved: never grouped there)
+        ):  # fmt: skip
+            return None
+        parts, taking = [(bias, spec, indices, values)], []
         mode = self._rebuild_inputs
         for layer in members:
             part = layer._group_member(x, mode)
-            if part is None:
-                return None
-            parts.append(part)
+            if part is not None:  # (the others run alone)
+                parts.append(part)
+                taking.append(layer)
+        if not taking:
+            return None
         ys = shared_input_apply(tuple((b, sp) for b, sp, _, _ in parts), *([x] * len(parts)), *(p[2] for p in parts), *(p[3] for p in parts))
         version = x._version
-        for layer, part, y in zip(members, parts[1:], ys[1:]):
-            layer._shared.stash = (x, version, part[1][4].generation, y)
+        for layer, (b, sp, _, _), y in zip(taking, parts[1:], ys[1:]):
+            layer._shared.stash = (x, version, sp[4].generation, y, b, None if b is None else b._version)
+        _STASHED.add(self._shared)
         # (a later layer on this X that runs alone joins the group: _note_shared_input)
         _LAST_INPUT[0], _LAST_INPUT[1], _LAST_INPUT[2] = weakref.ref(x), version, [weakref.ref(self), *map(weakref.ref, members)]
         return ys[0]
