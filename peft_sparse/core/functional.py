@@ -114,12 +114,6 @@ class InputRebuild:
         self.value = value if self.pending > 0 else None
         return value
 
-    def drop(self) -> None:
-        """A registered reader that will not read X after all (its record forgets X once nobody else will)."""
-        self.pending -= 1
-        if self.pending <= 0:
-            self.value = None
-
     def factors(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """(A, B) with X = A ⊙ B, both of X's shape and dtype, for the last reader when X = A ⊙ B is not
         formed yet (counted as its read): a consumer that multiplies tile by tile never writes X out.
@@ -473,137 +467,34 @@ class MergedDeltaLinear(SparseDeltaLinear):
         if layer.dense_grad_consumer is not None or needs[1] or not merge.still_merged(ctx.generation):
             return SparseDeltaLinear.backward(ctx, grad_out)
         x_shape = ctx.x_meta[0]
+        in_features = x_shape[-1]
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (tokens, out)
         grad_x = g2.mm(merge.weight).view(x_shape) if needs[0] else None
         saved = ctx.saved_tensors  # (read in every case, as the generic backward does: autograd's in-place edit check)
         if not needs[4]:
             return grad_x, None, None, None, None
         x, indices, values = saved if ctx.x_saved else (None, *saved)
-        x2 = x.reshape(-1, x_shape[-1]) if x is not None else None
-        return grad_x, None, None, None, _lean_value_gradient(layer, spec, g2, x2, ctx.x_rebuild, indices, values)
-
-
-class _MemberContext:
-    """What :meth:`SparseDeltaLinear.backward` reads of its context, for one member of a
-    :class:`SharedInputLinear` node that the generic backward serves (X already read, or not needed)."""
-
-    __slots__ = ("saved_tensors", "x_saved", "x_rebuild", "spec", "x_meta", "needs_input_grad", "dtype", "generation")
-
-    def __init__(self, x, indices, values, spec, x_meta, need_x: bool, need_values: bool, generation: int):
-        self.x_saved, self.x_rebuild = x is not None, None
-        self.saved_tensors = (x, indices, values) if x is not None else (indices, values)
-        self.spec, self.x_meta, self.generation = spec, x_meta, generation
-        self.needs_input_grad = (need_x, False, False, False, need_values)  # (x, bias, spec, indices, values)
-        self.dtype = spec[4].weight.dtype
-
-
-class SharedInputLinear(torch.autograd.Function):
-    r"""Steady merged passes of several layers that read the same X (q/k/v, gate/up) as one node:
-
-    .. math:: Y_i = X\,W_i'^\top + b_i, \qquad
-        \frac{\partial L}{\partial X} = \textstyle\sum_i \frac{\partial L}{\partial Y_i}\,W_i'
-
-    with each :math:`W_i'` merged in place (what :class:`MergedDeltaLinear` multiplies by for one layer).
-    One node instead of one per layer: one call's host work in each pass and one backward node, X kept or
-    rebuilt once. Otherwise the same operations as separate layers, so the same bits: each output and each
-    input-gradient term its own GEMM, and the terms summed by autograd — X is passed once per member, last
-    member first, so the terms reach X's gradient in the order separate layers' nodes would deliver them
-    when they become ready together (the highest sequence number runs first), as q/k/v and gate/up do.
-
-    Arguments: ``members``, per layer ``(bias, spec)`` with the bias frozen (or None) and ``spec`` as
-    :class:`MergedDeltaLinear`'s; then X once per member, every member's indices, every member's values.
-    Outputs no one reads get no gradient, and their layers' values get none either. A member whose
-    backward is not the lean one (an AG window's dense gradient, its merge written back since forward)
-    goes through :class:`SparseDeltaLinear`'s backward."""
-
-    @staticmethod
-    def forward(ctx, members, *tensors):
-        n = len(members)
-        x = tensors[0]
-        ys = tuple(F.linear(x, spec[4].weight, bias) for bias, spec in members)  # (..., out_i) each
-        ctx.set_materialize_grads(False)
-        # the layers weakly: a member's output waiting for its layer's call holds this node, and the layer holds
-        # that output (a cycle through the autograd graph, which the collector does not see, if they were strong)
-        ctx.layers = tuple(weakref.ref(spec[2]) for _, spec in members)
-        ctx.members = tuple((bias, (*spec[:2], None, *spec[3:])) for bias, spec in members)
-        ctx.x_meta = (x.shape, x.dtype)
-        ctx.generations = tuple(spec[4].generation for _, spec in members)
-        # Each member's indices and values with their version counters, checked in backward for the members
-        # whose outputs were read — not saved through autograd, which would refuse the backward of every
-        # member after an in-place edit of one member's values between this call and that member's own
-        # (which then does not take its output from here: it runs alone, and this output goes unread).
-        ctx.member_tensors = tuple((t, t._version) for t in tensors[n:])
-        _save_for_backward(ctx, x, members[0][1][2]._rebuild_inputs, (), any(ctx.needs_input_grad[1 + 2 * n :]))
-        return ys
-
-    @staticmethod
-    def backward(ctx, *grads):
-        members, n = ctx.members, len(ctx.members)
-        x = ctx.saved_tensors[0] if ctx.x_saved else None
-        rest = ctx.member_tensors
-        needs = ctx.needs_input_grad  # (members, X for member n-1 … X for member 0, *indices, *values)
-        x_meta = ctx.x_meta
-        in_features = x_meta[0][-1]
-        rebuild = ctx.x_rebuild
-        grad_xs = [None] * n  # (member n-1's term first)
-        value_grads = [None] * n
-        for i, g in enumerate(grads):
-            if g is None:  # an output nobody read
-                continue
-            layer, spec = ctx.layers[i](), members[i][1]
-            merge = spec[4]
-            (indices, indices_version), (values, values_version) = rest[i], rest[n + i]
-            need_x, need_values = needs[n - i], needs[1 + 2 * n + i] and layer is not None  # (a layer gone: nobody reads its gradient)
-            if indices._version != indices_version or values._version != values_version:
-                raise RuntimeError(
-                    f"{getattr(layer, 'module_name', 'a sparse layer')}: its indices or values were modified by an inplace operation after the "
-                    f"forward pass that used them (version {indices._version}/{values._version}, expected "
-                    f"{indices_version}/{values_version}); backward cannot compute their gradients."
-                )
-            if need_values and x is None:
-                x = rebuild.get()  # (the group's one read)
-                rebuild = None
-            if (layer is not None and layer.dense_grad_consumer is not None) or not merge.still_merged(ctx.generations[i]):
-                spec = (*spec[:2], layer, *spec[3:])  # (a layer gone: θ₀ rebuilt without its hooks, no value gradient)
-                member = _MemberContext(x if need_values else None, indices, values, spec, x_meta, need_x, need_values, ctx.generations[i])
-                grad_xs[n - 1 - i], _, _, _, value_grads[i] = SparseDeltaLinear.backward(member, g)
-                continue
-            g2 = g.reshape(-1, g.shape[-1])  # (tokens, out_i)
-            if need_x:
-                grad_xs[n - 1 - i] = g2.mm(merge.weight).view(x_meta[0])  # (..., in)
-            if need_values:
-                value_grads[i] = _lean_value_gradient(layer, spec, g2, x.reshape(-1, in_features), None, indices, values)
-        if rebuild is not None:  # registered in forward, never read
-            rebuild.drop()
-        return (None, *grad_xs, *([None] * n), *value_grads)
-
-
-def _lean_value_gradient(layer, spec, g2, x2, rebuild, indices, values) -> torch.Tensor:
-    """∂L/∂φ of a steady merged pass (one adapter; X, weight and output of one dtype): the block kernel
-    where the layer's method and the cost model choose it, else :func:`kernels.value_gradient`. ``x2``:
-    X as (tokens, in), or None with ``rebuild`` (:class:`InputRebuild`) to read it from — the block kernel
-    then forms X = A ⊙ B tile by tile when this is its last reader."""
-    block = spec[3][0] if spec[3] else None
-    method = layer.value_grad_method
-    in_features = layer.in_features
-    if block is not None and (method == "dense" or (method == "auto" and kernels.COST_MODEL.choose_block(
-            g2.device, g2.shape[0], g2.shape[1], in_features, values.numel(), block.block_shape) == "dense")):  # fmt: skip
-        block = None
-    if x2 is None:
-        factors = rebuild.factors() if block is not None else None
-        if factors is not None:
-            grad = kernels.block_value_gradient(g2, factors[0].reshape(-1, in_features), block, x_factor=factors[1].reshape(-1, in_features))
-            return grad if grad.dtype == values.dtype else grad.to(values.dtype)
-        x2 = rebuild.get().reshape(-1, in_features)
-    if block is not None:
-        grad = kernels.block_value_gradient(g2, x2, block)
-    else:
-        grad = kernels.value_gradient(g2, x2, indices, g2.shape[1], in_features, method)
-    return grad if grad.dtype == values.dtype else grad.to(values.dtype)
+        block = spec[3][0] if spec[3] else None
+        method = layer.value_grad_method
+        if block is not None and (method == "dense" or (method == "auto" and kernels.COST_MODEL.choose_block(
+                g2.device, g2.shape[0], g2.shape[1], in_features, values.numel(), block.block_shape) == "dense")):  # fmt: skip
+            block = None
+        factors = None
+        if x is None:  # rebuilt (ctx.x_rebuild); X = A ⊙ B read only by the block kernel: formed tile by tile
+            factors = ctx.x_rebuild.factors() if block is not None else None
+            if factors is None:
+                x = ctx.x_rebuild.get()
+        if block is not None:
+            if factors is not None:
+                grad = kernels.block_value_gradient(g2, factors[0].reshape(-1, in_features), block, x_factor=factors[1].reshape(-1, in_features))
+            else:
+                grad = kernels.block_value_gradient(g2, x.reshape(-1, in_features), block)
+        else:
+            grad = kernels.value_gradient(g2, x.reshape(-1, in_features), indices, g2.shape[1], in_features, method)
+        return grad_x, None, None, None, grad if grad.dtype == values.dtype else grad.to(values.dtype)
 
 
 sparse_delta_apply = _direct_apply(SparseDeltaLinear)
-shared_input_apply = _direct_apply(SharedInputLinear)
 given_weight_apply = _direct_apply(GivenWeightLinear)
 merged_apply = _direct_apply(MergedDeltaLinear, fixed=True)
 

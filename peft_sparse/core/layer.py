@@ -47,20 +47,6 @@ it only needs θ₀ back where a weight is merged), and repeat the fused NF4 lau
 adapter from a kept plan while its operands are the same (:class:`_NF4Rebuild`); a steady training
 pass launches it itself and multiplies by the weight it gives (``functional.GivenWeightLinear``). When
 kernels are short, the host time of a layer call bounds the training step.
-
-**Layers reading one input.** Steady merged passes of layers called one after another on the same
-input tensor (q/k/v, gate/up) run as one autograd node (``functional.SharedInputLinear``) from the pass
-after one that saw them together: the first layer's call computes every output, each later layer's call
-takes its own after its own steady checks, provided the input is the same tensor, unedited, and its merge
-was not rewritten since (:class:`_SharedInput`). The same operations, hence the same bits; one call's host
-work instead of several in each pass. A layer that does not come, comes with another input or finds
-anything changed (merge, bias, checkpoint context) runs alone; the group is then dropped and looked for
-again, and outputs nobody took are dropped when the model's next forward pass starts (they hold that
-pass's graph). Groups hold layers of one model only, and only inputs with autograd history: outputs of
-one node can be backpropagated separately only as far as the graph behind them allows, and from an
-input without history separate layers allow it. Never while saved-tensor hooks are active (activation
-checkpointing: the recomputation must save what the first pass saved), under ``torch.compile`` or
-functorch transforms. ``group_shared_inputs = False`` keeps a layer alone.
 """
 
 from __future__ import annotations
@@ -82,7 +68,6 @@ from .functional import (
     compose_weight,
     given_weight_apply,
     merged_apply,
-    shared_input_apply,
     sparse_delta_apply,
     sparse_delta_linear,
     sparse_delta_linear_reference,
@@ -550,110 +535,6 @@ class _NF4Rebuild:
         return merged if self.plan(merged) else None
 
 
-class _SharedInput:
-    """A layer's part in a group of layers that read the same input one after another in steady merged
-    passes (q/k/v, gate/up; see ``SparseLayer.forward``). ``group``: on the group's first layer (its
-    leader), the layers that followed it with the same X in the last pass that looked — the next pass
-    computes all their outputs in one node (``functional.SharedInputLinear``). ``stash``: on a following
-    layer, the output its leader computed for it, with what it was computed from, until its own call
-    takes it. ``missed``: a stash was there but its layer's call did not take it (the leader then stops
-    grouping and looks again). A copy of a layer (deepcopy, pickling) starts with none of these."""
-
-    __slots__ = ("group", "stash", "missed", "__weakref__")
-
-    def __init__(self):
-        self.group: Optional[tuple] = None
-        self.stash: Optional[tuple] = None
-        self.missed = False
-
-    def __reduce__(self):
-        return (_SharedInput, ())
-
-
-# the input of the last steady merged call that ran alone and the layers that read it since, in call
-# order: [weak reference to X, X's version counter, [weak references to the layers]] (see _note_shared_input)
-_LAST_INPUT: list = [None, 0, None]
-# group leaders (their _SharedInput) that stashed outputs since a sparse model's forward pass last started
-_STASHED: "weakref.WeakSet[_SharedInput]" = weakref.WeakSet()
-
-
-def drop_untaken_outputs(*_) -> None:
-    """Forget the outputs that group leaders computed for layers whose calls have not come (a forward pass
-    that raised after a leader's call, or a layer the model skipped): they hold that pass's graph. The
-    tuner runs this before each forward pass of its model (a forward pre-hook); the layers whose outputs
-    were dropped run alone in the next pass, and their groups are found again."""
-    if not _STASHED:
-        return
-    for leader in list(_STASHED):
-        for layer in leader.group or ():
-            shared = layer._shared
-            if shared.stash is not None:
-                shared.stash, shared.missed = None, True
-    _STASHED.clear()
-
-
-def _note_shared_input(layer: "SparseLayer", x: torch.Tensor) -> None:
-    """Record that ``layer`` ran a steady merged pass alone on ``x``: when the previous such call read the
-    same X (the same tensor, not edited since), ``layer`` joins the group of the layer that read it first."""
-    last = _LAST_INPUT
-    ref = last[0]
-    if ref is not None and ref() is x and last[1] == x._version:
-        readers = last[2]
-        first = readers[0]()
-        model = layer._model_ref() if layer._model_ref is not None else None
-        if (
-            first is not None and model is not None and first._model_ref is not None and first._model_ref() is model
-            and all(r() is not layer for r in readers)
-        ):  # (layers of one model only: another model reading the same tensor runs its own groups)  # fmt: skip
-            readers.append(weakref.ref(layer))
-            members = tuple(r() for r in readers)
-            if all(m is not None for m in members):
-                members[0]._shared.group = members[1:]
-            return
-    last[0], last[1], last[2] = weakref.ref(x), x._version, [weakref.ref(layer)]
-
-
-def _steady_holds(layer: "SparseLayer", steady: tuple) -> bool:
-    """Whether the decisions ``steady`` of ``layer``'s last pass hold for a training pass now (see forward)."""
-    current, name, values, dtype, indices, indices_key, base, weight, merge = steady[:9]
-    return (
-        layer.training
-        and layer._active_adapter == current
-        and not layer._disable_adapters
-        and not layer.merged_adapters
-        and layer._training_merge is merge
-        and layer._modules["base_layer"] is base
-        and base._parameters.get("weight") is weight
-        and layer._modules["sparse_values"]._parameters.get(name) is values
-        and layer._ready.get(name) is values
-        and values.dtype is dtype
-        and layer._modules["sparse_indices"]._buffers.get(name) is indices
-        and indices._version == indices_key[0]
-        and indices.data_ptr() == indices_key[1]
-        and torch.is_grad_enabled()
-    )
-
-
-def _merge_holds(layer: "SparseLayer", merge: "_TrainingMerge", weight: torch.Tensor, values: torch.Tensor, autocast: bool, device: str) -> bool:
-    """Whether a steady pass may multiply by the weight merged in place (on the weight's ``device`` type)."""
-    return (
-        layer.merge_for_training
-        and (not autocast or torch.get_autocast_dtype(device) == weight.dtype)
-        and weight.data_ptr() == merge.weight_ptr  # (merge.stored_in_weight(): the steady merge's weight is this one)
-        and not weight.requires_grad
-        and merge.current(values)
-    )
-
-
-def _saved_tensor_hooks_active() -> bool:
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is None or top(False) is not None
-
-
-_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
-_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
-
-
 class SparseLayer(BaseTunerLayer):
     adapter_layer_names = ("sparse_values",)
     other_param_names = ("sparse_indices", "sparse_ages")
@@ -688,9 +569,6 @@ class SparseLayer(BaseTunerLayer):
         self._training_merge: Optional[_TrainingMerge] = None
         # the last pass's decisions while the single training adapter is merged in place (see forward)
         self._steady: Optional[tuple] = None
-        # steady merged passes of layers reading the same input run as one autograd node (see forward)
-        self.group_shared_inputs = True
-        self._shared = _SharedInput()
         self._nf4_cache = None  # (weakref to the 4-bit weight, its storage pointer, its quant state, operands)
         self._nf4_starts_cache = None  # (weakref to an indices tensor, (address, version, size), its starts)
         self._nf4_rebuild: Optional[_NF4Rebuild] = None  # the last single-adapter fused NF4 launch, to repeat
@@ -986,7 +864,6 @@ class SparseLayer(BaseTunerLayer):
             release_training_merges([self])
         elif self._steady is not None:
             self._steady = None
-        self._shared.stash = None
         if self._nf4_rebuild is not None:
             self._nf4_rebuild = None
 
@@ -1110,16 +987,12 @@ class SparseLayer(BaseTunerLayer):
         self._ready[adapter_name] = values
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        shared = self._shared
-        stash = shared.stash
-        if stash is not None:  # (taken below when this pass may use it; dropped in any case)
-            shared.stash, shared.missed = None, True
         steady = self._steady
         observed = False
         if steady is not None and not args and not kwargs:
             # A training pass like the last one: the same single adapter (values, indices, blocks), still
             # merged in place and current (or, on a quantized layer, rebuilt as in every pass). Each
-            # decision of the full path below is checked again here (_steady_holds, _merge_holds),
+            # decision of the full path below is checked again here,
             # only without its lookups: the host time of a layer call bounds the step when kernels are short.
             # (The observer runs first, as in the full path: whatever it changes is seen by the checks.)
             current, name, values, dtype, indices, indices_key, base, weight, merge, blocks, device = steady
@@ -1131,7 +1004,22 @@ class SparseLayer(BaseTunerLayer):
             ):  # (where the full path calls it: its adapter is active on this layer)  # fmt: skip
                 self.training_observer(self)
                 observed = True
-            if _steady_holds(self, steady):
+            if (
+                self.training
+                and self._active_adapter == current
+                and not self._disable_adapters
+                and not self.merged_adapters
+                and self._training_merge is merge
+                and self._modules["base_layer"] is base
+                and base._parameters.get("weight") is weight
+                and self._modules["sparse_values"]._parameters.get(name) is values
+                and self._ready.get(name) is values
+                and values.dtype is dtype
+                and self._modules["sparse_indices"]._buffers.get(name) is indices
+                and indices._version == indices_key[0]
+                and indices.data_ptr() == indices_key[1]
+                and torch.is_grad_enabled()
+            ):
                 if merge is None:  # a quantized layer: its weight is rebuilt in each pass (nothing merged)
                     spec = (self._stored_weight, True, self, blocks, None, 1)  # (never kept: it holds the layer)
                     rebuild = self._nf4_rebuild
@@ -1146,26 +1034,17 @@ class SparseLayer(BaseTunerLayer):
                         self._nf4_rebuild = None  # (it did not apply: the generic path plans anew, without checking it again)
                     return sparse_delta_apply(x, base._parameters.get("bias"), spec, indices, values).to(x.dtype)
                 autocast = torch.is_autocast_enabled(device)  # (the weight's device type: X on another fails in F.linear)
-                if _merge_holds(self, merge, weight, values, autocast, device):
+                if (
+                    self.merge_for_training
+                    and (not autocast or torch.get_autocast_dtype(device) == weight.dtype)
+                    and weight.data_ptr() == merge.weight_ptr  # (merge.stored_in_weight(): the steady merge's weight is this one)
+                    and not weight.requires_grad
+                    and merge.current(values)
+                ):
                     spec = (merge.stored_weight, False, self, blocks, merge, 1)
                     bias = base._parameters.get("bias")
                     if not autocast and x.dtype is weight.dtype and (bias is None or bias.dtype is weight.dtype):
-                        # (the generic pass would make no other decision)
-                        if stash is not None:
-                            if (
-                                stash[0] is x and stash[1] == x._version and stash[2] == merge.generation and not observed
-                                and stash[4] is bias and (bias is None or (bias._version == stash[5] and not bias.requires_grad))
-                                and not _saved_tensor_hooks_active()  # (a checkpoint's recomputation runs alone: so must its first pass)
-                            ):  # fmt: skip
-                                shared.missed = False
-                                return stash[3]  # computed by the group's first layer, from this X, merge and bias
-                        elif shared.group is not None and self.group_shared_inputs:
-                            y = self._group_forward(x, bias, spec, indices, values)
-                            if y is not None:
-                                return y
-                        y = merged_apply(x, bias, spec, indices, values)
-                        _note_shared_input(self, x)
-                        return y
+                        return merged_apply(x, bias, spec, indices, values)  # (the generic pass would make no other decision)
                     return sparse_delta_apply(x, bias, spec, indices, values)
             self._steady = None  # (assigned only when set: nn.Module.__setattr__ costs host time on every pass)
         if self.disable_adapters:
@@ -1208,64 +1087,6 @@ class SparseLayer(BaseTunerLayer):
             self._steady = (current, active[0], values[0], values[0].dtype, idx, (idx._version, idx.data_ptr()), base, base.weight,
                             premerged, blocks, base.weight.device.type)  # fmt: skip
         return y.to(x.dtype) if self.quantization_backend is not None else y
-
-    def _group_member(self, x: torch.Tensor, mode: str) -> Optional[tuple]:
-        """``(bias, spec, indices, values)`` of the lean merged pass this layer's own call on ``x`` would take
-        if it came now (its observer idle, rebuild mode ``mode``), else None (see :meth:`_group_forward`)."""
-        steady = self._steady
-        if steady is None or not self.group_shared_inputs or self._rebuild_inputs != mode:
-            return None
-        observer = self.training_observer
-        if observer is not None and not getattr(observer, "idle", False):
-            return None
-        current, name, values, dtype, indices, indices_key, base, weight, merge, blocks, device = steady
-        if merge is None or not _steady_holds(self, steady) or not _merge_holds(self, merge, weight, values, torch.is_autocast_enabled(device), device):
-            return None
-        bias = base._parameters.get("bias")
-        if (
-            torch.is_autocast_enabled(device) or x.dtype is not weight.dtype or x.get_device() != weight.get_device()
-            or (bias is not None and (bias.dtype is not weight.dtype or bias.requires_grad))
-        ):  # fmt: skip
-            return None
-        return bias, (merge.stored_weight, False, self, blocks, merge, 1), indices, values
-
-    def _group_forward(self, x: torch.Tensor, bias, spec, indices, values) -> Optional[torch.Tensor]:
-        """This layer's output, computed with those of the layers that followed it on the same X in the last
-        pass (``_shared.group``) in one node (``functional.SharedInputLinear``); each of those finds its
-        output stashed when its own call comes with this X and its merge unchanged. None when they cannot
-        be computed now (the caller then runs alone; a group one of whose layers did not take its stash
-        is dropped and found again by the passes that follow)."""
-        members = self._shared.group
-        for layer in members:
-            other = layer._shared
-            if other.stash is not None or other.missed:  # not taken in the last grouped pass
-                for layer in members:
-                    layer._shared.stash, layer._shared.missed = None, False
-                self._shared.group = None
-                return None
-        if (
-            x.grad_fn is None  # (an input without history: separate backward passes from one layer's output each must work)
-            or (bias is not None and bias.requires_grad) or _compiling() or _transforms_active()
-            or _saved_tensor_hooks_active()  # (a recomputing checkpoint must save what the first pass saved: never grouped there)
-        ):  # fmt: skip
-            return None
-        parts, taking = [(bias, spec, indices, values)], []
-        mode = self._rebuild_inputs
-        for layer in members:
-            part = layer._group_member(x, mode)
-            if part is not None:  # (the others run alone)
-                parts.append(part)
-                taking.append(layer)
-        if not taking:
-            return None
-        ys = shared_input_apply(tuple((b, sp) for b, sp, _, _ in parts), *([x] * len(parts)), *(p[2] for p in parts), *(p[3] for p in parts))
-        version = x._version
-        for layer, (b, sp, _, _), y in zip(taking, parts[1:], ys[1:]):
-            layer._shared.stash = (x, version, sp[4].generation, y, b, None if b is None else b._version)
-        _STASHED.add(self._shared)
-        # (a later layer on this X that runs alone joins the group: _note_shared_input)
-        _LAST_INPUT[0], _LAST_INPUT[1], _LAST_INPUT[2] = weakref.ref(x), version, [weakref.ref(self), *map(weakref.ref, members)]
-        return ys[0]
 
     def _base_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The base layer alone. In training with grad, through the sparse autograd function with no

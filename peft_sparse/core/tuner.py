@@ -22,7 +22,7 @@ from torch import nn
 
 from .budget import split_budget, total_budget
 from .config import SparseConfig
-from .layer import SparseLayer, SparseLinear, drop_untaken_outputs, index_dtype, logical_shape, supported_base_layer
+from .layer import SparseLayer, SparseLinear, index_dtype, logical_shape, supported_base_layer
 from .selection import BlockGrid, check_sparse_tensors
 
 
@@ -166,8 +166,6 @@ class SparseTuner(BaseTuner):
             layer = SparseLinear(target, module_name=current_key)
         # lets the layer check, whenever it would merge in place, that no other parameter shares the base weight
         layer._model_ref = weakref.ref(self.model)
-        if drop_untaken_outputs not in self.model._forward_pre_hooks.values():  # (see SparseLayer._group_forward)
-            self.model.register_forward_pre_hook(drop_untaken_outputs)
         external = peft_config.init == "external"
         if external:  # placeholders until the adapter file is loaded (see SparseLayer._check_ready)
             indices = torch.arange(count, dtype=torch.long)
@@ -202,9 +200,6 @@ class SparseTuner(BaseTuner):
         for layer in self.model.modules():
             if isinstance(layer, SparseLayer):
                 layer.release_training_merge()
-        hooks = self.model._forward_pre_hooks
-        for key in [k for k, hook in hooks.items() if hook is drop_untaken_outputs]:
-            del hooks[key]
         return super()._unload_and_optionally_merge(*args, **kwargs)
 
     # ------------------------------------------------------------------------------- loading
