@@ -359,14 +359,7 @@ class SparseDeltaLinear(torch.autograd.Function):
         if any(need_values):
             consumer = hooks.dense_grad_consumer if hooks is not None else None
             method = hooks.value_grad_method if hooks is not None else "auto"
-            blocks = [ctx_blocks[a] if ctx_blocks and need_values[a] else None for a in range(n)]
-            if method != "dense":
-                for a, block in enumerate(blocks):
-                    if block is not None and method == "auto":
-                        if kernels.COST_MODEL.choose_block(g2.device, g2.shape[0], out_features, in_features, values[a].numel(), block.block_shape) == "dense":
-                            blocks[a] = None
-            else:
-                blocks = [None] * n
+            blocks = [_chosen_block(ctx_blocks[a] if ctx_blocks and need_values[a] else None, method, g2, in_features, values[a]) for a in range(n)]
             # an AG window whose candidates are known blocks: their gradients from the block kernel too
             wanted = getattr(consumer, "candidate_blocks", None) if consumer is not None else None
             if wanted is not None and method != "dense":
@@ -403,13 +396,8 @@ class SparseDeltaLinear(torch.autograd.Function):
                 del dW, flat
             else:
                 for a in range(n):
-                    if not need_values[a]:
-                        continue
-                    if blocks[a] is not None:  # straight into the values' order
-                        grad = kernels.block_value_gradient(g2, x2, blocks[a], x_factor=x2_factor)
-                    else:
-                        grad = kernels.value_gradient(g2, x2, indices[a], out_features, in_features, method)
-                    value_grads[a] = grad if grad.dtype == values[a].dtype else grad.to(values[a].dtype)
+                    if need_values[a]:
+                        value_grads[a] = _value_gradient(g2, x2, x2_factor, blocks[a], indices[a], values[a], method)
 
         grad_bias = g2.sum(0).to(grad_out.dtype) if need_bias else None
         return (grad_x, grad_bias, None, *([None] * n), *value_grads)
@@ -474,24 +462,36 @@ class MergedDeltaLinear(SparseDeltaLinear):
         if not needs[4]:
             return grad_x, None, None, None, None
         x, indices, values = saved if ctx.x_saved else (None, *saved)
-        block = spec[3][0] if spec[3] else None
         method = layer.value_grad_method
-        if block is not None and (method == "dense" or (method == "auto" and kernels.COST_MODEL.choose_block(
-                g2.device, g2.shape[0], g2.shape[1], in_features, values.numel(), block.block_shape) == "dense")):  # fmt: skip
-            block = None
+        block = _chosen_block(spec[3][0] if spec[3] else None, method, g2, in_features, values)
         factors = None
         if x is None:  # rebuilt (ctx.x_rebuild); X = A ⊙ B read only by the block kernel: formed tile by tile
             factors = ctx.x_rebuild.factors() if block is not None else None
             if factors is None:
                 x = ctx.x_rebuild.get()
-        if block is not None:
-            if factors is not None:
-                grad = kernels.block_value_gradient(g2, factors[0].reshape(-1, in_features), block, x_factor=factors[1].reshape(-1, in_features))
-            else:
-                grad = kernels.block_value_gradient(g2, x.reshape(-1, in_features), block)
-        else:
-            grad = kernels.value_gradient(g2, x.reshape(-1, in_features), indices, g2.shape[1], in_features, method)
-        return grad_x, None, None, None, grad if grad.dtype == values.dtype else grad.to(values.dtype)
+        x2, x2_factor = (f.reshape(-1, in_features) for f in factors) if factors is not None else (x.reshape(-1, in_features), None)
+        return grad_x, None, None, None, _value_gradient(g2, x2, x2_factor, block, indices, values, method)
+
+
+def _chosen_block(block, method: str, g2: torch.Tensor, in_features: int, values: torch.Tensor):
+    """The block layout a value gradient goes through, or None for the unstructured paths: ``method``
+    ``"dense"`` never takes the block kernel, ``"auto"`` takes it where the cost model chooses it."""
+    if block is None or method == "dense":
+        return None
+    if method == "auto" and kernels.COST_MODEL.choose_block(g2.device, g2.shape[0], g2.shape[1], in_features, values.numel(), block.block_shape) == "dense":
+        return None
+    return block
+
+
+def _value_gradient(g2, x2, x2_factor, block, indices, values, method: str) -> torch.Tensor:
+    """∂L/∂φ in the values' dtype from G (tokens, out) and X (tokens, in; X = x2 ⊙ x2_factor when a factor
+    is given, block kernel only): the block kernel straight into the values' order, else
+    :func:`kernels.value_gradient` by ``method``."""
+    if block is not None:
+        grad = kernels.block_value_gradient(g2, x2, block, x_factor=x2_factor)
+    else:
+        grad = kernels.value_gradient(g2, x2, indices, g2.shape[1], x2.shape[1], method)
+    return grad if grad.dtype == values.dtype else grad.to(values.dtype)
 
 
 sparse_delta_apply = _direct_apply(SparseDeltaLinear)
