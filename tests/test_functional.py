@@ -272,6 +272,29 @@ def test_input_rebuild_patterns():
     assert functional.input_rebuild(LlamaRMSNorm(4).requires_grad_(False)(h.float())) is None  # float32: cast target unknown
 
 
+def test_input_rebuild_table_forgets_dead_records():
+    """The table of rebuild records holds them weakly: a record dies with the autograd graph that holds
+    it, its entry is dropped as the table grows (it stays bounded over many passes), and a new node
+    never gets a dead node's record — even at a reused address. Readers of one X, also not in a row,
+    share its record while it lives."""
+    from peft_sparse.core import functional
+
+    a = torch.randn(3, 4, requires_grad=True)
+    for _ in range(3000):  # a pass whose graph is dropped, as in an evaluation with gradients on
+        assert functional.input_rebuild(a * a) is not None
+    assert len(functional._REBUILDS) < 2 * 1024
+    x, y = a * 2.0 * a, a * a
+    first = functional.input_rebuild(x)
+    other = functional.input_rebuild(y)
+    assert functional.input_rebuild(x) is first and first.pending == 2 and other is not first
+    node = x.grad_fn
+    del first, other
+    # (the records live only in the table now: dead, though the node lives on)
+    assert functional._registered(node) is None
+    fresh = functional.input_rebuild(x)
+    assert fresh.node is node and fresh.pending == 1
+
+
 def test_input_made_inside_a_checkpoint_region_is_kept():
     """X = silu(gate) ⊙ up computed inside a non-reentrant checkpoint and read outside it: its factors
     were packed by the checkpoint's hooks, so X is kept (unpacking them in forward would spend the

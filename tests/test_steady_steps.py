@@ -113,6 +113,8 @@ def test_sm3_steady_steps_equal_the_torch_step_and_see_every_change(fused_paths,
             if step == 11:  # a values tensor on new storage (same object)
                 named[2][1].data = named[2][1].data.clone()
         states = [opt.state[p] for _, p in named]
+        if fused:  # (the last step was a steady one: the step counters are views of the one tensor it increments)
+            assert all(state["step"]._base is opt._steady.steps for state in states)
         runs.append(([p.detach().clone() for _, p in named], states, full_at))
     (v_fused, s_fused, full_at), (v_torch, s_torch, _) = runs
     for a, b in zip(v_fused, v_torch):
@@ -126,6 +128,27 @@ def test_sm3_steady_steps_equal_the_torch_step_and_see_every_change(fused_paths,
     # the reload (8); the weight decay (9); with the missing gradient (10) and the step after it (no memo
     # from 10); the move (12)
     assert full_at == [True, False, False, True, False, False, False, True, True, True, True, True, True, False]
+
+
+def test_sm3_steady_step_joins_the_step_counters_only_when_they_match(tmp_path):
+    """The steady step makes the parameters' step counters views of one tensor (same values; one
+    addition increments them all; a saved and loaded state dict keeps them), and leaves them as they are
+    when they differ in dtype or shape."""
+    items = [(None, {"step": torch.tensor(float(k))}, None, None) for k in range(3)]
+    steps = [item[1]["step"] for item in items]
+    joined = sm3._SteadyStep._joined_counters(items, steps)
+    assert isinstance(joined, torch.Tensor) and joined.tolist() == [0.0, 1.0, 2.0]
+    assert all(item[1]["step"]._base is joined and item[1]["step"].dim() == 0 for item in items)
+    joined.add_(1)
+    assert [item[1]["step"].item() for item in items] == [1.0, 2.0, 3.0]
+    torch.save({k: item[1] for k, item in enumerate(items)}, tmp_path / "state.pt")
+    loaded = torch.load(tmp_path / "state.pt")
+    assert [loaded[k]["step"].item() for k in range(3)] == [1.0, 2.0, 3.0]
+    for odd in (torch.tensor(1.0, dtype=torch.float64), torch.tensor([1.0])):
+        mixed = [(None, {"step": torch.tensor(0.0)}, None, None), (None, {"step": odd}, None, None)]
+        counters = [item[1]["step"] for item in mixed]
+        assert sm3._SteadyStep._joined_counters(mixed, counters) is counters
+        assert all(item[1]["step"] is c for item, c in zip(mixed, counters))  # (the states' own tensors, untouched)
 
 
 def test_a_copied_sm3_steps_like_the_original(fused_paths):

@@ -127,9 +127,27 @@ class InputRebuild:
         return a, b
 
 
-# id(autograd node) → its rebuild record while some layer's backward may still need it (the record
-# holds the node, so an id cannot be reused while its entry lives)
-_REBUILDS: "weakref.WeakValueDictionary[int, InputRebuild]" = weakref.WeakValueDictionary()
+# id(autograd node) → a weak reference to its rebuild record, alive while some layer's backward may still
+# need it (the record holds the node, so while it lives the id is that node's). A plain dict of weak
+# references: ``weakref.WeakValueDictionary``'s Python-level get and set cost microseconds per layer call.
+# Dead entries are dropped as the table grows (:func:`_register`).
+_REBUILDS: "dict[int, weakref.ref[InputRebuild]]" = {}
+_PRUNE_AT = [1024]
+
+
+def _registered(node) -> Optional[InputRebuild]:
+    """The live rebuild record of ``node``, or None."""
+    ref = _REBUILDS.get(id(node))
+    record = ref() if ref is not None else None
+    return record if record is not None and record.node is node else None
+
+
+def _register(node, record: InputRebuild) -> None:
+    if len(_REBUILDS) >= _PRUNE_AT[0]:  # (amortised: the table at most doubles its live entries between prunes)
+        for key in [key for key, ref in _REBUILDS.items() if ref() is None]:
+            del _REBUILDS[key]
+        _PRUNE_AT[0] = max(1024, 2 * len(_REBUILDS))
+    _REBUILDS[id(node)] = weakref.ref(record)
 
 
 class _Hooked(Exception):
@@ -168,15 +186,15 @@ def input_rebuild(x: torch.Tensor, mode: str = "all") -> Optional[InputRebuild]:
     top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     if top_hooks is None or top_hooks(False) is not None:
         return None
-    record = _REBUILDS.get(id(node))
-    if record is None or record.node is not node:
+    record = _registered(node)
+    if record is None:
         try:
             record = _new_rebuild(node, x)
         except _Hooked:
             return None
         if record is None:
             return None
-        _REBUILDS[id(node)] = record
+        _register(node, record)
     if mode == "products" and record.inner is not None:
         return None
     record.pending += 1
@@ -478,7 +496,8 @@ def _chosen_block(block, method: str, g2: torch.Tensor, in_features: int, values
     ``"dense"`` never takes the block kernel, ``"auto"`` takes it where the cost model chooses it."""
     if block is None or method == "dense":
         return None
-    if method == "auto" and kernels.COST_MODEL.choose_block(g2.device, g2.shape[0], g2.shape[1], in_features, values.numel(), block.block_shape) == "dense":
+    kind = "cuda" if g2.is_cuda else g2.device.type  # (is_cuda: no device object built, once per layer call)
+    if method == "auto" and kernels.COST_MODEL.choose_block(kind, g2.shape[0], g2.shape[1], in_features, values.numel(), block.block_shape) == "dense":
         return None
     return block
 

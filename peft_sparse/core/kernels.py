@@ -114,9 +114,16 @@ def table(values, device: torch.device, dtype: torch.dtype = torch.long) -> torc
 def on_device(tensor: torch.Tensor):
     """A context making ``tensor``'s GPU the current one (Triton launches on the current device), or a
     no-op when it already is or ``tensor`` is not on a CUDA device."""
-    if tensor.device.type == "cuda" and tensor.device.index is not None and tensor.device.index != torch.cuda.current_device():
-        return torch.cuda.device(tensor.device)
-    return contextlib.nullcontext()
+    if tensor.is_cuda:  # (no device objects built: this runs around kernel launches in every step)
+        index = tensor.get_device()
+        if index != _current_cuda_device():
+            return torch.cuda.device(index)
+    return _SAME_DEVICE
+
+
+_SAME_DEVICE = contextlib.nullcontext()  # (stateless: entered again and again)
+# torch.cuda.current_device() without its Python-level initialisation check (a CUDA tensor exists, so CUDA is initialised)
+_current_cuda_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 def increment_versions(tensors: list) -> None:
@@ -134,6 +141,15 @@ def _power_of_two_blocks(block_shape) -> bool:
     return all(v & (v - 1) == 0 for v in block_shape)
 
 
+def _kernel_for(registry: dict, tensor: torch.Tensor):
+    """The kernel ``registry`` holds for ``tensor``'s device type, or None; the GPU kernels are registered
+    at the first CUDA tensor (``is_cuda``: no device object is built, in calls made once per layer)."""
+    if tensor.is_cuda:
+        _load_gpu_kernels()
+        return registry.get("cuda")
+    return registry.get(tensor.device.type)
+
+
 def _grouped_block_shape(block_shape) -> bool:
     """Whether the grouped Triton block kernel takes blocks of this shape (powers of two, at least 16×16)."""
     return _power_of_two_blocks(block_shape) and min(block_shape) >= 16
@@ -142,18 +158,14 @@ def _grouped_block_shape(block_shape) -> bool:
 def _dense_block_kernel(registry: dict, dense: torch.Tensor, block_shape):
     """The registered kernel reading blocks of ``dense`` for its device, when the blocks tile as Triton
     tiles and ``dense`` is in a type the kernels read; else None (the torch reference serves)."""
-    if dense.device.type == "cuda":
-        _load_gpu_kernels()
-    kernel = registry.get(dense.device.type)
+    kernel = _kernel_for(registry, dense)
     return kernel if kernel is not None and _power_of_two_blocks(block_shape) and dense.dtype in _KERNEL_FLOAT_TYPES else None
 
 
 def _gpu_kernel(registry: dict, out: torch.Tensor, *operands: Optional[torch.Tensor]):
     """The registered kernel for ``out``'s device when it applies (contiguous ``out``, operands in types
     the Triton kernels compute in float32), else None."""
-    if out.device.type == "cuda":
-        _load_gpu_kernels()
-    kernel = registry.get(out.device.type)
+    kernel = _kernel_for(registry, out)
     dtypes = {t.dtype for t in (out, *operands) if t is not None}
     return kernel if kernel is not None and dtypes <= _KERNEL_FLOAT_TYPES and out.is_contiguous() else None
 
@@ -285,9 +297,7 @@ def scaled_product(scale: torch.Tensor, p: torch.Tensor, q: torch.Tensor, dtype:
     intermediate) when its shapes are an RMSNorm's: one of ``p``, ``q`` a contiguous float32 (..., H)
     tensor, the other float32 with one entry per row ((..., 1)), ``scale`` H entries of ``dtype`` (16-bit).
     The same bits: float32 products are commutative and each rounding happens as in torch."""
-    if p.device.type == "cuda":
-        _load_gpu_kernels()
-    kernel = SCALED_PRODUCT_KERNELS.get(p.device.type)
+    kernel = _kernel_for(SCALED_PRODUCT_KERNELS, p)
     if kernel is not None and dtype in (torch.float16, torch.bfloat16):
         full, per_row = (p, q) if p.dim() >= q.dim() and p.shape[-1] != 1 else (q, p)
         h = full.shape[-1]
@@ -297,7 +307,7 @@ def scaled_product(scale: torch.Tensor, p: torch.Tensor, q: torch.Tensor, dtype:
             and full.is_contiguous() and per_row.is_contiguous() and scale.is_contiguous()
             and per_row.shape == full.shape[:-1] + (1,)
             and scale.numel() == h and scale.shape[-1] == h and scale.dim() <= full.dim()
-            and full.device == per_row.device == scale.device
+            and full.get_device() == per_row.get_device() == scale.get_device()
         ):  # fmt: skip
             with on_device(full):
                 return kernel(scale, full, per_row, dtype)
@@ -349,9 +359,7 @@ def sddmm_reference(grad_out2d: torch.Tensor, x2d: torch.Tensor, rows: torch.Ten
 
 
 def sddmm(grad_out2d: torch.Tensor, x2d: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    if grad_out2d.device.type == "cuda":
-        _load_gpu_kernels()
-    kernel = SDDMM_KERNELS.get(grad_out2d.device.type)
+    kernel = _kernel_for(SDDMM_KERNELS, grad_out2d)
     if kernel is not None:
         with on_device(grad_out2d):
             return kernel(grad_out2d, x2d, rows, cols)
@@ -377,9 +385,7 @@ def block_sddmm_reference(
 
 
 def block_sddmm(grad_out2d, x2d, block_rows, block_cols, bh: int, bw: int) -> torch.Tensor:
-    if grad_out2d.device.type == "cuda":
-        _load_gpu_kernels()
-    kernel = BLOCK_SDDMM_KERNELS.get(grad_out2d.device.type)
+    kernel = _kernel_for(BLOCK_SDDMM_KERNELS, grad_out2d)
     if kernel is not None and _power_of_two_blocks((bh, bw)) and (bh == 1 or min(bh, bw) >= 16):
         with on_device(grad_out2d):
             return kernel(grad_out2d, x2d, block_rows, block_cols, bh, bw)
@@ -479,9 +485,7 @@ def block_sddmm_into(grad_out2d, x2d, layout: BlockLayout, out: torch.Tensor, ac
     (same shape and dtype), which the kernel forms tile by tile with the bits of torch's product; the
     blocks may be grouped otherwise than for a formed X (X is read twice), which can change the order
     of the float32 sums."""
-    if grad_out2d.device.type == "cuda":
-        _load_gpu_kernels()
-    kernel = BLOCK_SDDMM_INTO_KERNELS.get(grad_out2d.device.type)
+    kernel = _kernel_for(BLOCK_SDDMM_INTO_KERNELS, grad_out2d)
     bh, bw = layout.block_shape
     if kernel is not None and _grouped_block_shape((bh, bw)) and out.dtype == torch.float32 and out.is_contiguous():
         with on_device(grad_out2d):
@@ -497,9 +501,7 @@ def block_value_gradient(grad_out2d, x2d, layout: BlockLayout, x_factor: Optiona
     float64 inputs): :func:`block_sddmm_into` into it; given ``out``, added to ``out`` instead
     (``accumulate``). On CUDA, where the Triton block kernel applies, each call shape's launch is kept
     on the layout and repeated (``triton_kernels.block_value_gradient``)."""
-    if grad_out2d.device.type == "cuda":
-        _load_gpu_kernels()
-    kernel = BLOCK_VALUE_GRADIENT_KERNELS.get(grad_out2d.device.type)
+    kernel = _kernel_for(BLOCK_VALUE_GRADIENT_KERNELS, grad_out2d)
     bh, bw = layout.block_shape
     dtype = accumulation_dtype(grad_out2d.dtype) if out is None else out.dtype
     if kernel is not None and dtype == torch.float32 and _grouped_block_shape((bh, bw)) and (out is None or out.is_contiguous()):
@@ -528,9 +530,7 @@ def top_magnitudes_reference(dense: torch.Tensor, k: int, index_dtype: torch.dty
 def top_magnitudes(dense: torch.Tensor, k: int, index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`top_magnitudes_reference`; on CUDA for 16-bit ``dense`` a radix selection in a handful of
     Triton launches and four passes over ``dense`` (no |dense| copy, no sort, no weight-sized scan)."""
-    if dense.device.type == "cuda":
-        _load_gpu_kernels()
-    kernel = TOP_MAGNITUDES_KERNELS.get(dense.device.type)
+    kernel = _kernel_for(TOP_MAGNITUDES_KERNELS, dense)
     if kernel is not None and dense.dtype in (torch.float16, torch.bfloat16) and 0 < k < dense.numel():
         with on_device(dense):
             return kernel(dense.contiguous(), k, index_dtype)
@@ -568,9 +568,7 @@ def top_blocks_reference(keys: torch.Tensor, k: int) -> torch.Tensor:
 def top_blocks(keys: torch.Tensor, k: int) -> torch.Tensor:
     """:func:`top_blocks_reference`; on CUDA one Triton launch (a radix selection over the keys' sums
     and an ordered compaction) instead of a top-k, two integer operations and a sort."""
-    if keys.device.type == "cuda":
-        _load_gpu_kernels()
-    kernel = TOP_BLOCKS_KERNELS.get(keys.device.type)
+    kernel = _kernel_for(TOP_BLOCKS_KERNELS, keys)
     if kernel is not None and keys.dtype == torch.int64 and 0 < k < keys.numel():
         with on_device(keys):
             return kernel(keys.contiguous(), k)
@@ -678,10 +676,15 @@ class CostModel:
         return max(inside)[1] if inside else min(self.block_relative_rate.values())
 
     def choose_block(self, device: torch.device, tokens: int, out_features: int, in_features: int, nnz: int, block_shape) -> str:
-        """``"block"`` (block-sparse product) or ``"dense"`` (GEMM + gather) for a block adapter."""
-        rate = self.block_rate(block_shape)
-        block_cost = self.block_overhead.get(device.type, 0.0) + tokens * nnz / rate
-        dense_cost = self.dense_overhead.get(device.type, 0.0) + tokens * out_features * in_features
+        """``"block"`` (block-sparse product) or ``"dense"`` (GEMM + gather) for a block adapter (``device``:
+        a ``torch.device`` or its type's name)."""
+        # (a measured shape looked up directly: this runs in every block layer's backward)
+        rate = self.block_relative_rate.get(block_shape) if type(block_shape) is tuple else None
+        if rate is None:
+            rate = self.block_rate(block_shape)
+        kind = device if type(device) is str else device.type
+        block_cost = self.block_overhead.get(kind, 0.0) + tokens * nnz / rate
+        dense_cost = self.dense_overhead.get(kind, 0.0) + tokens * out_features * in_features
         return "block" if block_cost < dense_cost else "dense"
 
     def choose(self, device: torch.device, tokens: int, out_features: int, in_features: int, nnz: int) -> str:

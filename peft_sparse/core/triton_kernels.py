@@ -63,6 +63,11 @@ def _plain_launch(kernel) -> bool:
     )  # fmt: skip
 
 
+# torch.cuda.current_device() without its Python-level initialisation check (a kept plan only runs after a
+# launch, so CUDA is initialised)
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` without the Python work Triton repeats at every such call (its
     cache key's string form, launch metadata, empty hook chains — about as much host time as a
@@ -190,7 +195,7 @@ class LaunchPlan:
             ):  # fmt: skip
                 return False
             values[at] = ptr
-        if torch.cuda.current_device() != self.device:  # (the compiled function belongs to its device's context)
+        if _current_device() != self.device:  # (the compiled function belongs to its device's context)
             with torch.cuda.device(self.device):
                 return self(*tensors)
         gx, gy, gz = self.grid
@@ -1268,7 +1273,9 @@ def scaled_product(scale: torch.Tensor, full: torch.Tensor, per_row: torch.Tenso
     if out.numel():
         block_r, block_h = 16, 256
         grid = (triton.cdiv(n_rows, block_r), triton.cdiv(h, block_h))
-        launch(_scaled_product_kernel, grid, out, full, per_row, scale, n_rows, h, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
+        # (kept per shape: one such rebuild per RMSNorm output in a training step's backward)
+        launch_kept(_scaled_product_kernel, grid, (n_rows, h, dtype), ("OUT", "P", "Q", "S"), (out, full, per_row, scale),
+                    out, full, per_row, scale, n_rows, h, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)  # fmt: skip
     return out
 
 

@@ -307,6 +307,7 @@ class _SteadyStep:
         parameter of every group, in order) in ``launches`` (``_fused_steps``' result)."""
         self = cls()
         self.state = opt.state
+        self.steps = steps = cls._joined_counters(items, steps)
         self.groups = [(g, g["params"], len(g["params"]), g["momentum"], g["eps"], g["weight_decay"]) for g in opt.param_groups]
         self.entries = []
         for param, state, (indices, _, _, _), _ in items:
@@ -316,7 +317,6 @@ class _SteadyStep:
                                  state["momentum_buffer"].data_ptr() if "momentum_buffer" in state else None, state["step"]))  # fmt: skip
         self.params = [item[0] for item in items]
         self.states = [item[1] for item in items]
-        self.steps = steps
         # set 0: the accumulators now in the states (the next step's previous ones); set 1: the scratch buffers
         self.sets = ([(s["row_accumulator"], s["col_accumulator"]) for s in self.states], [opt._scratch[p] for p in self.params])
         # the kept plans point at these buffers (and the momentum buffers): their addresses are checked too
@@ -334,6 +334,22 @@ class _SteadyStep:
         self.plans = [[None, None] for _ in self.launches]
         self.parity = 0
         return self
+
+    @staticmethod
+    def _joined_counters(items: list, steps: list):
+        """The parameters' step counters made views of one tensor (each state's ``"step"`` replaced by its
+        view, same value), which the steady step increments with one addition — torch adds to a list of
+        CPU scalars one tensor at a time, microseconds each; the list itself where the counters are not
+        all 0-dim tensors of one dtype and device."""
+        first = steps[0] if steps else None
+        if first is None or any(
+            s.dim() != 0 or s.dtype != first.dtype or s.device != first.device or s.requires_grad for s in steps
+        ) or len(steps) != len(items):  # fmt: skip
+            return steps
+        joined = torch.stack(steps)
+        for (_, state, _, _), view in zip(items, joined.unbind()):
+            state["step"] = view
+        return joined
 
     def run(self, opt: SM3) -> bool:
         """The step, when every decision still holds (True); else nothing is done (False)."""
@@ -372,7 +388,10 @@ class _SteadyStep:
             if len(groups) > 1 and any(g["lr"] != groups[0]["lr"] for g in groups):
                 return False
         # every decision holds: the full step's work, without its lookups
-        torch._foreach_add_(self.steps, 1)
+        if type(self.steps) is list:
+            torch._foreach_add_(self.steps, 1)
+        else:
+            self.steps.add_(1)
         torch._foreach_copy_(*self.copies[self.parity])
         for (key, positions, groups, lists, layouts), plans in zip(self.launches, self.plans):
             group_grads = grads if len(positions) == len(grads) else [grads[k] for k in positions]
