@@ -154,11 +154,14 @@ class _Hooked(Exception):
     """A saved tensor went through saved-tensor hooks (checkpointing, offloading): never unpack it in forward."""
 
 
+_RAW_NAMES = {"_saved_self": "_raw_saved_self", "_saved_other": "_raw_saved_other"}  # (no string built per call)
+
+
 def _saved(node, name: str):
     """The tensor ``node`` saved as ``name`` (``"_saved_self"``…), None when it saved none there.
     Raises _Hooked, without unpacking, when the tensor was packed by saved-tensor hooks: unpacking it
     now would spend a checkpoint's single unpack, or copy an offloaded tensor back."""
-    raw = getattr(node, "_raw" + name, None)
+    raw = getattr(node, _RAW_NAMES[name], None)
     if raw is not None and getattr(raw, "unpack_hook", None) is not None:
         raise _Hooked(name)
     try:
@@ -169,6 +172,8 @@ def _saved(node, name: str):
 
 
 REBUILD_MODES = ("all", "products", "none")
+# the saved-tensor hooks in force now (None: none), looked up once; a torch without it: X always kept
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 def input_rebuild(x: torch.Tensor, mode: str = "all") -> Optional[InputRebuild]:
@@ -183,8 +188,7 @@ def input_rebuild(x: torch.Tensor, mode: str = "all") -> Optional[InputRebuild]:
     node = x.grad_fn
     if node is None or type(node).__name__ != "MulBackward0":
         return None
-    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top_hooks is None or top_hooks(False) is not None:
+    if _TOP_HOOKS is None or _TOP_HOOKS(False) is not None:
         return None
     record = _registered(node)
     if record is None:
