@@ -280,9 +280,13 @@ def test_input_rebuild_table_forgets_dead_records():
     from peft_sparse.core import functional
 
     a = torch.randn(3, 4, requires_grad=True)
-    for _ in range(3000):  # a pass whose graph is dropped, as in an evaluation with gradients on
-        assert functional.input_rebuild(a * a) is not None
+    kept = []  # live nodes (their ids stay taken) whose records died: only pruning removes their entries
+    for _ in range(3000):
+        kept.append(a * a)
+        assert functional.input_rebuild(kept[-1]) is not None
     assert len(functional._REBUILDS) < 2 * 1024
+    assert all(functional._registered(x.grad_fn) is None for x in kept)
+    del kept
     x, y = a * 2.0 * a, a * a
     first = functional.input_rebuild(x)
     other = functional.input_rebuild(y)
@@ -293,6 +297,42 @@ def test_input_rebuild_table_forgets_dead_records():
     assert functional._registered(node) is None
     fresh = functional.input_rebuild(x)
     assert fresh.node is node and fresh.pending == 1
+
+
+def test_input_rebuild_table_in_several_threads():
+    """Forward passes in several threads (nn.DataParallel's replicas) register and prune rebuild records
+    at once without an error: the pruning copies the table's items in one step and removes an entry only
+    while its reference is dead."""
+    import collections
+    import sys
+    import threading
+
+    from peft_sparse.core import functional
+
+    a = torch.randn(2, 2, requires_grad=True)
+    errors = []
+
+    def work():
+        alive = collections.deque(maxlen=1500)  # live nodes whose records die at once: the table grows, prunes
+        for _ in range(6000):
+            x = a * a
+            alive.append(x)
+            try:
+                assert functional.input_rebuild(x) is not None
+            except Exception as error:  # (collected: an exception in a thread does not fail the test by itself)
+                errors.append(error)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (threads switch often: a race shows within this many registrations)
+    try:
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
 
 
 def test_input_made_inside_a_checkpoint_region_is_kept():

@@ -141,6 +141,12 @@ def test_sm3_steady_step_joins_the_step_counters_only_when_they_match(tmp_path):
     assert all(item[1]["step"]._base is joined and item[1]["step"].dim() == 0 for item in items)
     joined.add_(1)
     assert [item[1]["step"].item() for item in items] == [1.0, 2.0, 3.0]
+    held = [item[1]["step"] for item in items]  # (a later steady step keeps them: still the states' counters)
+    assert sm3._SteadyStep._joined_counters(items, held) is joined
+    assert all(item[1]["step"] is h for item, h in zip(items, held))
+    shuffled = [items[1], items[0], items[2]]  # (views out of order: joined anew, values kept)
+    again = sm3._SteadyStep._joined_counters(shuffled, [item[1]["step"] for item in shuffled])
+    assert again is not joined and again.tolist() == [2.0, 1.0, 3.0]
     torch.save({k: item[1] for k, item in enumerate(items)}, tmp_path / "state.pt")
     loaded = torch.load(tmp_path / "state.pt")
     assert [loaded[k]["step"].item() for k in range(3)] == [1.0, 2.0, 3.0]

@@ -994,3 +994,16 @@ def test_launch_plan_repeats_a_direct_launch_with_one_tensor_replaced(tk, monkey
     assert plan.retargeted(SRC=torch.zeros(16)[::2]) is None
     with pytest.raises(ValueError, match="'OUT' is not a tensor this launch holds"):
         plan.retargeted(OUT=torch.zeros(8))
+
+
+def test_evict_oldest_keeps_the_newest_entries(tk):
+    """The kept-launch tables drop their oldest entries first, down to fewer than the limit; an empty table
+    at a zero limit (or one another thread emptied) is left as it is."""
+    table = {k: str(k) for k in range(6)}
+    tk._evict_oldest(table, 4)
+    assert list(table) == [3, 4, 5]
+    tk._evict_oldest(table, 4)
+    assert list(table) == [3, 4, 5]
+    empty: dict = {}
+    tk._evict_oldest(empty, 0)
+    assert empty == {}

@@ -21,6 +21,7 @@ the value gradients are gathered from it.
 from __future__ import annotations
 
 import weakref
+from _weakref import _remove_dead_weakref
 from collections.abc import Sequence
 from typing import Callable, Optional, Protocol
 
@@ -144,8 +145,11 @@ def _registered(node) -> Optional[InputRebuild]:
 
 def _register(node, record: InputRebuild) -> None:
     if len(_REBUILDS) >= _PRUNE_AT[0]:  # (amortised: the table at most doubles its live entries between prunes)
-        for key in [key for key, ref in _REBUILDS.items() if ref() is None]:
-            del _REBUILDS[key]
+        # Safe with forward passes in several threads (nn.DataParallel): the items are copied in one step,
+        # and an entry is removed only if its reference is still dead (as WeakValueDictionary removes them)
+        for key, ref in list(_REBUILDS.items()):
+            if ref() is None:
+                _remove_dead_weakref(_REBUILDS, key)
         _PRUNE_AT[0] = max(1024, 2 * len(_REBUILDS))
     _REBUILDS[id(node)] = weakref.ref(record)
 

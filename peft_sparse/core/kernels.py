@@ -307,7 +307,7 @@ def scaled_product(scale: torch.Tensor, p: torch.Tensor, q: torch.Tensor, dtype:
             and full.is_contiguous() and per_row.is_contiguous() and scale.is_contiguous()
             and per_row.shape == full.shape[:-1] + (1,)
             and scale.numel() == h and scale.shape[-1] == h and scale.dim() <= full.dim()
-            and full.get_device() == per_row.get_device() == scale.get_device()
+            and full.device == per_row.device == scale.device
         ):  # fmt: skip
             with on_device(full):
                 return kernel(scale, full, per_row, dtype)
@@ -668,6 +668,10 @@ class CostModel:
         that of the largest measured shape that fits inside it (row vectors within row vectors, tiles
         within tiles) — a larger block reads fewer operand bytes per multiply-add, so it runs at least
         as fast per element as a block it contains; the slowest measured rate when none fits."""
+        # (a measured shape given as a tuple looked up at once: this runs in every block layer's backward)
+        rate = self.block_relative_rate.get(block_shape) if type(block_shape) is tuple else None
+        if rate is not None:
+            return rate
         bh, bw = (int(d) for d in block_shape)
         rate = self.block_relative_rate.get((bh, bw))
         if rate is not None:
@@ -678,10 +682,7 @@ class CostModel:
     def choose_block(self, device: torch.device, tokens: int, out_features: int, in_features: int, nnz: int, block_shape) -> str:
         """``"block"`` (block-sparse product) or ``"dense"`` (GEMM + gather) for a block adapter (``device``:
         a ``torch.device`` or its type's name)."""
-        # (a measured shape looked up directly: this runs in every block layer's backward)
-        rate = self.block_relative_rate.get(block_shape) if type(block_shape) is tuple else None
-        if rate is None:
-            rate = self.block_rate(block_shape)
+        rate = self.block_rate(block_shape)
         kind = device if type(device) is str else device.type
         block_cost = self.block_overhead.get(kind, 0.0) + tokens * nnz / rate
         dense_cost = self.dense_overhead.get(kind, 0.0) + tokens * out_features * in_features

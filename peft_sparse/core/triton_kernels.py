@@ -140,9 +140,18 @@ def launch_kept(kernel, grid: tuple, key: tuple, slots: tuple, tensors: tuple, *
         return
     made = launch_plan(kernel, grid, slots, *args, **kwargs)
     if made is not None:
-        while len(_KEPT_LAUNCHES) >= _KEPT_LAUNCHES_MAX:
-            _KEPT_LAUNCHES.pop(next(iter(_KEPT_LAUNCHES)))
+        _evict_oldest(_KEPT_LAUNCHES, _KEPT_LAUNCHES_MAX)
         _KEPT_LAUNCHES[whole_key] = made
+
+
+def _evict_oldest(table: dict, limit: int) -> None:
+    """Drop the oldest entries of ``table`` until fewer than ``limit`` remain. Safe while other threads
+    launch too (``nn.DataParallel``'s replicas): one of them may drop or add an entry meanwhile."""
+    while len(table) >= limit:
+        try:
+            table.pop(next(iter(table)), None)
+        except (StopIteration, RuntimeError):  # (emptied, or changed during the lookup, by another thread)
+            return
 
 
 class LaunchPlan:
@@ -621,14 +630,13 @@ def block_value_gradient(grad_out2d: torch.Tensor, x2d: torch.Tensor, layout, x_
                 return dest.sum(0)
             out += dest.sum(0)  # (as launch_grouped sums its token slices into an accumulated output)
             return out
-        del layout.launches[key]  # (it does not apply: launched as usual, and kept anew if it can be)
+        layout.launches.pop(key, None)  # (it does not apply: launched as usual, and kept anew if it can be)
     if not accumulate:
         out = torch.empty(n, dtype=torch.float32, device=g.device)
     made = [] if g.dtype == x.dtype == x2.dtype else None  # (no conversion in between: the plan's tensors are these)
     block_sddmm_into(g, x, layout, out, accumulate=accumulate, x_factor=x_factor, keep=made)
     if made and made[0][0] is not None:
-        while len(layout.launches) >= _LAUNCHES_KEPT:  # (e.g. token counts that change from step to step)
-            layout.launches.pop(next(iter(layout.launches)))
+        _evict_oldest(layout.launches, _LAUNCHES_KEPT)  # (e.g. token counts that change from step to step)
         layout.launches[key] = made[0]
     return out
 

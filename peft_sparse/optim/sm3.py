@@ -338,14 +338,20 @@ class _SteadyStep:
     @staticmethod
     def _joined_counters(items: list, steps: list):
         """The parameters' step counters made views of one tensor (each state's ``"step"`` replaced by its
-        view, same value), which the steady step increments with one addition — torch adds to a list of
-        CPU scalars one tensor at a time, microseconds each; the list itself where the counters are not
-        all 0-dim tensors of one dtype and device."""
+        view, same value, the first time), which the steady step increments with one addition — torch adds
+        to a list of CPU scalars one tensor at a time, microseconds each; the list itself where the
+        counters are not all 0-dim tensors of one dtype and device. Counters that already are such views,
+        in order, keep their tensors."""
         first = steps[0] if steps else None
         if first is None or any(
             s.dim() != 0 or s.dtype != first.dtype or s.device != first.device or s.requires_grad for s in steps
         ) or len(steps) != len(items):  # fmt: skip
             return steps
+        base = first._base
+        if base is not None and base.dim() == 1 and base.numel() == len(steps) and base.dtype == first.dtype:
+            start, step = base.data_ptr(), base.stride(0) * base.element_size()
+            if all(s._base is base and s.data_ptr() == start + k * step for k, s in enumerate(steps)):
+                return base  # (joined by an earlier steady step: the states keep the tensors they hold)
         joined = torch.stack(steps)
         for (_, state, _, _), view in zip(items, joined.unbind()):
             state["step"] = view
