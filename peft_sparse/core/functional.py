@@ -504,8 +504,7 @@ def _chosen_block(block, method: str, g2: torch.Tensor, in_features: int, values
     ``"dense"`` never takes the block kernel, ``"auto"`` takes it where the cost model chooses it."""
     if block is None or method == "dense":
         return None
-    kind = "cuda" if g2.is_cuda else g2.device.type  # (is_cuda: no device object built, once per layer call)
-    if method == "auto" and kernels.COST_MODEL.choose_block(kind, g2.shape[0], g2.shape[1], in_features, values.numel(), block.block_shape) == "dense":
+    if method == "auto" and kernels.COST_MODEL.choose_block(kernels.device_type(g2), g2.shape[0], g2.shape[1], in_features, values.numel(), block.block_shape) == "dense":
         return None
     return block
 

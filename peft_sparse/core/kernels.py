@@ -141,13 +141,19 @@ def _power_of_two_blocks(block_shape) -> bool:
     return all(v & (v - 1) == 0 for v in block_shape)
 
 
+def device_type(tensor: torch.Tensor) -> str:
+    """``tensor.device.type``, without building a device object for a CUDA tensor (calls made once per
+    layer and step)."""
+    return "cuda" if tensor.is_cuda else tensor.device.type
+
+
 def _kernel_for(registry: dict, tensor: torch.Tensor):
     """The kernel ``registry`` holds for ``tensor``'s device type, or None; the GPU kernels are registered
-    at the first CUDA tensor (``is_cuda``: no device object is built, in calls made once per layer)."""
-    if tensor.is_cuda:
+    at the first CUDA tensor."""
+    kind = device_type(tensor)
+    if kind == "cuda":
         _load_gpu_kernels()
-        return registry.get("cuda")
-    return registry.get(tensor.device.type)
+    return registry.get(kind)
 
 
 def _grouped_block_shape(block_shape) -> bool:

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import table, to_device_async
+from .kernels import _current_cuda_device, table, to_device_async
 
 # (kernel, device, specialization, options) → the kernel Triton compiled for them (see launch)
 _COMPILED: dict = {}
@@ -63,9 +63,7 @@ def _plain_launch(kernel) -> bool:
     )  # fmt: skip
 
 
-# torch.cuda.current_device() without its Python-level initialisation check (a kept plan only runs after a
-# launch, so CUDA is initialised)
-_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+_current_device = _current_cuda_device  # (a kept plan only runs after a launch: CUDA is initialised)
 
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
