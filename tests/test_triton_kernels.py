@@ -822,7 +822,7 @@ def test_launch_reuses_the_kernel_triton_compiled_for_a_specialization(tk, monke
 
     monkeypatch.setattr(tk, "_FAST_LAUNCH", [True])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(tk, "_current_device", lambda: 0)  # (what a kept plan asks)
+    monkeypatch.setattr(tk, "_current_cuda_device", lambda: 0)  # (what a kept plan asks)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 99, raising=False)
     kernel = Kernel()
     tk.launch(kernel, (4,), 32, 7, BLOCK=64, num_warps=4)  # first call on the device: Triton's launch
@@ -902,7 +902,7 @@ def test_launch_plan_repeats_a_direct_launch_with_one_tensor_replaced(tk, monkey
 
     monkeypatch.setattr(tk, "_FAST_LAUNCH", [True])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)
-    monkeypatch.setattr(tk, "_current_device", lambda: -1)  # (what a kept plan asks)
+    monkeypatch.setattr(tk, "_current_cuda_device", lambda: -1)  # (what a kept plan asks)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 99, raising=False)
     for scratch in (0, 64):
         kernel = Kernel(scratch)
@@ -940,7 +940,7 @@ def test_launch_plan_repeats_a_direct_launch_with_one_tensor_replaced(tk, monkey
         assert plan(new) and len(launcher.calls) + len(launcher.launches) == sum(before) + 1
     # planned on device 0: a tensor of another device is refused
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(tk, "_current_device", lambda: 0)  # (what a kept plan asks)
+    monkeypatch.setattr(tk, "_current_cuda_device", lambda: 0)  # (what a kept plan asks)
     kernel = Kernel(0)
     src, out = torch.zeros(8), torch.zeros(8)
     for _ in range(2):
@@ -949,7 +949,7 @@ def test_launch_plan_repeats_a_direct_launch_with_one_tensor_replaced(tk, monkey
     assert plan is not None and not plan(torch.zeros(8)) and kernel.compiled.run.launches == []
     # several slots: each tensor in its place, each checked
     monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)
-    monkeypatch.setattr(tk, "_current_device", lambda: -1)  # (what a kept plan asks)
+    monkeypatch.setattr(tk, "_current_cuda_device", lambda: -1)  # (what a kept plan asks)
     kernel = Kernel(0)
     src, out = torch.zeros(8), torch.zeros(8)
     for _ in range(2):
@@ -965,7 +965,7 @@ def test_launch_plan_repeats_a_direct_launch_with_one_tensor_replaced(tk, monkey
     assert not plan(torch.zeros(9)[1:], new_out)  # the first one misaligned
     assert len(kernel.compiled.run.launches) == count
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(tk, "_current_device", lambda: 0)  # (what a kept plan asks)
+    monkeypatch.setattr(tk, "_current_cuda_device", lambda: 0)  # (what a kept plan asks)
     # a slot that is not a tensor, or no slot: no plan
     kernel = Kernel(0)
     src, out = torch.zeros(8), torch.zeros(8)
@@ -976,7 +976,7 @@ def test_launch_plan_repeats_a_direct_launch_with_one_tensor_replaced(tk, monkey
     assert tk.launch(kernel, (4,), src, out, 7, BLOCK=32) is None
     # a retargeted plan: a held tensor replaced by another like it (the old plan unchanged), or refused
     monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)
-    monkeypatch.setattr(tk, "_current_device", lambda: -1)  # (what a kept plan asks)
+    monkeypatch.setattr(tk, "_current_cuda_device", lambda: -1)  # (what a kept plan asks)
     kernel = Kernel(0)
     for _ in range(2):
         tk.launch(kernel, (4,), src, out, 7, BLOCK=32)

@@ -390,7 +390,7 @@ class SparseDeltaLinear(torch.autograd.Function):
             wanted = getattr(consumer, "candidate_blocks", None) if consumer is not None else None
             if wanted is not None and method != "dense":
                 bh, bw = wanted.block_shape
-                if method == "auto" and kernels.COST_MODEL.choose_block(g2.device, g2.shape[0], out_features, in_features, wanted.rows.numel() * bh * bw, (bh, bw)) != "block":
+                if method == "auto" and kernels.COST_MODEL.choose_block(kernels.device_type(g2), g2.shape[0], out_features, in_features, wanted.rows.numel() * bh * bw, (bh, bw)) != "block":
                     wanted = None
             else:
                 wanted = None

@@ -63,9 +63,6 @@ def _plain_launch(kernel) -> bool:
     )  # fmt: skip
 
 
-_current_device = _current_cuda_device  # (a kept plan only runs after a launch: CUDA is initialised)
-
-
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` without the Python work Triton repeats at every such call (its
     cache key's string form, launch metadata, empty hook chains — about as much host time as a
@@ -202,7 +199,7 @@ class LaunchPlan:
             ):  # fmt: skip
                 return False
             values[at] = ptr
-        if _current_device() != self.device:  # (the compiled function belongs to its device's context)
+        if _current_cuda_device() != self.device:  # (the compiled function belongs to its device's context)
             with torch.cuda.device(self.device):
                 return self(*tensors)
         gx, gy, gz = self.grid
