@@ -24,6 +24,9 @@ first step outside a window: block variants compile their Triton kernel there.
 Each record is appended as a JSON line to ``benchmarks/results/<date>-<gpu>.jsonl``. Besides the step
 times it holds, per timed step and phase, when the host finished issuing it and when the GPU finished
 it (a step that waited for the host shows which pass did), and the host's CPU model, clock and load.
+For SpIEL variants it also counts, per timed step, the calls that leave the steady path
+(``slow_calls_per_step``, see :func:`count_slow_calls`): a slow run with none of them waited on its host,
+not on a path the code took.
 """
 
 from __future__ import annotations
@@ -214,12 +217,52 @@ def host_description() -> dict:
     return info
 
 
+# What a steady SpIEL step never calls (BENCHMARKS.md): each is counted per step, so that a slow step shows
+# whether the code left its steady path (a layer's full forward, a generic backward, a Triton launch through
+# Triton's own path or a new launch plan) or the host was slow. (module, owner attribute path, label)
+SLOW_CALLS = (
+    ("peft_sparse.core.layer", "sparse_delta_linear", "layer forward, full path"),
+    ("peft_sparse.core.layer", "SparseLayer._check_ready", "adapter checks"),
+    ("peft_sparse.core.functional", "SparseDeltaLinear.backward", "generic backward"),
+    ("peft_sparse.core.triton_kernels", "block_sddmm_into", "block launch planned anew"),
+    ("peft_sparse.core.triton_kernels", "launch_plan", "Triton launch planned anew"),
+    ("triton.runtime.jit", "JITFunction.run", "Triton's own launch path"),
+)
+
+
+def count_slow_calls(counts: dict) -> None:
+    """Wrap each of :data:`SLOW_CALLS` so that its calls add to ``counts[label]`` (a wrapper only around
+    calls a steady step does not make: steady steps run as they do unwrapped)."""
+    import functools
+    import importlib
+
+    for module_name, path, label in SLOW_CALLS:
+        owner = importlib.import_module(module_name)
+        *parents, name = path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent)
+        raw = owner.__dict__[name]
+        static = isinstance(raw, staticmethod)
+        function = raw.__func__ if static else raw
+
+        def wrapper(*args, _function=function, _label=label, **kwargs):
+            counts[_label] = counts.get(_label, 0) + 1
+            return _function(*args, **kwargs)
+
+        wrapper = functools.wraps(function)(wrapper)
+        setattr(owner, name, staticmethod(wrapper) if static else wrapper)
+
+
 def run_one(args) -> dict:
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = True
     model, optimizer, hook, block_shape, trainable = prepare(args.variant, args.size, args.warmup + args.steps, args.block)
     model.train()
+    slow: dict = {}  # label → calls in the current step
+    slow_steps: list = []  # per timed step: {label: calls}
+    if "spiel" in args.variant:
+        count_slow_calls(slow)
     g = torch.Generator(device="cuda").manual_seed(0)
     vocab = SIZES[args.size]["vocab_size"]
     batches = [torch.randint(0, vocab, (args.bs, args.seq), device="cuda", generator=g) for _ in range(4)]
@@ -246,6 +289,7 @@ def run_one(args) -> dict:
         ids = batches[step % len(batches)]
         torch.cuda.synchronize()
         gc_clock["total"] = 0.0
+        slow.clear()
         events[0].record()
         start = time.perf_counter()
         issued = train_step(model, optimizer, hook, ids, phase_events=events[1:])
@@ -256,6 +300,7 @@ def run_one(args) -> dict:
             host, gpu = phase_ends(issued, events)
             host_done.append(host)
             gpu_done.append(gpu)
+            slow_steps.append(dict(slow))
     gc.callbacks.remove(on_gc)
     load.append(os.getloadavg()[0])
     return {
@@ -270,6 +315,9 @@ def run_one(args) -> dict:
         },  # phase → [host issued, GPU done]
         # per timed step, per phase: [host issued, GPU done] in ms (which pass of a slow step waited for the host)
         "phase_ends_ms_all": [[[round(h * 1e3, 1), round(g * 1e3, 1)] for h, g in zip(*done)] for done in zip(host_done, gpu_done)],
+        # label → calls in each timed step, for the labels called in any (SpIEL variants; see SLOW_CALLS)
+        "slow_calls_per_step": {label: [s.get(label, 0) for s in slow_steps] for label in sorted(set().union(*slow_steps))}
+        if "spiel" in args.variant else None,
         "host": host_description(),
         "loadavg_1min": load,
         "gc_freeze": args.gc_freeze,
