@@ -319,7 +319,7 @@ def test_fused_nf4_weight_on_cuda_is_bitsandbytes_dequantization_plus_delta(tmp_
     want = bnb_f.dequantize_4bit(weight.data, weight.quant_state)
     kernels.scatter_add_reference(want, indices, values.detach())
     assert torch.equal(layer.fused_merged_weight([indices], [values], None), want)
-    assert layer._nf4_starts(indices) is not kept
+    assert torch.equal(layer._nf4_starts(indices), kernels.nf4_compose_starts(indices, layer.numel))
     x = torch.randint(0, 97, (2, 24), device="cuda")
     model.train()
     runs = []
@@ -338,10 +338,12 @@ def test_fused_nf4_weight_on_cuda_is_bitsandbytes_dequantization_plus_delta(tmp_
 def test_repeated_nf4_launch_on_cuda_follows_every_change(tmp_path, monkeypatch):
     """A 4-bit layer repeats its last single-adapter fused launch (the LaunchPlan of its _NF4Rebuild) while
     the operands stay, with the same bits as the full path and bitsandbytes' dequantization + scatter;
-    it takes the full path again (and plans anew) when the values' storage, the indices (rewritten in
-    place), the quantization state, the 4-bit weight's storage, the compute dtype or the requested dtype
-    change, and forgets the plan with eval(). Training with repeated launches (counted) equals training
-    without them, step for step; a deep copy of the trained model has no kept launch and the same loss."""
+    it follows indices rewritten in place (their per-program slices recomputed in place), takes the full
+    path again (and plans anew) when the values' or the indices' storage, the quantization state, the
+    4-bit weight's storage, the compute dtype or the requested dtype change, and forgets the plan with
+    eval(). Training with repeated launches (counted), the indices rewritten in place midway, equals
+    training without them, step for step; a deep copy of the trained model has no kept launch and the
+    same loss."""
     pytest.importorskip("bitsandbytes")
     import copy
 
@@ -391,8 +393,14 @@ def test_repeated_nf4_launch_on_cuda_follows_every_change(tmp_path, monkeypatch)
     values.data = values.data.clone()  # new storage
     check(False)
     check(True)
-    with torch.no_grad():  # in place, as a reselection rewrites them
-        torch._foreach_copy_([indices], [torch.randperm(layer.numel, device="cuda")[: indices.numel()].sort().values.to(indices.dtype)])
+    starts = layer._nf4_starts(indices)
+    assert starts is not None and starts.numel() > 2  # (several programs: their slices matter)
+    for _ in range(2):
+        with torch.no_grad():  # in place, as a reselection rewrites them: the launch follows, its slices anew in place
+            torch._foreach_copy_([indices], [torch.randperm(layer.numel, device="cuda")[: indices.numel()].sort().values.to(indices.dtype)])
+        check(True)
+        assert layer._nf4_starts(indices) is starts and torch.equal(starts, kernels.nf4_compose_starts(indices, layer.numel))
+    indices.data = indices.data.clone()  # new storage
     check(False)
     check(True)
     state = weight.quant_state
@@ -435,12 +443,18 @@ def test_repeated_nf4_launch_on_cuda_follows_every_change(tmp_path, monkeypatch)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         losses = []
         launched.clear()
-        for _ in range(4):
+        moves = torch.Generator(device="cuda").manual_seed(1)
+        for step in range(5):
             loss = model(x, labels=x).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.detach())
+            if step == 2:  # every layer's indices rewritten in place, as a reselection does
+                with torch.no_grad():
+                    for l in sparse_layers(model):
+                        idx = l.sparse_indices["default"]
+                        idx.copy_(torch.randperm(l.numel, device="cuda", generator=moves)[: idx.numel()].sort().values.to(idx.dtype))
         layers = sparse_layers(model)
         if repeat:  # from the third pass on (forward and backward), every layer's weight came from its plan
             assert all(l._nf4_rebuild is not None for l in layers) and len(launched) >= 2 * 2 * len(layers), len(launched)

@@ -409,8 +409,8 @@ def test_kept_nf4_launch_serves_passes_outside_training(quantized_dir):
 
 def test_kept_nf4_launch_applies_only_to_its_own_operands(quantized_dir):
     """_NF4Rebuild's checks, on CPU with a stand-in plan (which fills nothing): it serves a call with the
-    operands it was planned with — also after the values changed in place — and refuses (None) another
-    requested dtype, rewritten or other indices, new value storage or dtype, a new 4-bit weight storage
+    operands it was planned with — also after the values or the indices changed in place — and refuses
+    (None) another requested dtype, other indices or new index storage, new value storage or dtype, a new 4-bit weight storage
     or quantization state, another compute dtype and another base layer; a refused plan launches nothing."""
     import copy
 
@@ -446,9 +446,13 @@ def test_kept_nf4_launch_applies_only_to_its_own_operands(quantized_dir):
     assert not serves(rebuild, val=values.detach().clone())
     assert not serves(rebuild, val=values.detach().double())
     with torch.no_grad():
-        indices.copy_(indices.flip(0).sort().values)  # rewritten in place: the version moves
+        indices.copy_(torch.randperm(layer.numel)[: indices.numel()].sort().values.to(indices.dtype))
+    assert serves(rebuild)  # rewritten in place (a reselection): followed
+    assert serves(rebuild)
+    indices.data = indices.data.clone()  # new storage
     assert not serves(rebuild)
     rebuild = fresh()
+    assert serves(rebuild)
     values.data = values.data.clone()
     assert not serves(rebuild)
     rebuild = fresh()

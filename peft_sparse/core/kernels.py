@@ -261,10 +261,11 @@ def nf4_dequantize_reference(packed, code, absmax, nested, blocksize: int, shape
     return (code.float()[nib] * absmax.float()[blocks]).to(dtype).view(shape[0], shape[1])
 
 
-def nf4_compose_starts(indices: torch.Tensor, numel: int) -> Optional[torch.Tensor]:
+def nf4_compose_starts(indices: torch.Tensor, numel: int, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """What the fused CUDA launch of :func:`nf4_compose` can be given as ``starts`` for these sorted
     indices into a weight of ``numel`` elements (where each of its programs finds its slice of them:
-    a lookup instead of a search), to keep while they do not change; None where there is no such launch."""
+    a lookup instead of a search), to keep while they do not change; None where there is no such launch.
+    ``out``: an earlier result for indices of this size, rewritten in place for their new contents."""
     if indices.device.type != "cuda":
         return None
     _load_gpu_kernels()
@@ -273,7 +274,7 @@ def nf4_compose_starts(indices: torch.Tensor, numel: int) -> Optional[torch.Tens
     from . import triton_kernels
 
     with on_device(indices):
-        return triton_kernels.compose_starts(indices, numel)
+        return triton_kernels.compose_starts(indices, numel, out)
 
 
 def nf4_compose(packed, code, absmax, nested, blocksize: int, shape, dtype, indices=None, values=None, starts=None, plan: bool = False):

@@ -498,22 +498,26 @@ class _NF4Rebuild:
     """A 4-bit layer's fused NF4 launch (:func:`kernels.nf4_compose` with a single adapter) to repeat from
     its :class:`~peft_sparse.core.triton_kernels.LaunchPlan` into a new output while its operands are
     the same: the base layer, its 4-bit weight (object, storage, quantization state, compute dtype), the
-    indices (object, storage, version: a reselection rewrites them in place) and the values (storage,
-    size, dtype); their contents may change. The plan holds those tensors, so the layer drops this when
-    it forgets its last pass (``release_training_merge``) or when the plan no longer applies. A copy
-    (``copy.deepcopy``, pickling) of the layer has none: the plan refers to compiled kernels and raw
-    addresses, and the copy plans its own."""
+    indices (object, storage, size) and the values (storage, size, dtype); their contents may change.
+    Indices rewritten in place (a reselection: their version moves) are followed: the per-program slices
+    the launch reads (``starts``, the layer's kept :meth:`SparseLayer._nf4_starts`) are recomputed in
+    place first, so the launch is repeated instead of planned anew. The plan holds those tensors, so the
+    layer drops this when it forgets its last pass (``release_training_merge``) or when the plan no
+    longer applies. A copy (``copy.deepcopy``, pickling) of the layer has none: the plan refers to
+    compiled kernels and raw addresses, and the copy plans its own."""
 
-    __slots__ = ("plan", "base", "weight", "weight_ptr", "state", "compute", "indices", "indices_key", "values_key", "shape", "dtype", "device")
+    __slots__ = ("plan", "base", "weight", "weight_ptr", "state", "compute", "indices", "indices_key", "starts", "values_key", "shape", "dtype",
+                 "device")  # fmt: skip
 
     def __reduce__(self):
         return _no_rebuild, ()
 
-    def __init__(self, plan, base: nn.Module, indices: torch.Tensor, values: torch.Tensor, merged: torch.Tensor):
+    def __init__(self, plan, base: nn.Module, indices: torch.Tensor, values: torch.Tensor, merged: torch.Tensor,
+                 starts: Optional[torch.Tensor] = None):  # fmt: skip
         self.plan, self.base = plan, base
         self.weight = base.weight
         self.weight_ptr, self.state, self.compute = self.weight.data_ptr(), self.weight.quant_state, getattr(base, "compute_dtype", None)
-        self.indices, self.indices_key = indices, (indices.data_ptr(), indices._version)
+        self.indices, self.indices_key, self.starts = indices, (indices.data_ptr(), indices.numel(), indices._version), starts
         self.values_key = (values.data_ptr(), values.numel(), values.dtype)
         self.shape, self.dtype, self.device = merged.shape, merged.dtype, merged.device
 
@@ -522,15 +526,21 @@ class _NF4Rebuild:
         the full path, which plans again)."""
         base = self.base
         weight = self.weight
+        key = self.indices_key
         if (
             (dtype is not None and dtype != self.dtype)
-            or indices is not self.indices or (indices.data_ptr(), indices._version) != self.indices_key
+            or indices is not self.indices or indices.data_ptr() != key[0] or indices.numel() != key[1]
             or (values.data_ptr(), values.numel(), values.dtype) != self.values_key
             or (layer._modules["base_layer"] is not base and layer.get_base_layer() is not base)
             or base._parameters.get("weight") is not weight or weight.quant_state is not self.state
             or getattr(base, "compute_dtype", None) is not self.compute or weight.data_ptr() != self.weight_ptr
         ):  # fmt: skip
             return None
+        if indices._version != key[2]:  # rewritten in place: the slices follow (what the full path would compute)
+            if self.starts is not None:
+                kernels.nf4_compose_starts(indices, layer.numel, out=self.starts)
+                layer._nf4_starts_cache = (weakref.ref(indices), (key[0], indices._version, key[1]), self.starts)
+            self.indices_key = (key[0], key[1], indices._version)
         merged = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         return merged if self.plan(merged) else None
 
@@ -687,7 +697,7 @@ class SparseLayer(BaseTunerLayer):
         result = kernels.nf4_compose(packed, code, absmax, nested, blocksize, shape, qdtype, *first, plan=single)
         merged, plan = result if single else (result, None)
         if plan is not None:
-            self._nf4_rebuild = _NF4Rebuild(plan, base, indices[0], values[0], merged)
+            self._nf4_rebuild = _NF4Rebuild(plan, base, indices[0], values[0], merged, first[2])
         for idx, val in zip(indices[1:], values[1:]):
             kernels.scatter_add_into(merged, idx, val.detach())
         return merged

@@ -876,13 +876,13 @@ def top_magnitudes(dense: torch.Tensor, k: int, index_dtype: torch.dtype) -> tup
     chunks = triton.cdiv(n, _SELECT_BLOCK)
     consts = dict(HIGH=_HIGH_BINS, LOW=_LOW_BINS, BLOCK=_SELECT_BLOCK)
     for level in (0, 1):
-        _magnitude_histogram_kernel[(chunks,)](flat, n, hist, k, LEVEL=level, **consts)
+        launch(_magnitude_histogram_kernel, (chunks,), flat, n, hist, k, LEVEL=level, **consts)
     counts = torch.empty(2, chunks, dtype=torch.int64, device=dev)
-    _magnitude_counts_kernel[(chunks,)](flat, n, hist, k, counts, chunks, **consts)
+    launch(_magnitude_counts_kernel, (chunks,), flat, n, hist, k, counts, chunks, **consts)
     prefix = counts.cumsum(1) - counts  # exclusive, per row
     idx = torch.empty(k, dtype=index_dtype, device=dev)
     out = torch.empty(k, dtype=torch.float32, device=dev)
-    _magnitude_select_kernel[(chunks,)](flat, n, hist, k, prefix, chunks, idx, out, **consts)
+    launch(_magnitude_select_kernel, (chunks,), flat, n, hist, k, prefix, chunks, idx, out, **consts)
     return idx, out
 
 
@@ -1404,11 +1404,13 @@ def _nf4_compose_kernel(
 _NF4_BLOCK, _NF4_CHUNK = 4096, 2048
 
 
-def compose_starts(indices: torch.Tensor, numel: int) -> torch.Tensor:
+def compose_starts(indices: torch.Tensor, numel: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """For :func:`nf4_compose`'s ``starts``: where each program's range of the weight begins in the sorted
-    ``indices`` (and where the last one ends), int32."""
+    ``indices`` (and where the last one ends), int32. ``out``: an earlier result for indices of this size
+    into a weight of ``numel`` elements, rewritten in place (a kept launch that reads it stays valid)."""
     bounds = torch.arange(0, triton.cdiv(numel, _NF4_BLOCK) + 1, device=indices.device, dtype=torch.int64) * _NF4_BLOCK
-    return torch.searchsorted(indices, bounds.clamp_(max=numel).to(indices.dtype)).to(torch.int32)
+    starts = torch.searchsorted(indices, bounds.clamp_(max=numel).to(indices.dtype))
+    return starts.to(torch.int32) if out is None else out.copy_(starts)
 
 
 def nf4_compose(packed, code, absmax, nested, blocksize, shape, dtype, indices=None, values=None, starts=None, plan: bool = False):
