@@ -467,3 +467,41 @@ def test_broadcast_shortcut_agrees_with_the_broadcast():
     for a, b in product(others, repeat=2):
         a, b = torch.Size(a), torch.Size(b)
         assert _broadcasts_to(shape, a, b) == (_broadcast(a, b) == tuple(shape)), (a, b)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("block_shape", [(1, 1), (4, 4)])
+def test_forward_under_inference_mode_equals_no_grad(name, block_shape):
+    """A trainable adapter's forward pass under ``torch.inference_mode`` (generation pipelines use it), in
+    training and in eval mode, gives the bits of the same pass under ``torch.no_grad``; training passes
+    before and after it agree with each other; an inference tensor fed to a pass that autograd tracks
+    fails with torch's own error, as ``nn.Linear`` does."""
+    from peft import get_peft_model
+
+    from peft_sparse import SparseFTConfig
+
+    from .models import MODELS, inputs, randomize_values, sparse_layers
+
+    build, targets, logits = MODELS[name]
+    model = get_peft_model(build(), SparseFTConfig(target_modules=targets, density=0.25, block_shape=block_shape))
+    randomize_values(model, scale=0.05)
+    x = inputs()
+    for mode in ("train", "eval"):
+        getattr(model, mode)()
+        first = logits(model(input_ids=x))  # a tracked pass first: its steady memo must not leak into the next ones
+        with torch.no_grad():
+            want = logits(model(input_ids=x))
+        with torch.inference_mode():
+            got = logits(model(input_ids=x))
+        assert got.is_inference() and torch.equal(got, want), mode
+        again = logits(model(input_ids=x))
+        assert torch.equal(again, first) and again.requires_grad, mode
+        again.sum().backward()
+        assert all(layer.sparse_values["default"].grad is not None for layer in sparse_layers(model))
+        model.zero_grad()
+    model.train()
+    layer = sparse_layers(model)[0]
+    with torch.inference_mode():
+        h = torch.randn(2, 3, layer.in_features)
+    with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+        layer(h)

@@ -187,8 +187,8 @@ def input_rebuild(x: torch.Tensor, mode: str = "all") -> Optional[InputRebuild]:
     cheaper rebuild: one multiplication); ``"none"`` — always keep X. Skipped while saved-tensor hooks
     are active (activation checkpointing, offloading): they manage what is kept, and X then goes
     through them like any saved tensor."""
-    if mode == "none" or x._version != 0:  # edited in place since it was computed: no longer A ⊙ B
-        return None
+    if mode == "none" or x.is_inference() or x._version != 0:  # (inference tensors: no version to follow)
+        return None  # (edited in place since it was computed: no longer A ⊙ B)
     node = x.grad_fn
     if node is None or type(node).__name__ != "MulBackward0":
         return None
@@ -303,7 +303,9 @@ def _values_need_grad(ctx, n_adapters: int) -> bool:
 def _save_for_backward(ctx, x: torch.Tensor, mode: str, indices_and_values: tuple, need_values: bool) -> None:
     """Save what backward needs: the indices, the values and X — or, when autograd already keeps what X
     is made of (:class:`InputRebuild`, ``mode`` as in :func:`input_rebuild`), how to rebuild X; X not at all
-    when no value needs a gradient (``need_values`` False)."""
+    when no value needs a gradient (``need_values`` False) or under ``torch.inference_mode``, which records
+    no backward pass."""
+    need_values = need_values and not torch.is_inference_mode_enabled()
     rebuild = input_rebuild(x, mode) if need_values else None
     ctx.x_rebuild = rebuild
     if rebuild is not None or not need_values:
