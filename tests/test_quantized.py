@@ -473,6 +473,57 @@ def test_kept_nf4_launch_applies_only_to_its_own_operands(quantized_dir):
     assert not serves(rebuild)
 
 
+def test_kept_nf4_launch_recomputes_its_slices_in_place(quantized_dir, monkeypatch):
+    """After an in-place rewrite of the indices (a reselection), the kept launch rewrites the per-program
+    slices it reads — the same tensor, now equal to what the full path computes for the new indices —
+    and the layer's kept slices follow; slices planned under ``torch.inference_mode`` cannot be rewritten
+    outside it, so the launch is refused (the full path plans anew). ``compose_starts`` refuses an
+    ``out`` of another shape or type. (CPU: the slices' computation is torch's; the launch a stand-in.)"""
+    from peft_sparse.core import kernels
+    from peft_sparse.core import triton_kernels as tk
+    from peft_sparse.core.layer import _NF4Rebuild
+
+    # a layer large enough for several programs of the fused launch
+    model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules=["gate_proj"], density=0.1))
+    layer = sparse_layers(model)[0]
+    assert layer.numel >= 2 * tk._NF4_BLOCK
+    base = layer.get_base_layer()
+    indices, values = layer.sparse_indices["default"], layer.sparse_values["default"]
+    monkeypatch.setattr(kernels, "nf4_compose_starts", lambda idx, numel, out=None: tk.compose_starts(idx, numel, out))
+    launches = []
+
+    def plan(out):
+        launches.append(out)
+        return True
+
+    g = torch.Generator().manual_seed(0)
+
+    def rewrite():
+        with torch.no_grad():
+            indices.copy_(torch.randperm(layer.numel, generator=g)[: indices.numel()].sort().values.to(indices.dtype))
+
+    starts = tk.compose_starts(indices, layer.numel)
+    rebuild = _NF4Rebuild(plan, base, indices, values, torch.empty(layer.out_features, layer.in_features), starts)
+    for _ in range(2):
+        rewrite()
+        assert not torch.equal(starts, tk.compose_starts(indices, layer.numel))  # (the old slices are stale)
+        assert rebuild(layer, indices, values, None) is not None
+        assert torch.equal(starts, tk.compose_starts(indices, layer.numel))
+        cached = layer._nf4_starts_cache
+        assert cached[0]() is indices and cached[2] is starts and cached[1] == (indices.data_ptr(), indices._version, indices.numel())
+    assert len(launches) == 2
+    with torch.inference_mode():
+        frozen = tk.compose_starts(indices, layer.numel)
+    rebuild = _NF4Rebuild(plan, base, indices, values, torch.empty(layer.out_features, layer.in_features), frozen)
+    assert rebuild(layer, indices, values, None) is not None  # (the indices as planned: nothing to rewrite)
+    rewrite()
+    assert rebuild(layer, indices, values, None) is None and len(launches) == 3
+    with pytest.raises(ValueError, match="out must be int32"):
+        tk.compose_starts(indices, layer.numel, out=torch.zeros(starts.numel(), dtype=torch.int64))
+    with pytest.raises(ValueError, match="out must be int32"):
+        tk.compose_starts(indices, layer.numel, out=torch.zeros(2 * starts.numel(), dtype=torch.int32))
+
+
 def test_full_training_pass_keeps_the_nf4_launch(quantized_dir):
     """A 4-bit layer's full training pass (no steady memo) writes θ₀ back only where a weight is merged:
     it keeps the layer's kept fused launch and uses it, and the pass equals one without it."""

@@ -537,6 +537,8 @@ class _NF4Rebuild:
         ):  # fmt: skip
             return None
         if indices._version != key[2]:  # rewritten in place: the slices follow (what the full path would compute)
+            if self.starts is not None and self.starts.is_inference() and not torch.is_inference_mode_enabled():
+                return None  # (planned under torch.inference_mode: its slices cannot be rewritten outside it)
             if self.starts is not None:
                 kernels.nf4_compose_starts(indices, layer.numel, out=self.starts)
                 layer._nf4_starts_cache = (weakref.ref(indices), (key[0], indices._version, key[1]), self.starts)

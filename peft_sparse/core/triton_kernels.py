@@ -1410,7 +1410,11 @@ def compose_starts(indices: torch.Tensor, numel: int, out: Optional[torch.Tensor
     into a weight of ``numel`` elements, rewritten in place (a kept launch that reads it stays valid)."""
     bounds = torch.arange(0, triton.cdiv(numel, _NF4_BLOCK) + 1, device=indices.device, dtype=torch.int64) * _NF4_BLOCK
     starts = torch.searchsorted(indices, bounds.clamp_(max=numel).to(indices.dtype))
-    return starts.to(torch.int32) if out is None else out.copy_(starts)
+    if out is None:
+        return starts.to(torch.int32)
+    if out.shape != starts.shape or out.dtype != torch.int32:
+        raise ValueError(f"compose_starts: out must be int32 of shape {tuple(starts.shape)}, got {out.dtype} {tuple(out.shape)}")
+    return out.copy_(starts)
 
 
 def nf4_compose(packed, code, absmax, nested, blocksize, shape, dtype, indices=None, values=None, starts=None, plan: bool = False):
