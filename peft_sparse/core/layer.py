@@ -536,12 +536,13 @@ class _NF4Rebuild:
             or getattr(base, "compute_dtype", None) is not self.compute or weight.data_ptr() != self.weight_ptr
         ):  # fmt: skip
             return None
+        starts = self.starts
         if indices._version != key[2]:  # rewritten in place: the slices follow (what the full path would compute)
-            if self.starts is not None and self.starts.is_inference() and not torch.is_inference_mode_enabled():
-                return None  # (planned under torch.inference_mode: its slices cannot be rewritten outside it)
-            if self.starts is not None:
-                kernels.nf4_compose_starts(indices, layer.numel, out=self.starts)
-                layer._nf4_starts_cache = (weakref.ref(indices), (key[0], indices._version, key[1]), self.starts)
+            if starts is not None:
+                if starts.is_inference() and not torch.is_inference_mode_enabled():
+                    return None  # (planned under torch.inference_mode: its slices cannot be rewritten outside it)
+                kernels.nf4_compose_starts(indices, layer.numel, out=starts)
+                layer._nf4_starts_cache = (weakref.ref(indices), (key[0], indices._version, key[1]), starts)
             self.indices_key = (key[0], key[1], indices._version)
         merged = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         return merged if self.plan(merged) else None
