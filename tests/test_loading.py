@@ -120,3 +120,46 @@ def test_loading_without_import_gives_peft_error(saved):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "KeyError: 'SFT'" in result.stderr
+
+
+@pytest.mark.parametrize("method", ["sft", "spiel", "spiel-block"])
+def test_transformers_adapter_loading_gives_the_peft_model(tmp_path, method):
+    """transformers' own adapter loading — ``model.load_adapter(dir)`` and ``AutoModelForCausalLM.from_pretrained``
+    of an adapter directory — loads the sparse adapter (PEFT's key prefix of both methods is the layers'
+    ``sparse_``): the same logits as ``PeftModel.from_pretrained``, different from the base model's."""
+    from transformers import AutoModelForCausalLM
+
+    from peft_sparse import SpIELConfig
+
+    base_dir, adapter_dir = tmp_path / "base", tmp_path / "adapter"
+    tiny_llama().save_pretrained(base_dir)
+    config = (
+        SparseFTConfig(target_modules="all-linear", density=0.25) if method == "sft"
+        else SpIELConfig(target_modules="all-linear", density=0.25, block_shape=(4, 4) if method == "spiel-block" else (1, 1))
+    )  # fmt: skip
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), config)
+    randomize_values(model, scale=0.1)
+    model.save_pretrained(adapter_dir)
+    x = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = PeftModel.from_pretrained(tiny_llama(), adapter_dir).eval()(x).logits
+        bare = tiny_llama()(x).logits
+        hosted = tiny_llama()
+        hosted.load_adapter(str(adapter_dir))
+        direct = AutoModelForCausalLM.from_pretrained(adapter_dir).eval()
+        for got in (hosted.eval()(x).logits, direct(x).logits):
+            assert torch.equal(got, want) and not torch.equal(got, bare)
+
+
+def test_transformers_adapter_loading_checks_the_file(saved):
+    """An adapter file loaded by transformers' own loader (which does not go through PEFT's checks) is
+    checked at its first pass, with the module and the value named, as PEFT's loading checks it."""
+
+    def edit(t):
+        t[KEY][[0, 1]] = t[KEY][[1, 0]]
+
+    _corrupt(saved, edit)
+    model = tiny_llama()
+    model.load_adapter(str(saved))
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj: indices must be sorted and unique, found unsorted"):
+        model(torch.zeros(1, 3, dtype=torch.long))

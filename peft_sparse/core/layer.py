@@ -72,6 +72,7 @@ from .functional import (
     sparse_delta_linear,
     sparse_delta_linear_reference,
 )
+from .selection import check_sparse_tensors
 
 
 # id(values Parameter) → (weakref to it, weakref to its layer, adapter name): lets optimizers (SM3)
@@ -585,8 +586,9 @@ class SparseLayer(BaseTunerLayer):
         self._nf4_cache = None  # (weakref to the 4-bit weight, its storage pointer, its quant state, operands)
         self._nf4_starts_cache = None  # (weakref to an indices tensor, (address, version, size), its starts)
         self._nf4_rebuild: Optional[_NF4Rebuild] = None  # the last single-adapter fused NF4 launch, to repeat
-        # adapter → the values tensor that last passed _check_ready
+        # adapter → the values tensor that last passed _check_ready, and the indices tensor it last checked
         self._ready: dict[str, torch.Tensor] = {}
+        self._checked_indices: dict[str, torch.Tensor] = {}
         self.register_state_dict_pre_hook(_release_before_state_dict)
         self.register_load_state_dict_pre_hook(_release_before_load)
 
@@ -981,6 +983,13 @@ class SparseLayer(BaseTunerLayer):
         values = self.sparse_values[adapter_name]
         if sparse_owner(values) is None:  # replaced since creation (e.g. an assign-load)
             self._register_values(adapter_name)
+        indices = self.sparse_indices[adapter_name]
+        if self._checked_indices.get(adapter_name) is not indices:
+            # a new indices tensor, e.g. put in place by transformers' own adapter loading (``load_adapter``,
+            # ``from_pretrained`` of an adapter directory), which bypasses PEFT's checks of the file: checked
+            # once, as PEFT's loading checks it
+            check_sparse_tensors(self.module_name, indices, values, self.numel, index_dtype=index_dtype(self.numel))
+            self._checked_indices[adapter_name] = indices
         wanted = self.values_dtype[adapter_name]
         if values.dtype != wanted and values.device.type != "meta":
             # Something outside PEFT's adapter API re-cast the values (TRL casts the trainable parameters of

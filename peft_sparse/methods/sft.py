@@ -49,7 +49,7 @@ class SparseFTConfig(SparseConfig):
 class SparseFTModel(SparseTuner):
     """PEFT tuner of :class:`SparseFTConfig`."""
 
-    prefix: str = "sft_"
+    prefix: str = "sparse_"
 
     def initial_indices(self, config: SparseFTConfig, layer: SparseLayer, module_name: str, count: int) -> torch.Tensor:
         grid = self.grid(config, layer)

@@ -154,7 +154,7 @@ class SpIELModel(SparseTuner):
     """PEFT tuner of :class:`SpIELConfig`: random initial indices, per-index ages, and a guard that
     warns when the adapter trains with nobody reselecting its indices."""
 
-    prefix: str = "spiel_"
+    prefix: str = "sparse_"
     dynamic: bool = True
 
     def initial_indices(self, config: SpIELConfig, layer: SparseLayer, module_name: str, count: int) -> torch.Tensor:
