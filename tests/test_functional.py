@@ -505,3 +505,31 @@ def test_forward_under_inference_mode_equals_no_grad(name, block_shape):
         h = torch.randn(2, 3, layer.in_features)
     with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
         layer(h)
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_double_backward_is_refused(merge):
+    """A backward pass that builds a graph (``create_graph=True``, e.g. a gradient penalty) through a sparse
+    layer is refused with a clear error — on the first pass, on a steady pass of a layer merged in place and
+    on the transient path — instead of giving second derivatives that miss the adapter's dependence."""
+    from peft import get_peft_model
+
+    from peft_sparse import SparseFTConfig
+
+    from .models import randomize_values, sparse_layers
+
+    torch.manual_seed(0)
+    model = get_peft_model(nn.Sequential(nn.Linear(8, 6)), SparseFTConfig(target_modules=["0"], density=0.5))
+    randomize_values(model, scale=0.3)
+    layer = sparse_layers(model)[0]
+    layer.merge_for_training = merge
+    model.train()
+    optimizer = torch.optim.SGD([layer.sparse_values["default"]], lr=0.0)
+    for step in range(3):  # (the second and third passes are steady ones where the layer merges in place)
+        x = torch.randn(4, 8, requires_grad=True)
+        with pytest.raises(RuntimeError, match="do not support double backward"):
+            torch.autograd.grad((layer(x) ** 2).sum(), x, create_graph=True)
+        layer(x).sum().backward()  # first order: as ever
+        assert layer.sparse_values["default"].grad is not None
+        optimizer.step()
+        optimizer.zero_grad()

@@ -177,6 +177,38 @@ def test_deepcopy_and_load_state_dict_while_merged():
         assert torch.equal(w, theta0[name])
 
 
+@pytest.mark.parametrize("merged", [False, True])
+def test_pickled_model_while_merged_or_not(merged):
+    """A whole model pickles (``torch.save``) — fresh, and in training while merged in place — and the copy
+    gives the same outputs, finds its own model (not the original) for its merge checks, and holds θ₀
+    once it leaves training."""
+    import io
+    import pickle
+
+    model = _spiel()
+    theta0 = _base_weights(model)
+    randomize_values(model, scale=0.1)
+    x = inputs()
+    if merged:
+        model.train()
+        model(x)
+        assert all(layer._training_merge is not None for layer in sparse_layers(model))
+    out = model(x).logits
+    for clone in (pickle.loads(pickle.dumps(model)), _torch_saved(model, io)):
+        assert torch.equal(clone(x).logits, out)
+        assert all(layer._model_ref() is clone.base_model.model for layer in sparse_layers(clone))
+        clone.eval()
+        for name, w in _base_weights(clone).items():
+            assert torch.equal(w, theta0[name])
+
+
+def _torch_saved(model, io):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
 def test_a_deep_copy_merges_in_place_after_the_original_is_gone():
     """A deep copy's layers check their own model (not the original) for other users of their base
     weights: once the original is freed, the copy still merges in place for training."""

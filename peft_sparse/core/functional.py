@@ -316,6 +316,17 @@ def _save_for_backward(ctx, x: torch.Tensor, mode: str, indices_and_values: tupl
         ctx.save_for_backward(x, *indices_and_values)
 
 
+def _first_order_only() -> None:
+    """Refuse a backward pass that builds a graph of its own (``create_graph=True``): these backward passes
+    use the merged weight as stored and Triton kernels, through which autograd cannot differentiate, so
+    a second derivative would be silently wrong."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "sparse adapter layers do not support double backward (create_graph=True, e.g. a gradient penalty "
+            "through the adapter's layers): their gradients are first-order only"
+        )
+
+
 class SparseDeltaLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, spec, *indices_and_values):
@@ -353,6 +364,7 @@ class SparseDeltaLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        _first_order_only()
         saved = ctx.saved_tensors
         x, rest = (saved[0], saved[1:]) if ctx.x_saved else (None, saved)
         weight_fn, owned, hooks, ctx_blocks, premerged, n = ctx.spec
@@ -480,7 +492,7 @@ class MergedDeltaLinear(SparseDeltaLinear):
         spec = ctx.spec
         layer, merge = spec[2], spec[4]
         needs = ctx.needs_input_grad  # (x, bias, spec, indices, values)
-        if layer.dense_grad_consumer is not None or needs[1] or not merge.still_merged(ctx.generation):
+        if layer.dense_grad_consumer is not None or needs[1] or not merge.still_merged(ctx.generation) or torch.is_grad_enabled():
             return SparseDeltaLinear.backward(ctx, grad_out)
         x_shape = ctx.x_meta[0]
         in_features = x_shape[-1]

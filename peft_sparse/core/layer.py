@@ -210,9 +210,13 @@ class _TrainingMerge:
         self.by_step = False
         self.generation = 0
 
-    # copies (deepcopy, pickling) rebuild the weight with its own storage, which holds what this one held
+    # copies (deepcopy, pickling) rebuild the weight with its own storage, which holds what this one held; the
+    # record of the last write (it holds the values' storage, which pickling cannot carry alone) starts empty,
+    # so the copy's first pass writes the same values once more
     def __getstate__(self):
-        return {k: getattr(self, k) for k in self.__slots__ if k not in ("weight_ptr", "flat", "__weakref__")}
+        state = {k: getattr(self, k) for k in self.__slots__ if k not in ("weight_ptr", "flat", "__weakref__")}
+        state["written"] = None
+        return state
 
     def __setstate__(self, state):
         for k, v in state.items():
@@ -965,6 +969,13 @@ class SparseLayer(BaseTunerLayer):
         self.release_training_merge()
         return nn.Module._apply(self, fn, recurse)
 
+    def __getstate__(self):
+        # pickling (torch.save of a whole model): the caches that hold weak references start empty in the copy,
+        # which fills them again; the model reference is set again by the tuner (SparseTuner.__setstate__)
+        state = nn.Module.__getstate__(self).copy()
+        state.update(_model_ref=None, _shared_check=None, _nf4_cache=None, _nf4_starts_cache=None)
+        return state
+
     def _replicate_for_data_parallel(self):
         self.release_training_merge()  # replicas share the weight and never merge into it (see _merged_for_training)
         return nn.Module._replicate_for_data_parallel(self)
@@ -1137,6 +1148,8 @@ class SparseLayer(BaseTunerLayer):
 
 class SparseLinear(nn.Module, SparseLayer):
     """Sparse adapter around ``nn.Linear``, GPT-2 ``Conv1D`` or bitsandbytes ``Linear4bit``."""
+
+    __getstate__ = SparseLayer.__getstate__  # (nn.Module's comes first in the method order)
 
     def __init__(self, base_layer: nn.Module, module_name: str) -> None:
         super().__init__()
