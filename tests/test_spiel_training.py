@@ -1,6 +1,7 @@
 """SpIEL in training loops: optimizer surgery, SM3, windows, accumulation, learning, errors."""
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from peft import get_peft_model
 
-from peft_sparse import SM3, SpIELConfig, SpIELScheduler
+from peft_sparse import SM3, SparseLayer, SpIELConfig, SpIELScheduler
 from peft_sparse.optim.surgery import reindex_optimizer_state, seed_optimizer_state
 from peft_sparse.schedules.reselection import in_estimation_window, is_reselection_step
 
@@ -237,6 +238,12 @@ def test_accumulating_two_micro_batches_selects_like_one_concatenated_batch():
         ({"initial_reselection_rate": 0.0}, "initial_reselection_rate=0.0"),
         ({"initial_reselection_rate": 1.5}, "initial_reselection_rate=1.5"),
         ({"candidate_ratio": 0.5}, "candidate_ratio=0.5"),
+        ({"candidate_ratio": float("inf")}, "candidate_ratio=inf"),
+        ({"candidate_ratio": "2"}, "candidate_ratio='2'"),
+        ({"candidate_ratio": None}, "candidate_ratio=None"),
+        ({"initial_reselection_rate": "0.2"}, "initial_reselection_rate='0.2'"),
+        ({"initial_reselection_rate": True}, "initial_reselection_rate=True"),
+        ({"initial_reselection_rate": float("nan")}, "initial_reselection_rate=nan"),
         ({"schedule": "step"}, "schedule='step'"),
         ({"init": "magnitude"}, "init='magnitude'"),
     ],
@@ -244,6 +251,22 @@ def test_accumulating_two_micro_batches_selects_like_one_concatenated_batch():
 def test_bad_spiel_config(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SpIELConfig(target_modules="all-linear", density=0.1, **kwargs)
+
+
+@pytest.mark.parametrize("block_shape", [(1, 1), (4, 4)])
+def test_window_candidates_follow_the_candidate_ratio(block_shape):
+    """An AG window keeps K = ⌈candidate_ratio · d_φ⌉ growth candidates per tensor (in whole blocks for
+    block adapters), rounded up — not ⌈⌊ratio · d_φ⌋⌉."""
+    unit = block_shape[0] * block_shape[1]
+    config = SpIELConfig(target_modules=["q_proj", "v_proj"], num_tunable_weights=2 * 2 * 7 * unit, candidate_ratio=1.5,
+                         reselection_steps=4, gradient_estimation_steps=2, block_shape=block_shape)  # fmt: skip
+    model = get_peft_model(tiny_llama(), config)
+    scheduler = SpIELScheduler(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2), total_steps=20)
+    layers = [layer for layer in model.modules() if isinstance(layer, SparseLayer)]
+    counts = [layer.sparse_values["default"].numel() // unit for layer in layers]
+    assert any(n % 2 for n in counts)  # (an odd count: 1.5·n is not whole)
+    for layer, n in zip(layers, counts):
+        assert scheduler.statistics[layer.module_name].num_candidate_units == min(math.ceil(1.5 * n), layer.numel // unit)
 
 
 def test_bad_scheduler_arguments():

@@ -86,6 +86,10 @@ class SpIELConfig(SparseConfig):
                 f"gradient_estimation_steps must be smaller than reselection_steps, got "
                 f"gradient_estimation_steps={self.gradient_estimation_steps} and reselection_steps={self.reselection_steps}"
             )
+        for name in ("initial_reselection_rate", "candidate_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {name}={value!r}")
         if not 0.0 < self.initial_reselection_rate <= 1.0:
             raise ValueError(f"initial_reselection_rate must be in (0, 1], got initial_reselection_rate={self.initial_reselection_rate!r}")
         if not self.candidate_ratio >= 1.0:
@@ -1042,7 +1046,7 @@ class SpIELScheduler:
                 values = layer.sparse_values[self.adapter_name]
                 dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
                 grid = SparseTuner.grid(self.config, layer)
-                num_units = math.ceil(self.config.candidate_ratio * values.numel() // grid.unit)
+                num_units = math.ceil(self.config.candidate_ratio * (values.numel() // grid.unit))  # K = ⌈ratio·d_φ⌉ (in units)
                 stats = _WindowStatistics(min(grid.numel, num_units), grid, dtype)
                 self.statistics[layer.module_name] = stats
                 layer.dense_grad_consumer = stats
