@@ -533,3 +533,37 @@ def test_double_backward_is_refused(merge):
         assert layer.sparse_values["default"].grad is not None
         optimizer.step()
         optimizer.zero_grad()
+
+
+def test_block_adapter_loaded_under_inference_mode(tmp_path):
+    """A block adapter created or loaded under ``torch.inference_mode`` (its indices inference tensors, which
+    have no version counter) runs inside and outside inference mode with the outputs of one loaded normally,
+    and its block layout follows an in-place edit of its indices made inside inference mode."""
+    from peft import PeftModel, get_peft_model
+
+    from peft_sparse import SparseFTConfig
+    from peft_sparse.core.selection import BlockGrid
+
+    from .models import inputs, randomize_values, sparse_layers, tiny_llama
+
+    model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules="all-linear", density=0.25, block_shape=(4, 4)))
+    randomize_values(model, scale=0.1)
+    model.save_pretrained(tmp_path)
+    x = inputs()
+    with torch.no_grad():
+        want = PeftModel.from_pretrained(tiny_llama(), tmp_path).eval()(x).logits
+    with torch.inference_mode():
+        loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path).eval()
+        assert sparse_layers(loaded)[0].sparse_indices["default"].is_inference()
+        assert torch.equal(loaded(x).logits, want)
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, want)
+    layer = sparse_layers(loaded)[0]
+    grid = BlockGrid(layer.out_features, layer.in_features, (4, 4))
+    blocks = grid.units(layer.sparse_indices["default"])
+    others = torch.tensor([b for b in range(grid.numel) if b not in set(blocks.tolist())][: blocks.numel()])
+    assert others.numel() == blocks.numel()
+    assert torch.equal(layer.block_metadata("default").block_numbers(), blocks)
+    with torch.inference_mode():  # an in-place edit inside inference mode: the layout follows it
+        layer.sparse_indices["default"].copy_(grid.expand(others).to(layer.sparse_indices["default"].dtype))
+    assert torch.equal(layer.block_metadata("default").block_numbers(), others)

@@ -819,6 +819,8 @@ class SparseLayer(BaseTunerLayer):
 
     @staticmethod
     def _indices_key(indices: torch.Tensor) -> tuple:
+        if indices.is_inference():  # (no version counter follows an edit: a key equal to no other, so never cached)
+            return (indices.data_ptr(), object(), indices.numel())
         return (indices.data_ptr(), indices._version, indices.numel())
 
     def cached_block_metadata(self, adapter_name: str):
