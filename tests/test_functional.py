@@ -567,3 +567,27 @@ def test_block_adapter_loaded_under_inference_mode(tmp_path):
     with torch.inference_mode():  # an in-place edit inside inference mode: the layout follows it
         layer.sparse_indices["default"].copy_(grid.expand(others).to(layer.sparse_indices["default"].dtype))
     assert torch.equal(layer.block_metadata("default").block_numbers(), others)
+
+
+def test_merging_into_a_base_made_under_inference_mode(tmp_path):
+    """A base model loaded under ``torch.inference_mode`` merges an adapter inside inference mode (the same
+    outputs as merging a normally loaded one) and refuses to outside it with a clear error naming the module."""
+    from peft import PeftModel, get_peft_model
+
+    from peft_sparse import SparseFTConfig
+
+    from .models import inputs, randomize_values, tiny_llama
+
+    model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules=["q_proj"], density=0.25))
+    randomize_values(model, scale=0.1)
+    model.save_pretrained(tmp_path)
+    x = inputs()
+    with torch.no_grad():
+        want = PeftModel.from_pretrained(tiny_llama(), tmp_path).merge_and_unload()(x).logits
+    with torch.inference_mode():
+        loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path)
+    with pytest.raises(RuntimeError, match=r"model.layers.0.self_attn.q_proj: the base weight was created under torch.inference_mode"):
+        loaded.merge_adapter()
+    with torch.inference_mode():
+        loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path)
+        assert torch.equal(loaded.merge_and_unload()(x).logits, want)

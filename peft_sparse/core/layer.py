@@ -178,6 +178,12 @@ def add_delta_to_base(
             raise ValueError(f"NaNs detected in the merged weights. The {what} seems to be broken")
         backend.set_base_weight(layer if hasattr(layer, "get_base_layer") else _BareLayer(base), weight)
         return None
+    if base.weight.is_inference() and not torch.is_inference_mode_enabled():
+        where = getattr(layer, "module_name", type(base).__name__)
+        raise RuntimeError(
+            f"{where}: the base weight was created under torch.inference_mode and can only change inside it: "
+            "merge inside `with torch.inference_mode():`, or load the base model outside it"
+        )
     idx = storage_positions(base, indices)
     flat = base.weight.data.view(-1)
     before = flat[idx]
