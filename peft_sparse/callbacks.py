@@ -4,29 +4,80 @@
 accumulation): the scheduler advances on ``on_step_end``, the event the Trainer fires once per
 optimizer step (including a short last step of an epoch), never by counting backward passes.
 Reselection statistics go into the Trainer's logs (``spiel/*``, in ``state.log_history`` and the
-console); the scheduler's state is saved in every checkpoint folder and restored on resume.
+console); the scheduler's state is saved in every checkpoint folder and restored on resume — from the
+checkpoint the Trainer resumes from, wherever it lies: each checkpoint's ``trainer_state.json`` names
+the scheduler state saved with it (a token, also written beside that state, and the folder it went to).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import uuid
 
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from .methods.spiel import SpIELScheduler
 
+_TOKEN_FILE = "spiel_checkpoint.json"
 
-class SpIELCallback(TrainerCallback):
+
+def _token_in(directory: str):
+    try:
+        with open(os.path.join(directory, _TOKEN_FILE)) as f:
+            return json.load(f).get("token")
+    except (OSError, ValueError):
+        return None
+
+
+class SpIELCallback(TrainerCallback, ExportableState):
     def __init__(self):
         self.scheduler: SpIELScheduler | None = None
         self._pending_logs: dict = {}
+        self._output_dir: str | None = None
+        self._step = 0
+        # the scheduler state saved with the Trainer's latest checkpoint: its token and folder
+        self.checkpoint_token: str | None = None
+        self.checkpoint_dir: str | None = None
+
+    def state(self) -> dict:
+        """What the Trainer writes into a checkpoint's ``trainer_state.json`` (it asks right before ``on_save``,
+        which writes the scheduler's state with this token)."""
+        if self._output_dir is not None:
+            self.checkpoint_token = uuid.uuid4().hex
+            self.checkpoint_dir = os.path.abspath(os.path.join(self._output_dir, f"checkpoint-{self._step}"))
+        return {"args": {}, "attributes": {"checkpoint_token": self.checkpoint_token, "checkpoint_dir": self.checkpoint_dir}}
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._output_dir, self._step = args.output_dir, state.global_step
         self.scheduler = SpIELScheduler(model, optimizer, total_steps=state.max_steps)
-        if state.global_step > 0:  # resuming: the Trainer restored global_step from the checkpoint
-            self.scheduler.load(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
+        if state.global_step > 0:  # resuming: the Trainer restored global_step (and its state) from the checkpoint
+            self.scheduler.load(self._resumed_state_dir(args, state))
+
+    def _resumed_state_dir(self, args, state) -> str:
+        """The folder holding the scheduler state saved with the checkpoint the Trainer resumed from: the
+        one its ``trainer_state.json`` names (by token; first where the Trainer would put it, then where
+        it was written). Checkpoints written without a token: the output folder's, as before."""
+        usual = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        saved = (state.stateful_callbacks or {}).get(type(self).__name__)
+        saved = saved[0] if isinstance(saved, list) and saved else saved
+        attributes = saved.get("attributes", {}) if isinstance(saved, dict) else {}
+        token, written = attributes.get("checkpoint_token"), attributes.get("checkpoint_dir")
+        if token is None:
+            return usual
+        candidates = [usual] + ([written] if written else [])
+        for directory in candidates:
+            if _token_in(directory) == token:
+                return directory
+        raise FileNotFoundError(
+            f"SpIELCallback: the SpIEL scheduler state saved with the checkpoint being resumed (step {state.global_step}) "
+            f"is in none of {candidates}: copy that checkpoint's spiel_scheduler.* and {_TOKEN_FILE} files into the "
+            "folder resumed from, or resume from the original checkpoint folder"
+        )
 
     def on_step_end(self, args, state, control, **kwargs):
+        self._step = state.global_step
         stats = self.scheduler.step()
         if stats:
             self._pending_logs.update(stats)
@@ -41,7 +92,10 @@ class SpIELCallback(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         if self.scheduler is not None and state.is_world_process_zero:
-            self.scheduler.save(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
+            directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            self.scheduler.save(directory)
+            with open(os.path.join(directory, _TOKEN_FILE), "w") as f:
+                json.dump({"token": self.checkpoint_token, "global_step": state.global_step}, f)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.scheduler is not None:

@@ -125,8 +125,36 @@ def test_resume_is_bit_identical(stop, tmp_path):
 
     resumed = Trainer(model=_model(), args=_args(tmp_path / "cut", T), train_dataset=_dataset(), callbacks=[SpIELCallback()])
     resumed.train(resume_from_checkpoint=True)
-    got = _snapshot(resumed)
+    _assert_same(want, _snapshot(resumed))
     assert _spiel_callback(resumed).scheduler.t == want_t == T
+    if stop != 6:
+        return
+    # resumed from that checkpoint's path by a run writing elsewhere, whose output folder already holds a
+    # checkpoint of that step from another run (a decoy): the state saved with the resumed checkpoint is found
+    import shutil
+
+    decoy = tmp_path / "elsewhere" / f"checkpoint-{stop}"
+    other = Trainer(
+        model=_model(dropout=0.0), args=_args(tmp_path / "elsewhere", T, save_strategy="steps", save_steps=stop),
+        train_dataset=_dataset(), callbacks=[SpIELCallback(), _StopAt(stop)],
+    )  # fmt: skip
+    other.train()
+    assert (decoy / "spiel_scheduler.json").is_file()
+    resumed = Trainer(model=_model(), args=_args(tmp_path / "elsewhere", T), train_dataset=_dataset(), callbacks=[SpIELCallback()])
+    resumed.train(resume_from_checkpoint=str(saved))
+    _assert_same(want, _snapshot(resumed))
+    # a checkpoint copied elsewhere without its scheduler state: a clear error, not a decoy's state
+    copied = tmp_path / "copied"
+    shutil.copytree(saved, copied)
+    for name in ("spiel_scheduler.json", "spiel_scheduler.safetensors", "spiel_checkpoint.json"):
+        (copied / name).unlink()
+    shutil.rmtree(saved)
+    resumed = Trainer(model=_model(), args=_args(tmp_path / "elsewhere", T), train_dataset=_dataset(), callbacks=[SpIELCallback()])
+    with pytest.raises(FileNotFoundError, match="the SpIEL scheduler state saved with the checkpoint being resumed"):
+        resumed.train(resume_from_checkpoint=str(copied))
+
+
+def _assert_same(want: dict, got: dict) -> None:
     for key in want:
         for a, b in zip(want[key], got[key]):
             if isinstance(a, torch.Tensor):
