@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import time
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -66,13 +67,34 @@ def build_peft_config(method: dict):
     return config_cls(**method)
 
 
+def _type_error(value, kind) -> bool:
+    """Whether ``value`` cannot be a ``kind`` field (int, float or bool; optional: None allowed; others unchecked)."""
+    optional = isinstance(kind, types.UnionType) and type(None) in kind.__args__
+    if optional:
+        if value is None:
+            return False
+        rest = [k for k in kind.__args__ if k is not type(None)]
+        kind = rest[0] if len(rest) == 1 else None
+    if kind is bool:
+        return not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, bool) or not isinstance(value, int)
+    if kind is float:
+        return isinstance(value, bool) or not isinstance(value, (int, float))
+    return False
+
+
 def build_training_args(training: dict):
     from trl import SFTConfig
 
-    names = {f.name for f in dataclasses.fields(SFTConfig)}
-    unknown = sorted(set(training) - names)
+    fields = {f.name: f for f in dataclasses.fields(SFTConfig)}
+    unknown = sorted(set(training) - set(fields))
     if unknown:
         raise ValueError(f"recipe training has fields {unknown} that trl.SFTConfig does not have")
+    for key, value in training.items():  # (SFTConfig checks few types itself: a wrong one fails deep in training)
+        kind = fields[key].type
+        if _type_error(value, kind):
+            raise ValueError(f"recipe training.{key}={value!r} must be {getattr(kind, '__name__', kind)}")
     return SFTConfig(**training)
 
 
@@ -80,12 +102,18 @@ def load_recipe(path_or_mapping, overrides: Optional[dict] = None) -> Recipe:
     """Parse and validate a recipe; ``overrides`` maps 'section.key' to a value (e.g. from the CLI)."""
     if isinstance(path_or_mapping, (str, os.PathLike)):
         path = Path(path_or_mapping)
-        raw = yaml.safe_load(path.read_text())
+        try:
+            raw = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ValueError(f"recipe {path} is not valid YAML: {exc}") from None
     else:
         path, raw = None, dict(path_or_mapping)
     if not isinstance(raw, dict):
         raise ValueError(f"recipe {path} must be a mapping with sections {sorted(SECTIONS)}")
     _check_keys("top level", raw, SECTIONS)
+    for section in SECTIONS:
+        if raw.get(section) is not None and not isinstance(raw[section], dict):
+            raise ValueError(f"recipe section {section!r} must be a mapping of keys to values, got {section}={raw[section]!r}")
     raw = {k: dict(raw.get(k) or {}) for k in SECTIONS}
     for dotted, value in (overrides or {}).items():
         section, _, key = dotted.partition(".")

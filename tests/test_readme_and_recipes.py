@@ -48,6 +48,11 @@ def test_every_recipe_builds_what_it_names(path):
         ({"training": {"learning_rat": 1.0}}, r"fields \['learning_rat'\] that trl.SFTConfig"),
         ({"data": {"train": "nope.jsonl"}}, r"data.train='nope.jsonl' does not exist"),
         ({"method": {"peft_type": "SFT", "density": 2.0}}, "density must be in"),
+        ({"training": {"max_steps": "abc"}}, r"training.max_steps='abc' must be int"),
+        ({"training": {"learning_rate": "fast"}}, r"training.learning_rate='fast' must be float"),
+        ({"training": {"packing": "yes"}}, r"training.packing='yes' must be bool"),
+        ({"training": {"max_length": 1.5}}, r"training.max_length=1.5 must be"),
+        ({"method": 5}, r"section 'method' must be a mapping of keys to values, got method=5"),
     ],
 )
 def test_bad_recipes_name_the_field(bad, message, tmp_path):
@@ -61,6 +66,13 @@ def test_bad_recipes_name_the_field(bad, message, tmp_path):
         base[section] = {**base.get(section, {}), **value} if section in base and section != "method" else value
     with pytest.raises(ValueError, match=message):
         load_recipe(base)
+
+
+def test_recipe_file_that_is_not_yaml(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("model: {source: smollm2-135m-instruct\n")
+    with pytest.raises(ValueError, match=r"broken.yaml is not valid YAML"):
+        load_recipe(path)
 
 
 def test_bundled_data_is_disjoint_and_well_formed():
