@@ -269,6 +269,23 @@ def test_window_candidates_follow_the_candidate_ratio(block_shape):
         assert scheduler.statistics[layer.module_name].num_candidate_units == min(math.ceil(1.5 * n), layer.numel // unit)
 
 
+def test_stepping_past_total_steps_warns_once():
+    """The schedule ends at total_steps: a step past it warns once, and no reselection happens after it."""
+    model = _spiel()
+    scheduler = SpIELScheduler(model, _optimizer(model, "ag"), total_steps=3)
+    for _ in range(3):
+        scheduler.step()
+    indices = [layer.sparse_indices["default"].clone() for layer in model.modules() if isinstance(layer, SparseLayer)]
+    with pytest.warns(UserWarning, match=r"step 4 is past total_steps=3"):
+        scheduler.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(30):
+            assert scheduler.step() == {}
+    after = [layer.sparse_indices["default"] for layer in model.modules() if isinstance(layer, SparseLayer)]
+    assert all(torch.equal(a, b) for a, b in zip(indices, after))
+
+
 def test_bad_scheduler_arguments():
     model = _spiel()
     opt = _optimizer(model, "ag")

@@ -1070,6 +1070,11 @@ class SpIELScheduler:
         """Advance to the next optimizer step; returns reselection statistics when one happened."""
         self.t += 1
         t, c = self.t, self.config
+        if t == self.total_steps + 1:  # (once: the schedule ends at total_steps, training may go on with fixed indices)
+            warnings.warn(
+                f"SpIELScheduler: step {t} is past total_steps={self.total_steps}; the schedule has ended and the "
+                "indices stay as they are from here on (set total_steps to the number of optimizer steps)"
+            )
         if self.statistics:
             self._end_window_step()
         self.last_statistics = {}
