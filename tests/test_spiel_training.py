@@ -391,6 +391,19 @@ def test_the_guard_idles_while_a_scheduler_lives_and_a_copy_gets_its_own():
             _loss(model, _batch(step)).backward()
     assert len([w for w in caught if "no SpIELScheduler attached" in str(w.message)]) == 1
 
+    # a scheduler closed (as the Trainer callback closes it at the end of training) stops driving the adapter
+    # while it is still held: training on without one is watched again
+    guard.warned = False
+    held = SpIELScheduler(model, opt, total_steps=20)
+    assert guard.idle
+    held.close()
+    assert not guard.idle and guard.scheduler is None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            _loss(model, _batch(step)).backward()
+    assert len([w for w in caught if "no SpIELScheduler attached" in str(w.message)]) == 1 and held is not None
+
 
 def test_state_dict_round_trip_inside_a_window():
     model = _spiel(reselection_steps=6, gradient_estimation_steps=3)

@@ -131,6 +131,12 @@ class _UnscheduledTrainingGuard:
         if self.scheduler is None or self.scheduler() is None:  # (not while a newer scheduler lives)
             self.idle = False
 
+    def detach(self, scheduler) -> None:
+        """``scheduler`` stopped driving the adapter (closed, e.g. at the end of a Trainer run): training on
+        from here counts again, from zero."""
+        if self.scheduler is not None and self.scheduler() is scheduler:
+            self.scheduler, self.idle, self.forwards, self._counted_layer = None, False, 0, None
+
     def __getstate__(self):
         return {**self.__dict__, "scheduler": None, "idle": False, "_counted_layer": None}
 
@@ -1022,7 +1028,7 @@ class SpIELScheduler:
         self._arm_if_window(1)
 
     def _attach_guard(self, tuner) -> None:
-        guard = tuner.__dict__.get("_guard") if isinstance(tuner, SpIELModel) else None
+        guard = self._guard = tuner.__dict__.get("_guard") if isinstance(tuner, SpIELModel) else None
         if guard is not None:
             guard.attach(self)
 
@@ -1059,11 +1065,14 @@ class SpIELScheduler:
         self.steps_in_window = 0
 
     def close(self) -> None:
-        """Stop feeding statistics and remove the hooks (e.g. at the end of training)."""
+        """Stop feeding statistics and remove the hooks (e.g. at the end of training); training the adapter on
+        without a scheduler is watched again (the unscheduled-training warning)."""
         self._disarm()
         if self.seeding is not None:
             self.seeding.pending = {}
             self.seeding.remove()
+        if self._guard is not None:
+            self._guard.detach(self)
 
     # -- the loop
     def step(self) -> dict:
