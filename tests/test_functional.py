@@ -2,13 +2,17 @@
 
 import pytest
 import torch
+from peft import PeftModel, get_peft_model
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from peft_sparse import SparseFTConfig
 from peft_sparse.core import kernels
 from peft_sparse.core.functional import sparse_delta_linear
 from peft_sparse.core.layer import SparseLinear
-from peft_sparse.core.selection import random_indices
+from peft_sparse.core.selection import BlockGrid, random_indices
+
+from .models import MODELS, inputs, randomize_values, sparse_layers, tiny_llama
 
 
 def _dense_reference(x, weight, bias, indices, values):
@@ -476,12 +480,6 @@ def test_forward_under_inference_mode_equals_no_grad(name, block_shape):
     training and in eval mode, gives the bits of the same pass under ``torch.no_grad``; training passes
     before and after it agree with each other; an inference tensor fed to a pass that autograd tracks
     fails with torch's own error, as ``nn.Linear`` does."""
-    from peft import get_peft_model
-
-    from peft_sparse import SparseFTConfig
-
-    from .models import MODELS, inputs, randomize_values, sparse_layers
-
     build, targets, logits = MODELS[name]
     model = get_peft_model(build(), SparseFTConfig(target_modules=targets, density=0.25, block_shape=block_shape))
     randomize_values(model, scale=0.05)
@@ -512,12 +510,6 @@ def test_double_backward_is_refused(merge):
     """A backward pass that builds a graph (``create_graph=True``, e.g. a gradient penalty) through a sparse
     layer is refused with a clear error — on the first pass, on a steady pass of a layer merged in place and
     on the transient path — instead of giving second derivatives that miss the adapter's dependence."""
-    from peft import get_peft_model
-
-    from peft_sparse import SparseFTConfig
-
-    from .models import randomize_values, sparse_layers
-
     torch.manual_seed(0)
     model = get_peft_model(nn.Sequential(nn.Linear(8, 6)), SparseFTConfig(target_modules=["0"], density=0.5))
     randomize_values(model, scale=0.3)
@@ -535,21 +527,19 @@ def test_double_backward_is_refused(merge):
         optimizer.zero_grad()
 
 
+def _saved_adapter(path, config) -> torch.Tensor:
+    """Save a tiny Llama's adapter of ``config`` with random non-zero values to ``path``; returns inputs for it."""
+    model = get_peft_model(tiny_llama(), config)
+    randomize_values(model, scale=0.1)
+    model.save_pretrained(path)
+    return inputs()
+
+
 def test_block_adapter_loaded_under_inference_mode(tmp_path):
     """A block adapter created or loaded under ``torch.inference_mode`` (its indices inference tensors, which
     have no version counter) runs inside and outside inference mode with the outputs of one loaded normally,
     and its block layout follows an in-place edit of its indices made inside inference mode."""
-    from peft import PeftModel, get_peft_model
-
-    from peft_sparse import SparseFTConfig
-    from peft_sparse.core.selection import BlockGrid
-
-    from .models import inputs, randomize_values, sparse_layers, tiny_llama
-
-    model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules="all-linear", density=0.25, block_shape=(4, 4)))
-    randomize_values(model, scale=0.1)
-    model.save_pretrained(tmp_path)
-    x = inputs()
+    x = _saved_adapter(tmp_path, SparseFTConfig(target_modules="all-linear", density=0.25, block_shape=(4, 4)))
     with torch.no_grad():
         want = PeftModel.from_pretrained(tiny_llama(), tmp_path).eval()(x).logits
     with torch.inference_mode():
@@ -572,16 +562,7 @@ def test_block_adapter_loaded_under_inference_mode(tmp_path):
 def test_merging_into_a_base_made_under_inference_mode(tmp_path):
     """A base model loaded under ``torch.inference_mode`` merges an adapter inside inference mode (the same
     outputs as merging a normally loaded one) and refuses to outside it with a clear error naming the module."""
-    from peft import PeftModel, get_peft_model
-
-    from peft_sparse import SparseFTConfig
-
-    from .models import inputs, randomize_values, tiny_llama
-
-    model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules=["q_proj"], density=0.25))
-    randomize_values(model, scale=0.1)
-    model.save_pretrained(tmp_path)
-    x = inputs()
+    x = _saved_adapter(tmp_path, SparseFTConfig(target_modules=["q_proj"], density=0.25))
     with torch.no_grad():
         want = PeftModel.from_pretrained(tiny_llama(), tmp_path).merge_and_unload()(x).logits
     with torch.inference_mode():

@@ -528,7 +528,8 @@ class _NF4Rebuild:
         self.plan, self.base = plan, base
         self.weight = base.weight
         self.weight_ptr, self.state, self.compute = self.weight.data_ptr(), self.weight.quant_state, getattr(base, "compute_dtype", None)
-        self.indices, self.indices_key, self.starts = indices, (indices.data_ptr(), indices.numel(), indices._version), starts
+        # (address, version, size): the key of SparseLayer._nf4_starts' cache, which the refresh below updates
+        self.indices, self.indices_key, self.starts = indices, (indices.data_ptr(), indices._version, indices.numel()), starts
         self.values_key = (values.data_ptr(), values.numel(), values.dtype)
         self.shape, self.dtype, self.device = merged.shape, merged.dtype, merged.device
 
@@ -540,7 +541,7 @@ class _NF4Rebuild:
         key = self.indices_key
         if (
             (dtype is not None and dtype != self.dtype)
-            or indices is not self.indices or indices.data_ptr() != key[0] or indices.numel() != key[1]
+            or indices is not self.indices or indices.data_ptr() != key[0] or indices.numel() != key[2]
             or (values.data_ptr(), values.numel(), values.dtype) != self.values_key
             or (layer._modules["base_layer"] is not base and layer.get_base_layer() is not base)
             or base._parameters.get("weight") is not weight or weight.quant_state is not self.state
@@ -548,13 +549,14 @@ class _NF4Rebuild:
         ):  # fmt: skip
             return None
         starts = self.starts
-        if indices._version != key[2]:  # rewritten in place: the slices follow (what the full path would compute)
+        if indices._version != key[1]:  # rewritten in place: the slices follow (what the full path would compute)
             if starts is not None:
                 if starts.is_inference() and not torch.is_inference_mode_enabled():
                     return None  # (planned under torch.inference_mode: its slices cannot be rewritten outside it)
                 kernels.nf4_compose_starts(indices, layer.numel, out=starts)
-                layer._nf4_starts_cache = (weakref.ref(indices), (key[0], indices._version, key[1]), starts)
-            self.indices_key = (key[0], key[1], indices._version)
+            self.indices_key = key = (key[0], indices._version, key[2])
+            if starts is not None:
+                layer._nf4_starts_cache = (weakref.ref(indices), key, starts)
         merged = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         return merged if self.plan(merged) else None
 
