@@ -1,6 +1,9 @@
-"""Generate the bundled instruction sample: short, checkable skills with one exact answer each.
+"""Generate the bundled instruction samples: short, checkable skills with one exact answer each.
 
-    python recipes/data/make_skills.py          # rewrites skills_train.jsonl and skills_test.jsonl
+    python recipes/data/make_skills.py          # rewrites skills_*.jsonl and skills2_*.jsonl
+
+Two sets with different skills: ``skills`` (the main job's task) and ``skills2`` (a second task of the
+quality benchmark, ``benchmarks/quality.py``).
 
 Each line is a TRL prompt–completion conversation plus the skill name and the exact answer:
 {"prompt": [{"role": "user", ...}], "completion": [{"role": "assistant", ...}], "skill": ..., "answer": ...}
@@ -83,6 +86,50 @@ def alphabetical(rng):
 
 SKILLS = {f.__name__: f for f in (addition, uppercase, antonym, successor, capital, count_words, first_letter, alphabetical)}
 
+# ------------------------------------------------------------------ the second set (skills2)
+def subtraction(rng):
+    a, b = rng.randint(30, 99), rng.randint(10, 29)
+    return f"What is {a} - {b}? Answer with the number only.", str(a - b)
+
+
+def predecessor(rng):
+    n = rng.randint(12, 999)
+    return f"Which number comes right before {n}? Answer with the number only.", str(n - 1)
+
+
+def last_letter(rng):
+    w = rng.choice(WORDS)
+    return f"What is the last letter of the word '{w}'? Answer with the letter only.", w[-1]
+
+
+def double(rng):
+    n = rng.randint(6, 499)
+    return f"What is double {n}? Answer with the number only.", str(2 * n)
+
+
+def larger(rng):
+    a, b = rng.sample(range(100, 1000), 2)
+    return f"Which number is larger: {a} or {b}? Answer with the number only.", str(max(a, b))
+
+
+def times_ten(rng):
+    n = rng.randint(2, 999)
+    return f"What is {n} times 10? Answer with the number only.", str(10 * n)
+
+
+def capitalized(rng):
+    w = rng.choice(WORDS)
+    return f"Write the word '{w}' with a capital first letter. Answer with the word only.", w.capitalize()
+
+
+def word_repeat(rng):
+    w, n = rng.choice(WORDS), rng.randint(2, 3)
+    return f"Write the word '{w}' {n} times, separated by spaces. Answer with the words only.", " ".join([w] * n)
+
+
+SKILLS2 = {f.__name__: f for f in (subtraction, predecessor, last_letter, double, larger, times_ten, capitalized, word_repeat)}
+SETS = {"skills": (SKILLS, 50, 10, 2024), "skills2": (SKILLS2, 50, 25, 2025)}  # skills, train/test items per skill, seed
+
 
 def example(skill: str, prompt: str, answer: str) -> dict:
     return {
@@ -93,10 +140,12 @@ def example(skill: str, prompt: str, answer: str) -> dict:
     }
 
 
-def generate(per_skill_train: int = 50, per_skill_test: int = 10, seed: int = 2024) -> tuple[list, list]:
+def generate(per_skill_train: int = 50, per_skill_test: int = 10, seed: int = 2024, skills: dict = SKILLS) -> tuple[list, list]:
+    """Held-out items first, then training items, per skill; no prompt appears twice. A skill with few
+    distinct prompts (capitals) gets fewer training items."""
     rng = random.Random(seed)
     train, test, seen = [], [], set()
-    for skill, make in SKILLS.items():
+    for skill, make in skills.items():
         for split, n in ((test, per_skill_test), (train, per_skill_train)):
             made, attempts = 0, 0
             while made < n and attempts < 10_000:
@@ -118,8 +167,9 @@ def write(rows: list, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    train, test = generate()
-    assert not {r["prompt"][0]["content"] for r in train} & {r["prompt"][0]["content"] for r in test}
-    write(train, HERE / "skills_train.jsonl")
-    write(test, HERE / "skills_test.jsonl")
-    print(f"{len(train)} training and {len(test)} held-out examples over {len(SKILLS)} skills")
+    for name, (skills, n_train, n_test, seed) in SETS.items():
+        train, test = generate(n_train, n_test, seed, skills)
+        assert not {r["prompt"][0]["content"] for r in train} & {r["prompt"][0]["content"] for r in test}
+        write(train, HERE / f"{name}_train.jsonl")
+        write(test, HERE / f"{name}_test.jsonl")
+        print(f"{name}: {len(train)} training and {len(test)} held-out examples over {len(skills)} skills")
