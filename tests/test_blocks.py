@@ -7,7 +7,7 @@ from peft import PeftModel, get_peft_model
 from peft_sparse import SM3, SparseFTConfig, SpIELConfig, SpIELScheduler
 from peft_sparse.core import kernels
 from peft_sparse.core.selection import BlockGrid
-from peft_sparse.methods.spiel import reselect_ag, reselect_ma
+from peft_sparse.methods.spiel.selection import reselect_ag, reselect_ma
 
 from .models import inputs, randomize_values, sparse_layers, tiny_llama
 
@@ -179,7 +179,7 @@ def test_block_ag_window_gathers_candidate_gradients_with_the_block_kernel(monke
     block kernel, not a dense dW: the same statistics (up to summation order) and the same reselection,
     one dense dW per layer and window."""
     from peft_sparse.core import kernels
-    from peft_sparse.methods import spiel
+    from peft_sparse.methods.spiel import statistics as spiel
 
     def run(sparse_windows: bool):
         if not sparse_windows:
@@ -227,7 +227,7 @@ def test_block_ag_window_gathers_candidate_gradients_with_the_block_kernel(monke
 def test_candidate_slots_formula_matches_a_search():
     """Element (i, j) of each candidate block at its place in the ascending flat candidates: the
     O(blocks) formula == searching every element, for rows with one, several or no candidate blocks."""
-    from peft_sparse.methods.spiel import _WindowStatistics
+    from peft_sparse.methods.spiel.statistics import _WindowStatistics
 
     for shape, block, units in (((8, 12), (2, 3), [0, 1, 3, 5, 6, 7]), ((6, 8), (3, 4), [1, 2]), ((4, 8), (1, 4), [0, 1, 3, 6, 7])):
         grid = BlockGrid(*shape, block)
@@ -243,7 +243,7 @@ def test_window_first_step_picks_the_top_blocks_by_float32_gradient_sums():
     """Hand-built ∂L/∂W: the candidates are the K blocks of largest Σ|g| (ties → lower block number),
     in ascending element order, with this micro-batch's gradients there; the window sums come at the
     step's end."""
-    from peft_sparse.methods.spiel import _WindowStatistics
+    from peft_sparse.methods.spiel.statistics import _WindowStatistics
 
     grid = BlockGrid(4, 6, (2, 2))  # 2 × 3 blocks
     dense = torch.zeros(4, 6, dtype=torch.bfloat16)
@@ -271,7 +271,7 @@ def test_window_first_step_picks_the_top_blocks_by_float32_gradient_sums():
 def test_window_first_step_picks_the_top_weights_by_gradient_magnitude():
     """Unstructured: the K weights of largest |g| (ties → lower flat index), ascending, with this
     micro-batch's gradients there."""
-    from peft_sparse.methods.spiel import _WindowStatistics
+    from peft_sparse.methods.spiel.statistics import _WindowStatistics
 
     dense = torch.tensor([[0.5, -2.0, 0.0, 1.0], [-1.0, 0.25, 1.0, -0.0]], dtype=torch.bfloat16)
     stats = _WindowStatistics(3, BlockGrid(2, 4))

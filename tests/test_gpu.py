@@ -77,7 +77,8 @@ def test_batched_reselection_on_cuda_equals_per_tensor(growth, block):
     """The batched drop/grow on a GPU (sorts, binary searches, threshold counting) gives what the
     plain per-tensor functions give on the same GPU."""
     from peft_sparse.core.selection import BlockGrid
-    from peft_sparse.methods.spiel import TensorReselection, reselect_ag, reselect_all, reselect_ma
+    from peft_sparse.methods.spiel.batched import TensorReselection, reselect_all
+    from peft_sparse.methods.spiel.selection import reselect_ag, reselect_ma
 
     g = torch.Generator().manual_seed(0)
     items_cpu = []

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from peft_sparse.core.selection import BlockGrid
-from peft_sparse.methods.spiel import (
-    _top_k_row_col_products_chunked, reselect_ag, reselect_ma, top_k_positions, top_k_row_col_products,
-)
+from peft_sparse.core.selection import top_k_positions
+from peft_sparse.methods.spiel.rank_one import _top_k_row_col_products_chunked, top_k_row_col_products
+from peft_sparse.methods.spiel.selection import reselect_ag, reselect_ma
 from peft_sparse.schedules.reselection import in_estimation_window, is_reselection_step, replacement_count
 
 
@@ -124,7 +124,7 @@ def test_reselection_steps_and_windows():
 
 
 def test_top_k_set_agrees_with_the_ordered_top_k_including_ties():
-    from peft_sparse.methods.spiel import top_k_set
+    from peft_sparse.core.selection import top_k_set
 
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
@@ -144,7 +144,7 @@ def _brute_force_row_col_top_k(row_acc, col_acc, excluded, k):
 
 def _count_fallbacks(monkeypatch) -> list:
     """Spy on the exact chunked scan that the threshold path falls back to."""
-    import peft_sparse.methods.spiel as spiel
+    import peft_sparse.methods.spiel.rank_one as spiel
 
     calls = []
     exact = spiel._top_k_row_col_products_chunked
@@ -191,7 +191,7 @@ def test_rank_one_path_gives_up_on_zero_scores_and_the_fallback_is_exact(monkeyp
 
 def _random_tensor_reselection(g, out_f, in_f, block, density, growth, ties):
     from peft_sparse.core.selection import BlockGrid
-    from peft_sparse.methods.spiel import TensorReselection
+    from peft_sparse.methods.spiel.batched import TensorReselection
 
     grid = BlockGrid(out_f, in_f, block)
     n_units = max(2, int(grid.numel * density))
@@ -229,7 +229,8 @@ def test_reselect_all_equals_reselecting_each_tensor(growth, block, density, tie
     indices, sources, candidate rows, dropped counts, new blocks and their layouts (block tensors work
     on blocks only), and the count of weights not active before (a dropped block grown again is none)."""
     from peft_sparse.core.kernels import BlockLayout
-    from peft_sparse.methods.spiel import _isin_sorted, reselect_all
+    from peft_sparse.core.selection import isin_sorted as _isin_sorted
+    from peft_sparse.methods.spiel.batched import reselect_all
 
     g = torch.Generator().manual_seed(7)
     shapes = [(8, 16), (16, 8), (8, 16), (24, 32), (8, 8)]
@@ -271,7 +272,7 @@ def test_reselect_all_equals_reselecting_each_tensor(growth, block, density, tie
 
 
 def test_reselect_all_flags_a_shortfall_and_a_nan_score():
-    from peft_sparse.methods.spiel import TensorReselection, reselect_all
+    from peft_sparse.methods.spiel.batched import TensorReselection, reselect_all
 
     grid = BlockGrid(2, 4)
     make = lambda cands, score: TensorReselection(  # noqa: E731
@@ -289,7 +290,7 @@ def test_reselect_all_flags_a_shortfall_and_a_nan_score():
 def test_reselect_all_flags_a_shortfall_of_candidate_blocks():
     """Block tensors: too few eligible candidate blocks, or a NaN among a candidate block's scores, lower
     that tensor's flag (its result is then discarded for the checked path); the others' are unharmed."""
-    from peft_sparse.methods.spiel import TensorReselection, reselect_all
+    from peft_sparse.methods.spiel.batched import TensorReselection, reselect_all
 
     grid = BlockGrid(4, 8, (2, 2))  # 2 × 4 blocks
     active = torch.tensor([1, 2, 3, 4])
@@ -313,7 +314,7 @@ def test_reselect_all_flags_a_shortfall_of_candidate_blocks():
 
 def test_rank_one_counts_in_tensor_chunks_give_the_same_growth(monkeypatch):
     """The batched threshold search bounds its memory by counting a few tensors at a time."""
-    import peft_sparse.methods.spiel as spiel
+    import peft_sparse.methods.spiel.rank_one as spiel
 
     monkeypatch.setattr(spiel, "_COUNT_CHUNK", 40)  # one tensor per chunk
     test_reselect_all_equals_reselecting_each_tensor("ma", (1, 1), 0.3, False)
@@ -325,7 +326,7 @@ def test_window_steps_of_many_tensors_end_as_each_would_alone():
     the same sums, bit for bit, as ending each tensor's step on its own; unarmed statistics are skipped.
     The window's first end allocates the sums of all tensors of a dtype in one buffer."""
     from peft_sparse.core.selection import BlockGrid
-    from peft_sparse.methods.spiel import _end_steps, _WindowStatistics
+    from peft_sparse.methods.spiel.statistics import _end_steps, _WindowStatistics
 
     g = torch.Generator().manual_seed(0)
     batched, alone = [], []

@@ -532,7 +532,7 @@ def test_a_nan_window_gradient_raises_at_the_reselection_with_the_adapter_untouc
 def test_a_shortfall_is_reselected_tensor_by_tensor_and_reported():
     """Too few eligible candidates (impossible with SpIEL's own K ≥ d_φ, so forced here) send the
     reselection down the checked per-tensor path: the result equals reselect_ag's, and is reported."""
-    from peft_sparse.methods.spiel import reselect_ag
+    from peft_sparse.methods.spiel.selection import reselect_ag
 
     model = _spiel("ag")
     opt = _optimizer(model, "ag")

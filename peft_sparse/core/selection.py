@@ -188,3 +188,32 @@ def segmented_rank(keys: torch.Tensor, segment: torch.Tensor, starts: torch.Tens
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=order.device) - starts[segment[order]]
     return rank
+
+def top_k_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Element numbers of the k largest ``scores``, ordered by (score desc, element number asc).
+
+    Ties go to the lowest element number: callers pass scores in ascending flat-index order, so this
+    is the "ties break by lowest flat index" rule. Scores are non-negative (negative values, e.g. a
+    −inf mask, rank below all of them). Each score and its element number are packed into one int64
+    key — non-negative float32 bit patterns order like the floats — so one ``topk`` resolves ties
+    deterministically, with no host synchronisation (it runs inside backward passes).
+    """
+    n = scores.numel()
+    k = min(k, n)
+    if k <= 0:
+        return torch.empty(0, dtype=torch.long, device=scores.device)
+    if n >= 2**32:
+        return torch.sort(scores.reshape(-1), descending=True, stable=True).indices[:k]
+    bits = scores.reshape(-1).float().view(torch.int32).to(torch.int64)
+    low = 0xFFFFFFFF - torch.arange(n, device=scores.device, dtype=torch.int64)  # lower element number → larger key
+    keys = torch.topk((bits << 32) | low, k, sorted=True).values
+    return 0xFFFFFFFF - (keys & 0xFFFFFFFF)
+
+
+def isin_sorted(values: torch.Tensor, sorted_set: torch.Tensor) -> torch.Tensor:
+    """Which ``values`` are in ``sorted_set`` (ascending, distinct): a binary search, O(len) memory."""
+    if sorted_set.numel() == 0:
+        return torch.zeros(values.shape, dtype=torch.bool, device=values.device)
+    values = values.long()
+    pos = torch.searchsorted(sorted_set.long(), values).clamp_(max=sorted_set.numel() - 1)
+    return sorted_set.long()[pos] == values

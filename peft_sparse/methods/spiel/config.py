@@ -1,0 +1,62 @@
+"""SpIEL's configuration (PEFT type ``"SPIEL"``): thesis §7.3, §7.4.3, Table 7.1."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from peft.utils import PeftType
+
+from ...core.config import SparseConfig
+
+
+@dataclass
+class SpIELConfig(SparseConfig):
+    """Configuration of SpIEL (PEFT type ``"SPIEL"``); train it with :class:`SpIELCallback` or :class:`SpIELScheduler`.
+
+    The paper's settings (thesis §7.4.3, Table 7.1, Llama-2): S=20, ξ=0.2, γ=5, K_i=d_φ(i); AdamW with
+    lr 1e-4 and decoupled weight decay λ=30 for AG (7b and 13b); SM3 with lr 1e-3 and λ=0.3 (7b) or
+    lr 4e-4 and λ=0 (13b) for MA. λ is the optimizer's ``weight_decay``.
+    """
+
+    growth: str = field(default="ag", metadata={"help": "'ag' (accumulated gradients, Alg. 2) or 'ma' (SM3 momentum approximation, Alg. 3)."})
+    reselection_steps: int = field(default=20, metadata={"help": "S: optimizer steps between reselections."})
+    initial_reselection_rate: float = field(default=0.2, metadata={"help": "ξ in (0, 1]: fraction of d_φ(i) replaced at t=γ+S, decaying to 0 at T."})
+    gradient_estimation_steps: int = field(default=5, metadata={"help": "γ: optimizer steps in an AG gradient-estimation window (0 < γ < S); the first reselection is at t=γ."})
+    candidate_ratio: float = field(default=1.0, metadata={"help": "K_i = ceil(candidate_ratio·d_φ(i)) growth candidates per tensor (AG), ≥ 1."})
+    schedule: str = field(default="linear", metadata={"help": "'linear' (Eq. 7.6) or 'cosine' (Eq. E.1) decay of k(t)."})
+    init: str = field(default="random", metadata={"help": "'random' (the paper's initial η) or 'external' (indices from a saved adapter)."})
+
+    init_choices: ClassVar[tuple[str, ...]] = ("random",)
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.peft_type = PeftType.SPIEL
+        if self.growth not in ("ag", "ma"):
+            raise ValueError(f"growth must be 'ag' or 'ma', got growth={self.growth!r}")
+        for name in ("reselection_steps", "gradient_estimation_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {name}={value!r}")
+        if self.gradient_estimation_steps >= self.reselection_steps:
+            raise ValueError(
+                f"gradient_estimation_steps must be smaller than reselection_steps, got "
+                f"gradient_estimation_steps={self.gradient_estimation_steps} and reselection_steps={self.reselection_steps}"
+            )
+        for name in ("initial_reselection_rate", "candidate_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {name}={value!r}")
+        if not 0.0 < self.initial_reselection_rate <= 1.0:
+            raise ValueError(f"initial_reselection_rate must be in (0, 1], got initial_reselection_rate={self.initial_reselection_rate!r}")
+        if not self.candidate_ratio >= 1.0:
+            raise ValueError(f"candidate_ratio must be >= 1, got candidate_ratio={self.candidate_ratio!r}")
+        if self.schedule not in ("linear", "cosine"):
+            raise ValueError(f"schedule must be 'linear' or 'cosine', got schedule={self.schedule!r}")
+
+    def trainer_callbacks(self) -> list:
+        """Callbacks a Trainer needs to train this adapter."""
+        from ..callbacks import SpIELCallback
+
+        return [SpIELCallback()]

@@ -1,0 +1,456 @@
+"""``SpIELScheduler``: when SpIEL reselects, and the edits of one reselection."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from ...core import kernels
+from ...core.layer import SparseLayer, release_training_merges, reseat_training_merges
+from ...core.selection import BlockGrid
+from ...core.tuner import SparseTuner
+from ...optim.sm3 import SM3
+from ...optim.surgery import check_supported, reindex_optimizer_states
+from ...schedules.reselection import in_estimation_window, is_reselection_step, replacement_count
+from .batched import AllReselections, TensorReselection, _starts, reselect_all
+from .config import SpIELConfig
+from .model import SpIELModel
+from .seeding import DeferredSeeding
+from .selection import reselect_ag
+from .statistics import _WindowStatistics, _end_steps, distributed
+
+
+
+def _find_spiel_adapter(model, adapter_name: Optional[str]):
+    inner = model
+    while not hasattr(inner, "peft_config") and hasattr(inner, "module"):
+        inner = inner.module  # DDP and similar wrappers
+    configs = getattr(inner, "peft_config", {}) or {}
+    spiel = {name: c for name, c in configs.items() if isinstance(c, SpIELConfig)}
+    if not spiel:
+        raise ValueError("SpIELScheduler needs a model with a SpIEL adapter (get_peft_model(model, SpIELConfig(...))); found none")
+    if adapter_name is None:
+        active = getattr(inner, "active_adapters", None) or list(spiel)
+        active = [a for a in active if a in spiel]
+        if len(active) != 1:
+            raise ValueError(f"SpIELScheduler: pass adapter_name; active SpIEL adapters are {active or sorted(spiel)}")
+        adapter_name = active[0]
+    if adapter_name not in spiel:
+        raise ValueError(f"SpIELScheduler: adapter_name={adapter_name!r} is not a SpIEL adapter; SpIEL adapters: {sorted(spiel)}")
+    tuner = getattr(inner, "base_model", inner)
+    return inner, tuner, adapter_name, spiel[adapter_name]
+
+
+def _candidate_units(item: TensorReselection) -> int:
+    """How many candidate units (weights, or blocks) an AG tensor's window chose."""
+    if item.grid.unit > 1 and item.candidate_units is not None:
+        return item.candidate_units.numel()
+    return item.candidates.numel() // item.grid.unit
+
+
+@dataclass
+class _GroupEdit:
+    """What :meth:`SpIELScheduler._apply_all` did to a group of tensors: its report sums (device: age of
+    the dropped, age of the kept, indices not active before), counts, and how to undo what a failed
+    condition left (block layouts, seeds, merges set up anew)."""
+
+    sums: torch.Tensor
+    replaced: int
+    shortfall: int
+    undo: Callable[[], None]
+
+
+class SpIELScheduler:
+    """Drives SpIEL's reselections from optimizer steps; works with any training loop.
+
+    Call :meth:`step` once after every optimizer step (t = 1 … ``total_steps``). It arms the dense-
+    gradient seam of the adapted layers for the backward passes of estimation-window steps (AG),
+    reselects at t = γ, γ+S, … and edits values, indices, ages and optimizer state in place. The
+    optimizer must hold the adapter's values: ``torch.optim.AdamW``/``Adam`` (not amsgrad) or
+    :class:`peft_sparse.SM3` for AG, :class:`peft_sparse.SM3` for MA.
+    """
+
+    def __init__(self, model, optimizer, total_steps: int, adapter_name: Optional[str] = None):
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0:
+            raise ValueError(f"total_steps must be a positive integer, got total_steps={total_steps!r}")
+        self.model, tuner, self.adapter_name, self.config = _find_spiel_adapter(model, adapter_name)
+        self.total_steps = total_steps
+        self.optimizer = check_supported(optimizer)
+        if self.config.growth == "ma" and not isinstance(self.optimizer, SM3):
+            raise TypeError(
+                f"SpIEL-MA (growth='ma') ranks growth by SM3's accumulators and needs peft_sparse.SM3, "
+                f"got optimizer {type(self.optimizer).__name__}"
+            )
+        self.layers = [m for m in self.model.modules() if isinstance(m, SparseLayer) and self.adapter_name in m.sparse_values]
+        held = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        missing = [m.module_name for m in self.layers if id(m.sparse_values[self.adapter_name]) not in held]
+        if missing:
+            raise ValueError(f"the optimizer does not hold the SpIEL values of {missing[:3]}{'…' if len(missing) > 3 else ''}")
+        self.t = 0
+        self.steps_in_window = 0
+        self.statistics: dict[str, _WindowStatistics] = {}
+        self.seeding = DeferredSeeding(self.optimizer, [m.sparse_values[self.adapter_name] for m in self.layers]) if self.uses_windows else None
+        self.last_statistics: dict = {}
+        self._attach_guard(tuner)
+        self._arm_if_window(1)
+
+    def _attach_guard(self, tuner) -> None:
+        guard = self._guard = tuner.__dict__.get("_guard") if isinstance(tuner, SpIELModel) else None
+        if guard is not None:
+            guard.attach(self)
+
+    def __setstate__(self, state: dict) -> None:
+        # a copy (deepcopy, pickling) drives its copy of the model: its guard is this scheduler's
+        self.__dict__.update(state)
+        self._attach_guard(_find_spiel_adapter(self.model, self.adapter_name)[1])
+
+    # -- windows
+    @property
+    def uses_windows(self) -> bool:
+        return self.config.growth == "ag"
+
+    def _in_window(self, t: int) -> bool:
+        c = self.config
+        return self.uses_windows and in_estimation_window(t, c.reselection_steps, c.gradient_estimation_steps, self.total_steps)
+
+    def _arm_if_window(self, next_t: int) -> None:
+        if self._in_window(next_t) and not self.statistics:
+            for layer in self.layers:
+                values = layer.sparse_values[self.adapter_name]
+                dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
+                grid = SparseTuner.grid(self.config, layer)
+                num_units = math.ceil(self.config.candidate_ratio * (values.numel() // grid.unit))  # K = ⌈ratio·d_φ⌉ (in units)
+                stats = _WindowStatistics(min(grid.numel, num_units), grid, dtype)
+                self.statistics[layer.module_name] = stats
+                layer.dense_grad_consumer = stats
+            self.steps_in_window = 0
+
+    def _disarm(self) -> None:
+        for layer in self.layers:
+            layer.dense_grad_consumer = None
+        self.statistics = {}
+        self.steps_in_window = 0
+
+    def close(self) -> None:
+        """Stop feeding statistics and remove the hooks (e.g. at the end of training); training the adapter on
+        without a scheduler is watched again (the unscheduled-training warning)."""
+        self._disarm()
+        if self.seeding is not None:
+            self.seeding.pending = {}
+            self.seeding.remove()
+        if self._guard is not None:
+            self._guard.detach(self)
+
+    # -- the loop
+    def step(self) -> dict:
+        """Advance to the next optimizer step; returns reselection statistics when one happened."""
+        self.t += 1
+        t, c = self.t, self.config
+        if t == self.total_steps + 1:  # (once: the schedule ends at total_steps, training may go on with fixed indices)
+            warnings.warn(
+                f"SpIELScheduler: step {t} is past total_steps={self.total_steps}; the schedule has ended and the "
+                "indices stay as they are from here on (set total_steps to the number of optimizer steps)"
+            )
+        if self.statistics:
+            self._end_window_step()
+        self.last_statistics = {}
+        if is_reselection_step(t, c.reselection_steps, c.gradient_estimation_steps, self.total_steps):
+            self.last_statistics = self._reselect(t)
+            self._disarm()
+        self._arm_if_window(t + 1)
+        return self.last_statistics
+
+    def _end_window_step(self) -> None:
+        if distributed():
+            live = [s for s in self.statistics.values() if s.candidates is not None]
+            if live:
+                flat = torch.cat([s.step_sum for s in live])
+                dist.all_reduce(flat)
+                flat /= dist.get_world_size()
+                for s, part in zip(live, flat.split([s.step_sum.numel() for s in live])):
+                    s.step_sum.copy_(part)
+        if self.steps_in_window == 0:  # candidates chosen: their block kernel's plans, all layers at once —
+            # and the values' plans for the later steps, where both kernels may form X from two factors
+            layouts = [s.candidate_blocks for s in self.statistics.values()]
+            layouts += [layer.cached_block_metadata(self.adapter_name) for layer in self.layers]
+            kernels.prepare_block_plans(layouts, x_reads=(1, 2))
+        _end_steps(list(self.statistics.values()))
+        self.steps_in_window += 1
+
+    def _active_units(self, layer: SparseLayer, grid: BlockGrid) -> Optional[torch.Tensor]:
+        """The ascending active blocks of a block adapter, from the layer's cached metadata."""
+        if grid.unit == 1:
+            return None
+        return layer.block_metadata(self.adapter_name).block_numbers()
+
+    @torch.no_grad()
+    def _reselect(self, t: int) -> dict:
+        """Drop/grow every tensor, then edit values, ages, indices and optimizer state in place.
+
+        All tensors of a device are reselected together (:func:`reselect_all`: a handful of launches
+        for all of them, no host synchronisation for AG), and the edits are gathered once over the
+        concatenation. AG's result carries a device flag (enough eligible candidates, finite scores);
+        where no shortfall is possible its edits are conditioned on the flag on the device and one host
+        synchronisation, with the report's, reads it — a fallen flag means the edits changed nothing,
+        and the checked path then runs (a NaN score raises with the adapter's contents untouched).
+        Otherwise (several devices, or fewer candidates than active units) every flag is read first
+        and nothing is edited before every group is checked."""
+        c, name = self.config, self.adapter_name
+        by_device: dict = {}  # device → [(layer, TensorReselection, window statistics)]
+        for layer in self.layers:
+            values, indices = layer.sparse_values[name], layer.sparse_indices[name]
+            d = values.numel()
+            grid = SparseTuner.grid(c, layer)
+            k = replacement_count(  # in units: weights, or blocks
+                t, self.total_steps, d // grid.unit, c.initial_reselection_rate, c.schedule, c.gradient_estimation_steps
+            )
+            if k == 0 or d == 0:
+                continue
+            item = TensorReselection(values, indices, k, grid, self._active_units(layer, grid))
+            stats = None
+            if c.growth == "ag":
+                stats = self.statistics.get(layer.module_name)
+                if stats is None or stats.candidates is None:
+                    warnings.warn(f"SpIEL: {layer.module_name} got no gradient in the estimation window; not reselected")
+                    continue
+                item.candidates, item.score = stats.candidates, stats.grad_sum  # ĝ up to the factor 1/γ: |·| ranks
+                item.candidate_units = stats.candidate_units if grid.unit > 1 else None
+            else:
+                state = self.optimizer.state.get(values)
+                if not state:
+                    warnings.warn(f"SpIEL-MA: {layer.module_name} has no SM3 state yet; not reselected")
+                    continue
+                item.row_acc, item.col_acc = state["row_accumulator"], state["col_accumulator"]
+            by_device.setdefault(values.device, []).append((layer, item, stats))
+        results = []  # (group, result, ok: a bool, or the device flag its edits are conditioned on)
+        for group in by_device.values():
+            items = [item for _, item, _ in group]
+            result = reselect_all(items, c.growth)
+            if c.growth == "ma":  # (MA's selection has no flag: it always succeeds)
+                results.append((group, result, True))
+            elif len(by_device) == 1 and all(_candidate_units(it) >= it.values.numel() // it.grid.unit for it in items):
+                # no shortfall possible (SpIEL's K ≥ d_φ): the flag only falls for a non-finite score. The
+                # edits go ahead conditioned on it on the device and the report's one host synchronisation
+                # checks it, so the host issues them while the device still finishes the step
+                results.append((group, result, result.ok))
+            else:
+                results.append((group, result, bool(result.ok)))
+        checked = {at: self._checked(group) for at, (group, _, ok) in enumerate(results) if ok is False}  # (all before any edit)
+        edits = [self._apply_all(t, group, checked.get(at, result), None if isinstance(ok, bool) else ok)
+                 for at, (group, result, ok) in enumerate(results)]  # fmt: skip
+        flags = [(at, ok) for at, (_, _, ok) in enumerate(results) if not isinstance(ok, bool)]
+        report, down = self._report(t, edits, flags)
+        if down:  # the edits of these groups changed nothing: their layouts back, their seeds dropped, and
+            for at in down:  # the checked path (which raises on a non-finite score, the adapter as it was)
+                edits[at].undo()
+                edits[at] = self._apply_all(t, results[at][0], self._checked(results[at][0]), None)
+            report, _ = self._report(t, edits, [])
+        return report
+
+    def _checked(self, group: list) -> AllReselections:
+        """The group's reselection tensor by tensor, checked: fewer eligible candidates than k shrink k
+        (reported as a shortfall); a non-finite score raises, nothing edited."""
+        items = [it for _, it, _ in group]
+        per_tensor = [reselect_ag(it.values, it.indices, it.k, it.candidates, it.score.abs(), it.grid, it.units, it.candidate_units)
+                      for it in items]  # fmt: skip
+        return AllReselections.of_tensors(items, per_tensor)
+
+    def _apply_all(self, t: int, group: list, result: AllReselections, condition: Optional[torch.Tensor]) -> "_GroupEdit":
+        """Edit values, ages, indices and optimizer state of a group of tensors from one result.
+        ``condition`` (a device flag): the edits hold only where it is True; otherwise every slot keeps its
+        old weight, and the values, ages, indices, merges and optimizer state keep their contents (the
+        returned edit's ``undo`` then puts the old block layouts back, the seeds as they were, and θ₀
+        back where a merge was set up anew)."""
+        name = self.adapter_name
+        layers = [layer for layer, _, _ in group]
+        values = [layer.sparse_values[name] for layer in layers]
+        ages = [layer.sparse_ages[name] for layer in layers]
+        indices = [layer.sparse_indices[name] for layer in layers]
+        source = result.source
+        new_indices = result.new_indices
+        if condition is not None:  # (False: every slot its own source, the old indices)
+            source = torch.where(condition, source, torch.arange(source.numel(), device=source.device))
+            new_indices = torch.where(condition, new_indices, torch.cat(indices).to(new_indices.dtype))
+        grown = source < 0
+        gather = source.clamp(min=0)
+        all_ages = torch.cat(ages)
+        age_before = (t - all_ages.long()).sum()
+        new_ages = all_ages[gather]
+        kept_age = torch.where(grown, 0, t - new_ages.long()).sum()
+        new_ages[grown] = t
+        new_values = torch.cat([v.detach() for v in values])[gather]
+        new_values[grown] = 0
+        torch._foreach_copy_([v.data for v in values], list(torch.split(new_values, result.sizes)))
+        torch._foreach_copy_(ages, list(torch.split(new_ages, result.sizes)))
+
+        def change_indices():
+            if len({i.dtype for i in indices}) == 1:
+                torch._foreach_copy_(indices, list(torch.split(new_indices.to(indices[0].dtype), result.sizes)))
+            else:  # int32 and int64 indices (tensors of 2³¹ weights or more) side by side
+                for index, new in zip(indices, torch.split(new_indices, result.sizes)):
+                    index.copy_(new)
+
+        # θ₀ back at the old positions before they change (SparseLayer docstring), θ₀[η] + φ at the new
+        # ones for the next forward pass
+        merged_anew = reseat_training_merges(layers, change_indices)
+        reindex_optimizer_states(self.optimizer, values, source)
+        n_grown = sum(result.dropped)
+        waiting: dict = {}
+        if group[0][2] is not None:  # AG: seeds for the next optimizer step, from the window's ĝ, ŝ
+            n = max(1, self.steps_in_window)
+            slots = torch.nonzero_static(grown, size=n_grown).squeeze(1)  # ascending: tensor by tensor
+            rows = result.grown_from[slots]
+            grad_mean = torch.cat([stats.grad_sum for _, _, stats in group])[rows] / n
+            grad_sq_mean = torch.cat([stats.grad_sq_sum for _, _, stats in group])[rows] / n
+            starts = _starts(result.sizes)  # each tensor's first slot: the grown slots become slots of their own tensor
+            dev = slots.device
+            local = slots - torch.repeat_interleave(kernels.table(starts, dev), kernels.table(result.dropped, dev), output_size=n_grown)
+            pieces = zip(torch.split(local, result.dropped), torch.split(grad_mean, result.dropped), torch.split(grad_sq_mean, result.dropped))
+            for value, (s, g, s2) in zip(values, pieces):
+                if id(value) in self.seeding.pending:  # (seeds of an earlier reselection no step has taken yet)
+                    waiting[id(value)] = self.seeding.pending[id(value)]
+                self.seeding.pending[id(value)] = (s, g, s2)
+        olds, layouts, plan_keys = [], [], []
+        for layer, (_, item, _), units, meta in zip(layers, group, result.units, result.block_metadata):
+            if units is not None and item.grid.unit > 1:
+                old = layer.cached_block_metadata(name)
+                olds.append((layer, old))
+                layouts.append(layer.set_block_metadata(name, units, meta))
+                plan_keys.append(list(old.plans) if old is not None else [])
+        kernels.prepare_block_plans(layouts, plan_keys)  # the plans the old layouts used, all layers at once
+        kernels.carry_launches([old for _, old in olds], layouts)  # and their kept value-gradient launches
+
+        def undo():
+            for layer, old in olds:
+                if old is not None:
+                    layer.set_block_metadata(name, old.block_numbers(), old)
+            if self.seeding is not None:
+                for value in values:
+                    self.seeding.pending.pop(id(value), None)
+                self.seeding.pending.update(waiting)
+            # merges set up anew (their weight's storage replaced since the last pass, say): θ₀ back, left
+            # to the next forward pass as before
+            release_training_merges([layer for layer, _ in merged_anew])
+
+        sums = torch.stack([age_before - kept_age, kept_age, result.changed.to(age_before.device)])
+        return _GroupEdit(sums, n_grown, result.shortfall, undo)
+
+    def _report(self, t: int, edits: list, flags: list) -> tuple[dict, list]:
+        """The reselection's statistics and the positions of the groups whose flag (``flags``: (position,
+        device flag) pairs) is down, read in one host synchronisation."""
+        total = sum(layer.sparse_values[self.adapter_name].numel() for layer in self.layers)
+        replaced, shortfall = sum(e.replaced for e in edits), sum(e.shortfall for e in edits)
+        numbers = [e.sums.double() for e in edits] + [ok.reshape(1).double().to(edits[0].sums.device) for _, ok in flags]
+        read = torch.cat([torch.stack(numbers[: len(edits)]).sum(0), *numbers[len(edits) :]]).tolist() if edits else [0, 0, 0]
+        dropped_age, kept_age, changed = read[:3]
+        down = [at for (at, _), ok in zip(flags, read[3:]) if not ok]
+        out = {
+            "spiel/step": t,
+            "spiel/replaced": replaced,
+            "spiel/fraction_changed": changed / max(1, total),
+            "spiel/mean_age_dropped": dropped_age / max(1, replaced),
+            "spiel/mean_age_kept": kept_age / max(1, total - replaced),
+        }
+        if shortfall:
+            out["spiel/shortfall"] = shortfall
+            if not down:
+                warnings.warn(f"SpIEL step {t}: {shortfall} fewer weights replaced than scheduled (not enough eligible candidates)")
+        return out, down
+
+    # -- state
+    def state_dict(self) -> dict:
+        """Step, window statistics and seeds still waiting for the next optimizer step (tensors by module)."""
+        by_layer = {id(m.sparse_values[self.adapter_name]): m.module_name for m in self.layers}
+        pending = self.seeding.pending if self.seeding is not None else {}
+        return {
+            "t": self.t,
+            "total_steps": self.total_steps,
+            "adapter_name": self.adapter_name,
+            "steps_in_window": self.steps_in_window,
+            "armed": bool(self.statistics),
+            "statistics": {name: s.tensors() for name, s in self.statistics.items()},
+            "pending_seeds": {
+                by_layer[key]: {"slots": slots, "grad_mean": g, "grad_sq_mean": s2} for key, (slots, g, s2) in pending.items()
+            },
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["adapter_name"] != self.adapter_name:
+            raise ValueError(f"scheduler state is for adapter {state['adapter_name']!r}, not {self.adapter_name!r}")
+        if state["total_steps"] != self.total_steps:
+            raise ValueError(
+                f"scheduler state was made with total_steps={state['total_steps']}, this scheduler has "
+                f"total_steps={self.total_steps}; k(t) would differ"
+            )
+        self._disarm()
+        self.t = int(state["t"])
+        layers = {m.module_name: m for m in self.layers}
+        for name in list(state["statistics"]) + list(state.get("pending_seeds", {})):
+            if name not in layers:
+                raise ValueError(f"scheduler state refers to module {name!r}, which holds no {self.adapter_name!r} adapter")
+
+        def device_of(name):
+            return layers[name].sparse_values[self.adapter_name].device
+
+        if state["armed"]:
+            self._arm_if_window(self.t + 1)
+            if not self.statistics:
+                raise ValueError(f"scheduler state says a window is open after step {self.t}, but none is scheduled there")
+            for name, tensors in state["statistics"].items():
+                stats = self.statistics[name]
+                if tensors:
+                    stats.candidates = tensors["candidates"].to(device_of(name), copy=True)
+                    if "candidate_units" in tensors:
+                        stats.candidate_units = tensors["candidate_units"].to(device_of(name), copy=True)
+                        stats.index_candidate_blocks()
+                    stats.step_sum = tensors["step_sum"].to(device_of(name), copy=True)
+                    stats.grad_sum = tensors["grad_sum"].to(device_of(name), copy=True)
+                    stats.grad_sq_sum = tensors["grad_sq_sum"].to(device_of(name), copy=True)
+            self.steps_in_window = int(state["steps_in_window"])
+        if self.seeding is not None:
+            self.seeding.pending = {
+                id(layers[name].sparse_values[self.adapter_name]): tuple(
+                    t[k].to(device_of(name), copy=True) for k in ("slots", "grad_mean", "grad_sq_mean")
+                )
+                for name, t in state.get("pending_seeds", {}).items()
+            }
+
+    _TENSOR_GROUPS = ("statistics", "pending_seeds")
+
+    def save(self, directory: str) -> None:
+        """Write the state as ``spiel_scheduler.json`` + ``spiel_scheduler.safetensors`` (no pickle)."""
+        state = self.state_dict()
+        tensors = {  # (window sums are views of one buffer for all tensors: safetensors wants their own storage)
+            f"{group}::{module}::{key}": value.contiguous() if value.untyped_storage().nbytes() == value.nbytes else value.clone()
+            for group in self._TENSOR_GROUPS
+            for module, entries in state.pop(group).items()
+            for key, value in entries.items()
+        }
+        state["modules_with_statistics"] = sorted(self.statistics)
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "spiel_scheduler.json"), "w") as f:
+            json.dump(state, f)
+        save_file(tensors, os.path.join(directory, "spiel_scheduler.safetensors"))
+
+    def load(self, directory: str) -> None:
+        path = os.path.join(directory, "spiel_scheduler.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{directory} holds no spiel_scheduler.json; cannot resume SpIEL exactly")
+        with open(path) as f:
+            state = json.load(f)
+        groups: dict = {g: {} for g in self._TENSOR_GROUPS}
+        for module in state.pop("modules_with_statistics", []):
+            groups["statistics"][module] = {}
+        for key, value in load_file(os.path.join(directory, "spiel_scheduler.safetensors")).items():
+            group, module, name = key.split("::")
+            groups[group].setdefault(module, {})[name] = value
+        state.update(groups)
+        self.load_state_dict(state)

@@ -1,0 +1,131 @@
+"""SpIEL-AG's gradient-estimation window: growth candidates and their gradient sums (Eq. 7.5)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Optional
+
+import torch
+import torch.distributed as dist
+
+from ...core import kernels
+from ...core.layer import SparseLayer, index_dtype
+from ...core.selection import BlockGrid
+
+
+# ------------------------------------------------------------------------------------------- scheduler
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class _WindowStatistics:
+    """Growth candidates of one tensor and their gradient sums over an estimation window (AG)."""
+
+    def __init__(self, num_candidate_units: int, grid: BlockGrid, dtype: torch.dtype = torch.float32):
+        self.num_candidate_units = num_candidate_units
+        self.grid = grid
+        self.dtype = dtype  # float32, or float64 over float64 values
+        self.candidates: Optional[torch.Tensor] = None  # ascending flat indices
+        self.candidate_units: Optional[torch.Tensor] = None  # ascending blocks (weights when unstructured)
+        self.step_sum: Optional[torch.Tensor] = None  # Σ over this step's micro-batches
+        self.grad_sum: Optional[torch.Tensor] = None  # Σ_steps g
+        self.grad_sq_sum: Optional[torch.Tensor] = None  # Σ_steps g²
+        # block adapters, once the candidates are chosen: their BlockLayout, what the block kernel needs
+        # to compute the candidates' gradients without the dense dW (element (i, j) of candidate block b
+        # sits at base[b] + i·stride[b] + j in ``candidates``)
+        self.candidate_blocks = None
+
+    # whether the window's later micro-batches take the candidate blocks' gradients from the block
+    # kernel (off: from the dense dW, as the first micro-batch does)
+    block_kernel: ClassVar[bool] = True
+
+    def __call__(self, layer: SparseLayer, dense_grad: torch.Tensor) -> None:
+        flat = dense_grad.reshape(-1)
+        if self.candidates is None:  # first micro-batch of the window: pick the candidates
+            if distributed():
+                flat = flat.clone()
+                dist.all_reduce(flat)  # identical candidates on every rank
+            g = self.grid
+            if g.unstructured:  # units are the weights (one narrow copy of their indices), by |∂L/∂W|
+                self.candidates, first = kernels.top_magnitudes(flat, self.num_candidate_units, index_dtype(flat.numel()))
+                if distributed():
+                    first = None  # the selection's gradients are all ranks' sum: this rank's are gathered below
+            else:  # blocks by Σ|∂L/∂W| (float32), then their layout, elements and first gradients in one pass
+                block_shape = (g.bh, g.bw)
+                keys = kernels.block_score_keys(flat.view(g.out_features, g.in_features), block_shape)
+                self.candidate_units = kernels.top_blocks(keys, self.num_candidate_units)  # ascending
+                own = dense_grad.reshape(g.out_features, g.in_features)  # this rank's gradient
+                layout, self.candidates, first = kernels.gather_blocks(own, self.candidate_units, block_shape, index_dtype(flat.numel()))
+                if self.block_kernel:
+                    self.candidate_blocks = layout
+            # (Σ g and Σ g² are allocated at the step's end, all tensors' together: see _allocate_sums)
+            if first is not None and self.dtype == torch.float32:  # this micro-batch's gradients at the candidates
+                self.step_sum = first
+                return
+            self.step_sum = torch.zeros(self.candidates.numel(), dtype=self.dtype, device=flat.device)
+            if distributed():
+                flat = dense_grad.reshape(-1)
+        self.step_sum += flat.index_select(0, self.candidates)
+
+    def candidate_layout(self):
+        """The :class:`~peft_sparse.core.kernels.BlockLayout` of the ascending ``candidate_units`` (block
+        adapters): where each candidate block's elements sit in ``candidates``."""
+        g = self.grid
+        return kernels.BlockLayout.of_blocks(self.candidate_units, g.out_features, g.in_features, (g.bh, g.bw))
+
+    def index_candidate_blocks(self) -> None:
+        """Set ``candidate_blocks`` (see :meth:`candidate_layout`), unless ``block_kernel`` is off."""
+        if self.block_kernel:
+            self.candidate_blocks = self.candidate_layout()
+
+    def add_candidate_gradients(self, grad_out2d: torch.Tensor, x2d: torch.Tensor, x_factor: Optional[torch.Tensor] = None) -> None:
+        """Add one micro-batch's gradient at the candidate blocks (``candidate_blocks``) to ``step_sum``
+        from the block kernel, instead of from the dense dW (``x_factor``: the layer input is
+        ``x2d ⊙ x_factor``, formed tile by tile; see :func:`~peft_sparse.core.kernels.block_sddmm_into`),
+        repeating the launch kept for the call's shape (:func:`~peft_sparse.core.kernels.block_value_gradient`)."""
+        kernels.block_value_gradient(grad_out2d, x2d, self.candidate_blocks, x_factor=x_factor, out=self.step_sum)
+
+    def end_step(self) -> None:
+        if self.candidates is None:
+            return
+        _allocate_sums([self])
+        self.grad_sum += self.step_sum
+        self.grad_sq_sum += self.step_sum * self.step_sum
+        self.step_sum.zero_()
+
+    def tensors(self) -> dict:
+        if self.candidates is None:
+            return {}
+        _allocate_sums([self])
+        tensors = {"candidates": self.candidates, "step_sum": self.step_sum, "grad_sum": self.grad_sum, "grad_sq_sum": self.grad_sq_sum}
+        if self.candidate_units is not None:  # block adapters
+            tensors["candidate_units"] = self.candidate_units
+        return tensors
+
+
+def _allocate_sums(statistics: list) -> None:
+    """Zero Σ g and Σ g² of the armed statistics that have none yet (a window's first step), one buffer
+    per device and dtype for all of them (views of it)."""
+    groups: dict = {}
+    for stats in statistics:
+        if stats.candidates is not None and stats.grad_sum is None:
+            groups.setdefault((stats.step_sum.device, stats.step_sum.dtype), []).append(stats)
+    for (device, dtype), fresh in groups.items():
+        sizes = [m.step_sum.numel() for m in fresh]
+        sums = torch.zeros(2, sum(sizes), dtype=dtype, device=device)
+        for m, grad_sum, grad_sq_sum in zip(fresh, sums[0].split(sizes), sums[1].split(sizes)):
+            m.grad_sum, m.grad_sq_sum = grad_sum, grad_sq_sum
+
+
+def _end_steps(statistics: list) -> None:
+    """:meth:`_WindowStatistics.end_step` of many tensors with a few multi-tensor launches (one group per
+    device and dtype) instead of four launches each; the same operations, so the same bits."""
+    groups: dict = {}
+    for stats in statistics:
+        if stats.candidates is not None:
+            groups.setdefault((stats.step_sum.device, stats.step_sum.dtype), []).append(stats)
+    _allocate_sums(statistics)
+    for members in groups.values():
+        step = [m.step_sum for m in members]
+        torch._foreach_add_([m.grad_sum for m in members], step)
+        torch._foreach_add_([m.grad_sq_sum for m in members], torch._foreach_mul(step, step))
+        torch._foreach_zero_(step)
