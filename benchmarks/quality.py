@@ -66,14 +66,15 @@ def encode(tokenizer, row: dict, max_length: int) -> tuple[list[int], list[int]]
     return ids, [-100] * len(p_ids) + ids[len(p_ids) :]
 
 
-def batches(encoded: list, batch_size: int, steps: int, seed: int, pad_id: int):
+def batches(encoded: list, batch_size: int, steps: int, seed: int, pad_id: int, shuffle: bool = True):
     """``steps`` batches in epochs of a seeded shuffle (the same order for every method of a seed)."""
     rng = random.Random(seed)
     order: list[int] = []
     for _ in range(steps):
         if len(order) < batch_size:
             fresh = list(range(len(encoded)))
-            rng.shuffle(fresh)
+            if shuffle:
+                rng.shuffle(fresh)
             order += fresh
         chosen, order = order[:batch_size], order[batch_size:]
         width = max(len(encoded[i][0]) for i in chosen)
@@ -86,6 +87,22 @@ def batches(encoded: list, batch_size: int, steps: int, seed: int, pad_id: int):
             labels[row, : len(y)] = torch.tensor(y)
             mask[row, : len(x)] = 1
         yield {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@torch.no_grad()
+def heldout_loss(model, tokenizer, rows: list[dict], max_length: int, batch_size: int = 40) -> float:
+    """Mean next-token loss on the reference answers of held-out rows (teacher forcing): a smoother
+    signal than exact match, from the same items."""
+    encoded = [encode(tokenizer, r, max_length) for r in rows]
+    total, count = 0.0, 0
+    model.eval()
+    for start in range(0, len(encoded), batch_size):
+        batch = next(batches(encoded[start : start + batch_size], len(encoded[start : start + batch_size]), 1, 0, tokenizer.pad_token_id, shuffle=False))
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+        labels = batch["labels"][:, 1:]
+        total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum").item()
+        count += int((labels != -100).sum())
+    return total / max(1, count)
 
 
 def lora_budget(model, rank: int) -> int:
@@ -147,6 +164,7 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
     budget = lora_budget(model, args.budget_rank)
     overrides = dict(args.set or {})
     wrapped, params, uses_sm3 = build(method, model, budget, args.budget_rank, seed, overrides)
+    uses_sm3 = uses_sm3 or args.optimizer == "sm3"
     n_trainable = sum(p.numel() for p in params)
     decay = args.weight_decay
     if uses_sm3:
@@ -157,7 +175,9 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
     lr_schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min((s + 1) / warmup, max(0.0, (args.steps - s) / max(1, args.steps - warmup)))
     )
-    scheduler = peft_sparse.SpIELScheduler(wrapped, optimizer, total_steps=args.steps) if method.startswith("spiel") else None
+    scheduler = None
+    if method.startswith("spiel") and not args.no_reselection:
+        scheduler = peft_sparse.SpIELScheduler(wrapped, optimizer, total_steps=args.steps)
     train, test = data
     wrapped.train()
     losses, reselections = [], []
@@ -186,11 +206,12 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
 
     start = time.perf_counter()
     score = exact_match(wrapped, tokenizer, test, max_new_tokens=8, batch_size=40)
+    loss_heldout = heldout_loss(wrapped, tokenizer, test, args.max_length)
     eval_seconds = time.perf_counter() - start
     return {
         "task": args.task, "method": method, "lr": lr, "seed": seed, "steps": args.steps, "batch_size": args.batch_size,
         "budget_rank": args.budget_rank, "trainable": n_trainable, "weight_decay": decay, "max_grad_norm": args.max_grad_norm,
-        "set": overrides, "tag": args.tag, "exact_match": score["accuracy"], "per_skill": score["per_skill"],
+        "set": overrides, "optimizer": "sm3" if uses_sm3 else "adamw", "no_reselection": args.no_reselection, "tag": args.tag, "exact_match": score["accuracy"], "heldout_loss": loss_heldout, "per_skill": score["per_skill"],
         "final_loss": sum(losses[-10:]) / min(10, len(losses)), "train_seconds": round(train_seconds, 1),
         "eval_seconds": round(eval_seconds, 1), "reselections": reselections, "threads": torch.get_num_threads(),
         "host": platform.node(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -217,7 +238,14 @@ def load_task(task: str, tokenizer, max_length: int):
 def summarize(rows: list[dict]) -> list[dict]:
     groups: dict = {}
     for r in rows:
-        key = (r["task"], r["steps"], r["method"], r["lr"], json.dumps(r.get("set", {}), sort_keys=True), r.get("tag") or "")
+        settings = dict(r.get("set", {}))
+        if r.get("weight_decay"):
+            settings["weight_decay"] = r["weight_decay"]
+        if r.get("optimizer") == "sm3" and "-ma" not in r["method"]:
+            settings["optimizer"] = "sm3"
+        if r.get("no_reselection"):
+            settings["reselection"] = "off"
+        key = (r["task"], r["steps"], r["method"], r["lr"], json.dumps(settings, sort_keys=True), r.get("tag") or "")
         groups.setdefault(key, []).append(r)
     out = []
     for (task, steps, method, lr, sets, tag), rs in sorted(groups.items()):
@@ -227,19 +255,20 @@ def summarize(rows: list[dict]) -> list[dict]:
             "mean": statistics.mean(scores), "sd": statistics.stdev(scores) if len(scores) > 1 else 0.0,
             "seeds": sorted(r["seed"] for r in rs), "loss": statistics.mean(r["final_loss"] for r in rs),
             "train_seconds": statistics.mean(r["train_seconds"] for r in rs),
+            "heldout_loss": statistics.mean(r["heldout_loss"] for r in rs) if all("heldout_loss" in r for r in rs) else float("nan"),
         })  # fmt: skip
     return out
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| task | steps | method | lr | settings | seeds | exact match | final loss | train s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| task | steps | method | lr | settings | seeds | exact match (%) | held-out loss | final train loss | train s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for s in summarize(rows):
         sd = f" ± {100 * s['sd']:.1f}" if s["n"] > 1 else ""
         sets = s["set"] if s["set"] != "{}" else ""
         sets = (sets + " " + s["tag"]).strip()
         print(f"| {s['task']} | {s['steps']} | {s['method']} | {s['lr']:g} | {sets} | {s['n']} | "
-              f"{100 * s['mean']:.1f}{sd} | {s['loss']:.3f} | {s['train_seconds']:.0f} |")  # fmt: skip
+              f"{100 * s['mean']:.1f}{sd} | {s['heldout_loss']:.4f} | {s['loss']:.3f} | {s['train_seconds']:.0f} |")  # fmt: skip
 
 
 def main(argv=None) -> None:
@@ -253,7 +282,9 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--budget-rank", type=int, default=16, help="trainable weights equal to LoRA at this rank")
-    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay λ of the optimizer")
+    parser.add_argument("--optimizer", choices=("adamw", "sm3"), default="adamw", help="SpIEL-MA always uses SM3")
+    parser.add_argument("--no-reselection", action="store_true", help="SpIEL without a scheduler: the initial mask kept")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--set", nargs="*", metavar="FIELD=VALUE", help="extra config fields (ablations)")
@@ -283,7 +314,7 @@ def main(argv=None) -> None:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
                 print(f"{args.task} {method} lr={lr:g} seed={seed} {row['set'] or ''}: exact match {row['exact_match']:.3f} "
-                      f"(loss {row['final_loss']:.3f}, {row['train_seconds']:.0f}+{row['eval_seconds']:.0f} s)", flush=True)  # fmt: skip
+                      f"held-out loss {row['heldout_loss']:.4f} (loss {row['final_loss']:.3f}, {row['train_seconds']:.0f}+{row['eval_seconds']:.0f} s)", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from typing import Callable, ClassVar, Optional, Union
 import torch
 from peft.config import PeftConfig
 
+from .budget import BUDGET_SPLITS
+
 VALUES_DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -82,6 +84,16 @@ class SparseConfig(PeftConfig):
                 "How the initial indices are chosen. 'external' marks indices that only a saved adapter file "
                 "provides (a callable importance function, a composition, a lottery-ticket selection); such a "
                 "config needs its adapter weights loaded before use. Other choices depend on the method."
+            )
+        },
+    )
+    budget_split: str = field(
+        default="uniform",
+        metadata={
+            "help": (
+                "How the budget is shared among the targeted tensors: 'uniform' (the same density in each, as in the "
+                "thesis) or 'lora' (in proportion to out + in, as LoRA's rank shares its parameters: small matrices "
+                "get a higher density)."
             )
         },
     )
@@ -174,6 +186,8 @@ class SparseConfig(PeftConfig):
         ):
             raise ValueError(f"block_shape must be two positive integers (rows, cols), got block_shape={shape!r}")
         self.block_shape = tuple(shape)
+        if self.budget_split not in BUDGET_SPLITS:
+            raise ValueError(f"budget_split must be one of {list(BUDGET_SPLITS)}, got budget_split={self.budget_split!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got seed={self.seed!r}")
 
@@ -191,7 +205,7 @@ class SparseConfig(PeftConfig):
         """The fields every sparse config shares, e.g. to re-express an adapter as another sparse type."""
         names = [
             "target_modules", "exclude_modules", "layers_to_transform", "layers_pattern", "modules_to_save",
-            "seed", "values_dtype", "tunable_weights_per_module", "module_shapes", "block_shape", "base_model_name_or_path", "revision",
+            "seed", "budget_split", "values_dtype", "tunable_weights_per_module", "module_shapes", "block_shape", "base_model_name_or_path", "revision",
             "task_type", "inference_mode",
         ]  # fmt: skip
         out = {n: getattr(self, n) for n in names}

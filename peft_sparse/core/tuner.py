@@ -20,7 +20,7 @@ from peft.tuners.tuners_utils import _ExcludedModule
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from torch import nn
 
-from .budget import split_budget, total_budget
+from .budget import split_budget, split_weights, total_budget
 from .config import SparseConfig
 from .layer import SparseLayer, SparseLinear, index_dtype, logical_shape, supported_base_layer
 from .selection import BlockGrid, check_sparse_tensors
@@ -130,7 +130,8 @@ class SparseTuner(BaseTuner):
         if counts is None:
             unit = peft_config.block_shape[0] * peft_config.block_shape[1]
             budget = total_budget(sum(sizes.values()), peft_config.density, peft_config.num_tunable_weights, unit)
-            peft_config.tunable_weights_per_module = split_budget(sizes, budget, unit)
+            weights = split_weights(shapes, peft_config.budget_split)
+            peft_config.tunable_weights_per_module = split_budget(sizes, budget, unit, weights)
             peft_config.module_shapes = shapes
             return
         for key, shape in (peft_config.module_shapes or {}).items():

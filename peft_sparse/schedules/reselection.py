@@ -39,15 +39,20 @@ def in_estimation_window(t: int, reselection_steps: int, gradient_estimation_ste
 
 
 def replacement_count(
-    t: int, total_steps: int, d_phi: int, initial_reselection_rate: float, schedule: str, gradient_estimation_steps: int
+    t: int, total_steps: int, d_phi: int, initial_reselection_rate: float, schedule: str, gradient_estimation_steps: int,
+    first_full_replacement: bool = True,
 ) -> int:
-    """k(i, t): how many of the d_φ(i) indices of one tensor to replace at reselection step t."""
-    return _replacement_count(int(t), int(total_steps), int(d_phi), float(initial_reselection_rate), schedule, int(gradient_estimation_steps))
+    """k(i, t): how many of the d_φ(i) indices of one tensor to replace at reselection step t (all of them
+    at the first reselection unless ``first_full_replacement`` is off)."""
+    return _replacement_count(int(t), int(total_steps), int(d_phi), float(initial_reselection_rate), schedule, int(gradient_estimation_steps),
+                              bool(first_full_replacement))  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4096)  # (a reselection asks once per tensor, for a few distinct sizes)
-def _replacement_count(t: int, total_steps: int, d_phi: int, initial_reselection_rate: float, schedule: str, gradient_estimation_steps: int) -> int:
-    if t == first_reselection_step(gradient_estimation_steps):
+def _replacement_count(
+    t: int, total_steps: int, d_phi: int, initial_reselection_rate: float, schedule: str, gradient_estimation_steps: int, first_full: bool
+) -> int:
+    if first_full and t == first_reselection_step(gradient_estimation_steps):
         return d_phi
     if schedule == "linear":
         # exact rational arithmetic on ξ as written, so e.g. ξ=0.3 gives ⌊0.3·…⌋ and not ⌊0.2999…·…⌋

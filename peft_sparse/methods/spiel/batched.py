@@ -30,6 +30,7 @@ class TensorReselection:
     score: Optional[torch.Tensor] = None
     row_acc: Optional[torch.Tensor] = None
     col_acc: Optional[torch.Tensor] = None
+    drop_values: Optional[torch.Tensor] = None  # what DROP ranks by magnitude, if not the values (φ − φ₀)
 
 
 @dataclass
@@ -127,7 +128,7 @@ def reselect_all(items: list, growth: str) -> AllReselections:
     for it in items[:-1]:
         e_off.append(e_off[-1] + it.grid.out_features * it.grid.in_features)
         u_off.append(u_off[-1] + it.grid.numel)
-    magnitude = torch.cat([it.values.detach() for it in items]).abs().float()
+    magnitude = torch.cat([(it.values if it.drop_values is None else it.drop_values).detach() for it in items]).abs().float()
     if unit > 1:
         return _reselect_blocks(items, growth, d, k, u_off, magnitude)
     k_t = kernels.table(k, dev)

@@ -27,6 +27,32 @@ class SpIELConfig(SparseConfig):
     candidate_ratio: float = field(default=1.0, metadata={"help": "K_i = ceil(candidate_ratio·d_φ(i)) growth candidates per tensor (AG), ≥ 1."})
     schedule: str = field(default="linear", metadata={"help": "'linear' (Eq. 7.6) or 'cosine' (Eq. E.1) decay of k(t)."})
     init: str = field(default="random", metadata={"help": "'random' (the paper's initial η) or 'external' (indices from a saved adapter)."})
+    first_full_replacement: bool = field(
+        default=True,
+        metadata={"help": "Replace every index at the first reselection (t=γ, Eq. 7.6's first case); False: k(γ) follows the schedule like later ones."},
+    )
+    drop_criterion: str = field(
+        default="magnitude",
+        metadata={
+            "help": (
+                "Which active weights are dropped: 'magnitude', the k smallest |φ| (§7.3.1), or 'change', the k smallest "
+                "|φ − φ₀| with φ₀ the values right after the previous reselection (Algorithm 2, line 10)."
+            )
+        },
+    )
+    seed_moments: bool = field(
+        default=True,
+        metadata={"help": "AG: seed the Adam moments of grown weights from the window's mean gradient and squared gradient (§7.3.1); False: they start at zero."},
+    )
+    grow_init: str = field(
+        default="zero",
+        metadata={
+            "help": (
+                "AG: the value a grown weight starts at: 'zero' (the thesis) or 'gradient', the first-order estimate "
+                "−lr·γ·ĝ/(√ŝ + ε): the γ Adam steps the window's mean gradient ĝ and squared gradient ŝ would have taken."
+            )
+        },
+    )
 
     init_choices: ClassVar[tuple[str, ...]] = ("random",)
 
@@ -54,9 +80,21 @@ class SpIELConfig(SparseConfig):
             raise ValueError(f"candidate_ratio must be >= 1, got candidate_ratio={self.candidate_ratio!r}")
         if self.schedule not in ("linear", "cosine"):
             raise ValueError(f"schedule must be 'linear' or 'cosine', got schedule={self.schedule!r}")
+        for name in ("first_full_replacement", "seed_moments"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {name}={getattr(self, name)!r}")
+        if self.drop_criterion not in ("magnitude", "change"):
+            raise ValueError(f"drop_criterion must be 'magnitude' or 'change', got drop_criterion={self.drop_criterion!r}")
+        if self.grow_init not in ("zero", "gradient"):
+            raise ValueError(f"grow_init must be 'zero' or 'gradient', got grow_init={self.grow_init!r}")
+        if self.growth == "ma" and (self.grow_init != "zero" or not self.seed_moments):
+            raise ValueError(
+                f"grow_init={self.grow_init!r} and seed_moments={self.seed_moments!r} are settings of AG's estimation window; "
+                "SpIEL-MA (growth='ma') has none: leave them at 'zero' and True"
+            )
 
     def trainer_callbacks(self) -> list:
         """Callbacks a Trainer needs to train this adapter."""
-        from ..callbacks import SpIELCallback
+        from ...callbacks import SpIELCallback
 
         return [SpIELCallback()]

@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from ...core import kernels
-from ...core.layer import SparseLayer, release_training_merges, reseat_training_merges
+from ...core import edit, kernels
+from ...core.layer import SparseLayer
 from ...core.selection import BlockGrid
 from ...core.tuner import SparseTuner
 from ...optim.sm3 import SM3
-from ...optim.surgery import check_supported, reindex_optimizer_states
+from ...optim.surgery import check_supported
 from ...schedules.reselection import in_estimation_window, is_reselection_step, replacement_count
 from .batched import AllReselections, TensorReselection, _starts, reselect_all
 from .config import SpIELConfig
@@ -99,6 +99,10 @@ class SpIELScheduler:
         self.statistics: dict[str, _WindowStatistics] = {}
         self.seeding = DeferredSeeding(self.optimizer, [m.sparse_values[self.adapter_name] for m in self.layers]) if self.uses_windows else None
         self.last_statistics: dict = {}
+        # φ₀ of each tensor (drop_criterion="change"): its values right after the last reselection
+        self.drop_reference: dict[str, torch.Tensor] = {}
+        if self.config.drop_criterion == "change":
+            self._snapshot_drop_reference()
         self._attach_guard(tuner)
         self._arm_if_window(1)
 
@@ -133,6 +137,10 @@ class SpIELScheduler:
                 layer.dense_grad_consumer = stats
             self.steps_in_window = 0
 
+    @torch.no_grad()
+    def _snapshot_drop_reference(self) -> None:
+        self.drop_reference = {m.module_name: m.sparse_values[self.adapter_name].detach().clone() for m in self.layers}
+
     def _disarm(self) -> None:
         for layer in self.layers:
             layer.dense_grad_consumer = None
@@ -165,6 +173,8 @@ class SpIELScheduler:
         if is_reselection_step(t, c.reselection_steps, c.gradient_estimation_steps, self.total_steps):
             self.last_statistics = self._reselect(t)
             self._disarm()
+            if self.config.drop_criterion == "change":
+                self._snapshot_drop_reference()
         self._arm_if_window(t + 1)
         return self.last_statistics
 
@@ -210,11 +220,14 @@ class SpIELScheduler:
             d = values.numel()
             grid = SparseTuner.grid(c, layer)
             k = replacement_count(  # in units: weights, or blocks
-                t, self.total_steps, d // grid.unit, c.initial_reselection_rate, c.schedule, c.gradient_estimation_steps
+                t, self.total_steps, d // grid.unit, c.initial_reselection_rate, c.schedule, c.gradient_estimation_steps,
+                c.first_full_replacement,
             )
             if k == 0 or d == 0:
                 continue
             item = TensorReselection(values, indices, k, grid, self._active_units(layer, grid))
+            if c.drop_criterion == "change":  # Algorithm 2, line 10: |φ − φ₀|, the change since the last reselection
+                item.drop_values = values.detach() - self.drop_reference[layer.module_name]
             stats = None
             if c.growth == "ag":
                 stats = self.statistics.get(layer.module_name)
@@ -259,89 +272,66 @@ class SpIELScheduler:
         """The group's reselection tensor by tensor, checked: fewer eligible candidates than k shrink k
         (reported as a shortfall); a non-finite score raises, nothing edited."""
         items = [it for _, it, _ in group]
-        per_tensor = [reselect_ag(it.values, it.indices, it.k, it.candidates, it.score.abs(), it.grid, it.units, it.candidate_units)
+        per_tensor = [reselect_ag(it.values if it.drop_values is None else it.drop_values, it.indices, it.k, it.candidates, it.score.abs(),
+                                  it.grid, it.units, it.candidate_units)
                       for it in items]  # fmt: skip
         return AllReselections.of_tensors(items, per_tensor)
 
     def _apply_all(self, t: int, group: list, result: AllReselections, condition: Optional[torch.Tensor]) -> "_GroupEdit":
-        """Edit values, ages, indices and optimizer state of a group of tensors from one result.
-        ``condition`` (a device flag): the edits hold only where it is True; otherwise every slot keeps its
-        old weight, and the values, ages, indices, merges and optimizer state keep their contents (the
-        returned edit's ``undo`` then puts the old block layouts back, the seeds as they were, and θ₀
-        back where a merge was set up anew)."""
-        name = self.adapter_name
+        """Edit a group of tensors from one result through the core's mask-editing API (values, ages,
+        indices, merges, block layouts, optimizer state), then queue the AG seeds of the grown slots.
+        ``condition`` (a device flag): the edits hold only where it is True; the returned edit's ``undo``
+        then puts back the old block layouts, the seeds as they were, and θ₀ where a merge was set up anew."""
+        c = self.config
         layers = [layer for layer, _, _ in group]
-        values = [layer.sparse_values[name] for layer in layers]
-        ages = [layer.sparse_ages[name] for layer in layers]
-        indices = [layer.sparse_indices[name] for layer in layers]
-        source = result.source
-        new_indices = result.new_indices
-        if condition is not None:  # (False: every slot its own source, the old indices)
-            source = torch.where(condition, source, torch.arange(source.numel(), device=source.device))
-            new_indices = torch.where(condition, new_indices, torch.cat(indices).to(new_indices.dtype))
-        grown = source < 0
-        gather = source.clamp(min=0)
-        all_ages = torch.cat(ages)
-        age_before = (t - all_ages.long()).sum()
-        new_ages = all_ages[gather]
-        kept_age = torch.where(grown, 0, t - new_ages.long()).sum()
-        new_ages[grown] = t
-        new_values = torch.cat([v.detach() for v in values])[gather]
-        new_values[grown] = 0
-        torch._foreach_copy_([v.data for v in values], list(torch.split(new_values, result.sizes)))
-        torch._foreach_copy_(ages, list(torch.split(new_ages, result.sizes)))
-
-        def change_indices():
-            if len({i.dtype for i in indices}) == 1:
-                torch._foreach_copy_(indices, list(torch.split(new_indices.to(indices[0].dtype), result.sizes)))
-            else:  # int32 and int64 indices (tensors of 2³¹ weights or more) side by side
-                for index, new in zip(indices, torch.split(new_indices, result.sizes)):
-                    index.copy_(new)
-
-        # θ₀ back at the old positions before they change (SparseLayer docstring), θ₀[η] + φ at the new
-        # ones for the next forward pass
-        merged_anew = reseat_training_merges(layers, change_indices)
-        reindex_optimizer_states(self.optimizer, values, source)
+        values = [layer.sparse_values[self.adapter_name] for layer in layers]
         n_grown = sum(result.dropped)
-        waiting: dict = {}
-        if group[0][2] is not None:  # AG: seeds for the next optimizer step, from the window's ĝ, ŝ
+        ag = group[0][2] is not None
+        new_values = None
+        if ag:  # the window's mean gradient ĝ and mean squared gradient ŝ of every grown slot
             n = max(1, self.steps_in_window)
-            slots = torch.nonzero_static(grown, size=n_grown).squeeze(1)  # ascending: tensor by tensor
+            slots = torch.nonzero_static(result.source < 0, size=n_grown).squeeze(1)  # ascending: tensor by tensor
             rows = result.grown_from[slots]
             grad_mean = torch.cat([stats.grad_sum for _, _, stats in group])[rows] / n
             grad_sq_mean = torch.cat([stats.grad_sq_sum for _, _, stats in group])[rows] / n
-            starts = _starts(result.sizes)  # each tensor's first slot: the grown slots become slots of their own tensor
             dev = slots.device
+            if c.grow_init == "gradient":  # −lr·γ·ĝ/(√ŝ + ε): the window's γ Adam steps, free of any gradient scale
+                lr, eps = self._step_settings(values, result.dropped, dev)
+                new_values = torch.zeros(result.source.numel(), dtype=grad_mean.dtype, device=dev)
+                new_values[slots] = -lr * n * grad_mean / (grad_sq_mean.sqrt() + eps)
+        done = edit.edit_slots(
+            layers, self.adapter_name, result.source, result.new_indices, optimizer=self.optimizer, step=t, new_values=new_values,
+            block_units=result.units, block_layouts=result.block_metadata, condition=condition,
+        )  # fmt: skip
+        grown, old_ages = done.new, done.old_ages
+        age_before = (t - old_ages.long()).sum()
+        kept_age = torch.where(grown, 0, t - old_ages[done.source.clamp(min=0)].long()).sum()
+        waiting: dict = {}
+        if ag and c.seed_moments:  # AG: seeds for the next optimizer step
+            starts = _starts(result.sizes)  # each tensor's first slot: the grown slots become slots of their own tensor
             local = slots - torch.repeat_interleave(kernels.table(starts, dev), kernels.table(result.dropped, dev), output_size=n_grown)
             pieces = zip(torch.split(local, result.dropped), torch.split(grad_mean, result.dropped), torch.split(grad_sq_mean, result.dropped))
             for value, (s, g, s2) in zip(values, pieces):
                 if id(value) in self.seeding.pending:  # (seeds of an earlier reselection no step has taken yet)
                     waiting[id(value)] = self.seeding.pending[id(value)]
                 self.seeding.pending[id(value)] = (s, g, s2)
-        olds, layouts, plan_keys = [], [], []
-        for layer, (_, item, _), units, meta in zip(layers, group, result.units, result.block_metadata):
-            if units is not None and item.grid.unit > 1:
-                old = layer.cached_block_metadata(name)
-                olds.append((layer, old))
-                layouts.append(layer.set_block_metadata(name, units, meta))
-                plan_keys.append(list(old.plans) if old is not None else [])
-        kernels.prepare_block_plans(layouts, plan_keys)  # the plans the old layouts used, all layers at once
-        kernels.carry_launches([old for _, old in olds], layouts)  # and their kept value-gradient launches
 
         def undo():
-            for layer, old in olds:
-                if old is not None:
-                    layer.set_block_metadata(name, old.block_numbers(), old)
+            done.undo()
             if self.seeding is not None:
                 for value in values:
                     self.seeding.pending.pop(id(value), None)
                 self.seeding.pending.update(waiting)
-            # merges set up anew (their weight's storage replaced since the last pass, say): θ₀ back, left
-            # to the next forward pass as before
-            release_training_merges([layer for layer, _ in merged_anew])
 
         sums = torch.stack([age_before - kept_age, kept_age, result.changed.to(age_before.device)])
         return _GroupEdit(sums, n_grown, result.shortfall, undo)
+
+    def _step_settings(self, values: list, counts: list, device) -> tuple[torch.Tensor, float]:
+        """(the learning rate of each grown slot's tensor, repeated per slot; the optimizer's ε)."""
+        group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        lrs = [float(group_of[id(v)]["lr"]) for v in values]
+        eps = float(group_of[id(values[0])].get("eps", 1e-8))
+        return torch.repeat_interleave(kernels.table(lrs, device, torch.float64), kernels.table(counts, device)).float(), eps
 
     def _report(self, t: int, edits: list, flags: list) -> tuple[dict, list]:
         """The reselection's statistics and the positions of the groups whose flag (``flags``: (position,
@@ -380,6 +370,7 @@ class SpIELScheduler:
             "pending_seeds": {
                 by_layer[key]: {"slots": slots, "grad_mean": g, "grad_sq_mean": s2} for key, (slots, g, s2) in pending.items()
             },
+            "drop_reference": {name: {"values": v} for name, v in self.drop_reference.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -415,6 +406,16 @@ class SpIELScheduler:
                     stats.grad_sum = tensors["grad_sum"].to(device_of(name), copy=True)
                     stats.grad_sq_sum = tensors["grad_sq_sum"].to(device_of(name), copy=True)
             self.steps_in_window = int(state["steps_in_window"])
+        if self.config.drop_criterion == "change":
+            reference = state.get("drop_reference") or {}
+            if set(reference) != set(layers):
+                raise ValueError("scheduler state holds no φ₀ of every tensor (drop_criterion='change'); it was saved with another drop criterion")
+            self.drop_reference = {name: t["values"].to(device_of(name), copy=True) for name, t in reference.items()}
+        if self.config.drop_criterion == "change":
+            reference = state.get("drop_reference") or {}
+            if set(reference) != set(layers):
+                raise ValueError("scheduler state holds no φ₀ of every tensor (drop_criterion='change'); it was saved with another drop criterion")
+            self.drop_reference = {name: t["values"].to(device_of(name), copy=True) for name, t in reference.items()}
         if self.seeding is not None:
             self.seeding.pending = {
                 id(layers[name].sparse_values[self.adapter_name]): tuple(
@@ -423,7 +424,7 @@ class SpIELScheduler:
                 for name, t in state.get("pending_seeds", {}).items()
             }
 
-    _TENSOR_GROUPS = ("statistics", "pending_seeds")
+    _TENSOR_GROUPS = ("statistics", "pending_seeds", "drop_reference")
 
     def save(self, directory: str) -> None:
         """Write the state as ``spiel_scheduler.json`` + ``spiel_scheduler.safetensors`` (no pickle)."""
