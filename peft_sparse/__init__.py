@@ -5,6 +5,7 @@ Importing this package registers every method with PEFT, so ``get_peft_model``,
 """
 
 from . import registry
+from .accel import fast_paths
 from .core.compose import convert_config, load_sparse_adapter, merge_sparse_adapters
 from .core.config import SparseConfig
 from .core.layer import SparseLayer
@@ -30,6 +31,7 @@ __all__ = [
     "SpIELModel",
     "SpIELScheduler",
     "convert_config",
+    "fast_paths",
     "load_sparse_adapter",
     "merge_sparse_adapters",
 ]

@@ -320,6 +320,7 @@ def test_training_without_a_scheduler_warns_once():
     assert not [w for w in caught if "no SpIELScheduler attached" in str(w.message)]
 
 
+@pytest.mark.fast_only  # (the steady pass skips an idle guard)
 def test_the_guard_idles_while_a_scheduler_lives_and_a_copy_gets_its_own():
     """While a scheduler drives the adapter the guard is idle, and steady passes call no idle observer;
     it wakes when the last attached scheduler is gone (not when an older one goes while a newer one
@@ -483,6 +484,7 @@ def test_a_reloaded_trainable_adapter_keeps_training_with_its_ages(tmp_path):
     assert any(not torch.equal(b, l.sparse_indices["default"]) for b, l in zip(before, sparse_layers(loaded)))
 
 
+@pytest.mark.fast_only  # (the batched reselection's device flag)
 @pytest.mark.parametrize("block_shape", [(1, 1), (4, 4)])
 @pytest.mark.parametrize("at", [2, 8], ids=["first-reselection", "partial-reselection"])
 def test_a_nan_window_gradient_raises_at_the_reselection_with_the_adapter_untouched(block_shape, at):
@@ -590,3 +592,26 @@ def test_sm3_state_reloads_exactly_over_bfloat16_values():
             v.grad, d.grad = gv.clone(), gd.clone()
             o.step()
     assert torch.equal(values, twin_values) and torch.equal(dense, twin_dense)
+
+
+@pytest.mark.fast_only  # (it switches the paths itself)
+@pytest.mark.parametrize("block_shape", [(1, 1), (4, 4)])
+@pytest.mark.parametrize("growth", ["ag", "ma"])
+def test_training_is_bit_identical_on_the_fast_and_reference_paths(growth, block_shape):
+    """SpIEL through three reselections with every fast path on (training merge, steady memos, input
+    rebuilds, the batched reselection) and with peft_sparse.fast_paths(False): the same bits."""
+    import peft_sparse
+
+    results = []
+    for fast in (True, False):
+        with peft_sparse.fast_paths(fast):
+            model = _spiel(growth, block_shape=block_shape, density=0.1)
+            for layer in sparse_layers(model):
+                layer.merge_for_training = True
+            opt = _optimizer(model, growth)
+            scheduler = SpIELScheduler(model, opt, total_steps=20)
+            _run(model, opt, scheduler, 16)
+            results.append([(m.sparse_indices["default"].clone(), m.sparse_values["default"].detach().clone()) for m in sparse_layers(model)])
+    for (ia, va), (ib, vb) in zip(*results):
+        assert torch.equal(ia, ib)
+        assert torch.equal(va, vb)

@@ -28,6 +28,7 @@ from typing import Callable, Optional, Protocol
 import torch
 import torch.nn.functional as F
 
+from .. import accel
 from . import kernels
 
 
@@ -306,7 +307,7 @@ def _save_for_backward(ctx, x: torch.Tensor, mode: str, indices_and_values: tupl
     when no value needs a gradient (``need_values`` False) or under ``torch.inference_mode``, which records
     no backward pass."""
     need_values = need_values and not torch.is_inference_mode_enabled()
-    rebuild = input_rebuild(x, mode) if need_values else None
+    rebuild = input_rebuild(x, mode) if need_values and accel.ON else None  # (a fast path: off, X is saved)
     ctx.x_rebuild = rebuild
     if rebuild is not None or not need_values:
         ctx.x_saved = False

@@ -19,6 +19,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import accel
+
 # device type → callable(grad_out2d, x2d, rows, cols) -> (nnz,) float32
 SDDMM_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
 # device type → callable(grad_out2d, x2d, block_rows, block_cols, bh, bw) -> (nblocks, bh, bw) float32
@@ -150,6 +152,8 @@ def device_type(tensor: torch.Tensor) -> str:
 def _kernel_for(registry: dict, tensor: torch.Tensor):
     """The kernel ``registry`` holds for ``tensor``'s device type, or None; the GPU kernels are registered
     at the first CUDA tensor."""
+    if not accel.ON:  # the fast paths are off: the torch references serve
+        return None
     kind = device_type(tensor)
     if kind == "cuda":
         _load_gpu_kernels()

@@ -62,6 +62,7 @@ from peft.utils import resolve_quantization_backend
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from .. import accel
 from . import kernels
 from .functional import (
     _compute_dtype,
@@ -304,7 +305,7 @@ def _refresh_after_step(optimizer, args, kwargs) -> None:
     The layers' containers are read directly (``_modules``, ``_parameters``, ``_buffers``), and the
     rewrites of this optimizer's last step are repeated without the lookups while they hold
     (:class:`_SteadyRefresh`): this runs for every layer at every step."""
-    if not _MERGED_LAYERS:
+    if not _MERGED_LAYERS or not accel.ON:
         return
     groups = getattr(optimizer, "param_groups", None) or []
     steady = _STEADY_REFRESH.get(optimizer)
@@ -695,6 +696,8 @@ class SparseLayer(BaseTunerLayer):
         launch (the first adapter inside it), in ``dtype`` (None: the layer's compute dtype); None when
         this layer has no fused path or the dtype differs from the one bitsandbytes dequantizes to.
         A single adapter's launch is repeated from its :class:`_NF4Rebuild` while its operands stay."""
+        if not accel.ON:  # (a fast path: off, the weight is dequantized and the delta added separately)
+            return None
         rebuild = self._nf4_rebuild
         if rebuild is not None:
             merged = rebuild(self, indices[0], values[0], dtype) if len(indices) == 1 else None
@@ -950,7 +953,7 @@ class SparseLayer(BaseTunerLayer):
         its kept NF4 launch, which full training passes and eval and no-grad passes then reuse)."""
         if getattr(self, "_is_replica", False):  # an nn.DataParallel replica: shares the weight, its state dies with the step
             return None
-        if not (self.merge_for_training and self.training and len(active) == 1 and torch.is_grad_enabled()):
+        if not (self.merge_for_training and accel.ON and self.training and len(active) == 1 and torch.is_grad_enabled()):
             self.release_weight_merge()
             return None
         name = active[0]
@@ -1032,7 +1035,7 @@ class SparseLayer(BaseTunerLayer):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         steady = self._steady
         observed = False
-        if steady is not None and not args and not kwargs:
+        if steady is not None and not args and not kwargs and accel.ON:
             # A training pass like the last one: the same single adapter (values, indices, blocks), still
             # merged in place and current (or, on a quantized layer, rebuilt as in every pass). Each
             # decision of the full path below is checked again here,
@@ -1136,7 +1139,8 @@ class SparseLayer(BaseTunerLayer):
         adapter: a plain ``nn.Linear`` would keep the live weight for backward, which a later training
         pass may rewrite in place; this one looks θ₀ up again in backward instead."""
         base = self.get_base_layer()
-        if self.merge_for_training and self.training and torch.is_grad_enabled() and type(base) is nn.Linear and not args and not kwargs:
+        if (self.merge_for_training and accel.ON and self.training and torch.is_grad_enabled() and type(base) is nn.Linear
+                and not args and not kwargs):  # fmt: skip
             return sparse_delta_linear(x, self._stored_weight, base.bias, [], [], hooks=self)
         return self.base_layer(x, *args, **kwargs)
 

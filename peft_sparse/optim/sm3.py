@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from .. import accel
+
 from ..core.kernels import increment_versions, on_device, rows_cols
 from ..core.layer import sparse_owner
 
@@ -49,7 +51,7 @@ def _fused_kernel():
 
 def _fused_device(param: torch.Tensor) -> bool:
     """Whether ``param`` lives where the fused step runs (CUDA, with Triton)."""
-    return param.is_cuda and _fused_kernel() is not None
+    return param.is_cuda and accel.ON and _fused_kernel() is not None
 
 
 def _block_kernel_takes(block_shape) -> bool:
@@ -146,7 +148,7 @@ class SM3(torch.optim.Optimizer):
                 loss = closure()
         steady = self._steady
         if steady is not None:
-            if steady.run(self):
+            if accel.ON and steady.run(self):
                 return loss
             self._leave_steady()
         on_fused = []  # CUDA sparse values: one Triton launch each, after one multi-tensor copy of the accumulators

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from ... import accel
 from ...core import edit, kernels
 from ...core.layer import SparseLayer
 from ...core.selection import BlockGrid
@@ -24,7 +25,7 @@ from .batched import AllReselections, TensorReselection, _starts, reselect_all
 from .config import SpIELConfig
 from .model import SpIELModel
 from .seeding import DeferredSeeding
-from .selection import reselect_ag
+from .selection import reselect_ag, reselect_ma
 from .statistics import _WindowStatistics, _end_steps, distributed
 
 
@@ -246,6 +247,9 @@ class SpIELScheduler:
         results = []  # (group, result, ok: a bool, or the device flag its edits are conditioned on)
         for group in by_device.values():
             items = [item for _, item, _ in group]
+            if not accel.ON:  # the reference: Algorithms 2–3 tensor by tensor (the batched selection is a fast path)
+                results.append((group, self._per_tensor(group), True))
+                continue
             result = reselect_all(items, c.growth)
             if c.growth == "ma":  # (MA's selection has no flag: it always succeeds)
                 results.append((group, result, True))
@@ -256,7 +260,7 @@ class SpIELScheduler:
                 results.append((group, result, result.ok))
             else:
                 results.append((group, result, bool(result.ok)))
-        checked = {at: self._checked(group) for at, (group, _, ok) in enumerate(results) if ok is False}  # (all before any edit)
+        checked = {at: self._per_tensor(group) for at, (group, _, ok) in enumerate(results) if ok is False}  # (all before any edit)
         edits = [self._apply_all(t, group, checked.get(at, result), None if isinstance(ok, bool) else ok)
                  for at, (group, result, ok) in enumerate(results)]  # fmt: skip
         flags = [(at, ok) for at, (_, _, ok) in enumerate(results) if not isinstance(ok, bool)]
@@ -264,17 +268,21 @@ class SpIELScheduler:
         if down:  # the edits of these groups changed nothing: their layouts back, their seeds dropped, and
             for at in down:  # the checked path (which raises on a non-finite score, the adapter as it was)
                 edits[at].undo()
-                edits[at] = self._apply_all(t, results[at][0], self._checked(results[at][0]), None)
+                edits[at] = self._apply_all(t, results[at][0], self._per_tensor(results[at][0]), None)
             report, _ = self._report(t, edits, [])
         return report
 
-    def _checked(self, group: list) -> AllReselections:
-        """The group's reselection tensor by tensor, checked: fewer eligible candidates than k shrink k
-        (reported as a shortfall); a non-finite score raises, nothing edited."""
+    def _per_tensor(self, group: list) -> AllReselections:
+        """The group's reselection tensor by tensor (:mod:`.selection`), checked: fewer eligible AG candidates
+        than k shrink k (reported as a shortfall); a non-finite score raises, nothing edited."""
         items = [it for _, it, _ in group]
-        per_tensor = [reselect_ag(it.values if it.drop_values is None else it.drop_values, it.indices, it.k, it.candidates, it.score.abs(),
-                                  it.grid, it.units, it.candidate_units)
-                      for it in items]  # fmt: skip
+        per_tensor = []
+        for it in items:
+            ranked = it.values if it.drop_values is None else it.drop_values  # (what DROP ranks by magnitude)
+            if self.config.growth == "ag":
+                per_tensor.append(reselect_ag(ranked, it.indices, it.k, it.candidates, it.score.abs(), it.grid, it.units, it.candidate_units))
+            else:
+                per_tensor.append(reselect_ma(ranked, it.indices, it.k, it.row_acc, it.col_acc, it.grid, it.units))
         return AllReselections.of_tensors(items, per_tensor)
 
     def _apply_all(self, t: int, group: list, result: AllReselections, condition: Optional[torch.Tensor]) -> "_GroupEdit":
