@@ -9,7 +9,7 @@ With ``--rounds 3`` or more, it also prints each variant's full-cycle mean taken
 median over the rounds: host stalls that hit one round at one step (they hit the floor's runs too) are out,
 while the SpIEL cycle's windows and reselections, at the same positions in every round, stay in.
 ``--settle 180`` runs the floor untimed for that long first: a fresh machine's host got 2.3 times faster
-over its first minutes in round s18 (BENCHMARKS.md), which moved the host-bound SpIEL steps with it.
+over its first minutes in round s18 (docs/perf-log.md), which moved the host-bound SpIEL steps with it.
 
 Setup (the issue's): Llama architecture with TinyLlama-1.1B shapes (or ``--size llama2-7b``), random
 init, bf16, 8×1024 tokens per step, all 7 linear projection types targeted, trainable budget = LoRA
@@ -59,7 +59,7 @@ VARIANTS = [
     "floor", "qfloor", "lora", "lora-ckpt", "qlora", "shira", "supertuning", "full",
     "spiel-ag", "spiel-ma", "spiel-ag-block", "spiel-ma-block", "qspiel-ag", "qspiel-ma",
 ]  # fmt: skip
-BLOCK = 64  # block variants' square block side (--block): 64×64 gave the fastest block steps on an H200 (BENCHMARKS.md, rounds s20 and s21)
+BLOCK = 64  # block variants' square block side (--block): 64×64 gave the fastest block steps on an H200 (docs/perf-log.md, rounds s20 and s21)
 S, GAMMA = 20, 5  # the paper's reselection interval and estimation window (thesis Table 7.1)
 
 
@@ -217,7 +217,7 @@ def host_description() -> dict:
     return info
 
 
-# What a steady SpIEL step never calls (BENCHMARKS.md): each is counted per step, so that a slow step shows
+# What a steady SpIEL step never calls (docs/perf-log.md): each is counted per step, so that a slow step shows
 # whether the code left its steady path (a layer's full forward, a generic backward, a Triton launch through
 # Triton's own path or a new launch plan) or the host was slow. (module, owner attribute path, label)
 SLOW_CALLS = (
@@ -387,7 +387,7 @@ def main():
     parser.add_argument("--full-record", action="store_true", help=argparse.SUPPRESS)  # (a batch's child: step times included)
     parser.add_argument("--settle", type=float, default=0.0,
                         help="before the batch, run the floor untimed for at least this many seconds (a fresh machine's host "
-                             "speeds up over its first minutes: BENCHMARKS.md, round s18)")  # fmt: skip
+                             "speeds up over its first minutes: docs/perf-log.md, round s18)")  # fmt: skip
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")

@@ -305,7 +305,7 @@ def test_the_cost_model_rates_an_unmeasured_block_shape_by_the_measured_shapes_i
 def test_the_cost_model_follows_the_measured_16x16_crossover():
     """16×16 blocks of TinyLlama's gate_proj (5632×2048, 8192 tokens): on an H200 the grouped kernel took
     0.22 ms at 5.2% density against 0.285 ms for dense dW + gather, and 0.335 against 0.286 at 10%
-    (BENCHMARKS.md, round s21). The cost model picks the faster path at both densities."""
+    (docs/perf-log.md, round s21). The cost model picks the faster path at both densities."""
     model = kernels.CostModel()
     cuda = torch.device("cuda")
     choices = [model.choose_block(cuda, 8192, 5632, 2048, int(d * 5632 * 2048), (16, 16)) for d in (0.052, 0.1)]

@@ -657,7 +657,7 @@ class CostModel:
 
     def __init__(self, sddmm_relative_rate: Optional[dict[str, float]] = None):
         # measured: benchmarks/value_grad.py. On an H200 at 8192 tokens the Triton SDDMM lost to the
-        # bf16 GEMM + gather at every density from 0.2% to 10% (BENCHMARKS.md); on 2 CPU cores the
+        # bf16 GEMM + gather at every density from 0.2% to 10% (docs/perf-log.md); on 2 CPU cores the
         # torch reference ran 3.4–7.6× slower than the dense path at 1% density.
         self.sddmm_relative_rate = {"cpu": 0.0015, "cuda": 0.0005}
         if sddmm_relative_rate:
@@ -668,7 +668,7 @@ class CostModel:
     # GEMM's poor efficiency on small shapes). The fixed costs: an H100 (benchmarks/value_grad.py, 8192
     # tokens): dense dW + gather of a 256×2048 layer took 0.037 ms for 0.013 ms of MACs. The rates: the
     # grouped kernel (block_sddmm_into) on an H200 at TinyLlama's shapes, 5.2% and 10% density, where
-    # the MACs outweigh the fixed cost (BENCHMARKS.md, round s21): 64×64 ran at 0.18–0.25 of the GEMM
+    # the MACs outweigh the fixed cost (docs/perf-log.md, round s21): 64×64 ran at 0.18–0.25 of the GEMM
     # rate, 32×32 at 0.16–0.20, 16×16 at 0.067–0.087; 1×64 (one block per program) at 0.004.
     block_relative_rate = {(64, 64): 0.22, (32, 32): 0.2, (16, 16): 0.065, (1, 64): 0.004}
     block_overhead = {"cuda": 6e9, "cpu": 0.0}

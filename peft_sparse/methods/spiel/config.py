@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Union
 
 from peft.utils import PeftType
 
@@ -21,9 +21,20 @@ class SpIELConfig(SparseConfig):
     """
 
     growth: str = field(default="ag", metadata={"help": "'ag' (accumulated gradients, Alg. 2) or 'ma' (SM3 momentum approximation, Alg. 3)."})
-    reselection_steps: int = field(default=20, metadata={"help": "S: optimizer steps between reselections."})
+    reselection_steps: Union[int, float] = field(
+        default=20,
+        metadata={"help": "S: optimizer steps between reselections; a float in (0, 1) is a fraction of total_steps, S = max(2, round(S·T))."},
+    )
     initial_reselection_rate: float = field(default=0.2, metadata={"help": "ξ in (0, 1]: fraction of d_φ(i) replaced at t=γ+S, decaying to 0 at T."})
-    gradient_estimation_steps: int = field(default=5, metadata={"help": "γ: optimizer steps in an AG gradient-estimation window (0 < γ < S); the first reselection is at t=γ."})
+    gradient_estimation_steps: Union[int, float] = field(
+        default=5,
+        metadata={
+            "help": (
+                "γ: optimizer steps in an AG gradient-estimation window (0 < γ < S); the first reselection is at t=γ. A float "
+                "in (0, 1) is a fraction of total_steps, γ = max(1, round(γ·T))."
+            )
+        },
+    )
     candidate_ratio: float = field(default=1.0, metadata={"help": "K_i = ceil(candidate_ratio·d_φ(i)) growth candidates per tensor (AG), ≥ 1."})
     schedule: str = field(default="linear", metadata={"help": "'linear' (Eq. 7.6) or 'cosine' (Eq. E.1) decay of k(t)."})
     init: str = field(default="random", metadata={"help": "'random' (the paper's initial η) or 'external' (indices from a saved adapter)."})
@@ -63,9 +74,11 @@ class SpIELConfig(SparseConfig):
             raise ValueError(f"growth must be 'ag' or 'ma', got growth={self.growth!r}")
         for name in ("reselection_steps", "gradient_estimation_steps"):
             value = getattr(self, name)
+            if isinstance(value, float) and 0.0 < value < 1.0:
+                continue  # a fraction of total_steps
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {name}={value!r}")
-        if self.gradient_estimation_steps >= self.reselection_steps:
+                raise ValueError(f"{name} must be a positive integer or a fraction in (0, 1) of total_steps, got {name}={value!r}")
+        if isinstance(self.reselection_steps, int) == isinstance(self.gradient_estimation_steps, int) and self.gradient_estimation_steps >= self.reselection_steps:
             raise ValueError(
                 f"gradient_estimation_steps must be smaller than reselection_steps, got "
                 f"gradient_estimation_steps={self.gradient_estimation_steps} and reselection_steps={self.reselection_steps}"
@@ -92,6 +105,19 @@ class SpIELConfig(SparseConfig):
                 f"grow_init={self.grow_init!r} and seed_moments={self.seed_moments!r} are settings of AG's estimation window; "
                 "SpIEL-MA (growth='ma') has none: leave them at 'zero' and True"
             )
+
+    def steps_for(self, total_steps: int) -> tuple[int, int]:
+        """(S, γ) in optimizer steps for a run of ``total_steps``: counts as given, fractions of T rounded
+        (S ≥ 2, γ ≥ 1)."""
+        S, gamma = self.reselection_steps, self.gradient_estimation_steps
+        S = S if isinstance(S, int) else max(2, round(S * total_steps))
+        gamma = gamma if isinstance(gamma, int) else max(1, round(gamma * total_steps))
+        if gamma >= S:
+            raise ValueError(
+                f"gradient_estimation_steps={self.gradient_estimation_steps!r} and reselection_steps={self.reselection_steps!r} give "
+                f"γ={gamma} ≥ S={S} for total_steps={total_steps}; γ must stay below S"
+            )
+        return S, gamma
 
     def trainer_callbacks(self) -> list:
         """Callbacks a Trainer needs to train this adapter."""

@@ -86,5 +86,6 @@ class SpIELModel(SparseTuner):
             self.__dict__["_guard"] = _UnscheduledTrainingGuard()
         guard = self.__dict__["_guard"]
         first = peft_config.gradient_estimation_steps
+        first = first if isinstance(first, int) else 1  # (a fraction of a run length not known yet: the earliest)
         guard.first_reselection = first if guard.first_reselection is None else min(guard.first_reselection, first)
         self.model.get_submodule(current_key).training_observer = guard

@@ -84,6 +84,7 @@ class SpIELScheduler:
             raise ValueError(f"total_steps must be a positive integer, got total_steps={total_steps!r}")
         self.model, tuner, self.adapter_name, self.config = _find_spiel_adapter(model, adapter_name)
         self.total_steps = total_steps
+        self.S, self.gamma = self.config.steps_for(total_steps)  # (fractions of total_steps resolved)
         self.optimizer = check_supported(optimizer)
         if self.config.growth == "ma" and not isinstance(self.optimizer, SM3):
             raise TypeError(
@@ -123,8 +124,7 @@ class SpIELScheduler:
         return self.config.growth == "ag"
 
     def _in_window(self, t: int) -> bool:
-        c = self.config
-        return self.uses_windows and in_estimation_window(t, c.reselection_steps, c.gradient_estimation_steps, self.total_steps)
+        return self.uses_windows and in_estimation_window(t, self.S, self.gamma, self.total_steps)
 
     def _arm_if_window(self, next_t: int) -> None:
         if self._in_window(next_t) and not self.statistics:
@@ -162,7 +162,7 @@ class SpIELScheduler:
     def step(self) -> dict:
         """Advance to the next optimizer step; returns reselection statistics when one happened."""
         self.t += 1
-        t, c = self.t, self.config
+        t = self.t
         if t == self.total_steps + 1:  # (once: the schedule ends at total_steps, training may go on with fixed indices)
             warnings.warn(
                 f"SpIELScheduler: step {t} is past total_steps={self.total_steps}; the schedule has ended and the "
@@ -171,7 +171,7 @@ class SpIELScheduler:
         if self.statistics:
             self._end_window_step()
         self.last_statistics = {}
-        if is_reselection_step(t, c.reselection_steps, c.gradient_estimation_steps, self.total_steps):
+        if is_reselection_step(t, self.S, self.gamma, self.total_steps):
             self.last_statistics = self._reselect(t)
             self._disarm()
             if self.config.drop_criterion == "change":
@@ -221,7 +221,7 @@ class SpIELScheduler:
             d = values.numel()
             grid = SparseTuner.grid(c, layer)
             k = replacement_count(  # in units: weights, or blocks
-                t, self.total_steps, d // grid.unit, c.initial_reselection_rate, c.schedule, c.gradient_estimation_steps,
+                t, self.total_steps, d // grid.unit, c.initial_reselection_rate, c.schedule, self.gamma,
                 c.first_full_replacement,
             )
             if k == 0 or d == 0:

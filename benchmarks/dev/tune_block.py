@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path[:0] = [str(HERE.parent), str(HERE.parent.parent)]  # benchmarks/ and the repository
 
 from value_grad import shapes  # noqa: E402
 
