@@ -42,6 +42,7 @@ def reference_spiel_ag(model, masks, steps, config, log):
     m1 = {w: torch.zeros_like(w) for w in weights}
     m2 = {w: torch.zeros_like(w) for w in weights}
     window = {}
+    start = {w: torch.zeros_like(w) for w in weights}  # φ₀ (Algorithm 2, lines 3 and 14)
     for t in range(1, steps + 1):
         for w in weights:  # θ' = scatter-add(φ, η, θ)
             w.requires_grad_(True)
@@ -71,7 +72,8 @@ def reference_spiel_ag(model, masks, steps, config, log):
             mask, flat_delta = masks[w].reshape(-1), delta[w].reshape(-1)
             active = torch.nonzero(mask).squeeze(1)
             k = replacement_count(t, steps, active.numel(), config.initial_reselection_rate, config.schedule, GAMMA)
-            dropped = active[_topk(-flat_delta[active].abs(), k)]  # DROP: k smallest |φ|
+            ranked = flat_delta if config.drop_criterion == "magnitude" else flat_delta - start[w].reshape(-1)
+            dropped = active[_topk(-ranked[active].abs(), k)]  # DROP: k smallest |φ| (or |φ − φ₀|, line 10)
             mask[dropped] = False
             cand, s1, s2 = window.pop(w)
             eligible = ~mask[cand]
@@ -85,15 +87,17 @@ def reference_spiel_ag(model, masks, steps, config, log):
                 flat = moment.reshape(-1)
                 flat[dropped] = 0.0
                 flat[grown] = stat[grown_at] / GAMMA * (1 - beta**t)
+            start[w] = delta[w].clone()  # φ₀ ← φ (line 14)
         log.append({w: masks[w].clone() for w in weights})
     return delta
 
 
+@pytest.mark.parametrize("drop_criterion", ["magnitude", "change"])
 @pytest.mark.parametrize("candidate_ratio", [1.0, 2.0])
-def test_spiel_ag_chooses_the_indices_of_algorithm_2_step_for_step(candidate_ratio):
+def test_spiel_ag_chooses_the_indices_of_algorithm_2_step_for_step(candidate_ratio, drop_criterion):
     config = SpIELConfig(
         target_modules="all-linear", density=0.1, reselection_steps=S, gradient_estimation_steps=GAMMA,
-        initial_reselection_rate=0.5, candidate_ratio=candidate_ratio, values_dtype="float64",
+        initial_reselection_rate=0.5, candidate_ratio=candidate_ratio, values_dtype="float64", drop_criterion=drop_criterion,
     )  # fmt: skip
     ours = get_peft_model(tiny_llama(dtype=torch.float64), config)
     layers = sparse_layers(ours)

@@ -1,0 +1,209 @@
+"""Each SpIEL setting the quality benchmark ablates changes what it says, on a tiny model."""
+
+import math
+
+import pytest
+import torch
+from peft import get_peft_model
+
+from peft_sparse import SparseFTConfig, SpIELConfig, SpIELScheduler
+from peft_sparse.core.budget import split_budget, split_weights
+from peft_sparse.schedules.reselection import replacement_count
+
+from .models import inputs, sparse_layers, tiny_llama
+
+T = 20
+
+
+def _model(**fields):
+    base = dict(target_modules="all-linear", density=0.1, reselection_steps=6, gradient_estimation_steps=2)
+    base.update(fields)
+    return get_peft_model(tiny_llama(), SpIELConfig(**base))
+
+
+def _train(model, steps, lr=1e-2, on_step=None):
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    scheduler = SpIELScheduler(model, optimizer, total_steps=T)
+    model.train()
+    for step in range(1, steps + 1):
+        x = inputs(seed=step, batch=4, length=9)
+        model(x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if on_step is not None:
+            on_step(step, scheduler, optimizer)
+        scheduler.step()
+    return scheduler, optimizer
+
+
+def _indices(model):
+    return [layer.sparse_indices["default"].clone() for layer in sparse_layers(model)]
+
+
+def test_first_full_replacement_off_replaces_only_the_scheduled_share_at_gamma():
+    for full in (True, False):
+        model = _model(first_full_replacement=full, initial_reselection_rate=0.3)
+        before = _indices(model)
+        scheduler, _ = _train(model, 2)  # t = γ = 2: the first reselection
+        report = scheduler.last_statistics
+        total = sum(i.numel() for i in before)
+        expected = sum(replacement_count(2, T, i.numel(), 0.3, "linear", 2, full) for i in before)
+        assert report["spiel/replaced"] == expected
+        assert (expected == total) == full
+        kept = sum(int(torch.isin(b, a).sum()) for b, a in zip(before, _indices(model)))
+        assert kept >= total - expected  # at least the unreplaced indices stay
+        if not full:
+            assert kept > 0
+
+
+def test_drop_change_ranks_by_the_change_since_the_last_reselection():
+    """drop_criterion='change' (Algorithm 2, line 10) drops the k smallest |φ − φ₀|, φ₀ being the values
+    right after the previous reselection; 'magnitude' the k smallest |φ|."""
+    captured = {}
+
+    def at(step, scheduler, optimizer):
+        if step == 14:  # the reselection at t = γ + 2S = 14 (φ₀ taken at 8), values as it sees them
+            captured["values"] = [layer.sparse_values["default"].detach().clone() for layer in sparse_layers(scheduler.model)]
+            captured["reference"] = {k: v.clone() for k, v in scheduler.drop_reference.items()}
+            captured["indices"] = _indices(scheduler.model)
+
+    model = _model(drop_criterion="change")
+    scheduler, _ = _train(model, 14, on_step=at)
+    after = _indices(model)
+    layers = sparse_layers(model)
+    some_differ = False
+    for layer, values, old, new in zip(layers, captured["values"], captured["indices"], after):
+        change = (values - captured["reference"][layer.module_name]).abs()
+        k = replacement_count(14, T, values.numel(), 0.2, "linear", 2)
+        if k == 0:
+            continue
+        dropped = old[torch.sort(change, stable=True).indices[:k]]
+        survivors = old[torch.sort(change, stable=True).indices[k:]]
+        assert torch.isin(survivors, new).all()  # the kept ones are those that changed most
+        by_magnitude = old[torch.sort(values.abs(), stable=True).indices[:k]]
+        some_differ |= not torch.equal(dropped.sort().values, by_magnitude.sort().values)
+    assert some_differ  # (the two criteria disagree somewhere: the test tells them apart)
+    # φ₀ is taken again after the reselection
+    for layer in layers:
+        assert torch.equal(scheduler.drop_reference[layer.module_name], layer.sparse_values["default"].detach())
+
+
+def test_drop_change_state_resumes(tmp_path):
+    model = _model(drop_criterion="change")
+    scheduler, optimizer = _train(model, 9)
+    scheduler.save(tmp_path)
+    other = SpIELScheduler(model, optimizer, total_steps=T)
+    other.load(tmp_path)
+    assert set(other.drop_reference) == set(scheduler.drop_reference)
+    for name, v in scheduler.drop_reference.items():
+        assert torch.equal(other.drop_reference[name], v)
+
+
+def test_seed_moments_off_queues_no_seeds():
+    for seed in (True, False):
+        scheduler, optimizer = _train(_model(seed_moments=seed), 2)  # t = γ = 2: the first reselection
+        assert bool(scheduler.seeding.pending) == seed
+        layer = sparse_layers(scheduler.model)[0]
+        grown = layer.sparse_ages["default"] == 2
+        assert grown.any()
+        # (re-gathered: grown slots start at zero; with seeding on, the next step's pre-hook seeds them)
+        assert bool((optimizer.state[layer.sparse_values["default"]]["exp_avg"][grown] == 0).all())
+
+
+def _snapshot_window(monkeypatch) -> dict:
+    """The window's candidates, Σg, Σg² and length as each reselection reads them."""
+    seen = {}
+    original = SpIELScheduler._reselect
+
+    def spy(self, t):
+        seen[t] = ({n: (s.candidates.clone(), s.grad_sum.clone(), s.grad_sq_sum.clone()) for n, s in self.statistics.items()},
+                   self.steps_in_window)  # fmt: skip
+        return original(self, t)
+
+    monkeypatch.setattr(SpIELScheduler, "_reselect", spy)
+    return seen
+
+
+@pytest.mark.parametrize("grow_init", ["zero", "gradient"])
+def test_grow_init_starts_grown_weights_at_zero_or_at_the_windows_adam_steps(grow_init, monkeypatch):
+    """'gradient': exactly −lr·γ·ĝ/(√ŝ + ε) of the window's sums; 'zero': 0."""
+    seen = _snapshot_window(monkeypatch)
+    model = _model(grow_init=grow_init, reselection_steps=6, gradient_estimation_steps=3)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=3e-3, eps=1e-8, weight_decay=0.0)
+    scheduler = SpIELScheduler(model, optimizer, total_steps=T)
+    model.train()
+    for step in (1, 2, 3):
+        x = inputs(seed=step, batch=4, length=9)
+        model(x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    stats, gamma = seen[3]
+    assert gamma == 3
+    nonzero = 0
+    for layer in sparse_layers(model):
+        candidates, g, s2 = stats[layer.module_name]
+        indices = layer.sparse_indices["default"].long()
+        values = layer.sparse_values["default"].detach()
+        grown = layer.sparse_ages["default"] == 3
+        rows = torch.searchsorted(candidates.long(), indices[grown])
+        if grow_init == "zero":
+            assert bool((values[grown] == 0).all())
+            continue
+        expected = -3e-3 * gamma * (g[rows] / gamma) / ((s2[rows] / gamma).sqrt() + 1e-8)
+        torch.testing.assert_close(values[grown], expected.to(values.dtype), rtol=1e-5, atol=1e-10)
+        nonzero += int((values[grown] != 0).sum())
+    assert grow_init == "zero" or nonzero > 0
+
+
+def test_fractions_of_total_steps_resolve_with_the_run_length():
+    config = SpIELConfig(target_modules="all-linear", density=0.1, reselection_steps=0.2, gradient_estimation_steps=0.05)
+    assert config.steps_for(60) == (12, 3)
+    assert config.steps_for(1000) == (200, 50)
+    assert config.steps_for(10) == (2, 1)
+    with pytest.raises(ValueError, match="γ=3 ≥ S=3"):
+        SpIELConfig(target_modules="all-linear", density=0.1, reselection_steps=0.05, gradient_estimation_steps=3).steps_for(60)
+    with pytest.raises(ValueError, match="reselection_steps=1.5"):
+        SpIELConfig(target_modules="all-linear", density=0.1, reselection_steps=1.5)
+    model = _model(reselection_steps=0.3, gradient_estimation_steps=0.1)
+    scheduler, _ = _train(model, 2)
+    assert (scheduler.S, scheduler.gamma) == (6, 2)
+    assert scheduler.last_statistics  # t = γ = 2 reselected
+
+
+@pytest.mark.parametrize("field,value", [("drop_criterion", "abs"), ("grow_init", "random"), ("first_full_replacement", 1),
+                                         ("seed_moments", "yes"), ("budget_split", "even")])  # fmt: skip
+def test_bad_settings_are_refused_with_the_field_named(field, value):
+    with pytest.raises(ValueError, match=f"{field}={value!r}"):
+        SpIELConfig(target_modules="all-linear", density=0.1, **{field: value})
+
+
+def test_ma_refuses_window_settings():
+    with pytest.raises(ValueError, match="SpIEL-MA"):
+        SpIELConfig(target_modules="all-linear", density=0.1, growth="ma", grow_init="gradient")
+
+
+def test_lora_budget_split_is_proportional_to_out_plus_in():
+    model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules="all-linear", density=0.2, budget_split="lora"))
+    counts = model.peft_config["default"].tunable_weights_per_module
+    shapes = model.peft_config["default"].module_shapes
+    total = sum(counts.values())
+    share = {n: s[0] + s[1] for n, s in shapes.items()}
+    for name, count in counts.items():
+        assert abs(count - total * share[name] / sum(share.values())) < 1 + 1e-9
+    uniform = get_peft_model(tiny_llama(), SparseFTConfig(target_modules="all-linear", density=0.2)).peft_config["default"]
+    assert sum(uniform.tunable_weights_per_module.values()) == total
+    small = min(shapes, key=lambda n: shapes[n][0] * shapes[n][1])
+    big = max(shapes, key=lambda n: shapes[n][0] * shapes[n][1])
+    density = {n: counts[n] / (shapes[n][0] * shapes[n][1]) for n in (small, big)}
+    assert density[small] > density[big]  # small matrices get the higher density
+
+
+def test_split_caps_a_tensor_at_its_size_and_shares_the_rest():
+    sizes = {"a": 10, "b": 1000}
+    counts = split_budget(sizes, 500, weights={"a": 100, "b": 1})
+    assert counts == {"a": 10, "b": 490}
+    assert split_weights({"a": (2, 5)}, "lora") == {"a": 7}
+    assert math.isclose(sum(split_budget({"x": 7, "y": 9, "z": 11}, 13, weights={"x": 1, "y": 1, "z": 1}).values()), 13)
