@@ -51,6 +51,8 @@ sys.path.insert(0, str(HERE.parent))
 SIZES = {
     "tinyllama": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                       num_key_value_heads=4, vocab_size=32000),
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152),
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=32, vocab_size=32000),
 }  # fmt: skip
@@ -224,8 +226,8 @@ SLOW_CALLS = (
     ("peft_sparse.core.layer", "sparse_delta_linear", "layer forward, full path"),
     ("peft_sparse.core.layer", "SparseLayer._check_ready", "adapter checks"),
     ("peft_sparse.core.functional", "SparseDeltaLinear.backward", "generic backward"),
-    ("peft_sparse.core.triton_kernels", "block_sddmm_into", "block launch planned anew"),
-    ("peft_sparse.core.triton_kernels", "launch_plan", "Triton launch planned anew"),
+    ("peft_sparse.accel.triton_kernels", "block_sddmm_into", "block launch planned anew"),
+    ("peft_sparse.accel.triton_kernels", "launch_plan", "Triton launch planned anew"),
     ("triton.runtime.jit", "JITFunction.run", "Triton's own launch path"),
 )
 

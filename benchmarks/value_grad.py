@@ -1,6 +1,11 @@
-"""Value-gradient paths per layer shape: dense dW + gather vs the Triton SDDMM kernels (GPU).
+"""Value-gradient paths per layer shape: dense dW + gather vs the SDDMM (Triton kernels on a GPU, torch on CPU).
 
     python benchmarks/value_grad.py [--tokens 8192] [--size tinyllama]
+    python benchmarks/value_grad.py --device cpu --size smollm2-135m --tokens 440 --densities 0.01,0.046
+
+On CPU it times (median of repeats, float32) the dense GEMM + gather against the SDDMM the plain path
+takes there (``kernels.sddmm_reference``: torch's sampled product over the indices' CSR pattern) and
+prints the SDDMM's rate relative to the GEMM: the CPU entry of the cost model's ``sddmm_relative_rate``.
 
 For each (out, in) of the model's projections and each density, times (median, triton.testing.do_bench):
 ``dense`` (one bf16 GEMM dW = Gᵀ·X, then gather), ``sddmm`` (unstructured kernel), and the block
@@ -26,7 +31,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from bench_step import SIZES  # noqa: E402
 
-from peft_sparse.core import kernels, triton_kernels  # noqa: E402
+from peft_sparse.core import kernels  # noqa: E402
 from peft_sparse.core.selection import BlockGrid  # noqa: E402
 
 
@@ -37,15 +42,54 @@ def shapes(size):
     return {"q/o (h,h)": (h, h), "k/v (kv,h)": (kv, h), "gate/up (i,h)": (i, h), "down (h,i)": (h, i)}
 
 
-def main():
-    from triton.testing import do_bench
+def cpu_main(args, densities) -> None:
+    """Dense GEMM + gather against the plain path's CPU SDDMM, and the SDDMM's rate relative to the GEMM."""
+    import statistics
+    import time
 
+    def median_ms(fn, repeats=20):
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+
+    g = torch.Generator().manual_seed(0)
+    T = args.tokens
+    print(f"CPU ({torch.get_num_threads()} threads), tokens={T}, float32; times in ms (median)")
+    print(f"{'shape':<16}{'density':>8}{'dense':>9}{'sddmm':>9}{'rate':>9}")
+    rates = []
+    for name, (out_f, in_f) in shapes(args.size).items():
+        go, x = torch.randn(T, out_f, generator=g), torch.randn(T, in_f, generator=g)
+        for density in densities:
+            nnz = int(density * out_f * in_f)
+            idx = torch.randperm(out_f * in_f, generator=g)[:nnz].sort().values
+            rows, cols = kernels.rows_cols(idx, in_f)
+            torch.testing.assert_close(kernels.sddmm_reference(go, x, rows, cols), go.t().mm(x).view(-1)[idx], rtol=1e-4, atol=1e-3)
+            dense = median_ms(lambda: kernels.dense_weight_gradient(go, x).view(-1)[idx])
+            sddmm = median_ms(lambda: kernels.sddmm_reference(go, x, rows, cols))
+            rate = dense / sddmm * density  # the SDDMM does `density` of the GEMM's multiply-adds in its time
+            rates.append(rate)
+            print(f"{name:<16}{density:>8.3f}{dense:>9.3f}{sddmm:>9.3f}{rate:>9.4f}", flush=True)
+    rates.sort()
+    print(f"\nCPU SDDMM rate relative to the GEMM: {rates[0]:.4f} – {rates[-1]:.4f} (median {rates[len(rates) // 2]:.4f})")
+
+
+def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--size", default="tinyllama")
     parser.add_argument("--densities", default="0.002,0.005,0.01,0.02,0.052,0.1")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = parser.parse_args()
     densities = [float(d) for d in args.densities.split(",")]
+    if args.device == "cpu":
+        return cpu_main(args, densities)
+    from triton.testing import do_bench
+
+    from peft_sparse.accel import triton_kernels
     gpu = torch.cuda.get_device_name()
     out_path = HERE / "results" / f"{datetime.date.today().isoformat()}-{gpu.lower().replace('nvidia', '').strip().replace(' ', '-')}-value-grad.jsonl"
     out_path.parent.mkdir(parents=True, exist_ok=True)

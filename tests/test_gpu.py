@@ -189,7 +189,7 @@ def test_block_plans_are_built_for_all_layers_at_once(growth, monkeypatch):
     """After a reselection the new block layouts already hold the plans their predecessors used, and
     after an AG window's first step the candidate layouts hold theirs — built in one batch per kind
     (none inside the next backward pass)."""
-    from peft_sparse.core import triton_kernels
+    from peft_sparse.accel import triton_kernels
 
     from .models import inputs
 
@@ -352,7 +352,7 @@ def test_repeated_nf4_launch_on_cuda_follows_every_change(tmp_path, monkeypatch)
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from peft_sparse.core import layer as layer_module
-    from peft_sparse.core import triton_kernels as tk
+    from peft_sparse.accel import triton_kernels as tk
 
     from .models import randomize_values
 
@@ -542,7 +542,7 @@ def test_direct_launch_picks_the_kernel_of_each_specialization(monkeypatch):
     the torch reference, and a repeated call of a known specialization does not go through Triton's launch."""
     from triton.runtime.jit import JITFunction
 
-    from peft_sparse.core import triton_kernels as tk
+    from peft_sparse.accel import triton_kernels as tk
 
     runs = []
     original = JITFunction.run
@@ -564,7 +564,7 @@ def test_direct_launch_picks_the_kernel_of_each_specialization(monkeypatch):
 @contextlib.contextmanager
 def _plan_launches():
     """Records, while open, what each kept launch (``LaunchPlan``) returned: True when it launched."""
-    from peft_sparse.core import triton_kernels as tk
+    from peft_sparse.accel import triton_kernels as tk
 
     launched, original = [], tk.LaunchPlan.__call__
 
@@ -595,7 +595,7 @@ def test_block_value_gradient_repeats_its_kept_launch_bit_for_bit(tokens, produc
     tensors: the same bits as block_sddmm_into into a new tensor, with one token slice or several
     (summed), X formed in the kernel or not; a non-contiguous input (made contiguous first) gives the
     same bits; another token count keeps a launch of its own, and a layout keeps at most four."""
-    from peft_sparse.core import triton_kernels as tk
+    from peft_sparse.accel import triton_kernels as tk
 
     g = torch.Generator().manual_seed(tokens)
     out_f, in_f = 256, 512
@@ -637,7 +637,7 @@ def test_block_value_gradient_adds_into_out_with_its_kept_launch(tokens, product
     """Given ``out`` (an AG window's sums at its candidate blocks), kernels.block_value_gradient adds the
     block gradient to it with a kept launch of its own: the same bits as block_sddmm_into accumulating
     into a copy of the same start, with one token slice or several; a new-tensor call keeps another."""
-    from peft_sparse.core import triton_kernels as tk
+    from peft_sparse.accel import triton_kernels as tk
 
     g = torch.Generator().manual_seed(tokens + 1)
     out_f, in_f = 256, 512
@@ -666,7 +666,7 @@ def test_candidate_selection_launches_repeat_per_layer_shape():
     """A window's first step selects candidate blocks layer by layer with three kernels (block sums, top
     blocks, gather) whose launches are kept per layer shape and repeated with each layer's tensors: the
     same results as the references (and, for the sums, as Triton's own launch) at every call."""
-    from peft_sparse.core import triton_kernels as tk
+    from peft_sparse.accel import triton_kernels as tk
 
     g = torch.Generator().manual_seed(5)
     with _plan_launches() as launched:
@@ -691,7 +691,7 @@ def test_a_reselected_layout_takes_over_the_kept_launches(tokens):
     """After a reselection a layer's new layout (as many blocks, elsewhere) takes over the old one's kept
     value-gradient launches, retargeted to its own group plans: its first backward call repeats a kept
     launch and gives the same bits as a fresh launch; a layout of another block count takes none."""
-    from peft_sparse.core import triton_kernels as tk
+    from peft_sparse.accel import triton_kernels as tk
     from peft_sparse.core.selection import BlockGrid
 
     g = torch.Generator().manual_seed(tokens + 2)

@@ -229,7 +229,7 @@ def test_kept_nf4_launch_is_not_copied_and_is_dropped_once_it_no_longer_applies(
     import pickle
 
     pytest.importorskip("triton")
-    from peft_sparse.core import triton_kernels as tk
+    from peft_sparse.accel import triton_kernels as tk
     from peft_sparse.core.layer import _NF4Rebuild
 
     model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules=["q_proj"], density=0.1))
@@ -480,7 +480,7 @@ def test_kept_nf4_launch_recomputes_its_slices_in_place(quantized_dir, monkeypat
     outside it, so the launch is refused (the full path plans anew). ``compose_starts`` refuses an
     ``out`` of another shape or type. (CPU: the slices' computation is torch's; the launch a stand-in.)"""
     from peft_sparse.core import kernels
-    from peft_sparse.core import triton_kernels as tk
+    from peft_sparse.accel import triton_kernels as tk
     from peft_sparse.core.layer import _NF4Rebuild
 
     # a layer large enough for several programs of the fused launch

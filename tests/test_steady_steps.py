@@ -35,7 +35,7 @@ def fused_paths(monkeypatch):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 before starting Python to run the Triton kernels on CPU")
     _let_the_interpreter_index_scalars()
-    from peft_sparse.core import triton_kernels
+    from peft_sparse.accel import triton_kernels
 
     monkeypatch.setattr(sm3, "_fused_device", lambda param: sm3._fused_kernel() is not None)
     monkeypatch.setitem(kernels.SCATTER_SUM_KERNELS, "cpu", triton_kernels.scatter_sum_into)

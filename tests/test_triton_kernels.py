@@ -23,7 +23,7 @@ def tk():
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("set TRITON_INTERPRET=1 before starting Python to run the Triton kernels on CPU")
         _let_the_interpreter_index_scalars()
-    return importlib.import_module("peft_sparse.core.triton_kernels")
+    return importlib.import_module("peft_sparse.accel.triton_kernels")
 
 
 def _let_the_interpreter_index_scalars():
@@ -230,7 +230,7 @@ def _lower_bound_probe():
     import triton
     import triton.language as tl
 
-    from peft_sparse.core.triton_kernels import _lower_bound
+    from peft_sparse.accel.triton_kernels import _lower_bound
 
     globals()["_lower_bound"] = _lower_bound
 

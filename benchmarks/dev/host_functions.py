@@ -51,7 +51,7 @@ def timed(owner, name: str, label: str, totals: dict, static: bool = False) -> N
 def wrap_functions(totals: dict) -> None:
     from peft_sparse.core import functional, kernels
     from peft_sparse.core import layer as layer_module
-    from peft_sparse.core import triton_kernels
+    from peft_sparse.accel import triton_kernels
     from peft_sparse.optim import sm3
 
     timed(F, "linear", "F.linear", totals)

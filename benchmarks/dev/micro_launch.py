@@ -17,7 +17,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # benchmarks/ and the repository
 
-from peft_sparse.core import triton_kernels as tk  # noqa: E402
+from peft_sparse.accel import triton_kernels as tk  # noqa: E402
 
 
 def per_call(fn, calls: int) -> float:

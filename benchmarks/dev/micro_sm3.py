@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 import triton.testing as tt
 
-from peft_sparse.core import triton_kernels as tk
+from peft_sparse.accel import triton_kernels as tk
 
 SHAPES = [(2048, 2048), (256, 2048), (256, 2048), (2048, 2048), (5632, 2048), (5632, 2048), (2048, 5632)] * 22
 DENSITY = 0.0521

@@ -14,7 +14,7 @@ import triton
 import triton.testing as tt
 
 from peft_sparse.core import kernels
-from peft_sparse.core import triton_kernels as tk
+from peft_sparse.accel import triton_kernels as tk
 
 DENSITY = 0.0521
 

@@ -15,6 +15,7 @@ layer, the layer calls :func:`dense_weight_gradient` itself and hands the dense 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -57,7 +58,7 @@ def _load_gpu_kernels() -> None:
         return
     _GPU_KERNELS_TRIED = True
     try:
-        from . import triton_kernels
+        from ..accel import triton_kernels
     except ImportError:  # no Triton: the torch references serve
         return
     SDDMM_KERNELS.setdefault("cuda", triton_kernels.sddmm)
@@ -234,7 +235,7 @@ def scatter_sum_many(outs, indices, bases, values) -> Optional[list]:
             scatter_sum_into(outs[k], indices[k], bases[k], values[k])
     if not groups:
         return None
-    from .triton_kernels import MultiScatterSum
+    from ..accel.triton_kernels import MultiScatterSum
 
     launches = []
     for key, ks in groups.items():
@@ -275,7 +276,7 @@ def nf4_compose_starts(indices: torch.Tensor, numel: int, out: Optional[torch.Te
     _load_gpu_kernels()
     if NF4_COMPOSE_KERNELS.get("cuda") is None:
         return None
-    from . import triton_kernels
+    from ..accel import triton_kernels
 
     with on_device(indices):
         return triton_kernels.compose_starts(indices, numel, out)
@@ -285,7 +286,7 @@ def nf4_compose(packed, code, absmax, nested, blocksize: int, shape, dtype, indi
     """The dequantized NF4 weight plus scatter(indices, values) (see :func:`nf4_dequantize_reference` and
     :func:`scatter_add_into`); on CUDA one Triton launch (dequantization and scatter fused). ``starts``:
     :func:`nf4_compose_starts` of ``indices`` (optional). ``plan``: return (weight, a
-    :class:`~peft_sparse.core.triton_kernels.LaunchPlan` that repeats the launch into a new output, or None)."""
+    :class:`~peft_sparse.accel.triton_kernels.LaunchPlan` that repeats the launch into a new output, or None)."""
     if packed.device.type == "cuda":
         _load_gpu_kernels()
         power_of_two = blocksize > 0 and blocksize & (blocksize - 1) == 0  # (the kernel's chunks hold whole blocks)
@@ -353,7 +354,13 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def sddmm_reference(grad_out2d: torch.Tensor, x2d: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """Σ_t grad_out2d[t, rows[j]] · x2d[t, cols[j]] for every j, accumulated in float32 (float64 for float64)."""
+    """Σ_t grad_out2d[t, rows[j]] · x2d[t, cols[j]] for every j, accumulated in float32 (float64 for float64).
+
+    On CPU, for ascending row-major positions (what an adapter's indices give), torch's sampled dense-dense
+    product over a CSR pattern computes it (one dot product over the tokens per position); elsewhere, chunks
+    of gathered columns multiplied and summed."""
+    if grad_out2d.device.type == "cpu" and grad_out2d.dtype in (torch.float32, torch.float64) and x2d.dtype == grad_out2d.dtype:
+        return _sampled_product(grad_out2d, x2d, rows, cols)
     tokens = grad_out2d.shape[0]
     nnz = rows.numel()
     acc = accumulation_dtype(grad_out2d.dtype)
@@ -367,6 +374,28 @@ def sddmm_reference(grad_out2d: torch.Tensor, x2d: torch.Tensor, rows: torch.Ten
         # (tokens, chunk) · (tokens, chunk) → (chunk,)
         out[start : start + chunk] = (g.index_select(1, r) * x.index_select(1, c)).sum(0)
     return out
+
+
+def _sampled_product(grad_out2d: torch.Tensor, x2d: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """(∂L/∂Y)ᵀX at (rows, cols), rows ascending (row-major order): ``torch.sparse.sampled_addmm`` over the
+    CSR pattern of the positions."""
+    pattern = csr_pattern(rows, cols, torch.zeros(rows.numel(), dtype=grad_out2d.dtype), (grad_out2d.shape[1], x2d.shape[1]))
+    return torch.sparse.sampled_addmm(pattern, grad_out2d.t(), x2d, beta=0.0).values()
+
+
+_CSR_BETA_WARNED = [False]
+
+
+def csr_pattern(rows: torch.Tensor, cols: torch.Tensor, values: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """A CSR matrix of ``shape`` with ``values`` at (rows, cols), rows ascending (row-major positions)."""
+    crow = torch.zeros(shape[0] + 1, dtype=torch.long, device=rows.device)
+    crow[1:] = torch.bincount(rows, minlength=shape[0]).cumsum(0)
+    if _CSR_BETA_WARNED[0]:
+        return torch.sparse_csr_tensor(crow, cols.long(), values, shape, check_invariants=False)
+    with warnings.catch_warnings():  # torch's one-time notice that CSR support is in beta: our own, internal use
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        _CSR_BETA_WARNED[0] = True
+        return torch.sparse_csr_tensor(crow, cols.long(), values, shape, check_invariants=False)
 
 
 def sddmm(grad_out2d: torch.Tensor, x2d: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -623,7 +652,7 @@ def prepare_block_plans(layouts: list, keys: Optional[list] = None, x_reads: tup
         _load_gpu_kernels()
         if "cuda" not in BLOCK_SDDMM_INTO_KERNELS:
             return
-        from . import triton_kernels
+        from ..accel import triton_kernels
 
         for key in (keys[i] if keys is not None else {triton_kernels.plan_key(layout, x_reads=r) for r in x_reads}):
             chosen.append(layout)
@@ -640,7 +669,7 @@ def carry_launches(olds: list, news: list) -> None:
     pairs = [(old, new) for old, new in zip(olds, news) if old is not None and new is not None and old.launches]
     if not pairs:
         return
-    from . import triton_kernels  # (launches are only kept where the Triton kernels ran)
+    from ..accel import triton_kernels  # (launches are only kept where the Triton kernels ran)
 
     for old, new in pairs:
         triton_kernels.carry_launches(old, new)
@@ -657,9 +686,10 @@ class CostModel:
 
     def __init__(self, sddmm_relative_rate: Optional[dict[str, float]] = None):
         # measured: benchmarks/value_grad.py. On an H200 at 8192 tokens the Triton SDDMM lost to the
-        # bf16 GEMM + gather at every density from 0.2% to 10% (docs/perf-log.md); on 2 CPU cores the
-        # torch reference ran 3.4–7.6× slower than the dense path at 1% density.
-        self.sddmm_relative_rate = {"cpu": 0.0015, "cuda": 0.0005}
+        # bf16 GEMM + gather at every density from 0.2% to 10% (docs/perf-log.md). On 2 CPU cores
+        # (SmolLM2-135M's shapes, 440 tokens, float32) torch's sampled product ran at 0.025–0.12 of the
+        # GEMM's rate: 2–4× faster than the dense path at 1% density, 1.0–2.5× at 4.6%.
+        self.sddmm_relative_rate = {"cpu": 0.05, "cuda": 0.0005}
         if sddmm_relative_rate:
             self.sddmm_relative_rate.update(sddmm_relative_rate)
 

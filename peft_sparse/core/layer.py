@@ -508,7 +508,7 @@ def _no_rebuild() -> None:
 
 class _NF4Rebuild:
     """A 4-bit layer's fused NF4 launch (:func:`kernels.nf4_compose` with a single adapter) to repeat from
-    its :class:`~peft_sparse.core.triton_kernels.LaunchPlan` into a new output while its operands are
+    its :class:`~peft_sparse.accel.triton_kernels.LaunchPlan` into a new output while its operands are
     the same: the base layer, its 4-bit weight (object, storage, quantization state, compute dtype), the
     indices (object, storage, size) and the values (storage, size, dtype); their contents may change.
     Indices rewritten in place (a reselection: their version moves) are followed: the per-program slices

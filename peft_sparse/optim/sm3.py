@@ -38,11 +38,11 @@ _FUSED = []
 
 
 def _fused_kernel():
-    """The fused Triton step for CUDA sparse values, :class:`~peft_sparse.core.triton_kernels.MultiSM3`
+    """The fused Triton step for CUDA sparse values, :class:`~peft_sparse.accel.triton_kernels.MultiSM3`
     (None without Triton)."""
     if not _FUSED:
         try:
-            from ..core.triton_kernels import MultiSM3, sm3_block_shape_supported
+            from ..accel.triton_kernels import MultiSM3, sm3_block_shape_supported
         except ImportError:
             MultiSM3 = sm3_block_shape_supported = None
         _FUSED.extend((MultiSM3, sm3_block_shape_supported))

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import _current_cuda_device, table, to_device_async
+from ..core.kernels import _current_cuda_device, table, to_device_async
 
 # (kernel, device, specialization, options) → the kernel Triton compiled for them (see launch)
 _COMPILED: dict = {}
@@ -916,7 +916,7 @@ def _gather_blocks_kernel(
 
 def gather_blocks(dense: torch.Tensor, units: torch.Tensor, block_shape, index_dtype: torch.dtype):
     """:func:`~peft_sparse.core.kernels.gather_blocks_reference` in one launch (contiguous ``dense``)."""
-    from .kernels import BlockLayout
+    from ..core.kernels import BlockLayout
 
     bh, bw = block_shape
     out_f, in_f = dense.shape
