@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from peft_sparse import SparseFTConfig, SpIELConfig
 
-from .models import MODELS, inputs, randomize_values, sparse_layers
+from .models import MODELS, inputs, randomize_values, sparse_layers, tiny_llama
 
 # (row id, model, config class, config kwargs, tolerance for merged-vs-unmerged outputs)
 CASES = [
@@ -191,3 +191,22 @@ def test_multiple_adapters_active_at_once():
     # equals merging both deltas into the base weights
     merged = model.merge_and_unload(adapter_names=["default", "b"])
     torch.testing.assert_close(_out(merged, logits, x), both, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("config_cls", [SparseFTConfig, SpIELConfig])
+def test_training_leaves_every_base_weight_untouched_by_default(config_cls):
+    """PEFT's invariant: after optimizer steps in train mode, every non-adapter parameter, read through
+    named_parameters() (as an EMA or a parameter snapshot reads it), still holds the pre-trained value."""
+    model = get_peft_model(tiny_llama(), config_cls(target_modules="all-linear", density=0.2))
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    for step in range(3):
+        x = inputs(seed=step)
+        model(x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for n, p in model.named_parameters():
+        if n in before:
+            assert torch.equal(p.detach(), before[n]), n
+    assert any(not torch.equal(p, torch.zeros_like(p)) for n, p in model.named_parameters() if p.requires_grad)

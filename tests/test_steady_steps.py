@@ -11,15 +11,28 @@ import pytest
 import torch
 from peft import get_peft_model
 
-from peft_sparse import SM3, SpIELConfig, SpIELScheduler
+from peft_sparse import SM3, SparseLayer, SpIELConfig, SpIELScheduler
 from peft_sparse.core import kernels
 from peft_sparse.core import layer as layer_module
 from peft_sparse.core.selection import BlockGrid
 from peft_sparse.optim import sm3
 
-from .models import assert_backward_matches_reference, inputs, randomize_values, sparse_layers, tiny_llama, train_on
+from .models import (
+    assert_backward_matches_reference,
+    inputs,
+    randomize_values,
+    sparse_layers,
+    tiny_llama,
+    train_on,
+)
 
 pytest.importorskip("triton", reason="Triton is not installed: no fused paths")
+
+@pytest.fixture(autouse=True)
+def _training_merge_on(monkeypatch):
+    """The training merge is opt-in (``training_merge=True``); these tests check it, so it is on unless a test turns it off."""
+    monkeypatch.setattr(SparseLayer, "merge_for_training", True)
+
 
 
 @pytest.fixture

@@ -10,9 +10,23 @@ import pytest
 import torch
 from peft import get_peft_model
 
-from peft_sparse import SM3, SpIELConfig, SpIELScheduler
+from peft_sparse import SM3, SparseLayer, SpIELConfig, SpIELScheduler
 
-from .models import assert_backward_matches_reference, inputs, randomize_values, record_full_passes, sparse_layers, tiny_llama, train_on
+from .models import (
+    assert_backward_matches_reference,
+    inputs,
+    randomize_values,
+    record_full_passes,
+    sparse_layers,
+    tiny_llama,
+    train_on,
+)
+
+
+@pytest.fixture(autouse=True)
+def _training_merge_on(monkeypatch):
+    """The training merge is opt-in (``training_merge=True``); these tests check it, so it is on unless a test turns it off."""
+    monkeypatch.setattr(SparseLayer, "merge_for_training", True)
 
 
 def _spiel(dtype=torch.float32, growth="ag", **kw):

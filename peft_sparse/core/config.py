@@ -98,6 +98,17 @@ class SparseConfig(PeftConfig):
         },
     )
     seed: int = field(default=0, metadata={"help": "Seed of the initial index selection (per module, order-independent)."})
+    training_merge: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Opt-in speed-up for GPU training: while one adapter trains on a plain nn.Linear, keep θ + δ in the base "
+                "weight's own storage instead of building a merged copy in every forward and backward pass. The base "
+                "weight then reads θ + δ through named_parameters() during training (state_dict(), eval(), merging and "
+                "saving still see θ); off by default, so base weights never change (PEFT's invariant)."
+            )
+        },
+    )
     values_dtype: str = field(
         default="float32",
         metadata={"help": "dtype of the trainable values φ: float32 (default), bfloat16, float16 or float64."},
@@ -188,6 +199,8 @@ class SparseConfig(PeftConfig):
         self.block_shape = tuple(shape)
         if self.budget_split not in BUDGET_SPLITS:
             raise ValueError(f"budget_split must be one of {list(BUDGET_SPLITS)}, got budget_split={self.budget_split!r}")
+        if not isinstance(self.training_merge, bool):
+            raise ValueError(f"training_merge must be True or False, got training_merge={self.training_merge!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got seed={self.seed!r}")
 

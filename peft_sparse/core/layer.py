@@ -565,6 +565,9 @@ class _NF4Rebuild:
 class SparseLayer(BaseTunerLayer):
     adapter_layer_names = ("sparse_values",)
     other_param_names = ("sparse_indices", "sparse_ages")
+    # keep the training adapter merged in the base weight's storage (module docstring): opt-in, through the
+    # config's ``training_merge`` or per layer, because the base weight then shows θ₀ + δ during training
+    merge_for_training: bool = False
 
     def __init__(self, base_layer: nn.Module, module_name: str) -> None:
         self.base_layer = base_layer
@@ -589,8 +592,6 @@ class SparseLayer(BaseTunerLayer):
         # called with the layer on every training forward pass (dynamic methods watch for a missing scheduler);
         # steady passes skip an observer whose ``idle`` attribute is true
         self.training_observer = None
-        # keep the training adapter merged in the base weight's storage (module docstring)
-        self.merge_for_training = True
         self._model_ref = None  # weakref to the model (set by the tuner): who else uses the base weight's storage
         self._shared_check = None  # (weakref to the weight, its storage pointer, shared?) of the last scan
         self._training_merge: Optional[_TrainingMerge] = None

@@ -167,6 +167,8 @@ class SparseTuner(BaseTuner):
             layer = SparseLinear(target, module_name=current_key)
         # lets the layer check, whenever it would merge in place, that no other parameter shares the base weight
         layer._model_ref = weakref.ref(self.model)
+        if peft_config.training_merge:
+            layer.merge_for_training = True
         external = peft_config.init == "external"
         if external:  # placeholders until the adapter file is loaded (see SparseLayer._check_ready)
             indices = torch.arange(count, dtype=torch.long)
