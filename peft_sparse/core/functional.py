@@ -564,6 +564,28 @@ def sparse_delta_linear(
     return sparse_delta_apply(x, bias, (weight_fn, owned, hooks, blocks, premerged, len(indices)), *indices, *values)
 
 
+def delta_matrix(indices: torch.Tensor, values: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """scatter(η, φ) as an (out, in) CSR matrix (η ascending row-major positions)."""
+    rows, cols = kernels.rows_cols(indices, in_features)
+    return kernels.csr_pattern(rows, cols, values, (out_features, in_features))
+
+
+def sparse_delta_product(
+    x: torch.Tensor, indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out_features: int, matrices: Optional[list] = None
+) -> torch.Tensor:
+    """X · (Σ_a scatter(η_a, φ_a))ᵀ without a weight-sized tensor: O(tokens · d_φ), in the values' dtype.
+
+    ``matrices``: the deltas as CSR matrices (:func:`delta_matrix`) when the caller keeps them."""
+    in_features = x.shape[-1]
+    x2 = x.reshape(-1, in_features)  # (tokens, in)
+    y = None
+    for a, (idx, val) in enumerate(zip(indices, values)):
+        delta = matrices[a] if matrices is not None else delta_matrix(idx, val.detach(), out_features, in_features)
+        part = torch.sparse.mm(delta, x2.t().to(val.dtype)).t()  # (tokens, out)
+        y = part if y is None else y + part.to(y.dtype)
+    return y.reshape(*x.shape[:-1], out_features)
+
+
 def sparse_delta_linear_reference(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -71,7 +71,9 @@ from .functional import (
     merged_apply,
     sparse_delta_apply,
     sparse_delta_linear,
+    delta_matrix,
     sparse_delta_linear_reference,
+    sparse_delta_product,
 )
 from .selection import check_sparse_tensors
 
@@ -600,6 +602,7 @@ class SparseLayer(BaseTunerLayer):
         self._nf4_cache = None  # (weakref to the 4-bit weight, its storage pointer, its quant state, operands)
         self._nf4_starts_cache = None  # (weakref to an indices tensor, (address, version, size), its starts)
         self._nf4_rebuild: Optional[_NF4Rebuild] = None  # the last single-adapter fused NF4 launch, to repeat
+        self._delta_csr: dict = {}  # adapter → (key, indices, values, its CSR delta) for inference passes
         # adapter → the values tensor that last passed _check_ready, and the indices tensor it last checked
         self._ready: dict[str, torch.Tensor] = {}
         self._checked_indices: dict[str, torch.Tensor] = {}
@@ -809,6 +812,7 @@ class SparseLayer(BaseTunerLayer):
         self._block_metadata.pop(adapter_name, None)
         self._indices_pending.discard(adapter_name)
         self._ready.pop(adapter_name, None)
+        self._delta_csr.pop(adapter_name, None)
 
     def block_metadata(self, adapter_name: str):
         """For a block adapter: its :class:`~peft_sparse.core.kernels.BlockLayout` (block rows and
@@ -987,7 +991,7 @@ class SparseLayer(BaseTunerLayer):
         # pickling (torch.save of a whole model): the caches that hold weak references start empty in the copy,
         # which fills them again; the model reference is set again by the tuner (SparseTuner.__setstate__)
         state = nn.Module.__getstate__(self).copy()
-        state.update(_model_ref=None, _shared_check=None, _nf4_cache=None, _nf4_starts_cache=None)
+        state.update(_model_ref=None, _shared_check=None, _nf4_cache=None, _nf4_starts_cache=None, _delta_csr={})
         return state
 
     def _replicate_for_data_parallel(self):
@@ -1119,6 +1123,15 @@ class SparseLayer(BaseTunerLayer):
         if self.quantization_backend is None and base.weight.requires_grad:
             # the base weight itself is being trained: let autograd keep what it needs
             return sparse_delta_linear_reference(x, self.logical_weight(), base.bias, indices, values)
+        if not torch.is_grad_enabled() and not args and not kwargs:
+            # no backward pass can follow (generation, evaluation): Y = X·Wᵀ + X·δᵀ, the delta applied from its
+            # d_φ entries instead of a weight-sized W + δ, where the cost model says that is cheaper (few tokens)
+            nnz = sum(v.numel() for v in values)
+            if kernels.COST_MODEL.choose_inference(x, x.numel() // max(1, x.shape[-1]), self.out_features, self.in_features, nnz) == "sparse":
+                self.release_weight_merge()
+                y = self.base_layer(x)
+                delta = sparse_delta_product(x, indices, values, self.out_features, self._delta_matrices(active, indices, values))
+                return y + delta.to(y.dtype)
         blocks = [self.block_metadata(a) for a in active]
         premerged = self._merged_for_training(active, x, base)
         y = sparse_delta_linear(
@@ -1134,6 +1147,24 @@ class SparseLayer(BaseTunerLayer):
             self._steady = (current, active[0], values[0], values[0].dtype, idx, (idx._version, idx.data_ptr()), base, base.weight,
                             premerged, blocks, base.weight.device.type)  # fmt: skip
         return y.to(x.dtype) if self.quantization_backend is not None else y
+
+    def _delta_matrices(self, active: list, indices: list, values: list) -> Optional[list]:
+        """The adapters' deltas as CSR matrices for :func:`sparse_delta_product`, kept while their indices and
+        values are unchanged (a fast path: None when the fast paths are off, the product then builds them)."""
+        if not accel.ON:
+            return None
+        cache = self._delta_csr
+        out = []
+        for name, idx, val in zip(active, indices, values):
+            if idx.is_inference() or val.is_inference():
+                return None  # (no version counter follows their edits)
+            key = (idx.data_ptr(), idx._version, val.data_ptr(), val._version, val.dtype, val.device)
+            kept = cache.get(name)
+            if kept is None or kept[0] != key or kept[1] is not idx or kept[2] is not val:
+                kept = (key, idx, val, delta_matrix(idx, val.detach(), self.out_features, self.in_features))
+                cache[name] = kept
+            out.append(kept[3])
+        return out
 
     def _base_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The base layer alone. In training with grad, through the sparse autograd function with no

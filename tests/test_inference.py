@@ -1,0 +1,80 @@
+"""Passes without gradients apply the delta from its entries (X·Wᵀ + X·δᵀ) where that is cheaper."""
+
+import pytest
+import torch
+from peft import get_peft_model
+
+import peft_sparse
+from peft_sparse import SparseFTConfig, SparseLayer
+from peft_sparse.core import kernels
+
+from .models import MODELS, inputs, randomize_values, sparse_layers
+
+
+def _count_products(monkeypatch) -> list:
+    from peft_sparse.core import layer as layer_module
+
+    calls = []
+    original = layer_module.sparse_delta_product
+    monkeypatch.setattr(layer_module, "sparse_delta_product", lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "reference"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_no_grad_passes_equal_the_merged_model(name, fast, monkeypatch):
+    build, targets, output = MODELS[name]
+    model = get_peft_model(build(), SparseFTConfig(target_modules=targets, density=0.1))
+    randomize_values(model, scale=0.1)
+    model.eval()
+    monkeypatch.setitem(kernels.COST_MODEL.inference_sparse_ratio, "cpu", 1e9)  # always the sparse product
+    calls = _count_products(monkeypatch)
+    x = inputs(seed=4, batch=1, length=5)
+    with peft_sparse.fast_paths(fast), torch.no_grad():
+        got = output(model(x))
+        again = output(model(x))  # (the kept CSR deltas, on the fast paths)
+    assert len(calls) == 2 * len(sparse_layers(model))
+    merged = model.merge_and_unload()
+    with torch.no_grad():
+        want = output(merged(x))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # float32: the same sums in another order
+    assert torch.equal(got, again)
+
+
+def test_the_cost_model_rebuilds_for_many_tokens_and_training_passes_never_take_the_product(monkeypatch):
+    build, targets, output = MODELS["llama"]
+    model = get_peft_model(build(), SparseFTConfig(target_modules=targets, density=0.1))
+    calls = _count_products(monkeypatch)
+    layer = sparse_layers(model)[0]
+    nnz = layer.sparse_values["default"].numel()
+    x = torch.zeros(1, layer.in_features)
+    assert kernels.COST_MODEL.choose_inference(x, 1, layer.out_features, layer.in_features, nnz) == "sparse"
+    assert kernels.COST_MODEL.choose_inference(x, 10_000, layer.out_features, layer.in_features, nnz) == "rebuild"
+    model.eval()
+    with torch.no_grad():
+        model(inputs(seed=1, batch=1, length=1))
+    assert calls  # one token: the product
+    calls.clear()
+    model.train()
+    x = inputs(seed=1, batch=1, length=1)
+    model(x, labels=x).loss.backward()  # a training pass: the autograd function, as always
+    assert not calls
+
+
+def test_a_values_edit_is_seen_by_the_next_inference_pass(monkeypatch):
+    build, targets, output = MODELS["llama"]
+    model = get_peft_model(build(), SparseFTConfig(target_modules=targets, density=0.1)).eval()
+    monkeypatch.setitem(kernels.COST_MODEL.inference_sparse_ratio, "cpu", 1e9)
+    x = inputs(seed=2, batch=1, length=3)
+    with torch.no_grad():
+        before = output(model(x))
+        randomize_values(model, scale=0.1)  # in place: the kept CSR deltas must follow
+        after = output(model(x))
+        model.disable_adapter_layers()
+        base = output(model(x))
+        model.enable_adapter_layers()
+    assert torch.equal(before, base)  # (zero values: the base model)
+    assert not torch.equal(after, before)
+    merged = model.merge_and_unload()
+    with torch.no_grad():
+        torch.testing.assert_close(after, output(merged(x)), rtol=1e-5, atol=1e-5)
