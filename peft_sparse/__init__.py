@@ -5,7 +5,7 @@ Importing this package registers every method with PEFT, so ``get_peft_model``,
 """
 
 from . import registry
-from .accel import fast_paths
+from .accel import fast_paths, gpu  # noqa: F401  (gpu: hands the core its Triton kernels)
 from .core.compose import convert_config, load_sparse_adapter, merge_sparse_adapters
 from .core.config import SparseConfig
 from .core.layer import SparseLayer

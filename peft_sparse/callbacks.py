@@ -18,7 +18,7 @@ import uuid
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from .methods.spiel import SpIELScheduler
+from .methods.spiel import SpIELConfig, SpIELScheduler
 
 _TOKEN_FILE = "spiel_checkpoint.json"
 
@@ -100,3 +100,10 @@ class SpIELCallback(TrainerCallback, ExportableState):
     def on_train_end(self, args, state, control, **kwargs):
         if self.scheduler is not None:
             self.scheduler.close()
+
+
+def callbacks_for(peft_config) -> list:
+    """The Trainer callbacks a method's config needs (a recipe adds them on its own)."""
+    if isinstance(peft_config, SpIELConfig):
+        return [SpIELCallback()]
+    return []

@@ -50,7 +50,7 @@ def _check_keys(section: str, got: dict, allowed: set[str]) -> None:
 
 def build_peft_config(method: dict):
     """A sparse PEFT config from a mapping with ``peft_type`` and that config's fields."""
-    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+    from .registry import PEFT_TYPE_TO_CONFIG_MAPPING
 
     from .core.config import SparseConfig
 
@@ -151,8 +151,9 @@ def read_jsonl(path) -> list[dict]:
 
 def method_callbacks(peft_config) -> list:
     """Trainer callbacks a method needs (dynamic methods drive their scheduler from Trainer events)."""
-    factory = getattr(peft_config, "trainer_callbacks", None)
-    return list(factory()) if factory else []
+    from .callbacks import callbacks_for
+
+    return callbacks_for(peft_config)
 
 
 def _first_line(text: str) -> str:

@@ -100,15 +100,26 @@ def test_drop_change_state_resumes(tmp_path):
         assert torch.equal(other.drop_reference[name], v)
 
 
-def test_seed_moments_off_queues_no_seeds():
-    for seed in (True, False):
-        scheduler, optimizer = _train(_model(seed_moments=seed), 2)  # t = γ = 2: the first reselection
-        assert bool(scheduler.seeding.pending) == seed
-        layer = sparse_layers(scheduler.model)[0]
-        grown = layer.sparse_ages["default"] == 2
-        assert grown.any()
-        # (re-gathered: grown slots start at zero; with seeding on, the next step's pre-hook seeds them)
-        assert bool((optimizer.state[layer.sparse_values["default"]]["exp_avg"][grown] == 0).all())
+@pytest.mark.parametrize("seed", ["both", "second", "none"])
+def test_seed_moments_chooses_which_moments_of_grown_weights_are_seeded(seed):
+    scheduler, optimizer = _train(_model(seed_moments=seed), 2)  # t = γ = 2: the first reselection
+    assert bool(scheduler.seeding.pending) == (seed != "none")
+    layer = sparse_layers(scheduler.model)[0]
+    state = optimizer.state[layer.sparse_values["default"]]
+    grown = layer.sparse_ages["default"] == 2
+    assert grown.any()
+    # (re-gathered: grown slots start at zero; the next step's pre-hook seeds them)
+    assert bool((state["exp_avg"][grown] == 0).all()) and bool((state["exp_avg_sq"][grown] == 0).all())
+    x = inputs(seed=3, batch=4, length=9)
+    scheduler.model(x, labels=x).loss.backward()
+    captured = {}
+    handle = optimizer.register_step_post_hook(lambda *a: None)
+    hook = optimizer.register_step_pre_hook(lambda *a: captured.update(m=state["exp_avg"].clone(), v=state["exp_avg_sq"].clone()))
+    optimizer.step()  # (the seeding pre-hook was registered first: it runs before the capture)
+    hook.remove(), handle.remove()
+    seeded_m = bool((captured["m"][grown] != 0).any())
+    seeded_v = bool((captured["v"][grown] != 0).any())
+    assert (seeded_m, seeded_v) == {"both": (True, True), "second": (False, True), "none": (False, False)}[seed]
 
 
 def _snapshot_window(monkeypatch) -> dict:
@@ -174,7 +185,7 @@ def test_fractions_of_total_steps_resolve_with_the_run_length():
 
 
 @pytest.mark.parametrize("field,value", [("drop_criterion", "abs"), ("grow_init", "random"), ("first_full_replacement", 1),
-                                         ("seed_moments", "yes"), ("budget_split", "even")])  # fmt: skip
+                                         ("seed_moments", True), ("budget_split", "even")])  # fmt: skip
 def test_bad_settings_are_refused_with_the_field_named(field, value):
     with pytest.raises(ValueError, match=f"{field}={value!r}"):
         SpIELConfig(target_modules="all-linear", density=0.1, **{field: value})

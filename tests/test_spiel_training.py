@@ -328,7 +328,7 @@ def test_the_guard_idles_while_a_scheduler_lives_and_a_copy_gets_its_own():
     import gc
     import pickle
 
-    model = _spiel(gradient_estimation_steps=2)
+    model = _spiel(gradient_estimation_steps=2, training_merge=True)  # (steady passes: the training merge's)
     layers = sparse_layers(model)
     guard = layers[0].training_observer
     assert guard is not None and all(layer.training_observer is guard for layer in layers) and not guard.idle
@@ -493,7 +493,7 @@ def test_a_nan_window_gradient_raises_at_the_reselection_with_the_adapter_untouc
     weights (merged in place for training; one moved to new storage holding θ₀, which the reselection
     merged anew), the block layouts (the same objects) and the seeds waiting for the next step are all
     as they were."""
-    model = _spiel("ag", block_shape=block_shape, density=0.1)
+    model = _spiel("ag", block_shape=block_shape, density=0.1, training_merge=True)
     opt = _optimizer(model, "ag")
     scheduler = SpIELScheduler(model, opt, total_steps=20)
     _run(model, opt, scheduler, at - 1)  # the first step of the reselection's window (γ=2): statistics exist

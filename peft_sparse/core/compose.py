@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Optional, Union
 
 from peft import PeftModel, get_peft_model
-from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+from ..registry import PEFT_TYPE_TO_CONFIG_MAPPING
 from peft.utils import load_peft_weights, set_peft_model_state_dict
 from safetensors.torch import load_file
 from torch import nn

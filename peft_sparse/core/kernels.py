@@ -52,28 +52,26 @@ _GPU_KERNELS_TRIED = False
 
 
 def _load_gpu_kernels() -> None:
-    """Register the Triton kernels for CUDA the first time a CUDA tensor asks (no import cost on CPU)."""
+    """Register the GPU kernels the first time a CUDA tensor asks (no import cost on CPU): the fast paths
+    (:mod:`peft_sparse.accel.gpu`) put their loader in ``GPU_KERNEL_LOADERS``; this module never imports them."""
     global _GPU_KERNELS_TRIED
     if _GPU_KERNELS_TRIED:
         return
     _GPU_KERNELS_TRIED = True
-    try:
-        from ..accel import triton_kernels
-    except ImportError:  # no Triton: the torch references serve
-        return
-    SDDMM_KERNELS.setdefault("cuda", triton_kernels.sddmm)
-    BLOCK_SDDMM_KERNELS.setdefault("cuda", triton_kernels.block_sddmm)
-    BLOCK_SDDMM_INTO_KERNELS.setdefault("cuda", triton_kernels.block_sddmm_into)
-    BLOCK_VALUE_GRADIENT_KERNELS.setdefault("cuda", triton_kernels.block_value_gradient)
-    SCATTER_ADD_KERNELS.setdefault("cuda", triton_kernels.scatter_add_into)
-    SCATTER_SUM_KERNELS.setdefault("cuda", triton_kernels.scatter_sum_into)
-    GATHER_KERNELS.setdefault("cuda", triton_kernels.gather_as)
-    SCALED_PRODUCT_KERNELS.setdefault("cuda", triton_kernels.scaled_product)
-    NF4_COMPOSE_KERNELS.setdefault("cuda", triton_kernels.nf4_compose)
-    BLOCK_SCORE_KEYS_KERNELS.setdefault("cuda", triton_kernels.block_score_keys)
-    GATHER_BLOCKS_KERNELS.setdefault("cuda", triton_kernels.gather_blocks)
-    TOP_MAGNITUDES_KERNELS.setdefault("cuda", triton_kernels.top_magnitudes)
-    TOP_BLOCKS_KERNELS.setdefault("cuda", triton_kernels.top_blocks)
+    for load in GPU_KERNEL_LOADERS:
+        load()
+
+
+# callables that fill the registries above for CUDA (see _load_gpu_kernels)
+GPU_KERNEL_LOADERS: list[Callable[[], None]] = []
+# the Triton kernels' module once a loader found it (what the kept-launch helpers below call), else None
+TRITON: list = [None]
+
+
+def _triton():
+    """The Triton kernels' module, or None (no Triton, or no loader)."""
+    _load_gpu_kernels()
+    return TRITON[0]
 
 # bytes of scratch memory the reference SDDMM may use per chunk
 _REFERENCE_CHUNK_BYTES = 64 * 2**20
@@ -235,7 +233,7 @@ def scatter_sum_many(outs, indices, bases, values) -> Optional[list]:
             scatter_sum_into(outs[k], indices[k], bases[k], values[k])
     if not groups:
         return None
-    from ..accel.triton_kernels import MultiScatterSum
+    MultiScatterSum = _triton().MultiScatterSum  # (grouped only where a CUDA kernel is registered)
 
     launches = []
     for key, ks in groups.items():
@@ -276,10 +274,8 @@ def nf4_compose_starts(indices: torch.Tensor, numel: int, out: Optional[torch.Te
     _load_gpu_kernels()
     if NF4_COMPOSE_KERNELS.get("cuda") is None:
         return None
-    from ..accel import triton_kernels
-
     with on_device(indices):
-        return triton_kernels.compose_starts(indices, numel, out)
+        return _triton().compose_starts(indices, numel, out)
 
 
 def nf4_compose(packed, code, absmax, nested, blocksize: int, shape, dtype, indices=None, values=None, starts=None, plan: bool = False):
@@ -652,13 +648,12 @@ def prepare_block_plans(layouts: list, keys: Optional[list] = None, x_reads: tup
         _load_gpu_kernels()
         if "cuda" not in BLOCK_SDDMM_INTO_KERNELS:
             return
-        from ..accel import triton_kernels
-
+        triton_kernels = _triton()
         for key in (keys[i] if keys is not None else {triton_kernels.plan_key(layout, x_reads=r) for r in x_reads}):
             chosen.append(layout)
             chosen_keys.append(key)
     if chosen:
-        triton_kernels.build_plans(chosen, chosen_keys)
+        _triton().build_plans(chosen, chosen_keys)
 
 
 def carry_launches(olds: list, news: list) -> None:
@@ -669,8 +664,7 @@ def carry_launches(olds: list, news: list) -> None:
     pairs = [(old, new) for old, new in zip(olds, news) if old is not None and new is not None and old.launches]
     if not pairs:
         return
-    from ..accel import triton_kernels  # (launches are only kept where the Triton kernels ran)
-
+    triton_kernels = _triton()  # (launches are only kept where the Triton kernels ran)
     for old, new in pairs:
         triton_kernels.carry_launches(old, new)
 

@@ -56,13 +56,13 @@ import weakref
 from typing import Any, Callable, Optional
 
 import torch
-from peft.tuners._buffer_dict import BufferDict
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from peft.utils import resolve_quantization_backend
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from .. import accel
+from ..registry import BufferDict
 from . import kernels
 from .functional import (
     _compute_dtype,

@@ -15,10 +15,11 @@ from abc import abstractmethod
 from typing import Optional
 
 import torch
-from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, _maybe_include_all_linear_layers, check_target_module_exists
-from peft.tuners.tuners_utils import _ExcludedModule
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, check_target_module_exists
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from torch import nn
+
+from ..registry import ExcludedModule, include_all_linear_layers
 
 from .budget import split_budget, split_weights, total_budget
 from .config import SparseConfig
@@ -51,7 +52,7 @@ def target_matches(config: SparseConfig, key: str):
     module names it would silently ignore ``layers_to_transform``.
     """
     result = check_target_module_exists(config, key)
-    if result and not isinstance(result, _ExcludedModule) and config.layers_to_transform is not None:
+    if result and not isinstance(result, ExcludedModule) and config.layers_to_transform is not None:
         wanted = config.layers_to_transform
         wanted = [wanted] if isinstance(wanted, int) else wanted
         if _layer_index(config, key) not in wanted:
@@ -99,13 +100,13 @@ class SparseTuner(BaseTuner):
             if not key or any(key.startswith(prefix) for prefix in existing):
                 continue
             result = target_matches(config, key)
-            if result and not isinstance(result, _ExcludedModule):
+            if result and not isinstance(result, ExcludedModule):
                 matched[key] = module
         return matched
 
     def _prepare_model(self, peft_config: SparseConfig, model: nn.Module) -> None:
         """Fix the exact number of tunable weights of every matched module before any is wrapped."""
-        _maybe_include_all_linear_layers(peft_config, model)
+        include_all_linear_layers(peft_config, model)
         matched = self._matched_modules(peft_config, model)
         sizes, shapes = {}, {}
         for key, module in matched.items():

@@ -99,11 +99,11 @@ def seed_optimizer_state(
     seed_optimizer_states(optimizer, [param], [slots], [grad_mean], [grad_sq_mean])
 
 
-def seed_optimizer_states(optimizer, params: list, slots: list, grad_means: list, grad_sq_means: list, scale=1.0) -> None:
+def seed_optimizer_states(optimizer, params: list, slots: list, grad_means: list, grad_sq_means: list, scale=1.0, first: bool = True) -> None:
     """:func:`seed_optimizer_state` for many parameters at once: one scatter per moment for all those
     whose state lives on one device in one dtype. Parameters without state yet have nothing to seed.
     ``scale`` (c: a float or a device scalar) multiplies the ĝ seeds, c² the ŝ seeds (a clip factor).
-    No host synchronisation."""
+    ``first=False`` seeds only the second moment (exp_avg stays zero). No host synchronisation."""
     opt = check_supported(optimizer)
     if not isinstance(opt, (torch.optim.AdamW, torch.optim.Adam)):
         return
@@ -134,6 +134,8 @@ def seed_optimizer_states(optimizer, params: list, slots: list, grad_means: list
         factor = scale.to(device) if isinstance(scale, torch.Tensor) else scale  # (the states may span devices)
         scales = (factor, factor * factor)
         for (key, values, bias), c in zip((("exp_avg", grad_means, bias1), ("exp_avg_sq", grad_sq_means, bias2)), scales):
+            if key == "exp_avg" and not first:
+                continue  # (the first moment stays zero: the grown weight's steps ramp up as a fresh weight's do)
             tensors = [s[key] for s in states]
             flat = torch.cat(tensors)
             seeds = torch.cat([v.to(device) for v in values])

@@ -51,9 +51,15 @@ class SpIELConfig(SparseConfig):
             )
         },
     )
-    seed_moments: bool = field(
-        default=True,
-        metadata={"help": "AG: seed the Adam moments of grown weights from the window's mean gradient and squared gradient (§7.3.1); False: they start at zero."},
+    seed_moments: str = field(
+        default="both",
+        metadata={
+            "help": (
+                "AG: which Adam moments of grown weights are seeded from the window (§7.3.1): 'both' (exp_avg from the mean "
+                "gradient ĝ, exp_avg_sq from the mean squared gradient ŝ, the thesis), 'second' (only exp_avg_sq: the "
+                "first steps ramp up as a fresh weight's, at a well-scaled step size) or 'none' (both start at zero)."
+            )
+        },
     )
     grow_init: str = field(
         default="zero",
@@ -93,17 +99,18 @@ class SpIELConfig(SparseConfig):
             raise ValueError(f"candidate_ratio must be >= 1, got candidate_ratio={self.candidate_ratio!r}")
         if self.schedule not in ("linear", "cosine"):
             raise ValueError(f"schedule must be 'linear' or 'cosine', got schedule={self.schedule!r}")
-        for name in ("first_full_replacement", "seed_moments"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {name}={getattr(self, name)!r}")
+        if not isinstance(self.first_full_replacement, bool):
+            raise ValueError(f"first_full_replacement must be True or False, got first_full_replacement={self.first_full_replacement!r}")
+        if self.seed_moments not in ("both", "second", "none"):
+            raise ValueError(f"seed_moments must be 'both', 'second' or 'none', got seed_moments={self.seed_moments!r}")
         if self.drop_criterion not in ("magnitude", "change"):
             raise ValueError(f"drop_criterion must be 'magnitude' or 'change', got drop_criterion={self.drop_criterion!r}")
         if self.grow_init not in ("zero", "gradient"):
             raise ValueError(f"grow_init must be 'zero' or 'gradient', got grow_init={self.grow_init!r}")
-        if self.growth == "ma" and (self.grow_init != "zero" or not self.seed_moments):
+        if self.growth == "ma" and (self.grow_init != "zero" or self.seed_moments != "both"):
             raise ValueError(
                 f"grow_init={self.grow_init!r} and seed_moments={self.seed_moments!r} are settings of AG's estimation window; "
-                "SpIEL-MA (growth='ma') has none: leave them at 'zero' and True"
+                "SpIEL-MA (growth='ma') has none: leave them at 'zero' and 'both'"
             )
 
     def steps_for(self, total_steps: int) -> tuple[int, int]:
@@ -118,9 +125,3 @@ class SpIELConfig(SparseConfig):
                 f"γ={gamma} ≥ S={S} for total_steps={total_steps}; γ must stay below S"
             )
         return S, gamma
-
-    def trainer_callbacks(self) -> list:
-        """Callbacks a Trainer needs to train this adapter."""
-        from ...callbacks import SpIELCallback
-
-        return [SpIELCallback()]

@@ -99,7 +99,10 @@ class SpIELScheduler:
         self.t = 0
         self.steps_in_window = 0
         self.statistics: dict[str, _WindowStatistics] = {}
-        self.seeding = DeferredSeeding(self.optimizer, [m.sparse_values[self.adapter_name] for m in self.layers]) if self.uses_windows else None
+        self.seeding = None
+        if self.uses_windows:
+            self.seeding = DeferredSeeding(self.optimizer, [m.sparse_values[self.adapter_name] for m in self.layers],
+                                           first_moment=self.config.seed_moments == "both")  # fmt: skip
         self.last_statistics: dict = {}
         # φ₀ of each tensor (drop_criterion="change"): its values right after the last reselection
         self.drop_reference: dict[str, torch.Tensor] = {}
@@ -315,7 +318,7 @@ class SpIELScheduler:
         age_before = (t - old_ages.long()).sum()
         kept_age = torch.where(grown, 0, t - old_ages[done.source.clamp(min=0)].long()).sum()
         waiting: dict = {}
-        if ag and c.seed_moments:  # AG: seeds for the next optimizer step
+        if ag and c.seed_moments != "none":  # AG: seeds for the next optimizer step
             starts = _starts(result.sizes)  # each tensor's first slot: the grown slots become slots of their own tensor
             local = slots - torch.repeat_interleave(kernels.table(starts, dev), kernels.table(result.dropped, dev), output_size=n_grown)
             pieces = zip(torch.split(local, result.dropped), torch.split(grad_mean, result.dropped), torch.split(grad_sq_mean, result.dropped))

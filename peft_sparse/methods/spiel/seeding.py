@@ -23,8 +23,9 @@ class DeferredSeeding:
     Without rescaling c is exactly 1 and the seeds are exactly ĝ·(1−β₁ᵗ) and ŝ·(1−β₂ᵗ).
     """
 
-    def __init__(self, optimizer, params: list):
+    def __init__(self, optimizer, params: list, first_moment: bool = True):
         self.optimizer = optimizer
+        self.first_moment = first_moment  # False: only the second moment is seeded
         self.params = params
         # id(param) → (grown slots, ĝ, ŝ) waiting for the next step
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -71,7 +72,7 @@ class DeferredSeeding:
         params = [p for p in self.params if id(p) in self.pending]
         entries = [self.pending[id(p)] for p in params]
         seed_optimizer_states(self.optimizer, params, [e[0] for e in entries], [e[1] for e in entries],
-                              [e[2] for e in entries], scale=c)  # fmt: skip
+                              [e[2] for e in entries], scale=c, first=self.first_moment)  # fmt: skip
         self.pending, self.raw, self.last_factor = {}, {}, c
 
     def remove(self) -> None:

@@ -1,0 +1,113 @@
+"""Greedy decoding speed with an unmerged adapter, relative to the base model (batch 1).
+
+    python benchmarks/decode.py                          # CPU: the real SmolLM2-135M-Instruct
+    python benchmarks/decode.py --device cuda --size tinyllama   # GPU: TinyLlama shapes, random weights, bf16
+
+Variants: ``base`` (no adapter), ``sparse`` (a SparseFTConfig adapter with random non-zero values,
+unmerged), ``sparse-merged`` (the same, merged), ``lora`` (PEFT LoRA, unmerged). Every variant generates
+the same number of new tokens from the same prompt; tokens per second is the median over rounds, rounds
+interleaved across variants. Prints speed relative to ``base`` and checks that the unmerged sparse
+adapter's greedy tokens equal the merged model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+
+def build(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if args.device == "cpu" and args.size == "smollm2-135m":
+        from peft_sparse.assets import load_model_and_tokenizer
+
+        model, _ = load_model_and_tokenizer("smollm2-135m-instruct")
+        return model
+    from bench_step import SIZES
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**SIZES[args.size], max_position_embeddings=4096, tie_word_embeddings=False)
+    with torch.device(args.device):
+        return LlamaForCausalLM(config).to(torch.bfloat16 if args.device == "cuda" else torch.float32)
+
+
+def variant(name: str, base, args):
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from peft_sparse import SparseFTConfig, SparseLayer
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    if name == "base":
+        return base
+    model = copy.deepcopy(base)
+    if name == "lora":
+        peft_model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=targets, init_lora_weights=False))
+        return peft_model.eval()
+    peft_model = get_peft_model(model, SparseFTConfig(target_modules=targets, density=args.density))
+    g = torch.Generator().manual_seed(0)
+    for layer in peft_model.modules():
+        if isinstance(layer, SparseLayer):
+            v = layer.sparse_values["default"]
+            with torch.no_grad():
+                v.copy_((torch.randn(v.shape, generator=g) * 1e-3).to(v.device))
+    if name == "sparse-merged":
+        return peft_model.merge_and_unload().eval()
+    return peft_model.eval()
+
+
+@torch.no_grad()
+def decode(model, prompt, new_tokens: int):
+    start = time.perf_counter()
+    out = model.generate(input_ids=prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    if prompt.is_cuda:
+        torch.cuda.synchronize()
+    return new_tokens / (time.perf_counter() - start), out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--size", default="smollm2-135m")
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--variants", default="base,sparse,sparse-merged,lora")
+    args = parser.parse_args()
+    base = build(args).eval()
+    names = args.variants.split(",")
+    models = {n: variant(n, base, args) for n in names}
+    prompt = torch.randint(10, 1000, (1, 16), generator=torch.Generator().manual_seed(0)).to(args.device)
+    speeds = {n: [] for n in names}
+    outputs = {}
+    for n in names:  # warm-up
+        decode(models[n], prompt, 4)
+    for _ in range(args.rounds):
+        for n in names:
+            tps, out = decode(models[n], prompt, args.new_tokens)
+            speeds[n].append(tps)
+            outputs[n] = out
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"{device}; {args.size}; batch 1, greedy, {args.new_tokens} new tokens, median of {args.rounds} rounds")
+    print("| variant | tokens/s | × base |")
+    print("|---|---|---|")
+    for n in names:
+        tps = statistics.median(speeds[n])
+        print(f"| {n} | {tps:.1f} | {tps / statistics.median(speeds['base']):.3f} |" if "base" in speeds else f"| {n} | {tps:.1f} | |")
+    if "sparse" in outputs and "sparse-merged" in outputs:
+        print("unmerged sparse tokens equal the merged model's:", torch.equal(outputs["sparse"], outputs["sparse-merged"]))
+
+
+if __name__ == "__main__":
+    main()
