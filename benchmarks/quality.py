@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import platform
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 

@@ -215,11 +215,11 @@ def test_block_kernel_forms_the_gated_activation_from_its_factors(monkeypatch, d
     """A block adapter on down_proj takes silu(gate) and up instead of their product (the kernel
     multiplies tile by tile); the value gradients are bit-identical to keeping the product (here the
     blocks are grouped alike either way)."""
-    from peft_sparse.core import functional
+    from peft_sparse.accel import input_rebuild as rebuilds
 
     taken = []
-    original = functional.InputRebuild.factors
-    monkeypatch.setattr(functional.InputRebuild, "factors", lambda self: taken.append(original(self)) or taken[-1])
+    original = rebuilds.InputRebuild.factors
+    monkeypatch.setattr(rebuilds.InputRebuild, "factors", lambda self: taken.append(original(self)) or taken[-1])
     alive, grads = _inputs_kept_case(True, monkeypatch, dtype, block_shape=(16, 16))
     assert not alive["down_proj"] and sum(f is not None for f in taken) == 2  # down_proj of both layers
     alive_kept, grads_kept = _inputs_kept_case(False, monkeypatch, dtype, block_shape=(16, 16))
@@ -252,28 +252,30 @@ def test_input_rebuild_patterns():
     """What is recognised, and that a rebuild repeats the forward's bits; readers of one X share a record."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from peft_sparse.core import functional
+    from peft_sparse.accel import input_rebuild as rebuilds
+
+
 
     a = torch.randn(3, 4, requires_grad=True)
     b = torch.randn(3, 4, requires_grad=True)
     x = a * b
-    first, second = functional.input_rebuild(x), functional.input_rebuild(x)
+    first, second = rebuilds.input_rebuild(x), rebuilds.input_rebuild(x)
     assert first is second and first.pending == 2
     assert torch.equal(first.get(), x) and first.value is not None  # kept for the second reader
     assert torch.equal(first.get(), x) and first.value is None  # dropped after the last
-    assert functional.input_rebuild(a * torch.randn(4)) is None  # one factor kept, the other a leaf
-    assert functional.input_rebuild(a * b.detach()) is None  # one factor not kept
+    assert rebuilds.input_rebuild(a * torch.randn(4)) is None  # one factor kept, the other a leaf
+    assert rebuilds.input_rebuild(a * b.detach()) is None  # one factor not kept
     with torch.autograd.graph.save_on_cpu():
-        assert functional.input_rebuild(a * b) is None
+        assert rebuilds.input_rebuild(a * b) is None
     norm = LlamaRMSNorm(4).to(torch.bfloat16).requires_grad_(False)
     with torch.no_grad():
         norm.weight.normal_()
     h = torch.randn(2, 3, 4, dtype=torch.bfloat16, requires_grad=True)
     y = norm(h)
-    record = functional.input_rebuild(y)
+    record = rebuilds.input_rebuild(y)
     assert record is not None and record.inner is not None
     assert torch.equal(record.get(), y)
-    assert functional.input_rebuild(LlamaRMSNorm(4).requires_grad_(False)(h.float())) is None  # float32: cast target unknown
+    assert rebuilds.input_rebuild(LlamaRMSNorm(4).requires_grad_(False)(h.float())) is None  # float32: cast target unknown
 
 
 def test_input_rebuild_table_forgets_dead_records():
@@ -281,25 +283,25 @@ def test_input_rebuild_table_forgets_dead_records():
     it, its entry is dropped as the table grows (it stays bounded over many passes), and a new node
     never gets a dead node's record — even at a reused address. Readers of one X, also not in a row,
     share its record while it lives."""
-    from peft_sparse.core import functional
+    from peft_sparse.accel import input_rebuild as rebuilds
 
     a = torch.randn(3, 4, requires_grad=True)
     kept = []  # live nodes (their ids stay taken) whose records died: only pruning removes their entries
     for _ in range(3000):
         kept.append(a * a)
-        assert functional.input_rebuild(kept[-1]) is not None
-    assert len(functional._REBUILDS) < 2 * 1024
-    assert all(functional._registered(x.grad_fn) is None for x in kept)
+        assert rebuilds.input_rebuild(kept[-1]) is not None
+    assert len(rebuilds._REBUILDS) < 2 * 1024
+    assert all(rebuilds._registered(x.grad_fn) is None for x in kept)
     del kept
     x, y = a * 2.0 * a, a * a
-    first = functional.input_rebuild(x)
-    other = functional.input_rebuild(y)
-    assert functional.input_rebuild(x) is first and first.pending == 2 and other is not first
+    first = rebuilds.input_rebuild(x)
+    other = rebuilds.input_rebuild(y)
+    assert rebuilds.input_rebuild(x) is first and first.pending == 2 and other is not first
     node = x.grad_fn
     del first, other
     # (the records live only in the table now: dead, though the node lives on)
-    assert functional._registered(node) is None
-    fresh = functional.input_rebuild(x)
+    assert rebuilds._registered(node) is None
+    fresh = rebuilds.input_rebuild(x)
     assert fresh.node is node and fresh.pending == 1
 
 
@@ -311,7 +313,9 @@ def test_input_rebuild_table_in_several_threads():
     import sys
     import threading
 
-    from peft_sparse.core import functional
+    from peft_sparse.accel import input_rebuild as rebuilds
+
+
 
     a = torch.randn(2, 2, requires_grad=True)
     errors = []
@@ -322,7 +326,7 @@ def test_input_rebuild_table_in_several_threads():
             x = a * a
             alive.append(x)
             try:
-                assert functional.input_rebuild(x) is not None
+                assert rebuilds.input_rebuild(x) is not None
             except Exception as error:  # (collected: an exception in a thread does not fail the test by itself)
                 errors.append(error)
 
@@ -464,7 +468,7 @@ def test_broadcast_shortcut_agrees_with_the_broadcast():
     are the full broadcast's, for matching and mismatching shapes alike."""
     from itertools import product
 
-    from peft_sparse.core.functional import _broadcast, _broadcasts_to
+    from peft_sparse.accel.input_rebuild import _broadcast, _broadcasts_to
 
     shape = torch.Size([2, 3, 4])
     others = [(2, 3, 4), (4,), (2, 3, 1), (1, 3, 4), (3, 4), (1,), (), (2, 1, 4), (2, 3, 5), (5,), (2, 3, 2), (3, 1), (1, 1, 1), (2, 2, 4)]

@@ -270,13 +270,13 @@ def test_ag_reselection_and_seeding_wait_for_the_device_only_where_designed(bloc
 def test_block_kernel_product_input_on_cuda_is_bit_identical(monkeypatch):
     """Block adapters on CUDA: the grouped kernel forms down_proj's input silu(gate) ⊙ up from its
     factors tile by tile, with the value gradients of a kept (torch-formed) input, bit for bit."""
-    from peft_sparse.core import functional
+    from peft_sparse.accel import input_rebuild as rebuilds
 
     from .test_functional import _inputs_kept_case
 
     taken = []
-    original = functional.InputRebuild.factors
-    monkeypatch.setattr(functional.InputRebuild, "factors", lambda self: taken.append(original(self)) or taken[-1])
+    original = rebuilds.InputRebuild.factors
+    monkeypatch.setattr(rebuilds.InputRebuild, "factors", lambda self: taken.append(original(self)) or taken[-1])
     _, grads = _inputs_kept_case(True, monkeypatch, torch.bfloat16, "cuda", block_shape=(16, 16))
     assert sum(f is not None for f in taken) == 2
     _, grads_kept = _inputs_kept_case(False, monkeypatch, torch.bfloat16, "cuda", block_shape=(16, 16))

@@ -5,7 +5,7 @@ import torch
 from peft import get_peft_model
 
 import peft_sparse
-from peft_sparse import SparseFTConfig, SparseLayer
+from peft_sparse import SparseFTConfig
 from peft_sparse.core import kernels
 
 from .models import MODELS, inputs, randomize_values, sparse_layers

@@ -49,16 +49,18 @@ def timed(owner, name: str, label: str, totals: dict, static: bool = False) -> N
 
 
 def wrap_functions(totals: dict) -> None:
+    from peft_sparse.accel import input_rebuild as rebuilds
+    from peft_sparse.accel import internals
     from peft_sparse.core import functional, kernels
     from peft_sparse.core import layer as layer_module
     from peft_sparse.accel import triton_kernels
     from peft_sparse.optim import sm3
 
     timed(F, "linear", "F.linear", totals)
-    timed(functional, "input_rebuild", "input_rebuild (forward)", totals)
-    timed(functional, "_new_rebuild", "_new_rebuild (a new record)", totals)
-    timed(functional.InputRebuild, "get", "InputRebuild.get (backward)", totals)
-    timed(functional.InputRebuild, "factors", "InputRebuild.factors", totals)
+    timed(rebuilds, "input_rebuild", "input_rebuild (forward)", totals)
+    timed(rebuilds, "_new_rebuild", "_new_rebuild (a new record)", totals)
+    timed(rebuilds.InputRebuild, "get", "InputRebuild.get (backward)", totals)
+    timed(rebuilds.InputRebuild, "factors", "InputRebuild.factors", totals)
     timed(functional, "_chosen_block", "_chosen_block", totals)
     timed(functional, "_value_gradient", "_value_gradient", totals)
     timed(kernels, "block_value_gradient", "block_value_gradient", totals)
@@ -67,7 +69,7 @@ def wrap_functions(totals: dict) -> None:
     timed(functional.MergedDeltaLinear, "forward", "MergedDeltaLinear.forward", totals, static=True)
     timed(functional.MergedDeltaLinear, "backward", "MergedDeltaLinear.backward", totals, static=True)
     # the lean forward's apply, rebuilt around the timed forward (its direct apply binds the class's methods)
-    layer_module.merged_apply = functional._direct_apply(functional.MergedDeltaLinear, fixed=True)
+    layer_module.merged_apply = internals.direct_apply(functional.MergedDeltaLinear, fixed=True)
     timed(layer_module, "merged_apply", "merged_apply (apply and forward)", totals)
 
 

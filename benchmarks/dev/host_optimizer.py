@@ -31,7 +31,7 @@ def gpu_paths_without_launches():
     """The CUDA code paths of the SM3 step and the merge rewrite, every launch and copy to the device
     skipped."""
     from peft_sparse.core import kernels
-from peft_sparse.accel import triton_kernels
+    from peft_sparse.accel import triton_kernels
     from peft_sparse.optim import sm3
 
     class QuietSM3(triton_kernels.MultiSM3):

@@ -19,6 +19,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # benchmarks/ and the repository
 
 from peft_sparse.core import kernels
+
 from peft_sparse.accel import triton_kernels  # noqa: E402
 
 SHAPES = {"q/o": (2048, 2048), "k/v": (256, 2048), "gate/up": (5632, 2048), "down": (2048, 5632)}

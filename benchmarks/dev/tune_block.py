@@ -33,6 +33,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE.parent.parent)]  # benchmarks/ and th
 from value_grad import shapes  # noqa: E402
 
 from peft_sparse.core import kernels
+
 from peft_sparse.accel import triton_kernels  # noqa: E402
 from peft_sparse.core.selection import BlockGrid  # noqa: E402
 

@@ -32,20 +32,11 @@ import triton
 import triton.language as tl
 
 from ..core.kernels import _current_cuda_device, table, to_device_async
+from . import internals
 
 # (kernel, device, specialization, options) → the kernel Triton compiled for them (see launch)
 _COMPILED: dict = {}
 _FAST_LAUNCH: list = []  # [whether this Triton's internals are the ones launch uses], once known
-
-
-def _fast_launch_supported() -> bool:
-    from triton.compiler import CompiledKernel
-    from triton.runtime.jit import JITFunction
-
-    return (
-        all(hasattr(JITFunction, a) for a in ("run", "__getitem__")) and all(hasattr(CompiledKernel, a) for a in ("run", "_init_handles"))
-        and hasattr(torch._C, "_cuda_getCurrentRawStream") and hasattr(triton, "knobs")
-    )  # fmt: skip
 
 
 def _hook_set(hook) -> bool:
@@ -83,8 +74,8 @@ def launch_plan(kernel, grid: tuple, slot, *args, **kwargs) -> Optional["LaunchP
 
 def _launch(kernel, grid: tuple, args: tuple, kwargs: dict, slot: Optional[str]) -> Optional["LaunchPlan"]:
     if not _FAST_LAUNCH:
-        _FAST_LAUNCH.append(_fast_launch_supported())
-    caches = getattr(kernel, "device_caches", None)
+        _FAST_LAUNCH.append(internals.triton_fast_launch_supported())
+    caches = internals.triton_device_caches(kernel)
     if (
         not _FAST_LAUNCH[0] or caches is None or not isinstance(grid, tuple)
         or getattr(kernel, "used_global_vals", None)  # (Triton checks those globals at every launch)
@@ -109,7 +100,7 @@ def _launch(kernel, grid: tuple, args: tuple, kwargs: dict, slot: Optional[str])
             _COMPILED[key] = compiled  # (not a pending compilation, nor another Triton's kernel object)
         return None
     grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-    compiled.run(*grid3, torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata, None, None, None, *params.values())
+    compiled.run(*grid3, internals.cuda_raw_stream(device), compiled.function, compiled.packed_metadata, None, None, None, *params.values())
     if slot is None:
         return None
     slots = (slot,) if isinstance(slot, str) else tuple(slot)
@@ -203,7 +194,7 @@ class LaunchPlan:
             with torch.cuda.device(self.device):
                 return self(*tensors)
         gx, gy, gz = self.grid
-        self.run(gx, gy, gz, torch._C._cuda_getCurrentRawStream(self.device), self.function, *self.prefix, *values)
+        self.run(gx, gy, gz, internals.cuda_raw_stream(self.device), self.function, *self.prefix, *values)
         return True
 
     def retargeted(self, **tensors: torch.Tensor) -> Optional["LaunchPlan"]:

@@ -62,6 +62,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from .. import accel
+from ..accel import internals
 from ..registry import BufferDict
 from . import kernels
 from .functional import (
@@ -257,10 +258,10 @@ class _TrainingMerge:
         kept when it is at this address and still where it was: that very storage (no lookup)."""
         written = self.written
         if written is not None and written[1] == values_ptr and written[2].data_ptr() == written[3]:
-            self.written = (values._version, values_ptr, written[2], written[3])
+            self.written = (internals.version(values), values_ptr, written[2], written[3])
         else:
             storage = values.untyped_storage()
-            self.written = (values._version, values_ptr, storage, storage.data_ptr())
+            self.written = (internals.version(values), values_ptr, storage, storage.data_ptr())
 
     def current(self, values: torch.Tensor) -> bool:
         """Whether the stored weight is known to hold these values: written by the step hook of an
@@ -271,7 +272,7 @@ class _TrainingMerge:
         return (
             self.by_step
             and written is not None
-            and written[0] == values._version
+            and written[0] == internals.version(values)
             and written[1] == values.data_ptr()
             and written[2].data_ptr() == written[3]
         )
@@ -532,7 +533,7 @@ class _NF4Rebuild:
         self.weight = base.weight
         self.weight_ptr, self.state, self.compute = self.weight.data_ptr(), self.weight.quant_state, getattr(base, "compute_dtype", None)
         # (address, version, size): the key of SparseLayer._nf4_starts' cache, which the refresh below updates
-        self.indices, self.indices_key, self.starts = indices, (indices.data_ptr(), indices._version, indices.numel()), starts
+        self.indices, self.indices_key, self.starts = indices, (indices.data_ptr(), internals.version(indices), indices.numel()), starts
         self.values_key = (values.data_ptr(), values.numel(), values.dtype)
         self.shape, self.dtype, self.device = merged.shape, merged.dtype, merged.device
 
@@ -552,12 +553,12 @@ class _NF4Rebuild:
         ):  # fmt: skip
             return None
         starts = self.starts
-        if indices._version != key[1]:  # rewritten in place: the slices follow (what the full path would compute)
+        if internals.version(indices) != key[1]:  # rewritten in place: the slices follow (what the full path would compute)
             if starts is not None:
                 if starts.is_inference() and not torch.is_inference_mode_enabled():
                     return None  # (planned under torch.inference_mode: its slices cannot be rewritten outside it)
                 kernels.nf4_compose_starts(indices, layer.numel, out=starts)
-            self.indices_key = key = (key[0], indices._version, key[2])
+            self.indices_key = key = (key[0], internals.version(indices), key[2])
             if starts is not None:
                 layer._nf4_starts_cache = (weakref.ref(indices), key, starts)
         merged = torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -617,13 +618,13 @@ class SparseLayer(BaseTunerLayer):
     @property
     def rebuild_inputs(self) -> str:
         """Which inputs backward rebuilds instead of keeping them for the value gradient
-        (``functional.input_rebuild``): ``"all"`` (default: gated-MLP activations and 16-bit RMSNorm
+        (:func:`peft_sparse.accel.input_rebuild.input_rebuild`): ``"all"`` (default: gated-MLP activations and 16-bit RMSNorm
         outputs), ``"products"`` (only the activations: less recomputation, more memory), ``"none"``."""
         return self._rebuild_inputs
 
     @rebuild_inputs.setter
     def rebuild_inputs(self, mode: str) -> None:
-        from .functional import REBUILD_MODES
+        from ..accel.input_rebuild import REBUILD_MODES
 
         if mode not in REBUILD_MODES:
             raise ValueError(f"{self.module_name}: rebuild_inputs={mode!r} is not one of {REBUILD_MODES}")
@@ -687,7 +688,7 @@ class SparseLayer(BaseTunerLayer):
         which has no version to follow: the launch then finds the slices itself."""
         if indices.is_inference():
             return None
-        key = (indices.data_ptr(), indices._version, indices.numel())
+        key = (indices.data_ptr(), internals.version(indices), indices.numel())
         cached = self._nf4_starts_cache
         if cached is not None and cached[0]() is indices and cached[1] == key:
             return cached[2]
@@ -837,7 +838,7 @@ class SparseLayer(BaseTunerLayer):
     def _indices_key(indices: torch.Tensor) -> tuple:
         if indices.is_inference():  # (no version counter follows an edit: a key equal to no other, so never cached)
             return (indices.data_ptr(), object(), indices.numel())
-        return (indices.data_ptr(), indices._version, indices.numel())
+        return (indices.data_ptr(), internals.version(indices), indices.numel())
 
     def cached_block_metadata(self, adapter_name: str):
         """The block layout cached for ``adapter_name`` (None: none), current or not — e.g. to learn which
@@ -1067,7 +1068,7 @@ class SparseLayer(BaseTunerLayer):
                 and self._ready.get(name) is values
                 and values.dtype is dtype
                 and self._modules["sparse_indices"]._buffers.get(name) is indices
-                and indices._version == indices_key[0]
+                and internals.version(indices) == indices_key[0]
                 and indices.data_ptr() == indices_key[1]
                 and torch.is_grad_enabled()
             ):
@@ -1144,7 +1145,7 @@ class SparseLayer(BaseTunerLayer):
             # a quantized layer (never merged: the same call in every pass while nothing above changes)
             current, idx = self._active_adapter, indices[0]
             current = current if isinstance(current, str) else list(current)  # (a copy: compared by value)
-            self._steady = (current, active[0], values[0], values[0].dtype, idx, (idx._version, idx.data_ptr()), base, base.weight,
+            self._steady = (current, active[0], values[0], values[0].dtype, idx, (internals.version(idx), idx.data_ptr()), base, base.weight,
                             premerged, blocks, base.weight.device.type)  # fmt: skip
         return y.to(x.dtype) if self.quantization_backend is not None else y
 
@@ -1158,7 +1159,7 @@ class SparseLayer(BaseTunerLayer):
         for name, idx, val in zip(active, indices, values):
             if idx.is_inference() or val.is_inference():
                 return None  # (no version counter follows their edits)
-            key = (idx.data_ptr(), idx._version, val.data_ptr(), val._version, val.dtype, val.device)
+            key = (idx.data_ptr(), internals.version(idx), val.data_ptr(), internals.version(val), val.dtype, val.device)
             kept = cache.get(name)
             if kept is None or kept[0] != key or kept[1] is not idx or kept[2] is not val:
                 kept = (key, idx, val, delta_matrix(idx, val.detach(), self.out_features, self.in_features))

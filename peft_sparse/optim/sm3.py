@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from .. import accel
+from ..accel import internals
 
 from ..core.kernels import increment_versions, on_device, rows_cols
 from ..core.layer import sparse_owner
@@ -314,7 +315,7 @@ class _SteadyStep:
         self.entries = []
         for param, state, (indices, _, _, _), _ in items:
             layer, adapter = sparse_owner(param)
-            self.entries.append((param, state, weakref.ref(layer), adapter, indices, indices._version, indices.data_ptr(),
+            self.entries.append((param, state, weakref.ref(layer), adapter, indices, internals.version(indices), indices.data_ptr(),
                                  indices.numel(), param.data_ptr(), param.numel(), param.grad.dtype, state.get("momentum_buffer"),
                                  state["momentum_buffer"].data_ptr() if "momentum_buffer" in state else None, state["step"]))  # fmt: skip
         self.params = [item[0] for item in items]
@@ -387,7 +388,7 @@ class _SteadyStep:
             modules = layer._modules
             if (
                 modules["sparse_values"]._parameters.get(adapter) is not p or modules["sparse_indices"]._buffers.get(adapter) is not indices
-                or indices._version != version or indices.data_ptr() != indices_ptr or indices.numel() != indices_numel
+                or internals.version(indices) != version or indices.data_ptr() != indices_ptr or indices.numel() != indices_numel
                 or p.data_ptr() != ptr or p.numel() != numel
             ):  # fmt: skip
                 return False

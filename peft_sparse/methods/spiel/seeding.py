@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...optim.surgery import seed_optimizer_states
+from ...accel import internals
 from .statistics import distributed
 
 
@@ -42,12 +43,19 @@ class DeferredSeeding:
         # DDP the local gradient is averaged over ranks only when the backward pass finishes (DDP queues
         # that as an end-of-backward callback), so every rank measures the same averaged gradient: a
         # callback queued now runs before DDP's, so it queues a second one, which runs after.
-        self._queued = True
-        engine = torch.autograd.Variable._execution_engine
-        if distributed():
-            engine.queue_callback(lambda: engine.queue_callback(self._read_raw))
-        else:
-            engine.queue_callback(self._read_raw)
+        queued = internals.queue_after_backward(
+            (lambda: internals.queue_after_backward(self._read_raw)) if distributed() else self._read_raw
+        )
+        if queued:
+            self._queued = True
+            return
+        # no end-of-backward callbacks in this torch: read this gradient now, as it stands after its last
+        # accumulation (exact in one process; under DDP, the rank's own gradient before averaging)
+        if not self.raw or id(param) in self.raw["ids"]:
+            self.raw = {"ids": set(), "total": None, "each": {}}
+        self.raw["ids"].add(id(param))
+        self.raw["each"][id(param)] = _squared_norm([param])
+        self.raw["total"] = torch.stack(list(self.raw["each"].values())).sum()
 
     def _read_raw(self) -> None:
         self._queued = False
