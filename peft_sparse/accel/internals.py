@@ -106,6 +106,11 @@ def queue_after_backward(callback: Callable[[], None]) -> bool:
     return True
 
 
+# torch.cuda.current_device() without its Python-level initialisation check (a CUDA tensor exists, so CUDA is
+# initialised); the public call where the entry point is missing
+current_cuda_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
 def cuda_raw_stream(device_index: int):
     """The current CUDA stream of a device as the raw handle Triton's compiled launcher takes."""
     return torch._C._cuda_getCurrentRawStream(device_index)

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import accel
+from ..accel import internals
 
 # device type → callable(grad_out2d, x2d, rows, cols) -> (nnz,) float32
 SDDMM_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
@@ -123,8 +124,7 @@ def on_device(tensor: torch.Tensor):
 
 
 _SAME_DEVICE = contextlib.nullcontext()  # (stateless: entered again and again)
-# torch.cuda.current_device() without its Python-level initialisation check (a CUDA tensor exists, so CUDA is initialised)
-_current_cuda_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+_current_cuda_device = internals.current_cuda_device
 
 
 def increment_versions(tensors: list) -> None:
