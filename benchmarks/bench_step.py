@@ -92,9 +92,10 @@ def build_model(size: str, quantized: bool):
     return AutoModelForCausalLM.from_pretrained(cache, quantization_config=q, dtype=torch.bfloat16, device_map={"": 0})
 
 
-def prepare(variant: str, size: str, total_steps: int, block: int = BLOCK):
+def prepare(variant: str, size: str, total_steps: int, block: int = BLOCK, training_merge: bool = False):
     """(model, optimizer or None, per-step hook or None, block_shape) for a variant (``block``: the block
-    variants' square block side)."""
+    variants' square block side; ``training_merge``: SpIEL keeps θ + δ in the base weights while training,
+    the opt-in fast path)."""
     import torch
     from peft import LoraConfig, ShiraConfig, SupertuningConfig, get_peft_model
 
@@ -128,7 +129,7 @@ def prepare(variant: str, size: str, total_steps: int, block: int = BLOCK):
         block_shape = (block, block) if variant.endswith("-block") else (1, 1)
         config = peft_sparse.SpIELConfig(
             target_modules=TARGETS, num_tunable_weights=budget, growth=growth, reselection_steps=S,
-            gradient_estimation_steps=GAMMA, block_shape=block_shape,
+            gradient_estimation_steps=GAMMA, block_shape=block_shape, training_merge=training_merge,
         )  # fmt: skip
         model = get_peft_model(model, config)
     else:
@@ -269,7 +270,7 @@ def run_one(args) -> dict:
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = True
-    model, optimizer, hook, block_shape, trainable = prepare(args.variant, args.size, args.warmup + args.steps, args.block)
+    model, optimizer, hook, block_shape, trainable = prepare(args.variant, args.size, args.warmup + args.steps, args.block, args.training_merge)
     model.train()
     slow: dict = {}  # label → calls in the current step
     slow_steps: list = []  # per timed step: {label: calls}
@@ -337,6 +338,7 @@ def run_one(args) -> dict:
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
         "gpu": torch.cuda.get_device_name(),
         "size": args.size,
+        "training_merge": args.training_merge,
         "seq": args.seq,
         "bs": args.bs,
         "trainable": trainable,
@@ -382,6 +384,7 @@ def main():
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--block", type=int, default=BLOCK, help="square block side of the -block variants")
     parser.add_argument("--warmup", type=int, default=6)
+    parser.add_argument("--training-merge", action="store_true", help="SpIEL variants: the opt-in training merge (training_merge=True)")
     parser.add_argument("--batch-id", default=None)
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after warm-up (diagnosis of collector pauses)")
     parser.add_argument("--out", default=None, help="JSONL file (default benchmarks/results/<date>-<gpu>.jsonl)")
@@ -463,6 +466,8 @@ def run_child(args, variant: str, batch_id: str, out: Optional[str]):
            "--full-record"]  # fmt: skip
     if args.gc_freeze:
         cmd.append("--gc-freeze")
+    if args.training_merge:
+        cmd.append("--training-merge")
     if out:
         cmd += ["--out", out]
     result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})

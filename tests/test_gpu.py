@@ -351,7 +351,9 @@ def test_repeated_nf4_launch_on_cuda_follows_every_change(tmp_path, monkeypatch)
     import bitsandbytes.functional as bnb_f
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from peft_sparse.core import layer as layer_module
+    from peft_sparse.accel import nf4 as nf4_module
+
+
     from peft_sparse.accel import triton_kernels as tk
 
     from .models import randomize_values
@@ -437,7 +439,7 @@ def test_repeated_nf4_launch_on_cuda_follows_every_change(tmp_path, monkeypatch)
     runs = []
     for repeat in (True, False):
         if not repeat:
-            monkeypatch.setattr(layer_module._NF4Rebuild, "__call__", lambda *a: None)
+            monkeypatch.setattr(nf4_module._NF4Rebuild, "__call__", lambda *a: None)
         torch.manual_seed(0)
         model = build()
         model.train()

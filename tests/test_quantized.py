@@ -5,7 +5,7 @@ import torch
 from peft import PeftModel, get_peft_model
 
 from peft_sparse import SparseFTConfig
-from peft_sparse.core.layer import standard_4bit_layout
+from peft_sparse.core.quant import standard_4bit_layout
 
 from .models import inputs, randomize_values, record_full_passes, sparse_layers, tiny_llama, train_on
 
@@ -230,7 +230,7 @@ def test_kept_nf4_launch_is_not_copied_and_is_dropped_once_it_no_longer_applies(
 
     pytest.importorskip("triton")
     from peft_sparse.accel import triton_kernels as tk
-    from peft_sparse.core.layer import _NF4Rebuild
+    from peft_sparse.accel.nf4 import _NF4Rebuild
 
     model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules=["q_proj"], density=0.1))
     layer = sparse_layers(model)[0]
@@ -414,7 +414,7 @@ def test_kept_nf4_launch_applies_only_to_its_own_operands(quantized_dir):
     or quantization state, another compute dtype and another base layer; a refused plan launches nothing."""
     import copy
 
-    from peft_sparse.core.layer import _NF4Rebuild
+    from peft_sparse.accel.nf4 import _NF4Rebuild
 
     model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules=["q_proj"], density=0.1))
     layer = sparse_layers(model)[0]
@@ -481,7 +481,7 @@ def test_kept_nf4_launch_recomputes_its_slices_in_place(quantized_dir, monkeypat
     ``out`` of another shape or type. (CPU: the slices' computation is torch's; the launch a stand-in.)"""
     from peft_sparse.core import kernels
     from peft_sparse.accel import triton_kernels as tk
-    from peft_sparse.core.layer import _NF4Rebuild
+    from peft_sparse.accel.nf4 import _NF4Rebuild
 
     # a layer large enough for several programs of the fused launch
     model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules=["gate_proj"], density=0.1))

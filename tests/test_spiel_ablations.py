@@ -191,9 +191,18 @@ def test_bad_settings_are_refused_with_the_field_named(field, value):
         SpIELConfig(target_modules="all-linear", density=0.1, **{field: value})
 
 
-def test_ma_refuses_window_settings():
-    with pytest.raises(ValueError, match="SpIEL-MA"):
-        SpIELConfig(target_modules="all-linear", density=0.1, growth="ma", grow_init="gradient")
+@pytest.mark.parametrize("field,value", [("grow_init", "gradient"), ("seed_moments", "both")])
+def test_ma_refuses_window_settings(field, value):
+    with pytest.raises(ValueError, match=f"{field}={value!r}.*SpIEL-MA"):
+        SpIELConfig(target_modules="all-linear", density=0.1, growth="ma", **{field: value})
+
+
+def test_seed_moments_defaults_to_second_for_ag_and_round_trips():
+    config = SpIELConfig(target_modules="all-linear", density=0.1)
+    assert config.seed_moments == "second"
+    assert SpIELConfig(target_modules="all-linear", density=0.1, growth="ma").seed_moments is None
+    again = SpIELConfig(**{k: v for k, v in config.to_dict().items() if k in SpIELConfig.__dataclass_fields__})
+    assert again.seed_moments == "second"
 
 
 def test_lora_budget_split_is_proportional_to_out_plus_in():

@@ -422,11 +422,12 @@ def test_state_dict_round_trip_inside_a_window():
         SpIELScheduler(model, opt, total_steps=30).load_state_dict(state)
 
 
+@pytest.mark.parametrize("seed_moments", ["second", "both"])
 @pytest.mark.parametrize("max_norm", [None, 0.05])
-def test_seeds_are_written_at_the_next_step_in_the_units_the_optimizer_sees(max_norm):
-    """Grown slots' Adam moments: ĝ·(1−β₁ᵗ), ŝ·(1−β₂ᵗ), times the next step's clip factor (c, c²)."""
+def test_seeds_are_written_at_the_next_step_in_the_units_the_optimizer_sees(max_norm, seed_moments):
+    """Grown slots' Adam moments: ĝ·(1−β₁ᵗ) ('both' only), ŝ·(1−β₂ᵗ), times the next step's clip factor (c, c²)."""
     S, gamma, T = 6, 2, 12
-    model = _spiel(reselection_steps=S, gradient_estimation_steps=gamma)
+    model = _spiel(reselection_steps=S, gradient_estimation_steps=gamma, seed_moments=seed_moments)
     opt = _optimizer(model, "ag")
     scheduler = SpIELScheduler(model, opt, total_steps=T)
     params = [l.sparse_values["default"] for l in sparse_layers(model)]
@@ -452,7 +453,7 @@ def test_seeds_are_written_at_the_next_step_in_the_units_the_optimizer_sees(max_
     t = gamma  # Adam's step count when the seeds were written
     for p in params:
         slots, g_hat, s_hat = pending[id(p)]
-        m = 0.9 * (c * g_hat * (1 - 0.9**t)) + 0.1 * grads[id(p)][slots]
+        m = (0.9 * (c * g_hat * (1 - 0.9**t)) if seed_moments == "both" else 0.0) + 0.1 * grads[id(p)][slots]
         v = 0.999 * (c * c * s_hat * (1 - 0.999**t)) + 0.001 * grads[id(p)][slots] ** 2
         torch.testing.assert_close(opt.state[p]["exp_avg"][slots], m, rtol=1e-5, atol=1e-9)
         torch.testing.assert_close(opt.state[p]["exp_avg_sq"][slots], v, rtol=1e-5, atol=1e-12)

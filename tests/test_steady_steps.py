@@ -13,7 +13,7 @@ from peft import get_peft_model
 
 from peft_sparse import SM3, SparseLayer, SpIELConfig, SpIELScheduler
 from peft_sparse.core import kernels
-from peft_sparse.core import layer as layer_module
+from peft_sparse.accel import training_merge as merge_module
 from peft_sparse.core.selection import BlockGrid
 from peft_sparse.optim import sm3
 
@@ -238,7 +238,7 @@ def test_steady_merge_rewrites_train_bit_for_bit_and_see_every_change(fused_path
     to be current (the next forward writes nothing), one generation on and its version counter moved."""
     device = fused_paths
     built, ran = [], []
-    original_run = layer_module._SteadyRefresh.run
+    original_run = merge_module._SteadyRefresh.run
 
     def probed_run(self, groups):
         held = {id(p) for g in groups for p in g["params"]}
@@ -262,7 +262,7 @@ def test_steady_merge_rewrites_train_bit_for_bit_and_see_every_change(fused_path
                 assert torch.equal(got, (merge.base + values.detach()).to(got.dtype))
         return result
 
-    monkeypatch.setattr(layer_module._SteadyRefresh, "run", probed_run)
+    monkeypatch.setattr(merge_module._SteadyRefresh, "run", probed_run)
 
     def move_values(model, opt):
         values = sparse_layers(model)[1].sparse_values["default"]
@@ -319,11 +319,11 @@ def test_a_reselection_keeps_the_step_hooks_rewrites(fused_paths, monkeypatch):
     tensors): the step hook's kept rewrites survive it, the next step repeats them steady and leaves
     θ₀ + φ at the new indices; training stays bit for bit that of the transient copies."""
     ran, seen = [], {}
-    _count_calls(monkeypatch, layer_module._SteadyRefresh, "run", ran, "run")
+    _count_calls(monkeypatch, merge_module._SteadyRefresh, "run", ran, "run")
 
     def probe(model, opt):
         layers = [layer for layer in sparse_layers(model) if layer._training_merge is not None]
-        seen[len(seen)] = (layer_module._STEADY_REFRESH.get(opt), [(layer._training_merge, layer._training_merge.base) for layer in layers],
+        seen[len(seen)] = (merge_module._STEADY_REFRESH.get(opt), [(layer._training_merge, layer._training_merge.base) for layer in layers],
                            [layer.sparse_indices["default"].clone() for layer in layers], len(ran))  # fmt: skip
         for layer in layers:
             merge, values = layer._training_merge, layer.sparse_values["default"].detach()
@@ -354,7 +354,7 @@ def test_steady_merge_rewrite_before_a_pending_backward(fused_paths, monkeypatch
     for layer in sparse_layers(reference):
         layer.merge_for_training = False
     ran = []
-    _count_calls(monkeypatch, layer_module._SteadyRefresh, "run", ran, "steady")
+    _count_calls(monkeypatch, merge_module._SteadyRefresh, "run", ran, "steady")
     x = inputs(seed=3).to(device)
     loss = model(x, labels=x).loss
     opt.step()
@@ -367,7 +367,7 @@ def test_steady_merge_rewrites_keep_no_layer_alive(fused_paths):
     import weakref
 
     _, _, _, model, opt = _train_merged(fused_paths, 3, {})
-    steady = layer_module._STEADY_REFRESH.get(opt)
+    steady = merge_module._STEADY_REFRESH.get(opt)
     assert steady is not None
     weight = weakref.ref(sparse_layers(model)[0].get_base_layer().weight)
     storages = {layer.get_base_layer().weight.untyped_storage().data_ptr() for layer in sparse_layers(model)}

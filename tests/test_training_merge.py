@@ -641,7 +641,7 @@ def test_reselection_keeps_in_place_only_the_merges_a_forward_pass_would_keep():
     merging in place (``merge_for_training = False`` since its last pass) gets θ₀ back and no merge; a
     merge not registered for the optimizer step's rewrites is set up anew and registered; the other
     merges stay the same objects. Every merged weight holds θ₀ + φ at the new indices."""
-    from peft_sparse.core import layer as layer_module
+    from peft_sparse.accel import training_merge as merge_module
 
     model = _spiel()
     theta0 = _base_weights(model)
@@ -657,17 +657,17 @@ def test_reselection_keeps_in_place_only_the_merges_a_forward_pass_would_keep():
         opt.zero_grad()
         if step == 2:
             layers[1].merge_for_training = False
-            layer_module._MERGED_LAYERS.discard(layers[2])
+            merge_module._MERGED_LAYERS.discard(layers[2])
             merges = [layer._training_merge for layer in layers]
             assert all(m is not None for m in merges)
         scheduler.step()
     stopped, unregistered = layers[1], layers[2]
     assert stopped._training_merge is None and torch.equal(stopped.get_base_layer().weight, theta0[stopped.module_name])
-    assert unregistered._training_merge is not merges[2] and unregistered in layer_module._MERGED_LAYERS
+    assert unregistered._training_merge is not merges[2] and unregistered in merge_module._MERGED_LAYERS
     for layer, merge in zip(layers, merges):
         if layer is stopped:
             continue
-        assert layer in layer_module._MERGED_LAYERS
+        assert layer in merge_module._MERGED_LAYERS
         assert (layer._training_merge is merge) is (layer is not unregistered)
         assert torch.equal(layer.get_base_layer().weight.detach(), _expected_merged(theta0[layer.module_name], layer))
 

@@ -34,7 +34,8 @@ import torch
 
 from ..optim.surgery import reindex_optimizer_states
 from . import kernels
-from .layer import SparseLayer, index_dtype, release_training_merges, reseat_training_merges
+from ..accel.training_merge import release_training_merges, reseat_training_merges
+from .layer import SparseLayer, index_dtype
 from .selection import BlockGrid, check_sparse_tensors, isin_sorted
 
 

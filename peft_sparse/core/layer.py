@@ -11,49 +11,29 @@ Per adapter it holds
 The storage layout of the base layer never leaks into the indices: GPT-2 ``Conv1D`` stores
 (in, out) and bitsandbytes ``Linear4bit`` stores packed nf4 data, and both are translated here.
 
-**Merged in place while training.** A forward pass needs W + scatter(η, φ). By default that is a
-transient copy of W, built in forward and again in backward. While one adapter trains on a plain
-``nn.Linear`` (float weight not shared with other parameters, no quantization, no sharding wrapper,
-not an ``nn.DataParallel`` replica), the layer instead keeps the merged weight in the base weight's
-own storage: it saves θ₀[η] (d_φ entries) once and writes θ₀[η] + φ at η (d_φ entries, not W)
-whenever φ changed — so forward and backward read W in place and no W-sized copy is made. The write
-happens right after each step of an optimizer that holds φ (one batched launch for all layers, while
-the GPU still works through the step; a hook every ``torch.optim.Optimizer`` runs, which repeats an
-optimizer's last rewrites while nothing they depend on changed, ``_SteadyRefresh``). A training forward
-trusts that write only while φ's version counter, data pointer and storage are unchanged since;
-otherwise — φ updated by anything else, e.g. a mixed-precision wrapper copying master weights into
-``.data`` — it writes θ₀[η] + φ itself. Edits through ``.data`` that keep φ's storage, made between an
-optimizer step and the next forward, are the one thing not seen: call ``release_training_merge()``
-after them. A replaced base-weight storage starts a new merge; a backward whose stored weight was
-rewritten since its forward builds its own merged weight. The entries are rounded exactly as the copy
-would round them, so outputs are bit-identical. θ₀ is
-written back (``release_training_merge``) whenever anything else may look at the
-base weight: ``eval()``, ``state_dict()``, ``load_state_dict()``, ``.to()``/``.cuda()``, merging,
-unloading, disabling or deleting adapters, ``logical_weight()``, ``nn.DataParallel`` replication
-(replicas never merge), and before a reselection edits the indices (which then moves each merge to
-its new indices in place: ``reseat_training_merges``). Each in-place write bumps the
-weight's version counter, so a pass that saved the weight itself errors instead of reading changed
-values; a backward whose forward ran merged but finds the merge released rebuilds W + scatter(η, φ)
-from θ₀. Code that edits ``sparse_indices`` in place must call ``release_training_merge()`` first. Set
-``merge_for_training = False`` on a layer to always use the transient copy.
+**A pass.** Training: W + scatter(η, φ) is built transiently in forward and again in backward
+(:mod:`peft_sparse.core.functional`); nothing of W's size is kept for backward. Without gradients
+(generation, evaluation) with few tokens: Y = X·Wᵀ + X·δᵀ from δ's d_φ entries instead. The layer's fast
+paths live in :mod:`peft_sparse.accel` and are mixed in here: the opt-in training merge
+(:mod:`peft_sparse.accel.training_merge`, W + δ kept in the base weight's storage while training) and the
+fused NF4 launch of 4-bit layers (:mod:`peft_sparse.accel.nf4`).
 
-**Steady passes.** Once such a merge was rewritten by an optimizer step, the layer remembers the
+**Steady passes** (a fast path). Once a merge was rewritten by an optimizer step, the layer remembers the
 decisions of its last pass (adapter, values, indices and their version, base layer and weight, block
 layout — nothing that refers back to the layer) and the next training forward checks each of them
 directly, without the lookups of the full path, before reusing them; any difference, and any other
 kind of pass, takes the full path. Quantized (4-bit) layers, which rebuild their weight in every
-pass and never merge, remember their training passes the same way (a backward pass leaves the memo:
-it only needs θ₀ back where a weight is merged), and repeat the fused NF4 launch of their single
-adapter from a kept plan while its operands are the same (:class:`_NF4Rebuild`); a steady training
-pass launches it itself and multiplies by the weight it gives (``functional.GivenWeightLinear``). When
-kernels are short, the host time of a layer call bounds the training step.
+pass and never merge, remember their training passes the same way, and repeat the fused NF4 launch of
+their single adapter while its operands are the same; a steady training pass launches it itself and
+multiplies by the weight it gives (``functional.GivenWeightLinear``). When kernels are short, the host
+time of a layer call bounds the training step.
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
@@ -63,10 +43,14 @@ from transformers.pytorch_utils import Conv1D
 
 from .. import accel
 from ..accel import internals
+from ..accel.nf4 import FusedNF4Layer, _NF4Rebuild
+from ..accel.training_merge import (
+    TrainingMergeLayer,
+    _TrainingMerge,
+)
 from ..registry import BufferDict
 from . import kernels
 from .functional import (
-    _compute_dtype,
     compose_weight,
     given_weight_apply,
     merged_apply,
@@ -76,6 +60,7 @@ from .functional import (
     sparse_delta_linear_reference,
     sparse_delta_product,
 )
+from .quant import is_bnb_4bit, standard_4bit_layout
 from .selection import check_sparse_tensors
 
 
@@ -100,14 +85,6 @@ def index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2**31 else torch.int64
 
 
-def is_bnb_4bit(module: nn.Module) -> bool:
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        return False
-    return isinstance(module, bnb.nn.Linear4bit)
-
-
 def supported_base_layer(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, Conv1D)) or is_bnb_4bit(module)
 
@@ -117,20 +94,6 @@ def logical_shape(module: nn.Module) -> tuple[int, int]:
     if isinstance(module, Conv1D):
         return module.nf, module.nx
     return module.out_features, module.in_features
-
-
-def standard_4bit_layout(base: nn.Module) -> None:
-    """Undo bitsandbytes' CPU inference repacking (AVX512-BF16 layout) so dequantization reads the weight right.
-
-    bitsandbytes repacks a Linear4bit weight in place the first time the *base* layer runs on CPU in
-    eval mode without gradients; ``dequantize_4bit`` does not understand that layout.
-    """
-    weight = getattr(base, "weight", None)
-    state = getattr(weight, "quant_state", None)
-    if state is not None and getattr(state, "packing_format_for_cpu", False):
-        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
-
-        weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, state)
 
 
 def storage_positions(base: nn.Module, indices: torch.Tensor) -> torch.Tensor:
@@ -198,374 +161,7 @@ def add_delta_to_base(
     return before
 
 
-class _TrainingMerge:
-    """The state of an adapter merged into its base weight's storage for training (see the module docstring).
-
-    ``written``: what the values were at the last write — version counter, data pointer, the storage
-    itself (held, so its address cannot be handed to another tensor while it is compared) and where its
-    memory was (a resize frees or moves it) — and whether that write came from the step hook of an
-    optimizer holding them (``by_step``). Only then may a forward pass trust the stored weight without
-    rewriting it: values changed by anything else (a master-weight wrapper copying into ``.data`` after its
-    inner optimizer stepped, say) may not move their version counter. ``weight_ptr``: the base weight's storage when θ₀ was read.
-    ``generation`` counts the writes (a backward checks that its forward's weight is still the stored one)."""
-
-    __slots__ = ("adapter", "indices", "weight", "weight_ptr", "flat", "base", "active", "written", "by_step", "generation", "__weakref__")
-
-    def __init__(self, adapter: str, indices: torch.Tensor, weight: torch.Tensor):
-        self.adapter, self.indices, self.weight, self.active = adapter, indices, weight, True
-        self.weight_ptr = weight.data_ptr()
-        self.flat = weight.data.view(-1)  # the storage written (valid while stored_in_weight())
-        self.base = self.flat[indices]  # θ₀ at η
-        self.written: Optional[tuple] = None
-        self.by_step = False
-        self.generation = 0
-
-    # copies (deepcopy, pickling) rebuild the weight with its own storage, which holds what this one held; the
-    # record of the last write (it holds the values' storage, which pickling cannot carry alone) starts empty,
-    # so the copy's first pass writes the same values once more
-    def __getstate__(self):
-        state = {k: getattr(self, k) for k in self.__slots__ if k not in ("weight_ptr", "flat", "__weakref__")}
-        state["written"] = None
-        return state
-
-    def __setstate__(self, state):
-        for k, v in state.items():
-            setattr(self, k, v)
-        self.weight_ptr = self.weight.data_ptr()
-        self.flat = self.weight.data.view(-1)
-
-    def check_indices(self) -> None:
-        if self.indices.shape != self.base.shape:
-            raise RuntimeError(f"the indices of adapter {self.adapter!r} were resized while merged for training")
-
-    def write(self, values: torch.Tensor) -> None:
-        """Store θ₀[η] + φ at η (d_φ entries, rounded as the transient copy rounds them)."""
-        self.check_indices()
-        kernels.scatter_sum_into(self.flat, self.indices, self.base, values.detach())
-        self.written_now(values, by_step=False)
-
-    def written_now(self, values: torch.Tensor, by_step: bool) -> None:
-        """Bookkeeping of a write of ``values`` (by :meth:`write` or a batched write of many layers)."""
-        # anything autograd saved of this weight (e.g. a pass with the adapter disabled) now errors instead
-        # of silently using the changed values
-        torch.autograd.graph.increment_version(self.weight)
-        self.generation += 1
-        self.record_write(values, values.data_ptr())
-        self.by_step = by_step
-
-    def record_write(self, values: torch.Tensor, values_ptr: int) -> None:
-        """``written`` for ``values`` (at ``values_ptr``) just written. The storage the last record holds is
-        kept when it is at this address and still where it was: that very storage (no lookup)."""
-        written = self.written
-        if written is not None and written[1] == values_ptr and written[2].data_ptr() == written[3]:
-            self.written = (internals.version(values), values_ptr, written[2], written[3])
-        else:
-            storage = values.untyped_storage()
-            self.written = (internals.version(values), values_ptr, storage, storage.data_ptr())
-
-    def current(self, values: torch.Tensor) -> bool:
-        """Whether the stored weight is known to hold these values: written by the step hook of an
-        optimizer that holds them, and their version, data pointer and storage unchanged since."""
-        written = self.written
-        # (the written storage is held and still where it was written — not freed or moved by a resize —, so
-        # no other storage's memory holds its address: an equal data pointer points into that storage)
-        return (
-            self.by_step
-            and written is not None
-            and written[0] == internals.version(values)
-            and written[1] == values.data_ptr()
-            and written[2].data_ptr() == written[3]
-        )
-
-    def stored_in_weight(self) -> bool:
-        """Whether the base weight still uses the storage θ₀ was read from (not replaced through ``.data``)."""
-        return self.weight.data_ptr() == self.weight_ptr
-
-    def still_merged(self, generation: int) -> bool:
-        """False once θ₀ was written back or the values rewritten since the pass that saw ``generation``:
-        a backward pass must then build its merged weight itself."""
-        return self.active and self.generation == generation and self.stored_in_weight()
-
-    def stored_weight(self) -> torch.Tensor:
-        return self.weight
-
-
-# layers holding a training merge, refreshed after every optimizer step that updates their values
-_MERGED_LAYERS: "weakref.WeakSet[SparseLayer]" = weakref.WeakSet()
-_STEP_HOOK = None
-# moves on whenever a layer starts or ends a training merge (the set the step hook rewrites changes)
-_MERGE_EPOCH = [0]
-# optimizer → the rewrites its last step hook made (_SteadyRefresh), repeated while they hold
-_STEADY_REFRESH: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _refresh_after_step(optimizer, args, kwargs) -> None:
-    """After any optimizer step: rewrite the training merges of the layers whose values it holds.
-
-    The rewrite then runs while the GPU still works through the step, not in the next forward pass
-    (whose host time bounds the step when kernels are short). A forward pass rewrites again whenever
-    the values changed after this, or were not written by such a step (see ``_TrainingMerge.current``).
-    The layers' containers are read directly (``_modules``, ``_parameters``, ``_buffers``), and the
-    rewrites of this optimizer's last step are repeated without the lookups while they hold
-    (:class:`_SteadyRefresh`): this runs for every layer at every step."""
-    if not _MERGED_LAYERS or not accel.ON:
-        return
-    groups = getattr(optimizer, "param_groups", None) or []
-    steady = _STEADY_REFRESH.get(optimizer)
-    if steady is not None:
-        if steady.run(groups):
-            return
-        del _STEADY_REFRESH[optimizer]
-    ids = {id(p) for g in groups for p in g["params"]}
-    due = []  # (layer, merge, values) this step updated
-    for layer in list(_MERGED_LAYERS):
-        merge = layer._training_merge
-        if merge is None:
-            _MERGED_LAYERS.discard(layer)
-            continue
-        modules = layer._modules
-        values = modules["sparse_values"]._parameters.get(merge.adapter)
-        if values is None or id(values) not in ids:
-            continue
-        if merge.indices is not modules["sparse_indices"]._buffers.get(merge.adapter) or not merge.stored_in_weight():
-            layer.release_training_merge()  # stale: the next training forward sets it up again
-            continue
-        merge.check_indices()
-        due.append((layer, merge, values))
-    if not due:
-        return
-    with torch.no_grad():
-        launches = kernels.scatter_sum_many([m.flat for _, m, _ in due], [m.indices for _, m, _ in due], [m.base for _, m, _ in due], [v for _, _, v in due])
-    for _, merge, values in due:
-        merge.written_now(values, by_step=True)
-    if launches is not None:
-        try:
-            _STEADY_REFRESH[optimizer] = _SteadyRefresh(groups, due, launches)
-        except TypeError:  # (an optimizer that cannot be weakly referenced: no memo)
-            pass
-
-
-class _SteadyRefresh:
-    """The rewrites of an optimizer's last step hook (all in multi-tensor launches), repeated while they
-    hold: no layer started or ended a training merge since (``_MERGE_EPOCH``), the optimizer has the same
-    parameter lists with the same members, and each layer still has the same merge, values and indices (tensor objects and
-    addresses) and θ₀'s storage in its weight. The layers and merges are weakly referenced."""
-
-    __slots__ = ("epoch", "groups", "entries", "launches")
-
-    def __init__(self, groups: list, due: list, launches: list):
-        self.epoch = _MERGE_EPOCH[0]
-        self.groups = [(g["params"], list(g["params"])) for g in groups]
-        self.entries = [(weakref.ref(layer), weakref.ref(merge), merge.adapter, values, values.data_ptr(), merge.indices.data_ptr())
-                        for layer, merge, values in due]  # fmt: skip
-        self.launches = launches
-
-    def run(self, groups: list) -> bool:
-        if _MERGE_EPOCH[0] != self.epoch or len(groups) != len(self.groups):
-            return False
-        for g, (params, members) in zip(groups, self.groups):
-            if g["params"] is not params or len(params) != len(members) or any(a is not b for a, b in zip(params, members)):
-                return False
-        merges = []
-        for layer_ref, merge_ref, adapter, values, values_ptr, indices_ptr in self.entries:
-            layer, merge = layer_ref(), merge_ref()
-            if layer is None or merge is None or layer._training_merge is not merge:
-                return False
-            modules = layer._modules
-            indices = merge.indices
-            if (
-                modules["sparse_values"]._parameters.get(adapter) is not values or modules["sparse_indices"]._buffers.get(adapter) is not indices
-                or not merge.stored_in_weight() or values.data_ptr() != values_ptr or indices.data_ptr() != indices_ptr
-                or indices.shape != merge.base.shape
-            ):  # fmt: skip
-                return False
-            merges.append(merge)
-        for plan, out in self.launches:
-            with kernels.on_device(out):
-                plan()
-        kernels.increment_versions([m.weight for m in merges])
-        for merge, (_, _, _, values, values_ptr, _) in zip(merges, self.entries):
-            merge.generation += 1
-            merge.record_write(values, values_ptr)
-            merge.by_step = True
-        return True
-
-
-def release_training_merges(layers: list) -> list:
-    """:meth:`SparseLayer.release_training_merge` of many layers, θ₀ written back in one launch per
-    group of like tensors (bit for bit). Returns the layers that were merged, with their adapters."""
-    released, outs, indices, bases = [], [], [], []
-    for layer in layers:
-        merge = layer._training_merge
-        if merge is None:
-            continue
-        if merge.indices.shape != merge.base.shape:
-            raise RuntimeError(f"{layer.module_name}: the indices of adapter {merge.adapter!r} were resized while merged for training")
-        if merge.stored_in_weight():  # (storage replaced through .data: the merged one is gone, the new one is θ₀)
-            outs.append(merge.weight.data)
-            indices.append(merge.indices)
-            bases.append(merge.base)
-        released.append((layer, merge.adapter))
-    if outs:
-        kernels.scatter_sum_many(outs, indices, bases, None)
-    for layer, _ in released:
-        merge = layer._training_merge
-        if merge.stored_in_weight():
-            torch.autograd.graph.increment_version(merge.weight)
-        _MERGE_EPOCH[0] += 1
-        layer._training_merge = None
-        layer._steady = None
-        merge.active = False
-        _MERGED_LAYERS.discard(layer)
-    return released
-
-
-def reseat_training_merges(layers: list, change_indices: Callable[[], None]) -> list:
-    """Move the training merges of ``layers`` to the new indices that ``change_indices()`` writes into
-    their indices tensors in place (a reselection), bit for bit as releasing them before the change and
-    merging them again after it would: θ₀ written back at the old indices, θ₀ read at the new ones into
-    each merge's own θ₀ tensor, θ₀[η] + φ written there (one multi-tensor launch per write). The merges
-    stay the same objects holding the same tensors, so the optimizer step hook's kept rewrites
-    (:class:`_SteadyRefresh`) still apply to them. A merge that a forward pass would not keep — its
-    base weight or that weight's storage replaced, its indices or values no longer the layer's, the
-    layer no longer merging in place (``merge_for_training``, :meth:`SparseLayer._can_merge_in_place`)
-    or no longer registered for the step hook (e.g. a copy) — is released and set up again as a
-    forward pass would. Returns the layers set up again, with their adapters."""
-    kept, others = [], []
-    for layer in layers:
-        merge = layer._training_merge
-        if merge is None:
-            continue
-        modules = layer._modules
-        values = modules["sparse_values"]._parameters.get(merge.adapter)
-        base = layer.get_base_layer()
-        if (
-            merge.active and values is not None and merge.stored_in_weight() and merge.weight is base.weight
-            and merge.indices is modules["sparse_indices"]._buffers.get(merge.adapter) and layer in _MERGED_LAYERS
-            and layer.merge_for_training and layer._can_merge_in_place(base, values)
-        ):  # fmt: skip
-            merge.check_indices()
-            kept.append((merge, values))
-        else:
-            others.append(layer)
-    if kept:
-        with torch.no_grad():
-            kernels.scatter_sum_many([m.flat for m, _ in kept], [m.indices for m, _ in kept], [m.base for m, _ in kept], None)
-    released = release_training_merges(others)
-    change_indices()
-    if kept:
-        with torch.no_grad():
-            for merge, _ in kept:
-                merge.check_indices()
-                torch.index_select(merge.flat, 0, merge.indices, out=merge.base)  # θ₀ at the new indices
-            kernels.scatter_sum_many([m.flat for m, _ in kept], [m.indices for m, _ in kept], [m.base for m, _ in kept], [v.detach() for _, v in kept])
-        for merge, values in kept:
-            merge.written_now(values, by_step=True)
-    merge_for_training_many(released)
-    return [(layer, adapter) for layer, adapter in released if layer._training_merge is not None]
-
-
-def merge_for_training_many(layers: list) -> None:
-    """Set up the training merges of ``(layer, adapter)`` pairs as their next training forward passes
-    would (θ₀ read at the current indices, θ₀[η] + φ written at η), all writes in one launch per group
-    of like tensors — e.g. right after a reselection changed every layer's indices. Layers that cannot
-    merge in place are left to their forward pass."""
-    due = []
-    for layer, adapter in layers:
-        base = layer.get_base_layer()
-        values = layer.sparse_values[adapter]
-        if layer._training_merge is not None or not layer.merge_for_training or not layer._can_merge_in_place(base, values):
-            continue
-        due.append((layer._start_training_merge(adapter, base.weight), values.detach()))
-    if not due:
-        return
-    with torch.no_grad():
-        kernels.scatter_sum_many([m.flat for m, _ in due], [m.indices for m, _ in due], [m.base for m, _ in due], [v for _, v in due])
-    for merge, values in due:
-        merge.written_now(values, by_step=True)
-
-
-def _register_step_hook() -> None:
-    global _STEP_HOOK
-    if _STEP_HOOK is None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        _STEP_HOOK = register_optimizer_step_post_hook(_refresh_after_step)
-
-
-def _managed_by_sharding(weight: torch.Tensor) -> bool:
-    """A weight managed by a sharding wrapper (FSDP, DeepSpeed ZeRO-3, DTensor): never written in place."""
-    if getattr(weight, "_fsdp_flattened", False) or hasattr(weight, "ds_id"):
-        return True
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return isinstance(weight, DTensor)
-
-
-def _no_rebuild() -> None:
-    """What a copied or unpickled :class:`_NF4Rebuild` becomes."""
-    return None
-
-
-class _NF4Rebuild:
-    """A 4-bit layer's fused NF4 launch (:func:`kernels.nf4_compose` with a single adapter) to repeat from
-    its :class:`~peft_sparse.accel.triton_kernels.LaunchPlan` into a new output while its operands are
-    the same: the base layer, its 4-bit weight (object, storage, quantization state, compute dtype), the
-    indices (object, storage, size) and the values (storage, size, dtype); their contents may change.
-    Indices rewritten in place (a reselection: their version moves) are followed: the per-program slices
-    the launch reads (``starts``, the layer's kept :meth:`SparseLayer._nf4_starts`) are recomputed in
-    place first, so the launch is repeated instead of planned anew. The plan holds those tensors, so the
-    layer drops this when it forgets its last pass (``release_training_merge``) or when the plan no
-    longer applies. A copy (``copy.deepcopy``, pickling) of the layer has none: the plan refers to
-    compiled kernels and raw addresses, and the copy plans its own."""
-
-    __slots__ = ("plan", "base", "weight", "weight_ptr", "state", "compute", "indices", "indices_key", "starts", "values_key", "shape", "dtype",
-                 "device")  # fmt: skip
-
-    def __reduce__(self):
-        return _no_rebuild, ()
-
-    def __init__(self, plan, base: nn.Module, indices: torch.Tensor, values: torch.Tensor, merged: torch.Tensor,
-                 starts: Optional[torch.Tensor] = None):  # fmt: skip
-        self.plan, self.base = plan, base
-        self.weight = base.weight
-        self.weight_ptr, self.state, self.compute = self.weight.data_ptr(), self.weight.quant_state, getattr(base, "compute_dtype", None)
-        # (address, version, size): the key of SparseLayer._nf4_starts' cache, which the refresh below updates
-        self.indices, self.indices_key, self.starts = indices, (indices.data_ptr(), internals.version(indices), indices.numel()), starts
-        self.values_key = (values.data_ptr(), values.numel(), values.dtype)
-        self.shape, self.dtype, self.device = merged.shape, merged.dtype, merged.device
-
-    def __call__(self, layer: "SparseLayer", indices: torch.Tensor, values: torch.Tensor, dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
-        """The merged weight, or None when anything differs from the planned launch (the caller then takes
-        the full path, which plans again)."""
-        base = self.base
-        weight = self.weight
-        key = self.indices_key
-        if (
-            (dtype is not None and dtype != self.dtype)
-            or indices is not self.indices or indices.data_ptr() != key[0] or indices.numel() != key[2]
-            or (values.data_ptr(), values.numel(), values.dtype) != self.values_key
-            or (layer._modules["base_layer"] is not base and layer.get_base_layer() is not base)
-            or base._parameters.get("weight") is not weight or weight.quant_state is not self.state
-            or getattr(base, "compute_dtype", None) is not self.compute or weight.data_ptr() != self.weight_ptr
-        ):  # fmt: skip
-            return None
-        starts = self.starts
-        if internals.version(indices) != key[1]:  # rewritten in place: the slices follow (what the full path would compute)
-            if starts is not None:
-                if starts.is_inference() and not torch.is_inference_mode_enabled():
-                    return None  # (planned under torch.inference_mode: its slices cannot be rewritten outside it)
-                kernels.nf4_compose_starts(indices, layer.numel, out=starts)
-            self.indices_key = key = (key[0], internals.version(indices), key[2])
-            if starts is not None:
-                layer._nf4_starts_cache = (weakref.ref(indices), key, starts)
-        merged = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        return merged if self.plan(merged) else None
-
-
-class SparseLayer(BaseTunerLayer):
+class SparseLayer(TrainingMergeLayer, FusedNF4Layer, BaseTunerLayer):
     adapter_layer_names = ("sparse_values",)
     other_param_names = ("sparse_indices", "sparse_ages")
     # keep the training adapter merged in the base weight's storage (module docstring): opt-in, through the
@@ -651,81 +247,6 @@ class SparseLayer(BaseTunerLayer):
         weight = base.weight
         return weight.t() if self.fan_in_fan_out else weight
 
-    def _nf4_operands(self):
-        """What :func:`kernels.nf4_compose` needs to rebuild this bitsandbytes NF4 weight, or None (not NF4
-        on CUDA, or another layout). Cached per weight tensor, storage and quantization state: the offset
-        of double quantization is read to the host once."""
-        base = self.get_base_layer()
-        weight = getattr(base, "weight", None)
-        state = getattr(weight, "quant_state", None)
-        if state is None or not weight.is_cuda:
-            return None
-        cached = self._nf4_cache
-        if cached is not None and cached[0]() is weight and cached[1] == weight.data_ptr() and cached[2] is state:
-            return cached[3]
-        operands = None
-        nested = getattr(state, "nested", False)
-        if (
-            state.quant_type == "nf4"
-            and not getattr(state, "packing_format_for_cpu", False)
-            and weight.dtype == torch.uint8 and weight.is_contiguous()
-            and weight.numel() * 2 >= self.numel
-            and tuple(state.shape) == (self.out_features, self.in_features)
-            and state.blocksize & (state.blocksize - 1) == 0
-            and (not nested or state.state2.blocksize & (state.state2.blocksize - 1) == 0)
-        ):  # fmt: skip
-            inner = None
-            if nested:
-                inner = (state.absmax, state.state2.absmax, state.state2.code, state.state2.blocksize, float(state.offset))
-            operands = (weight.data, state.code, state.absmax, inner, state.blocksize, tuple(state.shape), state.dtype)
-        self._nf4_cache = (weakref.ref(weight), weight.data_ptr(), state, operands)
-        return operands
-
-    def _nf4_starts(self, indices: torch.Tensor) -> Optional[torch.Tensor]:
-        """Where each program of the fused NF4 launch finds its slice of ``indices``
-        (:func:`kernels.nf4_compose_starts`), kept while the indices tensor is the same and unchanged
-        (its address and version: a reselection rewrites it in place). None for an inference tensor,
-        which has no version to follow: the launch then finds the slices itself."""
-        if indices.is_inference():
-            return None
-        key = (indices.data_ptr(), internals.version(indices), indices.numel())
-        cached = self._nf4_starts_cache
-        if cached is not None and cached[0]() is indices and cached[1] == key:
-            return cached[2]
-        starts = kernels.nf4_compose_starts(indices, self.numel)
-        self._nf4_starts_cache = (weakref.ref(indices), key, starts)
-        return starts
-
-    def fused_merged_weight(self, indices, values, dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
-        """For an NF4 weight on CUDA: the dequantized weight plus Σ scatter(η_a, φ_a) built in one fused
-        launch (the first adapter inside it), in ``dtype`` (None: the layer's compute dtype); None when
-        this layer has no fused path or the dtype differs from the one bitsandbytes dequantizes to.
-        A single adapter's launch is repeated from its :class:`_NF4Rebuild` while its operands stay."""
-        if not accel.ON:  # (a fast path: off, the weight is dequantized and the delta added separately)
-            return None
-        rebuild = self._nf4_rebuild
-        if rebuild is not None:
-            merged = rebuild(self, indices[0], values[0], dtype) if len(indices) == 1 else None
-            if merged is not None:
-                return merged
-            self._nf4_rebuild = None  # (it holds the tensors it planned with; the full path plans anew)
-        operands = self._nf4_operands() if self.quantization_backend is not None else None
-        if operands is None:
-            return None
-        base = self.get_base_layer()
-        compute = getattr(base, "compute_dtype", None) or operands[6]
-        if compute != operands[6] or (dtype is not None and dtype != compute):
-            return None
-        packed, code, absmax, nested, blocksize, shape, qdtype = operands
-        single = len(indices) == 1 and not indices[0].is_inference()  # (a launch to keep: see _NF4Rebuild)
-        first = (indices[0], values[0].detach(), self._nf4_starts(indices[0])) if indices else (None, None, None)
-        result = kernels.nf4_compose(packed, code, absmax, nested, blocksize, shape, qdtype, *first, plan=single)
-        merged, plan = result if single else (result, None)
-        if plan is not None:
-            self._nf4_rebuild = _NF4Rebuild(plan, base, indices[0], values[0], merged, first[2])
-        for idx, val in zip(indices[1:], values[1:]):
-            kernels.scatter_add_into(merged, idx, val.detach())
-        return merged
 
     def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
         """The dense (out, in) delta scatter(η, φ) of one adapter, in the values' dtype."""
@@ -895,89 +416,7 @@ class SparseLayer(BaseTunerLayer):
             self._merge_backup[adapter_name] = backup
 
     # ----------------------------------------------------------------------------------- merged for training
-    def release_training_merge(self) -> None:
-        """Write θ₀ back at the positions of the adapter merged for training (no-op when none is); a
-        quantized layer forgets its last training pass (see forward) and fused launch, which hold its tensors."""
-        if self._training_merge is not None:
-            release_training_merges([self])
-        elif self._steady is not None:
-            self._steady = None
-        if self._nf4_rebuild is not None:
-            self._nf4_rebuild = None
 
-    def release_weight_merge(self) -> None:
-        """Write θ₀ back at the positions of the adapter merged for training (no-op when none is): what a
-        backward pass needs before it reads θ₀. Unlike :meth:`release_training_merge`, a quantized layer
-        keeps the decisions of its last pass: a training step's backward leaves its next pass steady."""
-        if self._training_merge is not None:
-            release_training_merges([self])
-
-    def _start_training_merge(self, adapter: str, weight: torch.Tensor) -> _TrainingMerge:
-        """Read θ₀ at the adapter's indices and register the layer for the optimizer step's rewrites (the
-        caller writes θ₀[η] + φ)."""
-        merge = self._training_merge = _TrainingMerge(adapter, self.sparse_indices[adapter], weight)
-        _MERGE_EPOCH[0] += 1
-        _MERGED_LAYERS.add(self)
-        _register_step_hook()
-        return merge
-
-    def _weight_is_shared(self, weight: torch.Tensor) -> bool:
-        """Whether another parameter of the model uses the weight's storage (tied embeddings, views).
-        Scanned once per weight tensor and storage (a tie replaces the tied layer's weight object)."""
-        storage = weight.untyped_storage().data_ptr()
-        cached = self._shared_check
-        if cached is not None and cached[0]() is weight and cached[1] == storage:
-            return cached[2]
-        model = self._model_ref() if self._model_ref is not None else None
-        if model is None:
-            return True  # unknown: never write into it
-        users = 0
-        for _, p in model.named_parameters(remove_duplicate=False):
-            if p.device == weight.device and p.untyped_storage().data_ptr() == storage:
-                users += 1
-        shared = users > 1
-        self._shared_check = (weakref.ref(weight), storage, shared)
-        return shared
-
-    def _can_merge_in_place(self, base: nn.Module, values: torch.Tensor) -> bool:
-        if self.quantization_backend is not None or self.fan_in_fan_out or type(base) is not nn.Linear:
-            return False
-        weight = base.weight
-        return (
-            weight.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and not weight.requires_grad
-            and weight.is_contiguous()
-            and weight.device == values.device
-            and weight.device.type != "meta"
-            and not _managed_by_sharding(weight)
-            and not self._weight_is_shared(weight)
-        )
-
-    def _merged_for_training(self, active: list[str], x: torch.Tensor, base: nn.Module) -> Optional[_TrainingMerge]:
-        """Bring W + scatter(η, φ) of the single training adapter into the base weight's storage (None: not
-        applicable; θ₀ is then written back where it was merged — a quantized layer, never merged, keeps
-        its kept NF4 launch, which full training passes and eval and no-grad passes then reuse)."""
-        if getattr(self, "_is_replica", False):  # an nn.DataParallel replica: shares the weight, its state dies with the step
-            return None
-        if not (self.merge_for_training and accel.ON and self.training and len(active) == 1 and torch.is_grad_enabled()):
-            self.release_weight_merge()
-            return None
-        name = active[0]
-        indices = self.sparse_indices[name]
-        values = self.sparse_values[name]
-        weight = base.weight
-        merge = self._training_merge
-        if merge is None or merge.adapter != name or merge.indices is not indices or merge.weight is not weight or not merge.stored_in_weight():
-            self.release_weight_merge()
-            if not self._can_merge_in_place(base, values):
-                return None
-            merge = self._start_training_merge(name, weight)
-        if _compute_dtype(x, weight.dtype) != weight.dtype:  # autocast to another dtype: the transient copy converts
-            self.release_weight_merge()
-            return None
-        if not merge.current(values):  # not known to be what the optimizer step hook last wrote
-            merge.write(values)
-        return merge
 
     def train(self, mode: bool = True):
         if not mode:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Union
+from typing import ClassVar, Optional, Union
 
 from peft.utils import PeftType
 
@@ -23,7 +23,13 @@ class SpIELConfig(SparseConfig):
     growth: str = field(default="ag", metadata={"help": "'ag' (accumulated gradients, Alg. 2) or 'ma' (SM3 momentum approximation, Alg. 3)."})
     reselection_steps: Union[int, float] = field(
         default=20,
-        metadata={"help": "S: optimizer steps between reselections; a float in (0, 1) is a fraction of total_steps, S = max(2, round(S·T))."},
+        metadata={
+            "help": (
+                "S: optimizer steps between reselections; a float in (0, 1) is a fraction of total_steps, S = max(2, round(S·T)). "
+                "The paper's S=20, γ=5 were set for runs of thousands of steps; S=1/3, γ=1/12 keeps reselections at "
+                "t = T/12, 5T/12, 9T/12 for any run length T (README, SpIEL)."
+            )
+        },
     )
     initial_reselection_rate: float = field(default=0.2, metadata={"help": "ξ in (0, 1]: fraction of d_φ(i) replaced at t=γ+S, decaying to 0 at T."})
     gradient_estimation_steps: Union[int, float] = field(
@@ -51,13 +57,15 @@ class SpIELConfig(SparseConfig):
             )
         },
     )
-    seed_moments: str = field(
-        default="both",
+    seed_moments: Optional[str] = field(
+        default=None,
         metadata={
             "help": (
-                "AG: which Adam moments of grown weights are seeded from the window (§7.3.1): 'both' (exp_avg from the mean "
-                "gradient ĝ, exp_avg_sq from the mean squared gradient ŝ, the thesis), 'second' (only exp_avg_sq: the "
-                "first steps ramp up as a fresh weight's, at a well-scaled step size) or 'none' (both start at zero)."
+                "AG: which Adam moments of grown weights are seeded from the window (§7.3.1): 'second' (the default for AG: "
+                "only exp_avg_sq, from the mean squared gradient ŝ, so the first steps ramp up as a fresh weight's at a "
+                "well-scaled step size), 'both' (also exp_avg from the mean gradient ĝ, the thesis) or 'none' (both start "
+                "at zero). Seeding exp_avg made the loss jump after each reselection in BENCHMARKS.md's quality runs. "
+                "Leave unset for MA, which has no window."
             )
         },
     )
@@ -101,16 +109,21 @@ class SpIELConfig(SparseConfig):
             raise ValueError(f"schedule must be 'linear' or 'cosine', got schedule={self.schedule!r}")
         if not isinstance(self.first_full_replacement, bool):
             raise ValueError(f"first_full_replacement must be True or False, got first_full_replacement={self.first_full_replacement!r}")
-        if self.seed_moments not in ("both", "second", "none"):
+        if self.seed_moments is None and self.growth == "ag":
+            self.seed_moments = "second"
+        if self.growth == "ma" and self.seed_moments is not None:
+            raise ValueError(
+                f"seed_moments={self.seed_moments!r} is a setting of AG's estimation window; SpIEL-MA (growth='ma') has none: leave it unset"
+            )
+        if self.growth == "ag" and self.seed_moments not in ("both", "second", "none"):
             raise ValueError(f"seed_moments must be 'both', 'second' or 'none', got seed_moments={self.seed_moments!r}")
         if self.drop_criterion not in ("magnitude", "change"):
             raise ValueError(f"drop_criterion must be 'magnitude' or 'change', got drop_criterion={self.drop_criterion!r}")
         if self.grow_init not in ("zero", "gradient"):
             raise ValueError(f"grow_init must be 'zero' or 'gradient', got grow_init={self.grow_init!r}")
-        if self.growth == "ma" and (self.grow_init != "zero" or self.seed_moments != "both"):
+        if self.growth == "ma" and self.grow_init != "zero":
             raise ValueError(
-                f"grow_init={self.grow_init!r} and seed_moments={self.seed_moments!r} are settings of AG's estimation window; "
-                "SpIEL-MA (growth='ma') has none: leave them at 'zero' and 'both'"
+                f"grow_init={self.grow_init!r} is a setting of AG's estimation window; SpIEL-MA (growth='ma') has none: leave it at 'zero'"
             )
 
     def steps_for(self, total_steps: int) -> tuple[int, int]:
