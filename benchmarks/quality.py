@@ -142,6 +142,8 @@ def build(method: str, model, budget: int, rank: int, seed: int, overrides: dict
         fields = {"growth": "ma" if "-ma" in method else "ag", **overrides}
         if method.endswith("-block"):
             fields.setdefault("block_shape", (64, 64))
+            unit = fields["block_shape"][0] * fields["block_shape"][1]
+            budget = budget // unit * unit  # whole blocks: LoRA r16's 4,884,480 → 4,882,432 (1,192 blocks of 64×64)
         config = peft_sparse.SpIELConfig(target_modules=TARGETS, num_tunable_weights=budget, seed=seed, **fields)
     wrapped = peft.get_peft_model(model, config)
     params = [p for p in wrapped.parameters() if p.requires_grad]

@@ -9,18 +9,24 @@ from .accel import fast_paths, gpu  # noqa: F401  (gpu: hands the core its Trito
 from .core.compose import convert_config, load_sparse_adapter, merge_sparse_adapters
 from .core.config import SparseConfig
 from .core.layer import SparseLayer
+from .methods.lt_sft import LTSFTConfig, LTSFTModel, LTSFTScheduler
 from .methods.sft import SparseFTConfig, SparseFTModel
 from .methods.spiel import SpIELConfig, SpIELModel, SpIELScheduler
 from .optim import SM3
 
 registry.register("sft", SparseFTConfig, SparseFTModel)
 registry.register("spiel", SpIELConfig, SpIELModel)
+registry.register("lt_sft", LTSFTConfig, LTSFTModel)
 
-from .callbacks import SpIELCallback  # noqa: E402  (needs transformers, imported after registration)
+from .callbacks import LTSFTCallback, SpIELCallback  # noqa: E402  (needs transformers, imported after registration)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "LTSFTCallback",
+    "LTSFTConfig",
+    "LTSFTModel",
+    "LTSFTScheduler",
     "SparseConfig",
     "SparseFTConfig",
     "SparseFTModel",

@@ -18,6 +18,7 @@ import uuid
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from .methods.lt_sft import LTSFTConfig, LTSFTScheduler
 from .methods.spiel import SpIELConfig, SpIELScheduler
 
 _TOKEN_FILE = "spiel_checkpoint.json"
@@ -106,4 +107,44 @@ def callbacks_for(peft_config) -> list:
     """The Trainer callbacks a method's config needs (a recipe adds them on its own)."""
     if isinstance(peft_config, SpIELConfig):
         return [SpIELCallback()]
+    if isinstance(peft_config, LTSFTConfig):
+        return [LTSFTCallback()]
     return []
+
+
+class LTSFTCallback(TrainerCallback):
+    """Drives :class:`peft_sparse.LTSFTScheduler` from Trainer events: the L1 gradient before every optimizer
+    step, the switch to the sparse phase after ``dense_steps`` (the Trainer's optimizer is re-pointed at the
+    selected values in place), and ``lt_sft/l1`` and ``lt_sft/phase`` in the logs. Run the Trainer for
+    ``dense_steps + sparse_steps`` steps."""
+
+    def __init__(self):
+        self.scheduler = None
+        self._pending_logs: dict = {}
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        if state.global_step > 0:
+            raise NotImplementedError("LTSFTCallback does not resume from a checkpoint yet: train both phases in one run")
+        self.scheduler = LTSFTScheduler(model)
+        config = self.scheduler.config
+        if self.scheduler.phase == "dense" and state.max_steps != config.dense_steps + config.sparse_steps:
+            raise ValueError(
+                f"LT-SFT runs dense_steps + sparse_steps = {config.dense_steps + config.sparse_steps} optimizer steps; "
+                f"the Trainer will run max_steps={state.max_steps}: set TrainingArguments(max_steps=...) to match"
+            )
+        self.scheduler.attach(optimizer, lr_scheduler)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        switched = self.scheduler.step()
+        if self.scheduler.config.l1_reg > 0:
+            self._pending_logs["lt_sft/l1"] = self.scheduler.last_l1
+        if switched:
+            self._pending_logs["lt_sft/selected"] = sum(self.scheduler.config.tunable_weights_per_module.values())
+            control.should_log = True
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self._pending_logs and logs is not None:
+            logs.update(self._pending_logs)
+            if state.log_history:
+                state.log_history[-1].update(self._pending_logs)
+            self._pending_logs = {}

@@ -217,3 +217,52 @@ def isin_sorted(values: torch.Tensor, sorted_set: torch.Tensor) -> torch.Tensor:
     values = values.long()
     pos = torch.searchsorted(sorted_set.long(), values).clamp_(max=sorted_set.numel() - 1)
     return sorted_set.long()[pos] == values
+
+
+def _order_bits(scores: torch.Tensor) -> torch.Tensor:
+    """Non-negative finite scores as int32 keys with the same order (IEEE-754 bits of a float32 ≥ 0)."""
+    flat = scores.reshape(-1)
+    if flat.dtype != torch.float32:
+        flat = flat.float()
+    return flat.view(torch.int32)
+
+
+def global_top_k(score_fns: "Mapping[str, Callable[[], torch.Tensor]]", k: int) -> dict:
+    """Positions of the ``k`` largest scores over several tensors, never concatenated.
+
+    ``score_fns`` maps a name to a function giving that tensor's non-negative finite scores (called
+    once per pass, so a score may be computed on the fly: peak extra memory is one tensor's scores and
+    a mask). The k-th largest score τ is found by bisection on the float32 bit patterns (≤ 32 counting
+    passes, exact); every score above τ is taken, and ties at τ fill the rest in name order, lowest
+    position first. Returns {name: sorted int64 positions} (possibly empty)."""
+    names = list(score_fns)
+    total = 0
+    for name in names:
+        scores = score_fns[name]()
+        if scores.numel() and (not torch.isfinite(scores).all() or bool((scores < 0).any())):
+            raise ValueError(f"{name}: scores must be finite and non-negative")
+        total += scores.numel()
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= total:
+        raise ValueError(f"cannot choose k={k!r} of {total} scores")
+    if k == 0:
+        return {n: torch.zeros(0, dtype=torch.long) for n in names}
+
+    def count_at_least(bits: int) -> int:
+        return sum(int((_order_bits(score_fns[n]()) >= bits).sum()) for n in names)
+
+    lo, hi = 0, 0x7F800000  # count(≥ lo) ≥ k always; count(≥ hi) < k unless scores are +inf (refused)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if count_at_least(mid) >= k:
+            lo = mid
+        else:
+            hi = mid
+    threshold = lo  # the k-th largest score's bits
+    out, left = {}, k - sum(int((_order_bits(score_fns[n]()) > threshold).sum()) for n in names)
+    for name in names:
+        bits = _order_bits(score_fns[name]())
+        above = torch.nonzero(bits > threshold).squeeze(1)
+        tied = torch.nonzero(bits == threshold).squeeze(1)[: max(0, left)]
+        left -= tied.numel()
+        out[name] = torch.cat([above, tied]).sort().values.cpu()
+    return out

@@ -1,0 +1,300 @@
+"""Lottery-Ticket Sparse Fine-Tuning (LT-SFT; thesis ch. 4, §4.3.1, Algorithm 1), PEFT type ``"LT_SFT"``.
+
+Two phases on the sparse core:
+
+1. **Dense phase.** Every weight of the targeted tensors is trainable, as a delta φ over the frozen
+   base: the adapter starts with all indices (d_φ = the tensors' size). The base weights are never
+   written, so θ₁ − θ₀ is φ itself and no copy of θ₀ is kept.
+2. **Selection and rewind.** The K positions with the largest |θ₁ − θ₀| = |φ| are kept — per tensor
+   (each tensor's share of K, as the budget split says) or over all tensors at once (``"global"``: a
+   streaming threshold search, peak extra memory about one tensor, see
+   :func:`peft_sparse.core.selection.global_top_k`). Every weight is rewound to θ₀ (the kept values
+   restart at 0) and heads in ``modules_to_save`` go back to their values at the start of the run.
+3. **Sparse phase.** Only the K values train. The result is an ordinary sparse adapter.
+
+The L1 pull towards the pre-trained weights, J = λ/N·Σ|θ − θ₀| = λ/N·Σ|φ| (N: the model's parameter
+count), applies in both phases: its gradient λ/N·sign(φ) is added to φ's gradient right before each
+optimizer step (after any gradient clipping), and the scheduler logs J.
+
+Plain loop::
+
+    model = get_peft_model(base, LTSFTConfig(target_modules="all-linear", density=0.01, dense_steps=D, sparse_steps=S))
+    lt = LTSFTScheduler(model)
+    optimizer = lt.attach(torch.optim.AdamW(lt.trainable_parameters(), lr=1e-4))
+    for step in range(D + S):
+        model(**batch).loss.backward(); optimizer.step(); optimizer.zero_grad()
+        lt.step()   # after step D: K values selected, rewound; the optimizer now holds them (fresh state)
+
+The optimizer is re-pointed in place at the switch (its param groups take the new values Parameters, the
+old ones' state is dropped, ``sparse_learning_rate`` becomes the groups' rate), so one Trainer runs
+both phases: ``SFTTrainer(..., peft_config=LTSFTConfig(...), callbacks=[LTSFTCallback()])`` with
+``max_steps = dense_steps + sparse_steps``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from peft.utils import PeftType
+
+from ..core import edit
+from ..core.budget import split_budget, split_weights, total_budget
+from ..core.config import SparseConfig
+from ..core.layer import SparseLayer
+from ..core.selection import global_top_k, top_indices
+from ..core.tuner import SparseTuner
+
+PHASES = ("dense", "sparse")
+SELECTIONS = ("per_tensor", "global")
+
+
+@dataclass
+class LTSFTConfig(SparseConfig):
+    """Lottery-Ticket SFT. ``density`` / ``num_tunable_weights`` set K, the weights kept for the sparse phase."""
+
+    selection: str = field(
+        default="per_tensor",
+        metadata={"help": "'per_tensor': each tensor keeps its share of K (budget_split); 'global': the top-K |θ₁ − θ₀| over all targeted tensors."},
+    )
+    l1_reg: float = field(
+        default=0.0,
+        metadata={"help": "λ of the L1 pull towards the pre-trained weights, λ/N·Σ|θ − θ₀| with N the model's parameter count (thesis: 0.1 for language SFTs)."},
+    )
+    dense_steps: int = field(default=1000, metadata={"help": "Optimizer steps of the dense phase (> 0)."})
+    sparse_steps: int = field(default=1000, metadata={"help": "Optimizer steps of the sparse phase (> 0)."})
+    dense_learning_rate: Optional[float] = field(default=None, metadata={"help": "Learning rate of the dense phase (None: the optimizer's / Trainer's)."})
+    sparse_learning_rate: Optional[float] = field(
+        default=None,
+        metadata={"help": "Learning rate of the sparse phase (None: the optimizer's / Trainer's). The thesis recommends a higher rate than the dense phase's."},
+    )
+    freeze_layer_norm: bool = field(default=True, metadata={"help": "Layer norms stay frozen (§4.4.2); only True is supported."})
+    phase: str = field(
+        default="dense",
+        metadata={"help": "Set by the method: 'dense' until the lottery selection, then 'sparse' (the saved config of a finished adapter says 'sparse')."},
+    )
+
+    init_choices = ("lottery",)
+
+    def __post_init__(self):
+        if self.init == "random":  # (the base class's default: LT-SFT has one policy)
+            self.init = "lottery"
+        super().__post_init__()
+        self.peft_type = PeftType.LT_SFT
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {list(SELECTIONS)}, got selection={self.selection!r}")
+        if isinstance(self.l1_reg, bool) or not isinstance(self.l1_reg, (int, float)) or not math.isfinite(self.l1_reg) or self.l1_reg < 0:
+            raise ValueError(f"l1_reg must be a finite number >= 0, got l1_reg={self.l1_reg!r}")
+        for name in ("dense_steps", "sparse_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of optimizer steps, got {name}={value!r}")
+        for name in ("dense_learning_rate", "sparse_learning_rate"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ValueError(f"{name} must be a positive number or None, got {name}={value!r}")
+        if self.freeze_layer_norm is not True:
+            raise ValueError(f"freeze_layer_norm={self.freeze_layer_norm!r}: only True is supported (layer norms stay frozen, §4.4.2)")
+        if self.phase not in PHASES:
+            raise ValueError(f"phase must be one of {list(PHASES)}, got phase={self.phase!r}")
+        if tuple(self.block_shape) != (1, 1):
+            raise ValueError(f"block_shape={self.block_shape!r}: LT-SFT selects single weights; use (1, 1)")
+        if self.phase == "sparse" and self.tunable_weights_per_module is None:
+            raise ValueError("phase='sparse' describes a selected adapter and needs tunable_weights_per_module; create LT-SFT in phase 'dense'")
+
+
+class LTSFTModel(SparseTuner):
+    """PEFT tuner of :class:`LTSFTConfig`: in the dense phase every targeted weight is an index."""
+
+    prefix: str = "sparse_"
+
+    def _prepare_model(self, peft_config: LTSFTConfig, model) -> None:
+        if peft_config.phase == "sparse":
+            return super()._prepare_model(peft_config, model)
+        # the dense phase: check K against the targeted weights, then give every module all its weights
+        counts = peft_config.tunable_weights_per_module
+        peft_config.tunable_weights_per_module = None
+        super()._prepare_model(peft_config, model)  # (fills module_shapes and K's split, which is checked here)
+        shapes = peft_config.module_shapes or {}
+        full = {k: int(s[0]) * int(s[1]) for k, s in shapes.items()}
+        if counts is not None and counts != full:
+            raise ValueError("an LT-SFT config in phase 'dense' adapts whole tensors; its tunable_weights_per_module must equal their sizes")
+        peft_config.tunable_weights_per_module = full
+
+    def initial_indices(self, config: LTSFTConfig, layer: SparseLayer, module_name: str, count: int) -> torch.Tensor:
+        return torch.arange(count, dtype=torch.long)
+
+
+def _lt_config(model):
+    config = model.peft_config[model.active_adapter] if hasattr(model, "peft_config") else None
+    if not isinstance(config, LTSFTConfig):
+        raise ValueError(f"LTSFTScheduler needs a model with an active LT-SFT adapter, got {type(config).__name__}")
+    return config
+
+
+class LTSFTScheduler:
+    """Drives LT-SFT's phases over a PEFT model: call :meth:`step` after every optimizer step."""
+
+    def __init__(self, model, optimizer=None):
+        self.model = model
+        self.adapter_name = model.active_adapter
+        self.config = _lt_config(model)
+        self.layers = {m.module_name: m for m in model.modules() if isinstance(m, SparseLayer) and self.adapter_name in m.sparse_values}
+        self.t = 0
+        self.last_l1 = 0.0
+        # N: the model's parameter count (the base's, adapter values excluded)
+        values = {id(m.sparse_values[self.adapter_name]) for m in self.layers.values()}
+        self.num_parameters = sum(p.numel() for p in model.parameters() if id(p) not in values)
+        self.head_snapshot = self._heads_state() if self.config.phase == "dense" else None
+        self._hook = None
+        self.optimizer = self.lr_scheduler = None
+        if optimizer is not None:
+            self.attach(optimizer)
+
+    # ------------------------------------------------------------------ optimizer and L1
+    @property
+    def phase(self) -> str:
+        return self.config.phase
+
+    def trainable_parameters(self) -> list:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def learning_rate(self, default: Optional[float] = None) -> Optional[float]:
+        """The configured learning rate of the current phase, or ``default``."""
+        lr = self.config.dense_learning_rate if self.phase == "dense" else self.config.sparse_learning_rate
+        return default if lr is None else lr
+
+    def attach(self, optimizer, lr_scheduler=None):
+        """Train with ``optimizer`` (and its learning-rate scheduler, whose base rates follow the phases' configured
+        rates); adds the L1 gradient before its steps. Returns the optimizer."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        wrapped = optimizer
+        while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+            optimizer = optimizer.optimizer  # (accelerate's AcceleratedOptimizer and the like wrap the torch one)
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        missing = [n for n, m in self.layers.items() if id(m.sparse_values[self.adapter_name]) not in held]
+        if missing:
+            raise ValueError(f"the optimizer does not hold the LT-SFT values of {missing[:3]} (phase {self.phase!r}): build it from trainable_parameters()")
+        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+        if self.phase == "dense":
+            self._set_learning_rate(self.config.dense_learning_rate)
+        if self.config.l1_reg > 0:
+            self._hook = optimizer.register_step_pre_hook(lambda *args: self.add_l1_gradient())
+        return wrapped
+
+    def l1_penalty(self) -> torch.Tensor:
+        """J = λ/N·Σ|φ| (a tensor with autograd history, to add to a loss instead of the gradient hook)."""
+        total = sum(m.sparse_values[self.adapter_name].abs().sum() for m in self.layers.values())  # (differentiable)
+        return total * (self.config.l1_reg / self.num_parameters)
+
+    @torch.no_grad()
+    def add_l1_gradient(self) -> None:
+        """φ.grad += λ/N·sign(φ) on every layer (the subgradient of J; 0 at φ = 0), and records J."""
+        scale = self.config.l1_reg / self.num_parameters
+        total = 0.0
+        for m in self.layers.values():
+            v = m.sparse_values[self.adapter_name]
+            total += float(v.abs().sum(dtype=torch.float64))
+            if v.grad is None:
+                v.grad = torch.zeros_like(v)
+            v.grad.add_(torch.sign(v), alpha=scale)
+        self.last_l1 = total * scale
+
+    # ------------------------------------------------------------------ phases
+    def step(self) -> bool:
+        """One optimizer step done. At the end of the dense phase, select and rewind (returns True); the attached
+        optimizer then holds the sparse phase's values, with fresh state."""
+        self.t += 1
+        if self.phase == "dense" and self.t == self.config.dense_steps:
+            self.select_and_rewind()
+            return True
+        return False
+
+    @torch.no_grad()
+    def select_and_rewind(self) -> dict:
+        """Keep the K weights that moved most, rewind everything to θ₀; returns {module: kept count}."""
+        if self.phase != "dense":
+            raise RuntimeError("select_and_rewind: the adapter is already selected (phase 'sparse')")
+        config, name = self.config, self.adapter_name
+        sizes = {k: m.numel for k, m in self.layers.items()}
+        budget = total_budget(sum(sizes.values()), config.density, config.num_tunable_weights)
+        moved = {k: (lambda m=m: self._moved(m)) for k, m in self.layers.items()}
+        if config.selection == "global":
+            chosen = global_top_k(moved, budget)
+        else:
+            shares = split_budget(sizes, budget, 1, split_weights(config.module_shapes, config.budget_split))
+            chosen = {k: top_indices(moved[k](), shares[k]) for k in self.layers}
+        indices = {k: chosen[k] for k in self.layers}
+        zeros = {k: torch.zeros(v.numel()) for k, v in indices.items()}
+        old = {k: m.sparse_values[name] for k, m in self.layers.items()}
+        edit.set_indices(self.model, indices, values=zeros, adapter_name=name)  # rewind: θ₂ starts at θ₀
+        for m in self.layers.values():
+            m.sparse_values[name].requires_grad_(True)
+        self._restore_heads()
+        if self.optimizer is not None:
+            self._rebind({id(old[k]): m.sparse_values[name] for k, m in self.layers.items()})
+        counts = {k: int(v.numel()) for k, v in indices.items()}
+        config.tunable_weights_per_module = counts
+        config.num_tunable_weights, config.density = sum(counts.values()), None
+        config.phase, config.init = "sparse", "external"
+        return counts
+
+    def _rebind(self, replaced: dict) -> None:
+        """Point the attached optimizer at the sparse phase's values (fresh state), reset the heads' state, and
+        set the sparse phase's learning rate if configured (also as a learning-rate scheduler's base rate)."""
+        optimizer = self.optimizer
+        heads = {id(p) for h in self._heads().values() for p in h.parameters()}
+        for group in optimizer.param_groups:
+            params = []
+            for p in group["params"]:
+                if id(p) in replaced or id(p) in heads:
+                    optimizer.state.pop(p, None)
+                params.append(replaced.get(id(p), p))
+            group["params"] = params
+        self._set_learning_rate(self.config.sparse_learning_rate)
+
+    def _set_learning_rate(self, lr: Optional[float]) -> None:
+        """The phase's configured rate into every param group (and a learning-rate scheduler's base rates)."""
+        if lr is None:
+            return
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+            if "initial_lr" in group:
+                group["initial_lr"] = lr
+        if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "base_lrs"):
+            self.lr_scheduler.base_lrs = [lr] * len(self.lr_scheduler.base_lrs)
+
+    def _moved(self, layer: SparseLayer) -> torch.Tensor:
+        """|θ₁ − θ₀| of one layer, in flat (out, in) order (the dense phase's indices are 0…n−1)."""
+        values = layer.sparse_values[self.adapter_name].detach()
+        indices = layer.sparse_indices[self.adapter_name]
+        if indices.numel() != layer.numel:
+            raise RuntimeError(f"{layer.module_name}: the dense phase's adapter no longer covers the whole tensor")
+        return values.abs().float()
+
+    # ------------------------------------------------------------------ heads (modules_to_save)
+    def _heads(self) -> dict:
+        from peft.utils import ModulesToSaveWrapper
+
+        return {n: m.modules_to_save[self.adapter_name] for n, m in self.model.named_modules()
+                if isinstance(m, ModulesToSaveWrapper) and self.adapter_name in m.modules_to_save}  # fmt: skip
+
+    def _heads_state(self) -> dict:
+        return {n: {k: v.detach().clone() for k, v in h.state_dict().items()} for n, h in self._heads().items()}
+
+    def _restore_heads(self) -> None:
+        for n, head in self._heads().items():
+            head.load_state_dict(self.head_snapshot[n])
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return {"t": self.t, "phase": self.phase, "last_l1": self.last_l1}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["phase"] != self.phase:
+            raise ValueError(f"scheduler state of phase {state['phase']!r} does not fit an adapter in phase {self.phase!r}")
+        self.t, self.last_l1 = int(state["t"]), float(state["last_l1"])

@@ -1,0 +1,281 @@
+"""LT-SFT: the dense phase as a full-size delta, lottery selection (per tensor and global, streaming),
+rewind, the L1 pull, heads, the optimizer switch, Trainer/TRL, save/load and composition."""
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import PeftModel, get_peft_model
+
+from peft_sparse import LTSFTCallback, LTSFTConfig, LTSFTScheduler, SparseFTConfig, load_sparse_adapter
+from peft_sparse.core.selection import global_top_k
+
+from .models import MODELS, inputs, sparse_layers, tiny_bert, tiny_llama, tiny_tokenizer
+
+
+def _config(**kwargs):
+    base = dict(target_modules="all-linear", density=0.1, dense_steps=3, sparse_steps=3)
+    base.update(kwargs)
+    return LTSFTConfig(**base)
+
+
+def _run_dense(model, lt, steps, lr=1e-2, seed=0):
+    optimizer = lt.optimizer or lt.attach(torch.optim.AdamW(lt.trainable_parameters(), lr=lr))
+    switched = False
+    for t in range(steps):
+        x = inputs(seed=seed + t)
+        model(x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        switched = lt.step()
+    return optimizer, switched
+
+
+def _moved(model):
+    return {l.module_name: l.get_delta_weight("default").reshape(-1).abs().clone() for l in sparse_layers(model)}
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_per_tensor_selection_keeps_each_tensors_top_share_of_the_moved_weights(kind):
+    build, targets, _ = MODELS[kind]
+    model = get_peft_model(build(), _config(target_modules=targets, dense_steps=2))
+    lt = LTSFTScheduler(model)
+    _run_dense(model, lt, 1)
+    moved = _moved(model)  # |θ₁ − θ₀| = |φ| in logical (out, in) order (Conv1D included)
+    shares = dict(model.peft_config["default"].tunable_weights_per_module)
+    sizes = {k: v.numel() for k, v in moved.items()}
+    budget = round(0.1 * sum(sizes.values()))
+    from peft_sparse.core.budget import split_budget
+
+    expected_counts = split_budget(sizes, budget)
+    assert shares == sizes  # the dense phase adapts whole tensors
+    # the second step ends the dense phase: compare with the moved weights after it
+    x = inputs(seed=9)
+    model(x, labels=x).loss.backward()
+    lt.optimizer.step()
+    moved = _moved(model)
+    assert lt.step() is True
+    for layer in sparse_layers(model):
+        scores = moved[layer.module_name]
+        k = expected_counts[layer.module_name]
+        order = torch.sort(scores, descending=True, stable=True).indices[:k]
+        assert torch.equal(layer.sparse_indices["default"].long(), order.sort().values)
+        assert bool((layer.sparse_values["default"] == 0).all())
+
+
+def test_global_selection_equals_the_top_k_of_the_concatenation():
+    model = get_peft_model(tiny_llama(), _config(selection="global", dense_steps=1))
+    lt = LTSFTScheduler(model)
+    optimizer = lt.attach(torch.optim.AdamW(lt.trainable_parameters(), lr=1e-2))
+    x = inputs()
+    model(x, labels=x).loss.backward()
+    optimizer.step()
+    moved = _moved(model)
+    names = [l.module_name for l in sparse_layers(model)]
+    flat = torch.cat([moved[n] for n in names])
+    K = round(0.1 * flat.numel())
+    chosen = torch.sort(flat, descending=True, stable=True).indices[:K]
+    assert lt.step()
+    offset = 0
+    counts = model.peft_config["default"].tunable_weights_per_module
+    for layer, n in zip(sparse_layers(model), names):
+        size = moved[n].numel()
+        mine = chosen[(chosen >= offset) & (chosen < offset + size)] - offset
+        assert torch.equal(layer.sparse_indices["default"].long(), mine.sort().values)
+        assert counts[n] == mine.numel()
+        offset += size
+    assert sum(counts.values()) == K == model.peft_config["default"].num_tunable_weights
+    assert len(set(counts.values())) > 1  # global: the shares differ per tensor
+
+
+def test_global_top_k_breaks_ties_by_name_order_then_position_and_checks_its_input():
+    scores = {"a": torch.tensor([1.0, 3.0, 2.0, 3.0]), "b": torch.tensor([3.0, 0.0, 5.0])}
+    calls = []
+    fns = {n: (lambda s=s, n=n: calls.append(n) or s) for n, s in scores.items()}
+    got = global_top_k(fns, 3)  # 5, then two of the three 3s: a[1], a[3] (a before b)
+    assert torch.equal(got["a"], torch.tensor([1, 3])) and torch.equal(got["b"], torch.tensor([2]))
+    assert global_top_k(fns, 7)["b"].tolist() == [0, 1, 2]
+    assert sum(v.numel() for v in global_top_k(fns, 0).values()) == 0
+    with pytest.raises(ValueError, match="k=8"):
+        global_top_k(fns, 8)
+    with pytest.raises(ValueError, match="b: scores"):
+        global_top_k({"b": lambda: torch.tensor([float("nan")])}, 1)
+    # tiny scores, denormals and exact zeros sort by value too
+    tiny = {"t": lambda: torch.tensor([0.0, 1e-40, 1e-30, 0.0])}
+    assert global_top_k(tiny, 2)["t"].tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("selection", ["per_tensor", "global"])
+def test_rewind_restores_the_base_exactly_and_base_weights_never_change(selection):
+    base = tiny_llama()
+    reference = tiny_llama()
+    model = get_peft_model(base, _config(selection=selection, dense_steps=2))
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "sparse_" not in n}
+    lt = LTSFTScheduler(model)
+    _, switched = _run_dense(model, lt, 2)
+    assert switched and lt.phase == "sparse"
+    x = inputs(seed=5)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, reference(x).logits, rtol=0, atol=0)
+    _run_dense(model, lt, 2, seed=10)  # the sparse phase trains only the kept values
+    for n, p in model.named_parameters():
+        if "sparse_" not in n:
+            assert torch.equal(p, before[n]), n
+
+
+def test_the_sparse_phase_trains_only_the_selected_values_with_a_fresh_optimizer_state():
+    model = get_peft_model(tiny_llama(), _config(dense_steps=2, sparse_learning_rate=5e-3, dense_learning_rate=1e-2))
+    lt = LTSFTScheduler(model)
+    optimizer = lt.attach(torch.optim.AdamW(lt.trainable_parameters(), lr=1.0))
+    assert {g["lr"] for g in optimizer.param_groups} == {1e-2}
+    _run_dense(model, lt, 2)
+    values = [l.sparse_values["default"] for l in sparse_layers(model)]
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    assert {id(v) for v in values} <= {id(p) for p in held}
+    assert all(v.numel() < l.numel for v, l in zip(values, sparse_layers(model)))
+    assert all(p not in optimizer.state for p in values)
+    assert {g["lr"] for g in optimizer.param_groups} == {5e-3}
+    _run_dense(model, lt, 1, seed=3)
+    assert any(bool((v != 0).any()) for v in values)
+    assert all(optimizer.state[v]["step"] == 1 for v in values)
+
+
+def test_l1_gradient_equals_autograd_of_the_penalty():
+    lam = 50.0
+    model = get_peft_model(tiny_llama(), _config(l1_reg=lam, dense_steps=4))
+    lt = LTSFTScheduler(model)
+    optimizer = lt.attach(torch.optim.SGD(lt.trainable_parameters(), lr=1e-2))
+    _run_dense(model, lt, 1)  # non-zero values
+    x = inputs(seed=7)
+    values = [l.sparse_values["default"] for l in sparse_layers(model)]
+    loss = model(x, labels=x).loss + lt.l1_penalty()
+    expected = torch.autograd.grad(loss, values)
+    expected_penalty = float(lt.l1_penalty().detach())
+    optimizer.zero_grad()
+    model(x, labels=x).loss.backward()
+    seen = {}
+    hook = optimizer.register_step_pre_hook(lambda *a: seen.update(g=[v.grad.clone() for v in values]))
+    optimizer.step()
+    hook.remove()
+    for got, want in zip(seen["g"], expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)
+    assert lt.last_l1 == pytest.approx(expected_penalty, rel=1e-6)
+    n = sum(p.numel() for p in tiny_llama().parameters())
+    assert lt.num_parameters == n
+
+
+def test_heads_restart_from_their_initial_values_in_the_sparse_phase():
+    model = get_peft_model(tiny_bert(), _config(target_modules=["query", "value"], modules_to_save=["classifier"], dense_steps=2))
+    head = model.base_model.model.classifier.modules_to_save["default"]
+    start = {k: v.clone() for k, v in head.state_dict().items()}
+    lt = LTSFTScheduler(model)
+    optimizer = lt.attach(torch.optim.AdamW(lt.trainable_parameters(), lr=1e-1))
+    labels = torch.tensor([0, 2])
+    for t in range(2):
+        model(inputs(seed=t), labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if t == 0:
+            assert not torch.equal(head.weight, start["weight"])
+        lt.step()
+    for k, v in head.state_dict().items():
+        assert torch.equal(v, start[k]), k
+    assert all(p not in optimizer.state for p in head.parameters())
+
+
+def test_saved_adapter_loads_merges_and_composes(tmp_path):
+    model = get_peft_model(tiny_llama(), _config(dense_steps=2))
+    lt = LTSFTScheduler(model)
+    _run_dense(model, lt, 4)
+    x = inputs(seed=11)
+    model.eval()
+    with torch.no_grad():
+        out = model(x).logits
+    model.save_pretrained(tmp_path / "lt")
+    loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path / "lt")
+    assert loaded.peft_config["default"].phase == "sparse"
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, out, rtol=0, atol=0)
+        merged = loaded.merge_and_unload()
+        torch.testing.assert_close(merged(x).logits, out, rtol=1e-5, atol=1e-6)
+    # beside an SFT adapter: composition by addition
+    sft = get_peft_model(tiny_llama(), SparseFTConfig(target_modules="all-linear", density=0.05, seed=3))
+    from .models import randomize_values
+
+    randomize_values(sft, scale=0.1)
+    sft.save_pretrained(tmp_path / "sft")
+    both = load_sparse_adapter(tiny_llama(), tmp_path / "lt", adapter_name="lt")
+    both = load_sparse_adapter(both, tmp_path / "sft", adapter_name="sft")
+    both.add_weighted_adapter(["lt", "sft"], [1.0, 1.0], "sum")
+    both.set_adapter("sum")
+    reference = PeftModel.from_pretrained(tiny_llama(), tmp_path / "sft").merge_and_unload()
+    reference = PeftModel.from_pretrained(reference, tmp_path / "lt").merge_and_unload()
+    with torch.no_grad():
+        torch.testing.assert_close(both(x).logits, reference(x).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_trainer_runs_both_phases_with_the_callback(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 97, (32, 10), generator=g).tolist()
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids, "attention_mask": [[1] * 10] * 32})
+    model = get_peft_model(tiny_llama(), _config(dense_steps=3, sparse_steps=2, l1_reg=1.0, sparse_learning_rate=2e-2))
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=5, learning_rate=1e-2,
+        logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", lr_scheduler_type="constant",
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[LTSFTCallback()])
+    trainer.train()
+    assert model.peft_config["default"].phase == "sparse"
+    history = trainer.state.log_history
+    assert [h["step"] for h in history if "lt_sft/selected" in h] == [3]
+    assert all("lt_sft/l1" in h for h in history if "loss" in h)
+    assert [h["learning_rate"] for h in history if "loss" in h][-1] == pytest.approx(2e-2)
+    assert any(bool((l.sparse_values["default"] != 0).any()) for l in sparse_layers(model))
+    bad = Trainer(model=get_peft_model(tiny_llama(), _config()), args=args, train_dataset=data, callbacks=[LTSFTCallback()])
+    with pytest.raises(ValueError, match="max_steps=5"):
+        bad.train()
+
+
+def test_trl_sft_trainer_with_peft_config(tmp_path):
+    from trl import SFTConfig, SFTTrainer
+
+    g = torch.Generator().manual_seed(0)
+    data = Dataset.from_dict({"input_ids": torch.randint(0, 97, (32, 10), generator=g).tolist()})
+    args = SFTConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4, learning_rate=1e-2, logging_steps=1,
+        report_to="none", use_cpu=True, bf16=False, save_strategy="no", dataset_kwargs={"skip_prepare_dataset": True},
+        remove_unused_columns=False,
+    )  # fmt: skip
+
+    def collate(rows):
+        ids = torch.tensor([r["input_ids"] for r in rows])
+        return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+    trainer = SFTTrainer(model=tiny_llama(), args=args, train_dataset=data, peft_config=_config(dense_steps=2, sparse_steps=2),
+                         callbacks=[LTSFTCallback()], data_collator=collate, processing_class=tiny_tokenizer())  # fmt: skip
+    trainer.train()
+    config = trainer.model.peft_config["default"]
+    assert config.phase == "sparse" and sum(config.tunable_weights_per_module.values()) == config.num_tunable_weights
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(num_tunable_weights=10**9), "exceeds"),
+        (dict(dense_steps=0), "dense_steps=0"),
+        (dict(sparse_steps=0), "sparse_steps=0"),
+        (dict(selection="topk"), "selection='topk'"),
+        (dict(l1_reg=-1.0), "l1_reg=-1.0"),
+        (dict(block_shape=(2, 2)), "block_shape"),
+        (dict(freeze_layer_norm=False), "freeze_layer_norm=False"),
+        (dict(phase="sparse"), "phase='sparse'"),
+    ],
+)
+def test_bad_settings_are_refused_with_the_field_named(kwargs, match):
+    if "num_tunable_weights" in kwargs:
+        with pytest.raises(ValueError, match=match):
+            get_peft_model(tiny_llama(), _config(density=None, **kwargs))
+        return
+    with pytest.raises(ValueError, match=match):
+        _config(**kwargs)
