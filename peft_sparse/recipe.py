@@ -134,12 +134,19 @@ def load_recipe(path_or_mapping, overrides: Optional[dict] = None) -> Recipe:
         data[split] = p
     if "train" not in data:
         raise ValueError("recipe data.train is required")
+    peft_config, training_args = build_peft_config(raw["method"]), build_training_args(raw["training"])
+    phases = getattr(peft_config, "dense_steps", None), getattr(peft_config, "sparse_steps", None)
+    if None not in phases and training_args.max_steps != sum(phases):
+        raise ValueError(
+            f"recipe training.max_steps={training_args.max_steps} must equal method.dense_steps + method.sparse_steps "
+            f"= {phases[0]} + {phases[1]} (LT-SFT trains both phases in one run)"
+        )
     return Recipe(
         path=path,
         model=raw["model"],
-        peft_config=build_peft_config(raw["method"]),
+        peft_config=peft_config,
         data=data,
-        training_args=build_training_args(raw["training"]),
+        training_args=training_args,
         evaluation=raw["evaluation"],
     )
 

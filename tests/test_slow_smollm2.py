@@ -113,3 +113,40 @@ def test_cli_train_then_merge(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (merged / "config.json").is_file() and any(merged.glob("*.safetensors"))
+
+
+def test_lt_sft_both_phases_through_trl(tmp_path):
+    from peft_sparse import LTSFTCallback, LTSFTConfig
+
+    model, tokenizer = load_model_and_tokenizer("smollm2-135m-instruct")
+    rows = read_jsonl(ROOT / "recipes/data/skills_train.jsonl")[:64]
+    probe = _batch(tokenizer, rows[:8])
+    with torch.no_grad():
+        loss_before = model(**probe).loss.item()
+    args = SFTConfig(
+        output_dir=str(tmp_path / "run"), max_steps=8, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        learning_rate=3e-3, max_length=96, logging_steps=1, bf16=False, save_strategy="no", report_to="none",
+        use_cpu=True, seed=0, lr_scheduler_type="constant",
+    )  # fmt: skip
+    config = LTSFTConfig(target_modules="all-linear", density=0.01, selection="global", dense_steps=4, sparse_steps=4,
+                         dense_learning_rate=1e-4, sparse_learning_rate=3e-3, l1_reg=0.1)  # fmt: skip
+    train = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in rows])
+    trainer = SFTTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer, peft_config=config,
+                         callbacks=[LTSFTCallback()])  # fmt: skip
+    layers = [m for m in trainer.model.modules() if isinstance(m, SparseLayer)]
+    assert sum(l.sparse_values["default"].numel() for l in layers) == sum(l.numel for l in layers)  # the dense phase
+    trainer.train()
+    saved = trainer.model.peft_config["default"]
+    assert saved.phase == "sparse"
+    assert sum(l.sparse_values["default"].numel() for l in layers) == saved.num_tunable_weights == round(0.01 * sum(l.numel for l in layers))
+    assert [h["step"] for h in trainer.state.log_history if "lt_sft/selected" in h] == [4]
+    peft_model = trainer.model.eval()
+    with torch.no_grad():
+        loss_after = peft_model(**probe).loss.item()
+        logits = peft_model(**probe).logits
+    assert loss_after < loss_before, (loss_before, loss_after)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    fresh, _ = load_model_and_tokenizer("smollm2-135m-instruct")
+    loaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(**probe).logits, logits)
