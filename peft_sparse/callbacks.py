@@ -118,14 +118,15 @@ class LTSFTCallback(TrainerCallback):
     selected values in place), and ``lt_sft/l1`` and ``lt_sft/phase`` in the logs. Run the Trainer for
     ``dense_steps + sparse_steps`` steps."""
 
-    def __init__(self):
+    def __init__(self, adapter_name=None):
+        self.adapter_name = adapter_name  # (None: the one active LT-SFT adapter)
         self.scheduler = None
         self._pending_logs: dict = {}
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         if state.global_step > 0:
             raise NotImplementedError("LTSFTCallback does not resume from a checkpoint yet: train both phases in one run")
-        self.scheduler = LTSFTScheduler(model)
+        self.scheduler = LTSFTScheduler(model, adapter_name=self.adapter_name)
         config = self.scheduler.config
         if self.scheduler.phase == "dense" and state.max_steps != config.dense_steps + config.sparse_steps:
             raise ValueError(

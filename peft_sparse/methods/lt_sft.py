@@ -81,6 +81,8 @@ class LTSFTConfig(SparseConfig):
     def __post_init__(self):
         if self.init == "random":  # (the base class's default: LT-SFT has one policy)
             self.init = "lottery"
+        if self.init == "external":  # indices from an adapter file: a selected adapter
+            self.phase = "sparse"
         super().__post_init__()
         self.peft_type = PeftType.LT_SFT
         if self.selection not in SELECTIONS:
@@ -127,8 +129,8 @@ class LTSFTModel(SparseTuner):
         return torch.arange(count, dtype=torch.long)
 
 
-def _lt_config(model):
-    config = model.peft_config[model.active_adapter] if hasattr(model, "peft_config") else None
+def _lt_config(model, adapter_name):
+    config = model.peft_config.get(adapter_name) if hasattr(model, "peft_config") else None
     if not isinstance(config, LTSFTConfig):
         raise ValueError(f"LTSFTScheduler needs a model with an active LT-SFT adapter, got {type(config).__name__}")
     return config
@@ -137,15 +139,21 @@ def _lt_config(model):
 class LTSFTScheduler:
     """Drives LT-SFT's phases over a PEFT model: call :meth:`step` after every optimizer step."""
 
-    def __init__(self, model, optimizer=None):
+    def __init__(self, model, optimizer=None, adapter_name: Optional[str] = None):
         self.model = model
-        self.adapter_name = model.active_adapter
-        self.config = _lt_config(model)
+        if adapter_name is None:  # the active LT-SFT adapter (others may be stacked under it, frozen)
+            trainable = {a for m in model.modules() if isinstance(m, SparseLayer) for a, v in m.sparse_values.items() if v.requires_grad}
+            found = [a for a in getattr(model, "active_adapters", []) if isinstance(model.peft_config.get(a), LTSFTConfig) and a in trainable]
+            if len(found) != 1:
+                raise ValueError(f"LTSFTScheduler: pass adapter_name; the active, trainable LT-SFT adapters are {found}")
+            adapter_name = found[0]
+        self.adapter_name = adapter_name
+        self.config = _lt_config(model, self.adapter_name)
         self.layers = {m.module_name: m for m in model.modules() if isinstance(m, SparseLayer) and self.adapter_name in m.sparse_values}
         self.t = 0
         self.last_l1 = 0.0
-        # N: the model's parameter count (the base's, adapter values excluded)
-        values = {id(m.sparse_values[self.adapter_name]) for m in self.layers.values()}
+        # N: the model's parameter count (the base's: every adapter's values excluded)
+        values = {id(v) for m in model.modules() if isinstance(m, SparseLayer) for v in m.sparse_values.values()}
         self.num_parameters = sum(p.numel() for p in model.parameters() if id(p) not in values)
         self.head_snapshot = self._heads_state() if self.config.phase == "dense" else None
         self._hook = None

@@ -1,0 +1,127 @@
+"""Cross-lingual transfer with composable sparse adapters (thesis §4.3.2, Algorithm 1; multi-source §4.4.4).
+
+Sparse adapters add: θ + φ_task + φ_lang. So a task adapter is trained *under* a frozen language
+adapter simply by keeping both active — the forward pass adds both deltas, only the task's values
+are trainable, and the task adapter ends up holding φ_task = θ′ − (θ + φ_src) by construction (no
+subtraction, no weight copy). At inference the target language's adapter replaces the source's.
+
+    model = get_peft_model(base, LTSFTConfig(...), adapter_name="task")
+    add_frozen_adapter(model, "sft-en", "en")                 # the source language, frozen
+    stack(model, under=["en"], trainable="task")              # train: θ + φ_en + φ_task
+    ...
+    model = compose(base, ["sft-sw", "task-adapter"])          # zero-shot: θ + φ_sw + φ_task (one adapter)
+
+Multi-source training: every batch comes from one language (``peft_sparse.data.SingleLanguageBatchSampler``)
+and :class:`LanguageSwitch` applies that language's adapter under the task adapter for the step: it
+reads the batch's language column from the model call, so it works in a plain loop and in a Trainer
+(keep the column: ``remove_unused_columns=False`` and a collator that passes it as a list of names).
+Switching costs O(d_φ): the language deltas are added in the forward pass, the weights never copied.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional, Sequence, Union
+
+import torch
+from peft import PeftModel
+
+from .core.compose import load_sparse_adapter
+from .core.layer import SparseLayer
+from .data import check_single_language
+
+PathLike = Union[str, os.PathLike]
+
+
+def _names(model) -> set:
+    return {a for m in model.modules() if isinstance(m, SparseLayer) for a in m.sparse_values}
+
+
+def add_frozen_adapter(model: PeftModel, adapter_dir: PathLike, adapter_name: str) -> PeftModel:
+    """Load a saved sparse adapter (any sparse method) beside the model's adapters, frozen; the active
+    adapters are unchanged."""
+    if adapter_name in _names(model):
+        raise ValueError(f"the model already holds an adapter named {adapter_name!r}")
+    active = model.active_adapters
+    load_sparse_adapter(model, adapter_dir, adapter_name=adapter_name, is_trainable=False)
+    model.base_model.set_adapter(active if len(active) > 1 else active[0])
+    model.base_model.set_requires_grad(adapter_name, False)
+    return model
+
+
+def stack(model: PeftModel, under: Sequence[str], trainable: Optional[str]) -> None:
+    """Make ``under`` (frozen) and ``trainable`` the active adapters: the forward pass adds all their deltas,
+    gradients reach only ``trainable`` (None: everything frozen, e.g. for evaluation)."""
+    under = [under] if isinstance(under, str) else list(under)
+    names = _names(model)
+    unknown = [n for n in [*under, trainable] if n is not None and n not in names]
+    if unknown:
+        raise KeyError(f"stack: no adapter named {unknown[0]!r}; the model holds {sorted(names)}")
+    if trainable in under:
+        raise ValueError(f"stack: {trainable!r} cannot be both frozen (under) and trainable")
+    active = [*under] + ([trainable] if trainable is not None else [])
+    model.base_model.set_adapter(active if len(active) > 1 else active[0])
+    model.base_model.set_requires_grad(under, False) if under else None
+    if trainable is not None:
+        model.base_model.set_requires_grad(trainable, True)
+
+
+class LanguageSwitch:
+    """Multi-source training: before each forward pass of ``model``, apply the language adapter of the batch's
+    language (the ``column`` keyword of the call, removed before the model sees it) under ``task``.
+
+    ``languages`` maps a language name (as in the column) to the name of its loaded, frozen adapter. A batch
+    mixing languages, or naming one without an adapter, is refused."""
+
+    def __init__(self, model: PeftModel, languages: Mapping[str, str], task: str, column: str = "language"):
+        names = _names(model)
+        unknown = [a for a in [*languages.values(), task] if a not in names]
+        if unknown:
+            raise KeyError(f"LanguageSwitch: no adapter named {unknown[0]!r}; the model holds {sorted(names)}")
+        self.model, self.languages, self.task, self.column = model, dict(languages), task, column
+        self.current: Optional[str] = None
+        self._handle = model.register_forward_pre_hook(self._before, with_kwargs=True)
+
+    def _before(self, module, args, kwargs):
+        if self.column not in kwargs:
+            raise ValueError(f"LanguageSwitch: the model call has no {self.column!r} argument naming the batch's language")
+        names = kwargs.pop(self.column)
+        if isinstance(names, str):
+            names = [names]
+        language = check_single_language(list(names))
+        if language not in self.languages:
+            raise KeyError(f"LanguageSwitch: no adapter for language {language!r}; known: {sorted(self.languages)}")
+        if language != self.current:
+            stack(self.model, [self.languages[language]], self.task)
+            self.current = language
+        return args, kwargs
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def compose(base_model: torch.nn.Module, adapter_dirs: Sequence[PathLike], weights: Optional[Sequence[float]] = None,
+            adapter_name: str = "composed") -> PeftModel:  # fmt: skip
+    """θ + Σ wᵢ·φᵢ of saved sparse adapters (any sparse methods, e.g. a target-language SFT and a task SFT) as
+    one active adapter ``adapter_name``; ``merge_and_unload()`` gives the same outputs. Adapters with heads
+    (``modules_to_save``) are refused for now: stack them with :func:`stack` instead."""
+    if not adapter_dirs:
+        raise ValueError("compose needs at least one adapter directory")
+    from .core.config import read_adapter_config
+
+    for directory in adapter_dirs:
+        if read_adapter_config(directory).get("modules_to_save"):
+            raise NotImplementedError(f"compose: {directory} saves heads (modules_to_save); use add_frozen_adapter + stack")
+    weights = [1.0] * len(adapter_dirs) if weights is None else list(weights)
+    if len(weights) != len(adapter_dirs):
+        raise ValueError(f"compose: {len(weights)} weights for {len(adapter_dirs)} adapters")
+    model, parts = base_model, []
+    for i, directory in enumerate(adapter_dirs):
+        name = f"{adapter_name}_{i}"
+        model = load_sparse_adapter(model, directory, adapter_name=name)
+        parts.append(name)
+    model.add_weighted_adapter(parts, weights, adapter_name)
+    model.set_adapter(adapter_name)
+    for name in parts:
+        model.delete_adapter(name)
+    return model

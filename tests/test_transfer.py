@@ -1,0 +1,117 @@
+"""Cross-lingual transfer: a task adapter trained under a frozen language adapter, multi-source switching,
+composition for zero-shot inference."""
+
+import pytest
+import torch
+from peft import PeftModel, get_peft_model
+
+from peft_sparse import LTSFTConfig, LTSFTScheduler, SparseFTConfig
+from peft_sparse.transfer import LanguageSwitch, add_frozen_adapter, compose, stack
+
+from .models import inputs, randomize_values, sparse_layers, tiny_llama
+
+
+def _language_adapter(path, seed):
+    model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules="all-linear", density=0.05, seed=seed))
+    randomize_values(model, seed=seed, scale=0.05)
+    model.save_pretrained(path)
+    return path
+
+
+def _task_model(**kwargs):
+    config = LTSFTConfig(target_modules="all-linear", density=0.1, dense_steps=2, sparse_steps=2, **kwargs)
+    return get_peft_model(tiny_llama(), config, adapter_name="task")
+
+
+def _merged(*dirs):
+    model = tiny_llama()
+    for d in dirs:
+        model = PeftModel.from_pretrained(model, d).merge_and_unload()
+    return model
+
+
+def _task_grads(model):
+    return [l.sparse_values["task"].grad.clone() for l in sparse_layers(model) if "task" in l.sparse_values]
+
+
+def test_task_gradients_under_a_frozen_language_equal_those_with_the_language_merged(tmp_path):
+    en = _language_adapter(tmp_path / "en", seed=1)
+    model = _task_model()
+    add_frozen_adapter(model, en, "en")
+    stack(model, ["en"], "task")
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".task" in n for n in trainable)
+    x = inputs(seed=3)
+    model(x, labels=x).loss.backward()
+    ours = _task_grads(model)
+    reference = get_peft_model(_merged(en), LTSFTConfig(target_modules="all-linear", density=0.1, dense_steps=2, sparse_steps=2), adapter_name="task")
+    reference(x, labels=x).loss.backward()
+    for a, b in zip(ours, _task_grads(reference)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_lt_sft_under_a_language_and_zero_shot_composition_with_another(tmp_path):
+    en, sw = _language_adapter(tmp_path / "en", 1), _language_adapter(tmp_path / "sw", 2)
+    model = _task_model()
+    add_frozen_adapter(model, en, "en")
+    stack(model, ["en"], "task")
+    lt = LTSFTScheduler(model)
+    assert lt.adapter_name == "task"
+    optimizer = lt.attach(torch.optim.AdamW(lt.trainable_parameters(), lr=1e-2))
+    for t in range(4):
+        x = inputs(seed=t)
+        model(x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        lt.step()
+    assert model.peft_config["task"].phase == "sparse"
+    # φ_task alone is what the task adapter saves: the language is not in it
+    model.save_pretrained(tmp_path / "out", selected_adapters=["task"])
+    task_dir = tmp_path / "out" / "task"
+    x = inputs(seed=9)
+    composed = compose(tiny_llama(), [sw, task_dir])
+    reference = _merged(sw, task_dir)
+    with torch.no_grad():
+        torch.testing.assert_close(composed(x).logits, reference(x).logits, rtol=1e-5, atol=1e-6)
+        merged = composed.merge_and_unload()
+        torch.testing.assert_close(merged(x).logits, reference(x).logits, rtol=1e-5, atol=1e-6)
+    # and the trained stack itself equals θ + φ_en + φ_task
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, _merged(en, task_dir)(x).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_language_switch_applies_each_batchs_language_and_refuses_mixed_batches(tmp_path):
+    dirs = {"en": _language_adapter(tmp_path / "en", 1), "de": _language_adapter(tmp_path / "de", 2)}
+    model = _task_model()
+    for lang, d in dirs.items():
+        add_frozen_adapter(model, d, f"lang_{lang}")
+    switch = LanguageSwitch(model, {"en": "lang_en", "de": "lang_de"}, task="task")
+    x = inputs(seed=4)
+    for lang in ("de", "en", "de"):
+        model.zero_grad()
+        model(input_ids=x, labels=x, language=[lang, lang]).loss.backward()
+        assert switch.current == lang
+        reference = get_peft_model(_merged(dirs[lang]), LTSFTConfig(target_modules="all-linear", density=0.1, dense_steps=2, sparse_steps=2),
+                                   adapter_name="task")  # fmt: skip
+        reference(x, labels=x).loss.backward()
+        for a, b in zip(_task_grads(model), _task_grads(reference)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        assert all(not l.sparse_values[f"lang_{n}"].requires_grad for l in sparse_layers(model) for n in dirs)
+    with pytest.raises(ValueError, match=r"\['de', 'en'\]"):
+        model(input_ids=x, labels=x, language=["en", "de"])
+    with pytest.raises(KeyError, match="'fr'"):
+        model(input_ids=x, labels=x, language=["fr", "fr"])
+    with pytest.raises(ValueError, match="'language'"):
+        model(input_ids=x, labels=x)
+    switch.remove()
+
+
+def test_bad_stacks_are_refused(tmp_path):
+    model = _task_model()
+    with pytest.raises(KeyError, match="'xx'"):
+        stack(model, ["xx"], "task")
+    with pytest.raises(ValueError, match="both frozen"):
+        stack(model, ["task"], "task")
+    with pytest.raises(ValueError, match="already holds"):
+        add_frozen_adapter(model, _language_adapter(tmp_path / "a", 1), "task")
