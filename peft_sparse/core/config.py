@@ -98,6 +98,16 @@ class SparseConfig(PeftConfig):
         },
     )
     seed: int = field(default=0, metadata={"help": "Seed of the initial index selection (per module, order-independent)."})
+    init_weights: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "True: the values φ start at 0 (the adapter is the identity, as in training). False: they start at "
+                "seeded random N(0, 0.02²) values, so that merge and save/load tests test something (as PEFT's "
+                "init_weights=False does for LoRA); never for training."
+            )
+        },
+    )
     training_merge: bool = field(
         default=False,
         metadata={
@@ -201,6 +211,8 @@ class SparseConfig(PeftConfig):
             raise ValueError(f"budget_split must be one of {list(BUDGET_SPLITS)}, got budget_split={self.budget_split!r}")
         if not isinstance(self.training_merge, bool):
             raise ValueError(f"training_merge must be True or False, got training_merge={self.training_merge!r}")
+        if not isinstance(self.init_weights, bool):
+            raise ValueError(f"init_weights must be True or False, got init_weights={self.init_weights!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got seed={self.seed!r}")
 
@@ -218,7 +230,7 @@ class SparseConfig(PeftConfig):
         """The fields every sparse config shares, e.g. to re-express an adapter as another sparse type."""
         names = [
             "target_modules", "exclude_modules", "layers_to_transform", "layers_pattern", "modules_to_save",
-            "seed", "budget_split", "values_dtype", "tunable_weights_per_module", "module_shapes", "block_shape", "base_model_name_or_path", "revision",
+            "seed", "init_weights", "budget_split", "values_dtype", "tunable_weights_per_module", "module_shapes", "block_shape", "base_model_name_or_path", "revision",
             "task_type", "inference_mode",
         ]  # fmt: skip
         out = {n: getattr(self, n) for n in names}

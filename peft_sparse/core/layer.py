@@ -478,6 +478,8 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, BaseTunerLayer):
         self._ready[adapter_name] = values
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if "adapter_names" in kwargs:
+            return self._mixed_batch_forward(x, kwargs.pop("adapter_names"), *args, **kwargs)
         steady = self._steady
         observed = False
         if steady is not None and not args and not kwargs and accel.ON:
@@ -588,6 +590,27 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, BaseTunerLayer):
                             premerged, blocks, base.weight.device.type)  # fmt: skip
         return y.to(x.dtype) if self.quantization_backend is not None else y
 
+    def _mixed_batch_forward(self, x: torch.Tensor, adapter_names: list, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Row i of the batch gets adapter ``adapter_names[i]``'s delta (``"__base__"``, or an adapter this layer
+        does not hold: none): the base output plus X_rows · δᵀ from each adapter's d_φ entries."""
+        if self.merged:
+            raise ValueError(f"{self.module_name}: adapter_names needs unmerged adapters; unmerge first")
+        if len(adapter_names) != x.shape[0]:
+            raise ValueError(f"{self.module_name}: {len(adapter_names)} adapter_names for a batch of {x.shape[0]} rows")
+        self.release_training_merge()
+        y = self._base_forward(x, *args, **kwargs)
+        rows_of: dict = {}
+        for i, name in enumerate(adapter_names):
+            if name != "__base__" and name in self.sparse_values:
+                rows_of.setdefault(name, []).append(i)
+        for name, rows in rows_of.items():
+            self._check_ready(name)
+            rows = torch.tensor(rows, device=x.device)
+            values = self.sparse_values[name]
+            delta = sparse_delta_product(x[rows], [self.sparse_indices[name]], [values], self.out_features)
+            y = y.index_add(0, rows, delta.to(y.dtype))
+        return y
+
     def _delta_matrices(self, active: list, indices: list, values: list) -> Optional[list]:
         """The adapters' deltas as CSR matrices for :func:`sparse_delta_product`, kept while their indices and
         values are unchanged (a fast path: None when the fast paths are off, the product then builds them)."""
@@ -629,7 +652,7 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, BaseTunerLayer):
         )
 
     def __repr__(self) -> str:
-        return "sparse." + super().__repr__()
+        return "sparse." + nn.Module.__repr__(self)
 
 
 class SparseLinear(nn.Module, SparseLayer):

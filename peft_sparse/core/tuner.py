@@ -8,6 +8,7 @@ files on load and composes adapters (``add_weighted_adapter``). A method subclas
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import weakref
@@ -24,7 +25,7 @@ from ..registry import ExcludedModule, include_all_linear_layers
 from .budget import split_budget, split_weights, total_budget
 from .config import SparseConfig
 from .layer import SparseLayer, SparseLinear, index_dtype, logical_shape, supported_base_layer
-from .selection import BlockGrid, check_sparse_tensors
+from .selection import BlockGrid, check_sparse_tensors, module_generator
 
 
 def _display_name(key: str) -> str:
@@ -184,6 +185,11 @@ class SparseTuner(BaseTuner):
             indices_pending=external,
             block_shape=peft_config.block_shape,
         )
+        if not peft_config.init_weights and not external:
+            values = layer.sparse_values[adapter_name]
+            g = module_generator(peft_config.seed + 1, current_key)
+            with torch.no_grad():
+                values.copy_(torch.randn(values.shape, generator=g, dtype=torch.float32).mul_(0.02).to(values.dtype))
         if layer is not target:
             if adapter_name not in self.active_adapters:
                 layer.requires_grad_(False)
@@ -205,6 +211,40 @@ class SparseTuner(BaseTuner):
             if isinstance(layer, SparseLayer):
                 layer.release_training_merge()
         return super()._unload_and_optionally_merge(*args, **kwargs)
+
+    # ------------------------------------------------------------------------------- mixed batches
+    @contextlib.contextmanager
+    def _enable_peft_forward_hooks(self, *args, **kwargs):
+        """``model(..., adapter_names=[name per row])``: each row gets its own adapter's delta ("__base__": none),
+        in inference as PEFT's LoRA does. Beam search repeats each row's name ``num_beams`` times."""
+        adapter_names = kwargs.pop("adapter_names", None)
+        if adapter_names is None:
+            yield
+            return
+        if self.training:
+            raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
+        if isinstance(adapter_names, str) or not all(isinstance(n, str) for n in adapter_names):
+            raise TypeError(f"adapter_names must be a list of adapter names, one per row, got {adapter_names!r}")
+        layers = [m for m in self.model.modules() if isinstance(m, SparseLayer)]
+        known = {a for layer in layers for a in layer.sparse_values}
+        unknown = sorted({n for n in adapter_names if n != "__base__"} - known)
+        if unknown:
+            raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(unknown)}")
+        beams = kwargs.get("num_beams")
+        if isinstance(beams, int) and beams > 1:
+            adapter_names = [n for n in adapter_names for _ in range(beams)]
+        names = list(adapter_names)
+
+        def inject(module, args, kw):
+            kw["adapter_names"] = names
+            return args, kw
+
+        handles = [layer.register_forward_pre_hook(inject, with_kwargs=True) for layer in layers]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     # ------------------------------------------------------------------------------- loading
     @classmethod

@@ -1,0 +1,93 @@
+"""What PEFT users expect of any adapter: a readable module tree, mixed-adapter batches, init_weights=False."""
+
+import pytest
+import torch
+from peft import PeftModel, get_peft_model
+
+from peft_sparse import SparseFTConfig, SpIELConfig
+
+from .models import MODELS, inputs, sparse_layers, tiny_llama
+
+
+def _two_adapters(build, targets):
+    model = get_peft_model(build(), SparseFTConfig(target_modules=targets, density=0.1, init_weights=False, seed=1))
+    model.add_adapter("b", SparseFTConfig(target_modules=targets, density=0.05, init_weights=False, seed=2))
+    return model.eval()
+
+
+def test_print_shows_the_module_tree():
+    model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules=["q_proj"], density=0.1))
+    text = repr(model)
+    assert "object at 0x" not in text and "sparse.SparseLinear(" in text and "(base_layer): Linear(" in text
+    assert model.get_layer_status()[0].module_type == "sparse.SparseLinear"
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "bert"])
+def test_mixed_adapter_batches_give_each_row_its_adapters_output(kind):
+    build, targets, logits = MODELS[kind]
+    model = _two_adapters(build, targets)
+    x = inputs(batch=3, seed=5)
+    names = ["b", "__base__", "default"]
+    with torch.no_grad():
+        mixed = logits(model(x, adapter_names=names))
+        expected = []
+        for i, name in enumerate(names):
+            if name == "__base__":
+                with model.disable_adapter():
+                    expected.append(logits(model(x[i : i + 1])))
+            else:
+                model.set_adapter(name)
+                expected.append(logits(model(x[i : i + 1])))
+    torch.testing.assert_close(mixed, torch.cat(expected), rtol=1e-5, atol=1e-5)
+    with torch.no_grad(), model.disable_adapter():
+        base = logits(model(x))
+    assert not torch.allclose(mixed[0], base[0]) and not torch.allclose(mixed[2], base[2])  # the adapters act
+    torch.testing.assert_close(mixed[1], base[1], rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_adapter_batches_refuse_training_unknown_names_and_wrong_lengths():
+    build, targets, _ = MODELS["llama"]
+    model = _two_adapters(build, targets)
+    x = inputs(batch=2)
+    with pytest.raises(ValueError, match="non-existing adapter.*nope"):
+        model(x, adapter_names=["nope", "b"])
+    with pytest.raises(ValueError, match="3 adapter_names for a batch of 2"):
+        model(x, adapter_names=["b", "b", "b"])
+    model.train()
+    with pytest.raises(ValueError, match="training mode"):
+        model(x, adapter_names=["b", "b"])
+
+
+def test_mixed_batches_in_generate():
+    build, targets, _ = MODELS["llama"]
+    model = _two_adapters(build, targets)
+    x = inputs(batch=2, seed=2)
+    with torch.no_grad():
+        mixed = model.generate(input_ids=x, adapter_names=["b", "default"], max_new_tokens=4, do_sample=False, pad_token_id=0)
+        model.set_adapter("b")
+        first = model.generate(input_ids=x[:1], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(mixed[:1], first)
+
+
+@pytest.mark.parametrize("config_cls", [SparseFTConfig, SpIELConfig])
+def test_init_weights_false_gives_seeded_non_zero_values_that_merge_and_round_trip(config_cls, tmp_path):
+    config = config_cls(target_modules="all-linear", density=0.1, init_weights=False)
+    model = get_peft_model(tiny_llama(), config).eval()
+    values = [l.sparse_values["default"] for l in sparse_layers(model)]
+    assert all(bool((v != 0).all()) for v in values)
+    again = get_peft_model(tiny_llama(), config_cls(target_modules="all-linear", density=0.1, init_weights=False))
+    assert all(torch.equal(a, l.sparse_values["default"]) for a, l in zip(values, sparse_layers(again)))
+    x = inputs()
+    with torch.no_grad():
+        out = model(x).logits
+        with model.disable_adapter():
+            assert not torch.allclose(model(x).logits, out)
+    model.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path).eval()
+    assert loaded.peft_config["default"].init_weights is False
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, out, rtol=0, atol=0)
+        torch.testing.assert_close(loaded.merge_and_unload()(x).logits, out, rtol=1e-5, atol=1e-6)
+    assert all(bool((l.sparse_values["default"] == 0).all()) for l in sparse_layers(get_peft_model(tiny_llama(), config_cls(target_modules="all-linear", density=0.1))))
+    with pytest.raises(ValueError, match="init_weights=1"):
+        config_cls(target_modules="all-linear", density=0.1, init_weights=1)
