@@ -39,12 +39,14 @@ class SyntheticLanguage:
     words: torch.Tensor  # the renamed ids (sorted)
 
     def translate(self, ids: Union[Sequence[int], torch.Tensor]):
-        """Token ids into this language (a list stays a list, a tensor a tensor of the same shape)."""
+        """Token ids into this language (a list stays a list, a tensor a tensor of the same shape); ids past the
+        tokenizer's vocabulary stay as they are."""
         t = torch.as_tensor(ids, dtype=torch.long)
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.table.numel()):
-            bad = int(t.max()) if int(t.max()) >= self.table.numel() else int(t.min())
-            raise ValueError(f"{self.name}: token id {bad} is outside the vocabulary of {self.table.numel()} tokens")
-        out = self.table[t]
+        if t.numel() and int(t.min()) < 0:
+            raise ValueError(f"{self.name}: token id {int(t.min())} is negative")
+        # ids past the tokenizer's vocabulary (a model's padded embedding rows) are no words: unchanged
+        inside = t < self.table.numel()
+        out = torch.where(inside, self.table[t.clamp(max=self.table.numel() - 1)], t)
         return out.tolist() if not isinstance(ids, torch.Tensor) else out.to(ids.dtype)
 
     def inverse(self) -> "SyntheticLanguage":
