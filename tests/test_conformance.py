@@ -91,3 +91,26 @@ def test_init_weights_false_gives_seeded_non_zero_values_that_merge_and_round_tr
     assert all(bool((l.sparse_values["default"] == 0).all()) for l in sparse_layers(get_peft_model(tiny_llama(), config_cls(target_modules="all-linear", density=0.1))))
     with pytest.raises(ValueError, match="init_weights=1"):
         config_cls(target_modules="all-linear", density=0.1, init_weights=1)
+
+
+@pytest.mark.parametrize("cast", ["half", "to_bfloat16", "double"])
+def test_a_cast_asked_for_through_the_module_is_followed(cast):
+    model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules="all-linear", density=0.1, init_weights=False)).eval()
+    dtype = {"half": torch.float16, "to_bfloat16": torch.bfloat16, "double": torch.float64}[cast]
+    model = model.half() if cast == "half" else model.to(torch.bfloat16) if cast == "to_bfloat16" else model.double()
+    assert all(l.sparse_values["default"].dtype == dtype for l in sparse_layers(model))
+    x = inputs()
+    with torch.no_grad():
+        out = model(x).logits
+        assert out.dtype == dtype
+        merged = model.merge_and_unload()(x).logits
+    tol = {torch.float16: 2e-2, torch.bfloat16: 1e-1, torch.float64: 1e-6}[dtype]  # (rotary embeddings stay float32)
+    torch.testing.assert_close(merged, out, rtol=tol, atol=tol)
+
+
+def test_a_foreign_cast_of_the_values_storage_is_still_refused():
+    model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules="all-linear", density=0.1, init_weights=False))
+    layer = sparse_layers(model)[0]
+    layer.sparse_values["default"].data = layer.sparse_values["default"].data.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="cast to torch.bfloat16 outside peft_sparse"):
+        model(inputs())

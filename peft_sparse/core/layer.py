@@ -424,8 +424,17 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, BaseTunerLayer):
         return nn.Module.train(self, mode)
 
     def _apply(self, fn, recurse: bool = True):
+        """``.to()``, ``.half()``, ``.bfloat16()``, ``.float()``, ``.cuda()`` …: a cast the user asks for through the
+        module is followed — the values take the new floating dtype and it becomes their ``values_dtype`` on this
+        layer (a cast of ``.data`` from outside is refused or undone instead: :meth:`_check_ready`)."""
         self.release_training_merge()
-        return nn.Module._apply(self, fn, recurse)
+        before = {name: v.dtype for name, v in self.sparse_values.items()}
+        out = nn.Module._apply(self, fn, recurse)
+        for name, v in self.sparse_values.items():
+            if name in before and v.dtype != before[name] and v.dtype.is_floating_point:
+                self.values_dtype[name] = v.dtype
+                self._ready.pop(name, None)
+        return out
 
     def __getstate__(self):
         # pickling (torch.save of a whole model): the caches that hold weak references start empty in the copy,
