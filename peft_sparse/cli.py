@@ -1,4 +1,4 @@
-"""``peft-sparse`` command: train a recipe, merge adapters into a model, inspect an adapter."""
+"""The peft-sparse command: train a recipe, merge adapters into a model, inspect an adapter."""
 
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ def cmd_merge(args) -> int:
     from .assets import load_model_and_tokenizer
     from .core.compose import merge_sparse_adapters
 
+    if args.output is None:
+        from pathlib import Path
+
+        args.output = str(Path("outputs") / f"merged-{Path(args.adapter[0]).resolve().name}")
     model, tokenizer = load_model_and_tokenizer(args.base, gguf_file=args.gguf_file, dtype=args.dtype)
     merge_sparse_adapters(model, args.adapter, args.weights)
     model.save_pretrained(args.output)
@@ -79,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--dtype", default="float32")
     merge.add_argument("--adapter", required=True, action="append", help="adapter directory (repeatable)")
     merge.add_argument("--weights", type=float, nargs="+", default=None, help="one weight per adapter (default 1)")
-    merge.add_argument("--output", required=True, help="directory for the merged model")
+    merge.add_argument("--output", default=None, help="directory for the merged model (default: outputs/merged-<first adapter's folder name>)")
     merge.set_defaults(func=cmd_merge)
 
     inspect = sub.add_parser("inspect", help="method, per-module counts and densities, file size of an adapter")
@@ -100,6 +104,9 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"peft-sparse {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except ImportError as exc:  # a missing optional extra: one line naming it
+        print(f"peft-sparse {args.command}: error: {exc}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -51,3 +51,35 @@ def test_inspect_errors_are_clear(tmp_path, capsys):
     assert "holds no per-index ages" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path / "nowhere")]) == 2
     assert "holds no adapter_config.json" in capsys.readouterr().err
+
+
+def test_help_texts_are_plain_text(capsys):
+    from peft_sparse.cli import build_parser
+
+    parser = build_parser()
+    texts = [parser.format_help()] + [p.format_help() for p in parser._subparsers._group_actions[0].choices.values()]
+    assert all("``" not in t for t in texts)
+
+
+def test_a_missing_optional_extra_is_one_line_naming_it(spiel_dir, tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the plot extra were not installed
+    assert main(["inspect", str(spiel_dir), "--age-histogram", str(tmp_path / "a.png")]) == 3
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "peft-sparse[plot]" in err
+
+
+def test_merge_writes_under_outputs_by_default(monkeypatch, tmp_path):
+    from peft_sparse import cli
+
+    seen = {}
+
+    class _Model:
+        def save_pretrained(self, path):
+            seen["path"] = path
+
+    monkeypatch.setattr("peft_sparse.assets.load_model_and_tokenizer", lambda *a, **k: (_Model(), _Model()))
+    monkeypatch.setattr("peft_sparse.core.compose.merge_sparse_adapters", lambda *a, **k: None)
+    assert cli.main(["merge", "--base", "x", "--adapter", str(tmp_path / "my-adapter")]) == 0
+    assert seen["path"].replace("\\", "/") == "outputs/merged-my-adapter"
