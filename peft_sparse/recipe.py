@@ -29,7 +29,7 @@ import yaml
 SECTIONS = {"model", "method", "data", "training", "evaluation"}
 MODEL_KEYS = {"source", "gguf_file", "dtype"}
 DATA_KEYS = {"train", "eval"}
-EVAL_KEYS = {"max_new_tokens", "batch_size", "show"}
+EVAL_KEYS = {"max_new_tokens", "batch_size", "show", "reference"}
 
 
 @dataclass
@@ -95,6 +95,15 @@ def build_training_args(training: dict):
         kind = fields[key].type
         if _type_error(value, kind):
             raise ValueError(f"recipe training.{key}={value!r} must be {getattr(kind, '__name__', kind)}")
+    training = dict(training)
+    if "activation_checkpointing" in fields:
+        # transformers renamed gradient_checkpointing to activation_checkpointing; TRL still sets the old name's
+        # default (True), which warns on every run. Pass the value under the current name instead.
+        for old, new in (("gradient_checkpointing", "activation_checkpointing"), ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+            if new in fields and training.get(new) is None:
+                value = training.pop(old, fields[old].default if old in fields else None)
+                if value is not None and value is not dataclasses.MISSING:
+                    training[new] = value
     return SFTConfig(**training)
 
 
@@ -123,6 +132,9 @@ def load_recipe(path_or_mapping, overrides: Optional[dict] = None) -> Recipe:
     _check_keys("model", raw["model"], MODEL_KEYS)
     _check_keys("data", raw["data"], DATA_KEYS)
     _check_keys("evaluation", raw["evaluation"], EVAL_KEYS)
+    reference = raw["evaluation"].get("reference")
+    if reference is not None and (not isinstance(reference, dict) or not all(isinstance(v, str) for v in reference.values())):
+        raise ValueError(f"recipe evaluation.reference must map labels to text, got evaluation.reference={reference!r}")
     if "source" not in raw["model"]:
         raise ValueError("recipe model.source is required (a built-in model name or a local directory)")
     base = path.parent if path is not None else Path.cwd()
@@ -224,6 +236,8 @@ def run_recipe(recipe: Recipe) -> dict:
     after = exact_match(trainer.model, tokenizer, eval_rows, **eval_kwargs) if eval_rows else None
     if after:
         print_comparison(before, after, ev.get("show", 6))
+        for label, text in (ev.get("reference") or {}).items():  # recorded scores of other methods on the same data
+            print(f"{label}: {text}")
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     summary = {
         "adapter_dir": str(adapter_dir),

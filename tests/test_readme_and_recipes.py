@@ -53,6 +53,7 @@ def test_every_recipe_builds_what_it_names(path):
         ({"training": {"packing": "yes"}}, r"training.packing='yes' must be bool"),
         ({"training": {"max_length": 1.5}}, r"training.max_length=1.5 must be"),
         ({"method": 5}, r"section 'method' must be a mapping of keys to values, got method=5"),
+        ({"evaluation": {"reference": ["a"]}}, r"evaluation.reference must map labels to text, got evaluation.reference=\['a'\]"),
         ({"method": {"peft_type": "LT_SFT", "density": 0.01, "dense_steps": 10, "sparse_steps": 10},
           "training": {"max_steps": 60, "use_cpu": True, "bf16": False}},
          r"training.max_steps=60 must equal method.dense_steps \+ method.sparse_steps = 10 \+ 10"),
@@ -87,3 +88,14 @@ def test_bundled_data_is_disjoint_and_well_formed():
     assert not prompts["train"] & prompts["test"]
     for r in rows["test"]:
         assert r["completion"][0]["content"] == r["answer"]
+
+
+def test_recipes_build_their_training_arguments_without_deprecation_warnings():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        recipe = load_recipe(ROOT / "recipes/smollm2_spiel.yaml")
+    assert recipe.training_args.activation_checkpointing is True  # TRL's default, under the current name
+    off = load_recipe(ROOT / "recipes/smollm2_spiel.yaml", overrides={"training.gradient_checkpointing": False})
+    assert off.training_args.activation_checkpointing is False

@@ -106,6 +106,7 @@ def test_cli_train_then_merge(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "held-out exact match" in result.stdout and "overall" in result.stdout
+    assert "fixed random mask (recipes/smollm2_sft.yaml), recorded: " in result.stdout
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     merged = tmp_path / "merged"
     cmd = [sys.executable, "-m", "peft_sparse.cli", "merge", "--base", "smollm2-135m-instruct",
