@@ -13,12 +13,13 @@ from .methods.lt_sft import LTSFTConfig, LTSFTModel, LTSFTScheduler
 from .methods.sft import SparseFTConfig, SparseFTModel
 from .methods.spiel import SpIELConfig, SpIELModel, SpIELScheduler
 from .optim import SM3
+from .schedules.slow_fast import SlowFastConfig, SlowFastScheduler
 
 registry.register("sft", SparseFTConfig, SparseFTModel)
 registry.register("spiel", SpIELConfig, SpIELModel)
 registry.register("lt_sft", LTSFTConfig, LTSFTModel)
 
-from .callbacks import LTSFTCallback, SpIELCallback  # noqa: E402  (needs transformers, imported after registration)
+from .callbacks import LTSFTCallback, SlowFastCallback, SpIELCallback  # noqa: E402  (needs transformers, imported after registration)
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,9 @@ __all__ = [
     "SparseFTModel",
     "SparseLayer",
     "SM3",
+    "SlowFastCallback",
+    "SlowFastConfig",
+    "SlowFastScheduler",
     "SpIELCallback",
     "SpIELConfig",
     "SpIELModel",

@@ -20,6 +20,7 @@ from transformers.trainer_callback import ExportableState
 
 from .methods.lt_sft import LTSFTConfig, LTSFTScheduler
 from .methods.spiel import SpIELConfig, SpIELScheduler
+from .schedules.slow_fast import SlowFastConfig, SlowFastScheduler
 
 _TOKEN_FILE = "spiel_checkpoint.json"
 
@@ -105,11 +106,14 @@ class SpIELCallback(TrainerCallback, ExportableState):
 
 def callbacks_for(peft_config) -> list:
     """The Trainer callbacks a method's config needs (a recipe adds them on its own)."""
+    out = []
     if isinstance(peft_config, SpIELConfig):
-        return [SpIELCallback()]
+        out.append(SpIELCallback())
     if isinstance(peft_config, LTSFTConfig):
-        return [LTSFTCallback()]
-    return []
+        out.append(LTSFTCallback())
+    if getattr(peft_config, "slow_fast", None) is not None:
+        out.append(SlowFastCallback())
+    return out
 
 
 class LTSFTCallback(TrainerCallback):
@@ -149,3 +153,65 @@ class LTSFTCallback(TrainerCallback):
             if state.log_history:
                 state.log_history[-1].update(self._pending_logs)
             self._pending_logs = {}
+
+
+class SlowFastCallback(TrainerCallback):
+    """Slow-fast learning rates in a Trainer/TRL run: each optimizer step's training loss (the mean over its
+    micro-batches, read from the model's outputs) goes in, the phase, φ and the multipliers per set go to
+    the logs (``slow_fast/*``). The settings come from ``config`` or from the adapter config's ``slow_fast``."""
+
+    _STATE = "slow_fast_state.json"
+
+    def __init__(self, config=None):
+        self.config = config
+        self.scheduler = None
+        self._losses: list = []
+        self._pending_logs: dict = {}
+        self._hook = None
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        config = self.config
+        if config is None:
+            peft_config = getattr(model, "peft_config", {}).get(getattr(model, "active_adapter", None))
+            config = getattr(peft_config, "slow_fast", None)
+        config = SlowFastConfig.from_value(config)
+        if config is None:
+            raise ValueError("SlowFastCallback needs a SlowFastConfig: pass it, or set slow_fast in the sparse config")
+        self.scheduler = SlowFastScheduler(model, optimizer, config, lr_scheduler=lr_scheduler)
+        if state.global_step > 0:
+            path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", self._STATE)
+            with open(path) as f:
+                self.scheduler.load_state_dict(json.load(f))
+            self.scheduler.apply()
+        self._hook = model.register_forward_hook(self._capture)
+
+    def _capture(self, module, inputs, output):
+        loss = getattr(output, "loss", None) if not isinstance(output, dict) else output.get("loss")
+        if module.training and loss is not None:
+            self._losses.append(float(loss.detach()))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self._losses:
+            raise RuntimeError("SlowFastCallback saw no training loss in this step: the model's outputs carry none (pass labels)")
+        loss = sum(self._losses) / len(self._losses)
+        self._losses = []
+        self._pending_logs = self.scheduler.step(loss)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self._pending_logs and logs is not None:
+            logs.update(self._pending_logs)
+            if state.log_history:
+                state.log_history[-1].update(self._pending_logs)
+            self._pending_logs = {}
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.scheduler is not None and state.is_world_process_zero:
+            directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            os.makedirs(directory, exist_ok=True)
+            with open(os.path.join(directory, self._STATE), "w") as f:
+                json.dump(self.scheduler.state_dict(), f)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None

@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import yaml
 
-SECTIONS = {"model", "method", "data", "training", "evaluation"}
+SECTIONS = {"model", "method", "data", "training", "evaluation", "slow_fast"}
 MODEL_KEYS = {"source", "gguf_file", "dtype"}
 DATA_KEYS = {"train", "eval"}
 EVAL_KEYS = {"max_new_tokens", "batch_size", "show", "reference"}
@@ -147,6 +147,13 @@ def load_recipe(path_or_mapping, overrides: Optional[dict] = None) -> Recipe:
     if "train" not in data:
         raise ValueError("recipe data.train is required")
     peft_config, training_args = build_peft_config(raw["method"]), build_training_args(raw["training"])
+    if raw["slow_fast"]:  # slow-fast learning rates: recorded in the adapter config, applied by the callback
+        from .schedules.slow_fast import SlowFastConfig
+
+        try:
+            peft_config.slow_fast = SlowFastConfig.from_value(raw["slow_fast"]).to_dict()
+        except ValueError as exc:
+            raise ValueError(f"recipe slow_fast: {exc}") from None
     phases = getattr(peft_config, "dense_steps", None), getattr(peft_config, "sparse_steps", None)
     if None not in phases and training_args.max_steps != sum(phases):
         raise ValueError(

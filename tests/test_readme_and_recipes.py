@@ -53,6 +53,7 @@ def test_every_recipe_builds_what_it_names(path):
         ({"training": {"packing": "yes"}}, r"training.packing='yes' must be bool"),
         ({"training": {"max_length": 1.5}}, r"training.max_length=1.5 must be"),
         ({"method": 5}, r"section 'method' must be a mapping of keys to values, got method=5"),
+        ({"slow_fast": {"c1": -1}, "training": {"use_cpu": True, "bf16": False}}, r"recipe slow_fast: c1 must be a positive number, got c1=-1"),
         ({"evaluation": {"reference": ["a"]}}, r"evaluation.reference must map labels to text, got evaluation.reference=\['a'\]"),
         ({"method": {"peft_type": "LT_SFT", "density": 0.01, "dense_steps": 10, "sparse_steps": 10},
           "training": {"max_steps": 60, "use_cpu": True, "bf16": False}},

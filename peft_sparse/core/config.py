@@ -119,6 +119,15 @@ class SparseConfig(PeftConfig):
             )
         },
     )
+    slow_fast: Optional[dict] = field(
+        default=None,
+        metadata={
+            "help": (
+                "Slow-fast learning rates (peft_sparse.SlowFastConfig or its fields as a mapping), recorded with the adapter; "
+                "the Trainer callback (added by recipes, or SlowFastCallback()) applies them."
+            )
+        },
+    )
     values_dtype: str = field(
         default="float32",
         metadata={"help": "dtype of the trainable values φ: float32 (default), bfloat16, float16 or float64."},
@@ -211,6 +220,10 @@ class SparseConfig(PeftConfig):
             raise ValueError(f"budget_split must be one of {list(BUDGET_SPLITS)}, got budget_split={self.budget_split!r}")
         if not isinstance(self.training_merge, bool):
             raise ValueError(f"training_merge must be True or False, got training_merge={self.training_merge!r}")
+        if self.slow_fast is not None:
+            from ..schedules.slow_fast import SlowFastConfig
+
+            self.slow_fast = SlowFastConfig.from_value(self.slow_fast).to_dict()  # (stored as a plain mapping: JSON)
         if not isinstance(self.init_weights, bool):
             raise ValueError(f"init_weights must be True or False, got init_weights={self.init_weights!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
@@ -230,7 +243,7 @@ class SparseConfig(PeftConfig):
         """The fields every sparse config shares, e.g. to re-express an adapter as another sparse type."""
         names = [
             "target_modules", "exclude_modules", "layers_to_transform", "layers_pattern", "modules_to_save",
-            "seed", "init_weights", "budget_split", "values_dtype", "tunable_weights_per_module", "module_shapes", "block_shape", "base_model_name_or_path", "revision",
+            "seed", "init_weights", "budget_split", "values_dtype", "slow_fast", "tunable_weights_per_module", "module_shapes", "block_shape", "base_model_name_or_path", "revision",
             "task_type", "inference_mode",
         ]  # fmt: skip
         out = {n: getattr(self, n) for n in names}

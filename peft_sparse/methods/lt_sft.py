@@ -273,8 +273,11 @@ class LTSFTScheduler:
             group["lr"] = lr
             if "initial_lr" in group:
                 group["initial_lr"] = lr
-        if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "base_lrs"):
-            self.lr_scheduler.base_lrs = [lr] * len(self.lr_scheduler.base_lrs)
+        schedule = self.lr_scheduler
+        while schedule is not None and hasattr(schedule, "scheduler") and not hasattr(schedule, "base_lrs"):
+            schedule = schedule.scheduler  # (accelerate's AcceleratedScheduler wraps the torch one)
+        if schedule is not None and hasattr(schedule, "base_lrs"):
+            schedule.base_lrs = [lr] * len(schedule.base_lrs)
 
     def _moved(self, layer: SparseLayer) -> torch.Tensor:
         """|θ₁ − θ₀| of one layer, in flat (out, in) order (the dense phase's indices are 0…n−1)."""
