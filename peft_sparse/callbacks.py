@@ -33,7 +33,20 @@ def _token_in(directory: str):
         return None
 
 
-class SpIELCallback(TrainerCallback, ExportableState):
+class _PendingLogs(TrainerCallback):
+    """Adds what a callback gathered at an optimizer step (``_pending_logs``) to the next log entry."""
+
+    _pending_logs: dict
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self._pending_logs and logs is not None:
+            logs.update(self._pending_logs)
+            if state.log_history:
+                state.log_history[-1].update(self._pending_logs)
+            self._pending_logs = {}
+
+
+class SpIELCallback(_PendingLogs, ExportableState):
     def __init__(self):
         self.scheduler: SpIELScheduler | None = None
         self._pending_logs: dict = {}
@@ -85,13 +98,6 @@ class SpIELCallback(TrainerCallback, ExportableState):
             self._pending_logs.update(stats)
             control.should_log = True
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if self._pending_logs and logs is not None:
-            logs.update(self._pending_logs)
-            if state.log_history:
-                state.log_history[-1].update(self._pending_logs)
-            self._pending_logs = {}
-
     def on_save(self, args, state, control, **kwargs):
         if self.scheduler is not None and state.is_world_process_zero:
             directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
@@ -116,7 +122,7 @@ def callbacks_for(peft_config) -> list:
     return out
 
 
-class LTSFTCallback(TrainerCallback):
+class LTSFTCallback(_PendingLogs):
     """Drives :class:`peft_sparse.LTSFTScheduler` from Trainer events: the L1 gradient before every optimizer
     step, the switch to the sparse phase after ``dense_steps`` (the Trainer's optimizer is re-pointed at the
     selected values in place), and ``lt_sft/l1`` and ``lt_sft/phase`` in the logs. Run the Trainer for
@@ -147,15 +153,8 @@ class LTSFTCallback(TrainerCallback):
             self._pending_logs["lt_sft/selected"] = sum(self.scheduler.config.tunable_weights_per_module.values())
             control.should_log = True
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if self._pending_logs and logs is not None:
-            logs.update(self._pending_logs)
-            if state.log_history:
-                state.log_history[-1].update(self._pending_logs)
-            self._pending_logs = {}
 
-
-class SlowFastCallback(TrainerCallback):
+class SlowFastCallback(_PendingLogs):
     """Slow-fast learning rates in a Trainer/TRL run: each optimizer step's training loss (the mean over its
     micro-batches, read from the model's outputs) goes in, the phase, φ and the multipliers per set go to
     the logs (``slow_fast/*``). The settings come from ``config`` or from the adapter config's ``slow_fast``."""
@@ -196,13 +195,6 @@ class SlowFastCallback(TrainerCallback):
         loss = sum(self._losses) / len(self._losses)
         self._losses = []
         self._pending_logs = self.scheduler.step(loss)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if self._pending_logs and logs is not None:
-            logs.update(self._pending_logs)
-            if state.log_history:
-                state.log_history[-1].update(self._pending_logs)
-            self._pending_logs = {}
 
     def on_save(self, args, state, control, **kwargs):
         if self.scheduler is not None and state.is_world_process_zero:

@@ -36,6 +36,17 @@ def _batch(tokenizer, rows):
     }
 
 
+def _trainer(tmp_path, model, tokenizer, rows, config, callbacks=(), **overrides):
+    """TRL's SFTTrainer over ``rows``: 8 steps of 4 × 2 (gradient accumulation), lr 3e-3."""
+    args = SFTConfig(**{
+        "output_dir": str(tmp_path / "run"), "max_steps": 8, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+        "learning_rate": 3e-3, "max_length": 96, "logging_steps": 1, "bf16": False, "save_strategy": "no", "report_to": "none",
+        "use_cpu": True, "seed": 0, **overrides,
+    })  # fmt: skip
+    train = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in rows])
+    return SFTTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer, peft_config=config, callbacks=list(callbacks))
+
+
 def _train_through_trl(tmp_path, config, callbacks=()):
     """Fresh SmolLM2, a few TRL SFTTrainer steps with gradient accumulation; returns what the checks need."""
     model, tokenizer = load_model_and_tokenizer("smollm2-135m-instruct")
@@ -43,16 +54,7 @@ def _train_through_trl(tmp_path, config, callbacks=()):
     probe = _batch(tokenizer, rows[:8])
     with torch.no_grad():
         loss_before = model(**probe).loss.item()
-    args = SFTConfig(
-        output_dir=str(tmp_path / "run"), max_steps=8, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        learning_rate=3e-3, max_length=96, logging_steps=1, bf16=False, save_strategy="no", report_to="none",
-        use_cpu=True, seed=0,
-    )  # fmt: skip
-    train = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in rows])
-    trainer = SFTTrainer(
-        model=model, args=args, train_dataset=train, processing_class=tokenizer, peft_config=config,
-        callbacks=list(callbacks),
-    )  # fmt: skip
+    trainer = _trainer(tmp_path, model, tokenizer, rows, config, callbacks)
     layers = [m for m in trainer.model.modules() if isinstance(m, SparseLayer)]
     initial = [l.sparse_indices["default"].clone() for l in layers]
     trainer.train()
@@ -129,16 +131,9 @@ def test_lt_sft_both_phases_through_trl(tmp_path):
     probe = _batch(tokenizer, rows[:8])
     with torch.no_grad():
         loss_before = model(**probe).loss.item()
-    args = SFTConfig(
-        output_dir=str(tmp_path / "run"), max_steps=8, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        learning_rate=3e-3, max_length=96, logging_steps=1, bf16=False, save_strategy="no", report_to="none",
-        use_cpu=True, seed=0, lr_scheduler_type="constant",
-    )  # fmt: skip
     config = LTSFTConfig(target_modules="all-linear", density=0.01, selection="global", dense_steps=4, sparse_steps=4,
                          dense_learning_rate=1e-4, sparse_learning_rate=3e-3, l1_reg=0.1)  # fmt: skip
-    train = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in rows])
-    trainer = SFTTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer, peft_config=config,
-                         callbacks=[LTSFTCallback()])  # fmt: skip
+    trainer = _trainer(tmp_path, model, tokenizer, rows, config, [LTSFTCallback()], lr_scheduler_type="constant")
     layers = [m for m in trainer.model.modules() if isinstance(m, SparseLayer)]
     assert sum(l.sparse_values["default"].numel() for l in layers) == sum(l.numel for l in layers)  # the dense phase
     trainer.train()
