@@ -10,6 +10,7 @@ from .core.compose import convert_config, load_sparse_adapter, merge_sparse_adap
 from .core.config import SparseConfig
 from .core.layer import SparseLayer
 from .methods.lt_sft import LTSFTConfig, LTSFTModel, LTSFTScheduler
+from .methods.s4 import S4Config, S4Model, S4Router, build_s4_model, detect_language_masks
 from .methods.sft import SparseFTConfig, SparseFTModel
 from .methods.spiel import SpIELConfig, SpIELModel, SpIELScheduler
 from .optim import SM3
@@ -18,6 +19,7 @@ from .schedules.slow_fast import SlowFastConfig, SlowFastScheduler
 registry.register("sft", SparseFTConfig, SparseFTModel)
 registry.register("spiel", SpIELConfig, SpIELModel)
 registry.register("lt_sft", LTSFTConfig, LTSFTModel)
+registry.register("s4", S4Config, S4Model)
 
 from .callbacks import LTSFTCallback, SlowFastCallback, SpIELCallback  # noqa: E402  (needs transformers, imported after registration)
 
@@ -32,6 +34,9 @@ __all__ = [
     "SparseFTConfig",
     "SparseFTModel",
     "SparseLayer",
+    "S4Config",
+    "S4Model",
+    "S4Router",
     "SM3",
     "SlowFastCallback",
     "SlowFastConfig",
@@ -40,7 +45,9 @@ __all__ = [
     "SpIELConfig",
     "SpIELModel",
     "SpIELScheduler",
+    "build_s4_model",
     "convert_config",
+    "detect_language_masks",
     "fast_paths",
     "load_sparse_adapter",
     "merge_sparse_adapters",

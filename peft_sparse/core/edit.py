@@ -296,6 +296,8 @@ def set_indices(
     if same:
         edit_slots(same, adapter_name, torch.cat(sources), torch.cat(news), optimizer=optimizer,
                    new_values=torch.cat(fresh), step=step)  # fmt: skip
+    for layer in layers:  # placeholder indices (a config with init='external') are real now
+        layer._indices_pending.discard(adapter_name)
 
 
 def _resize(layer: SparseLayer, adapter_name: str, indices: torch.Tensor, values: Optional[torch.Tensor], step) -> None:

@@ -163,7 +163,7 @@ def add_delta_to_base(
 
 class SparseLayer(TrainingMergeLayer, FusedNF4Layer, BaseTunerLayer):
     adapter_layer_names = ("sparse_values",)
-    other_param_names = ("sparse_indices", "sparse_ages")
+    other_param_names = ("sparse_indices", "sparse_ages", "sparse_masks")
     # keep the training adapter merged in the base weight's storage (module docstring): opt-in, through the
     # config's ``training_merge`` or per layer, because the base weight then shows θ₀ + δ during training
     merge_for_training: bool = False
@@ -174,6 +174,8 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, BaseTunerLayer):
         self.sparse_values = nn.ParameterDict({})
         self.sparse_indices = BufferDict(persistent=True)
         self.sparse_ages = BufferDict(persistent=True)
+        # per-group masks over an adapter's slots, packed 8 per byte (S⁴: one row per language)
+        self.sparse_masks = BufferDict(persistent=True)
         self.values_dtype: dict[str, torch.dtype] = {}
         self.block_shape: dict[str, tuple[int, int]] = {}
         self._block_metadata: dict[str, tuple] = {}

@@ -1,0 +1,134 @@
+"""S⁴-Tuning: Taylor-importance masks per language, masked updates, overlaps, files, bad input."""
+
+import pytest
+import torch
+from peft import PeftModel
+
+from peft_sparse import S4Config, S4Router, build_s4_model, detect_language_masks
+from peft_sparse.methods.s4 import language_masks, layer_fractions, mask_overlaps, pack_bits, unpack_bits
+
+from .models import MODELS, inputs, sparse_layers, tiny_llama
+
+
+def _loaders(languages=("a", "b"), n=3):
+    return {lang: [{"input_ids": inputs(seed=10 * j + i), "labels": inputs(seed=10 * j + i)} for i in range(n)] for j, lang in enumerate(languages)}
+
+
+def _config(**kwargs):
+    base = dict(target_modules="all-linear", density=0.2, languages=["a", "b"], importance_batches=2)
+    base.update(kwargs)
+    return S4Config(**base)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_importance_is_the_top_p_of_abs_gradient_times_weight(kind):
+    build, targets, _ = MODELS[kind]
+    config = _config(target_modules=targets)
+    loaders = _loaders()
+    masks = detect_language_masks(build(), loaders, config)
+    reference = build()
+    for lang in ("a", "b"):
+        reference.zero_grad()
+        for p in reference.parameters():
+            p.requires_grad_(True)
+        for batch in loaders[lang][:2]:
+            reference(**batch).loss.backward()
+        for name, module in reference.named_modules():
+            if name not in masks[lang]:
+                continue
+            score = (module.weight.grad * module.weight).abs()
+            if kind == "gpt2":
+                score = score.t()
+            k = round(0.2 * score.numel())
+            expected = torch.sort(score.reshape(-1), descending=True, stable=True).indices[:k].sort().values
+            assert torch.equal(masks[lang][name], expected), (lang, name)
+    assert any(not torch.equal(masks["a"][n], masks["b"][n]) for n in masks["a"])
+
+
+def test_a_batch_of_one_language_changes_only_its_mask_bit_exactly():
+    config = _config()
+    model = build_s4_model(tiny_llama(), config, detect_language_masks(tiny_llama(), _loaders(), config))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    router = S4Router(model, optimizer)
+    masks = list(language_masks(model).values())
+    layers = sparse_layers(model)
+    for t, lang in enumerate(["a", "b", "a", "a", "b"]):
+        before = [l.sparse_values["default"].detach().clone() for l in layers]
+        x = inputs(seed=t)
+        model(input_ids=x, labels=x, language=[lang, lang]).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        i = config.languages.index(lang)
+        changed = 0
+        for layer, mask, old in zip(layers, masks, before):
+            new = layer.sparse_values["default"].detach()
+            assert torch.equal(new[~mask[i]], old[~mask[i]]), (t, lang, layer.module_name)
+            changed += int((new[mask[i]] != old[mask[i]]).sum())
+        assert changed > 0
+    with pytest.raises(ValueError, match=r"\['a', 'b'\]"):
+        model(input_ids=x, labels=x, language=["a", "b"])
+    with pytest.raises(KeyError, match="'zz'"):
+        model(input_ids=x, labels=x, language=["zz", "zz"])
+    router.remove()
+
+
+def test_overlaps_and_fractions_on_constructed_masks():
+    model = tiny_llama()
+    config = _config(languages=["a", "b", "c"], target_modules=["q_proj"])
+    n = 32 * 32
+    masks = {lang: {} for lang in "abc"}
+    for key in ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"):
+        masks["a"][key] = torch.arange(0, 100)
+        masks["b"][key] = torch.arange(50, 150)
+        masks["c"][key] = torch.arange(500, 600)
+    peft_model = build_s4_model(model, config, masks)
+    overlaps = mask_overlaps(peft_model)
+    assert overlaps[("a", "b")] == pytest.approx(50 / 150) and overlaps[("a", "c")] == 0.0 and overlaps[("c", "c")] == 1.0
+    fractions = layer_fractions(peft_model)
+    assert fractions["model.layers.0.self_attn.q_proj"]["a"] == pytest.approx(100 / n)
+    assert sum(l.sparse_values["default"].numel() for l in sparse_layers(peft_model)) == 2 * 250  # the union
+
+
+def test_packed_bits_round_trip():
+    mask = torch.rand(3, 37, generator=torch.Generator().manual_seed(0)) > 0.5
+    packed = pack_bits(mask)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 5)
+    assert torch.equal(unpack_bits(packed, 37), mask)
+
+
+def test_save_load_merge_and_compose(tmp_path):
+    config = _config()
+    model = build_s4_model(tiny_llama(), config, detect_language_masks(tiny_llama(), _loaders(), config))
+    from .models import randomize_values
+
+    randomize_values(model, scale=0.05)
+    model.eval()
+    x = inputs(seed=8)
+    with torch.no_grad():
+        out = model(x).logits
+    model.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path).eval()
+    assert loaded.peft_config["default"].languages == ["a", "b"]
+    for a, b in zip(language_masks(model).values(), language_masks(loaded).values()):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, out, rtol=0, atol=0)
+        torch.testing.assert_close(loaded.merge_and_unload()(x).logits, out, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_input_is_refused_clearly():
+    with pytest.raises(ValueError, match="density must be in"):
+        _config(density=0.0)
+    with pytest.raises(ValueError, match="density must be in"):
+        _config(density=1.5)
+    with pytest.raises(ValueError, match="languages must be"):
+        _config(languages=[])
+    config = _config()
+    with pytest.raises(ValueError, match=r"no data for languages \['b'\]"):
+        detect_language_masks(tiny_llama(), {"a": _loaders()["a"]}, config)
+    with pytest.raises(ValueError, match="language 'b' has no data"):
+        detect_language_masks(tiny_llama(), {"a": _loaders()["a"], "b": []}, config)
+    masks = detect_language_masks(tiny_llama(), _loaders(), config)
+    bigger = tiny_llama(hidden_size=16, intermediate_size=24)  # another base model: smaller tensors
+    with pytest.raises(ValueError, match="another model"):
+        build_s4_model(bigger, config, masks)
