@@ -62,6 +62,18 @@ def cmd_inspect(args) -> int:
         for name, m in summary["modules"].items():
             density = f"{m['density']:.4%}" if m["density"] is not None else "?"
             print(f"{name:<56}{m['count']:>10,}{density:>10}")
+    if summary["peft_type"] == "S4":
+        from .methods.s4 import file_overlaps, overlap_table
+
+        languages, overlaps = file_overlaps(args.adapter_dir)
+        print("\nJaccard overlap of the language masks")
+        print(overlap_table(languages, overlaps))
+        if args.overlap_heatmap:
+            from .plots import overlap_heatmap
+
+            print(f"\noverlap heatmap written to {overlap_heatmap(languages, overlaps, args.overlap_heatmap)}")
+    elif args.overlap_heatmap:
+        raise ValueError(f"--overlap-heatmap needs an S4 adapter; {args.adapter_dir} holds {summary['peft_type']}")
     if args.age_histogram:
         from .plots import age_histogram
 
@@ -96,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
     inspect.add_argument("--age-histogram", metavar="PNG", default=None,
                          help="write the histogram of per-index ages (dynamic methods) to this PNG")  # fmt: skip
+    inspect.add_argument("--overlap-heatmap", metavar="PNG", default=None, help="S4 adapters: write the language masks' overlap heatmap to this PNG")
     inspect.set_defaults(func=cmd_inspect)
     return parser
 

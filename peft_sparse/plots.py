@@ -27,3 +27,28 @@ def age_histogram(tensors: dict, path: str, bins: int = 50) -> str:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def overlap_heatmap(languages: list, overlaps: dict, path: str) -> str:
+    """Heatmap of the Jaccard overlaps between language masks (S⁴, as the paper's Figure 2) as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError("overlap heatmaps need matplotlib: pip install 'peft-sparse[plot]'") from exc
+    grid = [[overlaps[(a, b)] for b in languages] for a in languages]
+    fig, ax = plt.subplots(figsize=(1.2 + 0.6 * len(languages), 1.0 + 0.6 * len(languages)))
+    image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="viridis")
+    ax.set_xticks(range(len(languages)), languages)
+    ax.set_yticks(range(len(languages)), languages)
+    for i in range(len(languages)):
+        for j in range(len(languages)):
+            ax.text(j, i, f"{grid[i][j]:.2f}", ha="center", va="center", color="white" if grid[i][j] < 0.6 else "black", fontsize=8)
+    fig.colorbar(image, ax=ax, label="Jaccard overlap")
+    ax.set_title("S⁴ language masks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

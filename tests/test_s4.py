@@ -132,3 +132,18 @@ def test_bad_input_is_refused_clearly():
     bigger = tiny_llama(hidden_size=16, intermediate_size=24)  # another base model: smaller tensors
     with pytest.raises(ValueError, match="another model"):
         build_s4_model(bigger, config, masks)
+
+
+def test_inspect_prints_the_overlap_table_and_writes_the_heatmap(tmp_path, capsys):
+    from peft_sparse.cli import main
+
+    config = _config(languages=["a", "b", "c"])
+    model = build_s4_model(tiny_llama(), config, detect_language_masks(tiny_llama(), _loaders(("a", "b", "c")), config))
+    model.save_pretrained(tmp_path / "s4")
+    png = tmp_path / "overlap.png"
+    assert main(["inspect", str(tmp_path / "s4"), "--overlap-heatmap", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "method: S4" in out and "Jaccard overlap" in out
+    overlaps = mask_overlaps(model)
+    assert f"{overlaps[('a', 'b')]:.3f}" in out
+    assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"

@@ -255,8 +255,11 @@ class S4Router:
 # ---------------------------------------------------------------------------------------------- analysis
 def mask_overlaps(model, adapter_name: str = "default") -> dict:
     """{(a, b): Jaccard |M_a ∩ M_b| / |M_a ∪ M_b|} over all targeted weights, for every pair of languages."""
-    languages = model.peft_config[adapter_name].languages
-    masks = list(language_masks(model, adapter_name).values())
+    return jaccard(model.peft_config[adapter_name].languages, list(language_masks(model, adapter_name).values()))
+
+
+def jaccard(languages: list, masks: list) -> dict:
+    """Pairwise Jaccard overlaps of per-module (languages, slots) bool masks, summed over the modules."""
     out = {}
     for i, a in enumerate(languages):
         for j, b in enumerate(languages):
@@ -264,6 +267,26 @@ def mask_overlaps(model, adapter_name: str = "default") -> dict:
             union = sum(int((m[i] | m[j]).sum()) for m in masks)
             out[(a, b)] = inter / union if union else 1.0
     return out
+
+
+def file_overlaps(adapter_dir) -> tuple[list, dict]:
+    """(languages, Jaccard overlaps) of a saved S⁴ adapter, from its files alone."""
+    from ..core.compose import adapter_file_summary
+    from ..core.config import read_adapter_config
+
+    raw = read_adapter_config(adapter_dir)
+    if raw.get("peft_type") != "S4":
+        raise ValueError(f"{adapter_dir} holds a {raw.get('peft_type')} adapter; mask overlaps need an S4 adapter")
+    tensors = adapter_file_summary(adapter_dir)["tensors"]
+    masks = [unpack_bits(t, tensors[k.replace(".sparse_masks", ".sparse_values")].numel()) for k, t in tensors.items() if k.endswith(".sparse_masks")]
+    return raw["languages"], jaccard(raw["languages"], masks)
+
+
+def overlap_table(languages: list, overlaps: dict) -> str:
+    """The overlaps as a text table (rows and columns in language order)."""
+    lines = ["        " + "".join(f"{b:>8}" for b in languages)]
+    lines += [f"{a:<8}" + "".join(f"{overlaps[(a, b)]:>8.3f}" for b in languages) for a in languages]
+    return "\n".join(lines)
 
 
 def layer_fractions(model, adapter_name: str = "default") -> dict:
