@@ -365,7 +365,11 @@ def sparse_delta_product(
     y = None
     for a, (idx, val) in enumerate(zip(indices, values)):
         delta = matrices[a] if matrices is not None else delta_matrix(idx, val.detach(), out_features, in_features)
-        part = torch.sparse.mm(delta, x2.t().to(val.dtype)).t()  # (tokens, out)
+        if x2.device.type == "cpu" and delta.dtype in (torch.float16, torch.bfloat16):
+            # (CPU sparse products have no 16-bit kernels: float32, rounded back to the values' dtype)
+            part = torch.sparse.mm(delta.to(torch.float32), x2.t().float()).t().to(val.dtype)
+        else:
+            part = torch.sparse.mm(delta, x2.t().to(val.dtype)).t()  # (tokens, out)
         y = part if y is None else y + part.to(y.dtype)
     return y.reshape(*x.shape[:-1], out_features)
 
