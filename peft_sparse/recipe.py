@@ -217,8 +217,19 @@ def run_recipe(recipe: Recipe) -> dict:
     model, tokenizer = load_model_and_tokenizer(**recipe.model)
     train_rows = read_jsonl(recipe.data["train"])
     eval_rows = read_jsonl(recipe.data["eval"]) if "eval" in recipe.data else []
-    columns = ("prompt", "completion")
-    train = Dataset.from_list([{k: r[k] for k in columns} for r in train_rows])
+    if any("messages" in r for r in train_rows):
+        # chats: tokenized here with labels on assistant turns only (TRL keeps given labels), over-long ones counted
+        from .data.instructions import check_row, tokenize_chats
+
+        for i, r in enumerate(train_rows):
+            check_row(r, f"{recipe.data['train']}[{i}]")
+        examples, report = tokenize_chats(tokenizer, train_rows, recipe.training_args.max_length or 1024)
+        print(f"training chats: {report['kept']} kept, {report['too_long']} longer than max_length and "
+              f"{report['prompt_too_long']} whose prompt alone is, left out")  # fmt: skip
+        train = Dataset.from_list([{"input_ids": ids, "labels": labels} for ids, labels in examples])  # (TRL keeps given labels)
+    else:
+        columns = ("prompt", "completion")
+        train = Dataset.from_list([{k: r[k] for k in columns} for r in train_rows])
     ev = recipe.evaluation
     eval_kwargs = {"max_new_tokens": ev.get("max_new_tokens", 8), "batch_size": ev.get("batch_size", 16)}
 

@@ -68,3 +68,47 @@ def test_local_files_and_bad_rows(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="hub is switched off"):
         load_instruction_data("allenai/tulu-v2-sft-mixture")
+
+
+def test_a_recipe_trains_on_chats_with_assistant_only_loss(tmp_path, capsys):
+    from peft_sparse.recipe import load_recipe, run_recipe
+
+    from .models import tiny_llama
+
+    model_dir = tmp_path / "model"
+    tiny_llama().save_pretrained(model_dir)
+    _tok().save_pretrained(model_dir)
+    chats = [{"messages": [{"role": "user", "content": "t5 t6"}, {"role": "assistant", "content": f"t{7 + i % 3}"}]} for i in range(16)]
+    chats.append({"messages": [{"role": "user", "content": "t5 " * 40}, {"role": "assistant", "content": "t7"}]})
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(json.dumps(c) for c in chats))
+    recipe = load_recipe({
+        "model": {"source": str(model_dir)},
+        "method": {"peft_type": "SFT", "target_modules": "all-linear", "density": 0.1},
+        "data": {"train": str(data)},
+        "training": {"output_dir": str(tmp_path / "out"), "max_steps": 2, "per_device_train_batch_size": 4, "max_length": 16,
+                     "use_cpu": True, "bf16": False, "report_to": "none", "save_strategy": "no", "gradient_checkpointing": False, "logging_steps": 1},
+    })  # fmt: skip
+    summary = run_recipe(recipe)
+    out = capsys.readouterr().out
+    assert "training chats: 16 kept, 0 longer than max_length and 1 whose prompt alone is, left out" in out
+    assert summary["train_loss_first"] is not None and (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_trl_keeps_the_assistant_only_labels(tmp_path):
+    from datasets import Dataset
+    from peft import get_peft_model
+    from trl import SFTConfig, SFTTrainer
+
+    from peft_sparse import SparseFTConfig
+
+    from .models import tiny_llama
+
+    tok = _tok()
+    ids, labels = tokenize_chat(tok, [{"role": "user", "content": "t5 t6"}, {"role": "assistant", "content": "t7"}])
+    data = Dataset.from_list([{"input_ids": ids, "labels": labels}] * 4)
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, use_cpu=True, bf16=False, report_to="none", save_strategy="no")
+    trainer = SFTTrainer(model=get_peft_model(tiny_llama(), SparseFTConfig(target_modules="all-linear", density=0.1)), args=args,
+                         train_dataset=data, processing_class=tok)  # fmt: skip
+    batch = trainer.data_collator([trainer.train_dataset[0]])
+    assert batch["labels"][0].tolist() == labels == [-100, -100, -100, -100, tok.convert_tokens_to_ids("t7")]  # t3 t5 t6 t4 | t7
