@@ -185,7 +185,7 @@ def test_fractions_of_total_steps_resolve_with_the_run_length():
 
 
 @pytest.mark.parametrize("field,value", [("drop_criterion", "abs"), ("grow_init", "random"), ("first_full_replacement", 1),
-                                         ("seed_moments", True), ("budget_split", "even")])  # fmt: skip
+                                         ("seed_moments", True), ("budget_split", "even"), ("score_normalization", "row")])  # fmt: skip
 def test_bad_settings_are_refused_with_the_field_named(field, value):
     with pytest.raises(ValueError, match=f"{field}={value!r}"):
         SpIELConfig(target_modules="all-linear", density=0.1, **{field: value})
@@ -227,3 +227,10 @@ def test_split_caps_a_tensor_at_its_size_and_shares_the_rest():
     assert counts == {"a": 10, "b": 490}
     assert split_weights({"a": (2, 5)}, "lora") == {"a": 7}
     assert math.isclose(sum(split_budget({"x": 7, "y": 9, "z": 11}, 13, weights={"x": 1, "y": 1, "z": 1}).values()), 13)
+
+
+def test_column_normalization_is_refused_where_it_does_not_apply():
+    with pytest.raises(ValueError, match="score_normalization='column' applies to unstructured SpIEL-AG"):
+        SpIELConfig(target_modules="all-linear", density=0.1, growth="ma", score_normalization="column")
+    with pytest.raises(ValueError, match="block_shape"):
+        SpIELConfig(target_modules="all-linear", density=0.1, block_shape=(4, 4), score_normalization="column")

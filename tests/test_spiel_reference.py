@@ -56,8 +56,10 @@ def reference_spiel_ag(model, masks, steps, config, log):
             if in_estimation_window(t, S, GAMMA, steps):
                 if w not in window:  # candidates: top-K |∂L/∂W| of the window's first batch, K = ⌈ratio·d_φ⌉
                     K = math.ceil(config.candidate_ratio * int(masks[w].sum()))
-                    window[w] = [_topk(g.abs(), K), torch.zeros(K, dtype=g.dtype), torch.zeros(K, dtype=g.dtype)]
-                cand, s1, s2 = window[w]
+                    # (score_normalization='column': each column's scores divided by its RMS gradient)
+                    scale = g.pow(2).mean(0).sqrt().clamp_min(torch.finfo(g.dtype).tiny) if config.score_normalization == "column" else torch.ones(g.shape[1], dtype=g.dtype)
+                    window[w] = [_topk(g.abs() / scale, K), torch.zeros(K, dtype=g.dtype), torch.zeros(K, dtype=g.dtype), scale]
+                cand, s1, s2, _ = window[w]
                 s1 += g.reshape(-1)[cand]
                 s2 += g.reshape(-1)[cand] ** 2
             # UPDATE(φ, ∇φ): Adam on the masked entries
@@ -75,9 +77,10 @@ def reference_spiel_ag(model, masks, steps, config, log):
             ranked = flat_delta if config.drop_criterion == "magnitude" else flat_delta - start[w].reshape(-1)
             dropped = active[_topk(-ranked[active].abs(), k)]  # DROP: k smallest |φ| (or |φ − φ₀|, line 10)
             mask[dropped] = False
-            cand, s1, s2 = window.pop(w)
+            cand, s1, s2, scale = window.pop(w)
             eligible = ~mask[cand]
-            grown_at = _topk(torch.where(eligible, s1.abs(), -1.0), k)  # GROW: k largest |Σg| not kept
+            score = s1.abs() / scale[cand % scale.numel()]
+            grown_at = _topk(torch.where(eligible, score, -1.0), k)  # GROW: k largest |Σg| (normalized) not kept
             grown = cand[grown_at]
             flat_delta[dropped] = 0.0
             flat_delta[grown] = 0.0
@@ -94,14 +97,14 @@ def reference_spiel_ag(model, masks, steps, config, log):
     return delta
 
 
-@pytest.mark.parametrize("seed_moments", ["second", "both"])
+@pytest.mark.parametrize("seed_moments,score_normalization", [("second", "none"), ("both", "none"), ("second", "column")])
 @pytest.mark.parametrize("drop_criterion", ["magnitude", "change"])
 @pytest.mark.parametrize("candidate_ratio", [1.0, 2.0])
-def test_spiel_ag_chooses_the_indices_of_algorithm_2_step_for_step(candidate_ratio, drop_criterion, seed_moments):
+def test_spiel_ag_chooses_the_indices_of_algorithm_2_step_for_step(candidate_ratio, drop_criterion, seed_moments, score_normalization):
     config = SpIELConfig(
         target_modules="all-linear", density=0.1, reselection_steps=S, gradient_estimation_steps=GAMMA,
         initial_reselection_rate=0.5, candidate_ratio=candidate_ratio, values_dtype="float64", drop_criterion=drop_criterion,
-        seed_moments=seed_moments,
+        seed_moments=seed_moments, score_normalization=score_normalization,
     )  # fmt: skip
     ours = get_peft_model(tiny_llama(dtype=torch.float64), config)
     layers = sparse_layers(ours)

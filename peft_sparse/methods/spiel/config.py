@@ -79,6 +79,17 @@ class SpIELConfig(SparseConfig):
         },
     )
 
+    score_normalization: str = field(
+        default="none",
+        metadata={
+            "help": (
+                "AG, unstructured: 'none' ranks candidates and growth by |∂L/∂W| (the thesis); 'column' divides each score by "
+                "its column's RMS gradient in the window's first batch, so that a few outlier input features cannot take "
+                "most of the budget (gradient-ranked masks otherwise pile into a few columns)."
+            )
+        },
+    )
+
     init_choices: ClassVar[tuple[str, ...]] = ("random",)
 
     def __post_init__(self):
@@ -121,6 +132,13 @@ class SpIELConfig(SparseConfig):
             raise ValueError(f"drop_criterion must be 'magnitude' or 'change', got drop_criterion={self.drop_criterion!r}")
         if self.grow_init not in ("zero", "gradient"):
             raise ValueError(f"grow_init must be 'zero' or 'gradient', got grow_init={self.grow_init!r}")
+        if self.score_normalization not in ("none", "column"):
+            raise ValueError(f"score_normalization must be 'none' or 'column', got score_normalization={self.score_normalization!r}")
+        if self.score_normalization != "none" and (self.growth != "ag" or tuple(self.block_shape) != (1, 1)):
+            raise ValueError(
+                f"score_normalization={self.score_normalization!r} applies to unstructured SpIEL-AG; got growth={self.growth!r}, "
+                f"block_shape={tuple(self.block_shape)!r}"
+            )
         if self.growth == "ma" and self.grow_init != "zero":
             raise ValueError(
                 f"grow_init={self.grow_init!r} is a setting of AG's estimation window; SpIEL-MA (growth='ma') has none: leave it at 'zero'"

@@ -136,7 +136,7 @@ class SpIELScheduler:
                 dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
                 grid = SparseTuner.grid(self.config, layer)
                 num_units = math.ceil(self.config.candidate_ratio * (values.numel() // grid.unit))  # K = ⌈ratio·d_φ⌉ (in units)
-                stats = _WindowStatistics(min(grid.numel, num_units), grid, dtype)
+                stats = _WindowStatistics(min(grid.numel, num_units), grid, dtype, self.config.score_normalization)
                 self.statistics[layer.module_name] = stats
                 layer.dense_grad_consumer = stats
             self.steps_in_window = 0
@@ -238,7 +238,7 @@ class SpIELScheduler:
                 if stats is None or stats.candidates is None:
                     warnings.warn(f"SpIEL: {layer.module_name} got no gradient in the estimation window; not reselected")
                     continue
-                item.candidates, item.score = stats.candidates, stats.grad_sum  # ĝ up to the factor 1/γ: |·| ranks
+                item.candidates, item.score = stats.candidates, stats.growth_score()  # ĝ up to 1/γ (|·| ranks)
                 item.candidate_units = stats.candidate_units if grid.unit > 1 else None
             else:
                 state = self.optimizer.state.get(values)
@@ -416,6 +416,8 @@ class SpIELScheduler:
                     stats.step_sum = tensors["step_sum"].to(device_of(name), copy=True)
                     stats.grad_sum = tensors["grad_sum"].to(device_of(name), copy=True)
                     stats.grad_sq_sum = tensors["grad_sq_sum"].to(device_of(name), copy=True)
+                    if "col_scale" in tensors:
+                        stats.col_scale = tensors["col_scale"].to(device_of(name), copy=True)
             self.steps_in_window = int(state["steps_in_window"])
         if self.config.drop_criterion == "change":
             reference = state.get("drop_reference") or {}

@@ -20,8 +20,10 @@ def distributed() -> bool:
 class _WindowStatistics:
     """Growth candidates of one tensor and their gradient sums over an estimation window (AG)."""
 
-    def __init__(self, num_candidate_units: int, grid: BlockGrid, dtype: torch.dtype = torch.float32):
+    def __init__(self, num_candidate_units: int, grid: BlockGrid, dtype: torch.dtype = torch.float32, normalize: str = "none"):
         self.num_candidate_units = num_candidate_units
+        self.normalize = normalize  # "column": scores divided by their column's RMS gradient (first micro-batch)
+        self.col_scale: Optional[torch.Tensor] = None  # (in_features,) with normalize="column"
         self.grid = grid
         self.dtype = dtype  # float32, or float64 over float64 values
         self.candidates: Optional[torch.Tensor] = None  # ascending flat indices
@@ -45,7 +47,12 @@ class _WindowStatistics:
                 flat = flat.clone()
                 dist.all_reduce(flat)  # identical candidates on every rank
             g = self.grid
-            if g.unstructured:  # units are the weights (one narrow copy of their indices), by |∂L/∂W|
+            if g.unstructured and self.normalize == "column":  # by |∂L/∂W_ij| / RMS_i(∂L/∂W_ij): spread over columns
+                matrix = flat.view(g.out_features, g.in_features).to(self.dtype)
+                self.col_scale = matrix.pow(2).mean(0).sqrt().clamp_min(torch.finfo(self.dtype).tiny)
+                self.candidates, _ = kernels.top_magnitudes((matrix / self.col_scale).reshape(-1), self.num_candidate_units, index_dtype(flat.numel()))
+                first = None if distributed() else flat.index_select(0, self.candidates).to(self.dtype)
+            elif g.unstructured:  # units are the weights (one narrow copy of their indices), by |∂L/∂W|
                 self.candidates, first = kernels.top_magnitudes(flat, self.num_candidate_units, index_dtype(flat.numel()))
                 if distributed():
                     first = None  # the selection's gradients are all ranks' sum: this rank's are gathered below
@@ -65,6 +72,12 @@ class _WindowStatistics:
             if distributed():
                 flat = dense_grad.reshape(-1)
         self.step_sum += flat.index_select(0, self.candidates)
+
+    def growth_score(self) -> torch.Tensor:
+        """Σ g at the candidates (ĝ up to 1/γ: its magnitude ranks them), divided by the column scale if normalized."""
+        if self.col_scale is None:
+            return self.grad_sum
+        return self.grad_sum / self.col_scale[self.candidates.long() % self.grid.in_features].to(self.grad_sum.dtype)
 
     def candidate_layout(self):
         """The :class:`~peft_sparse.core.kernels.BlockLayout` of the ascending ``candidate_units`` (block
@@ -97,6 +110,8 @@ class _WindowStatistics:
             return {}
         _allocate_sums([self])
         tensors = {"candidates": self.candidates, "step_sum": self.step_sum, "grad_sum": self.grad_sum, "grad_sq_sum": self.grad_sq_sum}
+        if self.col_scale is not None:
+            tensors["col_scale"] = self.col_scale
         if self.candidate_units is not None:  # block adapters
             tensors["candidate_units"] = self.candidate_units
         return tensors
