@@ -100,3 +100,21 @@ def test_recipes_build_their_training_arguments_without_deprecation_warnings():
     assert recipe.training_args.activation_checkpointing is True  # TRL's default, under the current name
     off = load_recipe(ROOT / "recipes/smollm2_spiel.yaml", overrides={"training.gradient_checkpointing": False})
     assert off.training_args.activation_checkpointing is False
+
+
+def test_the_use_snippet_runs_as_written_without_warnings(tmp_path, monkeypatch):
+    import re
+    import warnings
+
+    from .models import tiny_llama
+
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"## Use\n\n```python\n(.*?)```", text, re.S).group(1)
+    model_dir = tmp_path / "base"
+    tiny_llama().save_pretrained(model_dir)
+    monkeypatch.chdir(tmp_path)
+    scope = {"MODEL": str(model_dir)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        exec(compile(block, "README.md (Use)", "exec"), scope)
+    assert type(scope["merged"]).__name__ == "LlamaForCausalLM" and (tmp_path / "my-adapter" / "adapter_config.json").is_file()
