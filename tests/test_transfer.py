@@ -115,3 +115,16 @@ def test_bad_stacks_are_refused(tmp_path):
         stack(model, ["task"], "task")
     with pytest.raises(ValueError, match="already holds"):
         add_frozen_adapter(model, _language_adapter(tmp_path / "a", 1), "task")
+
+
+def test_composing_a_non_additive_or_foreign_adapter_is_refused(tmp_path):
+    from peft import LoraConfig
+
+    lora = get_peft_model(tiny_llama(), LoraConfig(target_modules=["q_proj"], r=2))
+    lora.save_pretrained(tmp_path / "lora")
+    with pytest.raises(ValueError, match="LORA"):
+        compose(tiny_llama(), [tmp_path / "lora"])
+    foreign = get_peft_model(tiny_llama(hidden_size=16, intermediate_size=24), SparseFTConfig(target_modules="all-linear", density=0.1))
+    foreign.save_pretrained(tmp_path / "foreign")
+    with pytest.raises(ValueError, match=r"the adapter was made for a \(16, 24\) matrix but the model's is \(32, 48\)"):
+        compose(tiny_llama(), [tmp_path / "foreign"])
