@@ -234,3 +234,9 @@ def test_column_normalization_is_refused_where_it_does_not_apply():
         SpIELConfig(target_modules="all-linear", density=0.1, growth="ma", score_normalization="column")
     with pytest.raises(ValueError, match="block_shape"):
         SpIELConfig(target_modules="all-linear", density=0.1, block_shape=(4, 4), score_normalization="column")
+
+
+def test_score_normalization_defaults_to_column_for_unstructured_ag_only():
+    assert SpIELConfig(target_modules="all-linear", density=0.1).score_normalization == "column"
+    assert SpIELConfig(target_modules="all-linear", density=0.1, growth="ma").score_normalization == "none"
+    assert SpIELConfig(target_modules="all-linear", density=0.1, block_shape=(4, 4)).score_normalization == "none"

@@ -79,13 +79,13 @@ class SpIELConfig(SparseConfig):
         },
     )
 
-    score_normalization: str = field(
-        default="none",
+    score_normalization: Optional[str] = field(
+        default=None,
         metadata={
             "help": (
-                "AG, unstructured: 'none' ranks candidates and growth by |∂L/∂W| (the thesis); 'column' divides each score by "
+                "AG, unstructured: 'column' (the default there) divides each candidate's and grown weight's score |∂L/∂W| by "
                 "its column's RMS gradient in the window's first batch, so that a few outlier input features cannot take "
-                "most of the budget (gradient-ranked masks otherwise pile into a few columns)."
+                "most of the mask; 'none' ranks by |∂L/∂W| itself (the thesis). Leave unset for MA and block selection."
             )
         },
     )
@@ -132,6 +132,8 @@ class SpIELConfig(SparseConfig):
             raise ValueError(f"drop_criterion must be 'magnitude' or 'change', got drop_criterion={self.drop_criterion!r}")
         if self.grow_init not in ("zero", "gradient"):
             raise ValueError(f"grow_init must be 'zero' or 'gradient', got grow_init={self.grow_init!r}")
+        if self.score_normalization is None:
+            self.score_normalization = "column" if self.growth == "ag" and tuple(self.block_shape) == (1, 1) else "none"
         if self.score_normalization not in ("none", "column"):
             raise ValueError(f"score_normalization must be 'none' or 'column', got score_normalization={self.score_normalization!r}")
         if self.score_normalization != "none" and (self.growth != "ag" or tuple(self.block_shape) != (1, 1)):
