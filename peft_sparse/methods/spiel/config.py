@@ -84,8 +84,9 @@ class SpIELConfig(SparseConfig):
         metadata={
             "help": (
                 "AG, unstructured: 'column' (the default there) divides each candidate's and grown weight's score |∂L/∂W| by "
-                "its column's RMS gradient in the window's first batch, so that a few outlier input features cannot take "
-                "most of the mask; 'none' ranks by |∂L/∂W| itself (the thesis). Leave unset for MA and block selection."
+                "its column's RMS gradient in the window's first micro-batch (like the candidates, so the choice depends on how "
+                "that step is split into micro-batches), so that a few outlier input features cannot take most of the mask; "
+                "'none' ranks by |∂L/∂W| itself (the thesis). Leave unset for MA and block selection."
             )
         },
     )
