@@ -46,6 +46,7 @@ from ..core.config import SparseConfig
 from ..core.layer import SparseLayer
 from ..core.selection import global_top_k, top_indices
 from ..core.tuner import SparseTuner
+from ..optim.surgery import repoint_parameters, unwrap_optimizer
 
 PHASES = ("dense", "sparse")
 SELECTIONS = ("per_tensor", "global")
@@ -180,9 +181,7 @@ class LTSFTScheduler:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        wrapped = optimizer
-        while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-            optimizer = optimizer.optimizer  # (accelerate's AcceleratedOptimizer and the like wrap the torch one)
+        wrapped, optimizer = optimizer, unwrap_optimizer(optimizer)
         held = {id(p) for g in optimizer.param_groups for p in g["params"]}
         missing = [n for n, m in self.layers.items() if id(m.sparse_values[self.adapter_name]) not in held]
         if missing:
@@ -254,15 +253,8 @@ class LTSFTScheduler:
     def _rebind(self, replaced: dict) -> None:
         """Point the attached optimizer at the sparse phase's values (fresh state), reset the heads' state, and
         set the sparse phase's learning rate if configured (also as a learning-rate scheduler's base rate)."""
-        optimizer = self.optimizer
-        heads = {id(p) for h in self._heads().values() for p in h.parameters()}
-        for group in optimizer.param_groups:
-            params = []
-            for p in group["params"]:
-                if id(p) in replaced or id(p) in heads:
-                    optimizer.state.pop(p, None)
-                params.append(replaced.get(id(p), p))
-            group["params"] = params
+        heads = [p for h in self._heads().values() for p in h.parameters()]
+        repoint_parameters(self.optimizer, replaced, reset=heads)
         self._set_learning_rate(self.config.sparse_learning_rate)
 
     def _set_learning_rate(self, lr: Optional[float]) -> None:

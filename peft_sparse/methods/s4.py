@@ -33,6 +33,7 @@ from ..core.layer import SparseLayer, logical_shape, supported_base_layer
 from ..core.selection import top_indices
 from ..core.tuner import SparseTuner, target_matches
 from ..data import check_single_language
+from ..optim.surgery import hold_slots, release_slots, unwrap_optimizer
 from ..registry import ExcludedModule, include_all_linear_layers
 
 
@@ -204,9 +205,7 @@ class S4Router:
         self.config = model.peft_config[adapter_name]
         self.layers = [m for m in model.modules() if isinstance(m, SparseLayer) and adapter_name in m.sparse_masks]
         self.masks = [unpack_bits(m.sparse_masks[adapter_name], m.sparse_values[adapter_name].numel()) for m in self.layers]
-        while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-            optimizer = optimizer.optimizer
-        self.optimizer = optimizer
+        self.optimizer = optimizer = unwrap_optimizer(optimizer)
         self.current: Optional[int] = None
         self._saved: list = []
         self._handles = [
@@ -225,26 +224,15 @@ class S4Router:
         self.current = self.config.languages.index(language)
         return args, kwargs
 
-    @torch.no_grad()
     def _before_step(self, optimizer, args, kwargs):
         if self.current is None:
             raise RuntimeError("S4Router: an optimizer step before any routed forward pass")
-        self._saved = []
-        for layer, mask in zip(self.layers, self.masks):
-            values = layer.sparse_values[self.adapter_name]
-            outside = ~mask[self.current].to(values.device)
-            if values.grad is not None:
-                values.grad[outside] = 0
-            state = {k: v[outside].clone() for k, v in optimizer.state.get(values, {}).items()
-                     if isinstance(v, torch.Tensor) and v.shape == values.shape}  # fmt: skip
-            self._saved.append((values, outside, values.detach()[outside].clone(), state))
+        params = [layer.sparse_values[self.adapter_name] for layer in self.layers]
+        outside = [~mask[self.current].to(values.device) for mask, values in zip(self.masks, params)]
+        self._saved = hold_slots(optimizer, params, outside)
 
-    @torch.no_grad()
     def _after_step(self, optimizer, args, kwargs):
-        for values, outside, kept, state in self._saved:
-            values.data[outside] = kept
-            for k, v in state.items():
-                optimizer.state[values][k][outside] = v
+        release_slots(optimizer, self._saved)
         self._saved = []
 
     def remove(self) -> None:

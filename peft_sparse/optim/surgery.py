@@ -143,3 +143,44 @@ def seed_optimizer_states(optimizer, params: list, slots: list, grad_means: list
                 seeds = seeds * c  # in the seeds' dtype, as ĝ·c per tensor
             flat[where] = (seeds.double() * bias).to(flat.dtype)
             torch._foreach_copy_(tensors, list(torch.split(flat, sizes)))
+
+
+def repoint_parameters(optimizer, replaced: dict, reset=()) -> None:
+    """Let ``optimizer`` train new Parameter objects in place of old ones (``replaced``: id(old) → new), with
+    fresh state for them and for the parameters in ``reset`` (their state is dropped); groups and their
+    hyperparameters stay (LT-SFT's switch from the dense to the sparse phase)."""
+    optimizer = unwrap_optimizer(optimizer)
+    fresh = {id(p) for p in reset}
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            if id(p) in replaced or id(p) in fresh:
+                optimizer.state.pop(p, None)
+            params.append(replaced.get(id(p), p))
+        group["params"] = params
+
+
+@torch.no_grad()
+def hold_slots(optimizer, params: list, held: list) -> list:
+    """Zero the gradients of the ``held`` slots (bool masks) of ``params`` and keep their values and per-slot
+    optimizer state; :func:`release_slots` after the step puts them back bit for bit (S⁴: a batch of one
+    language leaves the other languages' weights untouched, momentum and weight decay included)."""
+    optimizer = unwrap_optimizer(optimizer)
+    kept = []
+    for values, mask in zip(params, held):
+        if values.grad is not None:
+            values.grad[mask] = 0
+        state = {k: v[mask].clone() for k, v in optimizer.state.get(values, {}).items()
+                 if isinstance(v, torch.Tensor) and v.shape == values.shape}  # fmt: skip
+        kept.append((values, mask, values.detach()[mask].clone(), state))
+    return kept
+
+
+@torch.no_grad()
+def release_slots(optimizer, kept: list) -> None:
+    """Put back what :func:`hold_slots` kept."""
+    optimizer = unwrap_optimizer(optimizer)
+    for values, mask, saved, state in kept:
+        values.data[mask] = saved
+        for k, v in state.items():
+            optimizer.state[values][k][mask] = v

@@ -215,10 +215,9 @@ class SlowFastScheduler:
 
     def __init__(self, model: nn.Module, optimizer, config: SlowFastConfig, lr_scheduler=None):
         self.config, self.optimizer = config, optimizer
-        inner = optimizer
-        while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
-            inner = inner.optimizer
-        self.inner = inner
+        from ..optim.surgery import unwrap_optimizer
+
+        self.inner = inner = unwrap_optimizer(optimizer)
         names = {id(p): n for n, p in model.named_parameters()}
         held = [names[id(p)] for g in inner.param_groups for p in g["params"] if id(p) in names]
         self.sets = assign_sets(model, config, held)
