@@ -29,7 +29,6 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Union
 
-import torch
 from torch import nn
 
 SETS = ("S1", "S2", "V1", "V2")
