@@ -9,6 +9,7 @@ from .accel import fast_paths, gpu  # noqa: F401  (gpu: hands the core its Trito
 from .core.compose import convert_config, load_sparse_adapter, merge_sparse_adapters
 from .core.config import SparseConfig
 from .core.layer import SparseLayer
+from .methods.madg import BottleneckConfig, BottleneckModel, MADGConfig, MADGModel, generate_language_adapter
 from .methods.lt_sft import LTSFTConfig, LTSFTModel, LTSFTScheduler
 from .methods.s4 import S4Config, S4Model, S4Router, build_s4_model, detect_language_masks
 from .methods.sft import SparseFTConfig, SparseFTModel
@@ -20,12 +21,19 @@ registry.register("sft", SparseFTConfig, SparseFTModel)
 registry.register("spiel", SpIELConfig, SpIELModel)
 registry.register("lt_sft", LTSFTConfig, LTSFTModel)
 registry.register("s4", S4Config, S4Model)
+registry.register("bottleneck", BottleneckConfig, BottleneckModel)
+registry.register("madg", MADGConfig, MADGModel)
 
 from .callbacks import LTSFTCallback, SlowFastCallback, SpIELCallback  # noqa: E402  (needs transformers, imported after registration)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BottleneckConfig",
+    "BottleneckModel",
+    "MADGConfig",
+    "MADGModel",
+    "generate_language_adapter",
     "LTSFTCallback",
     "LTSFTConfig",
     "LTSFTModel",

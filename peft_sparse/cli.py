@@ -43,9 +43,36 @@ def cmd_merge(args) -> int:
     return 0
 
 
+def _inspect_madg(args) -> int:
+    from .methods.madg.generator import describe_generator
+
+    info = describe_generator(args.adapter_dir)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"method: {info['variant']} (PEFT type MADG), {len(info['languages'])} training languages: {', '.join(info['languages'])}")
+    print(f"base model: {info['base_model']}")
+    print("parameters: " + ", ".join(f"{k} {v:,}" for k, v in info["parameters"].items()) + f"; bottleneck size {info['bottleneck_size']}")
+    order = sorted(range(len(info["importance"])), key=lambda j: -info["importance"][j])
+    print(f"\n{'typological feature':<44}{'‖(W·V)[:, j]‖':>16}")
+    for j in order[: args.top_features]:
+        print(f"{info['feature_names'][j]:<44}{info['importance'][j]:>16.4f}")
+    if args.feature_plot:
+        from .plots import feature_importance_bars
+
+        path = feature_importance_bars(info["feature_names"], info["importance"], args.feature_plot, top=args.top_features)
+        print(f"\nfeature plot written to {path}")
+    return 0
+
+
 def cmd_inspect(args) -> int:
     from .core.compose import adapter_file_summary
+    from .core.config import read_adapter_config
 
+    if read_adapter_config(args.adapter_dir).get("peft_type") == "MADG":
+        return _inspect_madg(args)
+    if args.feature_plot:
+        raise ValueError(f"--feature-plot needs a MAD-G generator; {args.adapter_dir} holds {read_adapter_config(args.adapter_dir).get('peft_type')}")
     summary = adapter_file_summary(args.adapter_dir)
     tensors = summary.pop("tensors")
     if args.json:
@@ -109,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--age-histogram", metavar="PNG", default=None,
                          help="write the histogram of per-index ages (dynamic methods) to this PNG")  # fmt: skip
     inspect.add_argument("--overlap-heatmap", metavar="PNG", default=None, help="S4 adapters: write the language masks' overlap heatmap to this PNG")
+    inspect.add_argument("--feature-plot", metavar="PNG", default=None, help="MAD-G generators: bar plot of the most influential typological features")
+    inspect.add_argument("--top-features", type=int, default=20, metavar="N", help="MAD-G generators: how many features to list and plot (default 20)")
     inspect.set_defaults(func=cmd_inspect)
     return parser
 

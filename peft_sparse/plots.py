@@ -52,3 +52,23 @@ def overlap_heatmap(languages: list, overlaps: dict, path: str) -> str:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def feature_importance_bars(names: list, importance: list, path: str, top: int = 20) -> str:
+    """Horizontal bars of the ``top`` typological features by MAD-G importance ‖(W·V)[:, j]‖ (thesis §3.5.4) as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError("feature plots need matplotlib: pip install 'peft-sparse[plot]'") from exc
+    order = sorted(range(len(names)), key=lambda j: -importance[j])[:top]
+    fig, ax = plt.subplots(figsize=(6, 0.28 * len(order) + 1.2))
+    ax.barh([names[j] for j in order][::-1], [importance[j] for j in order][::-1], color="#4472c4")
+    ax.set_xlabel("‖(W·V)[:, j]‖")
+    ax.set_title(f"MAD-G: the {len(order)} most influential typological features")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -34,24 +34,68 @@ PathLike = Union[str, os.PathLike]
 
 
 def _names(model) -> set:
-    return {a for m in model.modules() if isinstance(m, SparseLayer) for a in m.sparse_values}
+    return set(getattr(model, "peft_config", {})) | {a for m in model.modules() if isinstance(m, SparseLayer) for a in m.sparse_values}
+
+
+def _base_name(path) -> str:
+    return os.path.basename(str(path).rstrip("/\\")) if path else ""
+
+
+def check_same_base(model: PeftModel, adapter_dir: PathLike) -> None:
+    """Refuse an adapter made for another base model: a different recorded base model, or (bottleneck adapters) a
+    module the model lacks or of another width."""
+    from .core.config import read_adapter_config
+
+    saved = read_adapter_config(adapter_dir)
+    ours = next(iter(model.peft_config.values())).base_model_name_or_path if model.peft_config else None
+    theirs = saved.get("base_model_name_or_path")
+    if ours and theirs and _base_name(ours) != _base_name(theirs):
+        raise ValueError(f"{adapter_dir!s} was made for base model {theirs!r}, but this model is {ours!r}")
+    if saved.get("peft_type") == "BOTTLENECK":
+        from safetensors import safe_open
+
+        from .core.blocks import in_out_features
+
+        base = model.get_base_model()
+        with safe_open(os.path.join(adapter_dir, "adapter_model.safetensors"), "pt") as f:
+            for key in f.keys():
+                if key.endswith("bottleneck_down.weight"):
+                    name = key.removeprefix("base_model.model.").removesuffix(".bottleneck_down.weight")
+                    try:
+                        module = base.get_submodule(name)
+                    except AttributeError:
+                        raise ValueError(f"{adapter_dir!s} was made for another base model: this model has no module {name!r}") from None
+                    width = in_out_features(getattr(module, "base_layer", module))[1]
+                    if f.get_slice(key).get_shape()[1] != width:
+                        raise ValueError(
+                            f"{adapter_dir!s} was made for another base model: its adapter at {name!r} is "
+                            f"{f.get_slice(key).get_shape()[1]} wide, the module's output here is {width}"
+                        )
 
 
 def add_frozen_adapter(model: PeftModel, adapter_dir: PathLike, adapter_name: str) -> PeftModel:
-    """Load a saved sparse adapter (any sparse method) beside the model's adapters, frozen; the active
-    adapters are unchanged."""
+    """Load a saved adapter beside the model's adapters, frozen; the active adapters are unchanged. Sparse adapters
+    (any sparse method) join a sparse model, ``BOTTLENECK`` adapters (e.g. MAD-G's generated language adapters) a
+    bottleneck model."""
+    from .core.config import read_adapter_config
+
     if adapter_name in _names(model):
         raise ValueError(f"the model already holds an adapter named {adapter_name!r}")
+    check_same_base(model, adapter_dir)
     active = model.active_adapters
-    load_sparse_adapter(model, adapter_dir, adapter_name=adapter_name, is_trainable=False)
+    if read_adapter_config(adapter_dir).get("peft_type") == "BOTTLENECK":
+        model.load_adapter(str(adapter_dir), adapter_name=adapter_name, is_trainable=False)
+    else:
+        load_sparse_adapter(model, adapter_dir, adapter_name=adapter_name, is_trainable=False)
     model.base_model.set_adapter(active if len(active) > 1 else active[0])
     model.base_model.set_requires_grad(adapter_name, False)
     return model
 
 
 def stack(model: PeftModel, under: Sequence[str], trainable: Optional[str]) -> None:
-    """Make ``under`` (frozen) and ``trainable`` the active adapters: the forward pass adds all their deltas,
-    gradients reach only ``trainable`` (None: everything frozen, e.g. for evaluation)."""
+    """Make ``under`` (frozen) and ``trainable`` the active adapters: the forward pass adds all their deltas
+    (sparse adapters) or runs them in order, ``under`` first (bottleneck adapters: MAD-X ``Stack``); gradients
+    reach only ``trainable`` (None: everything frozen, e.g. for evaluation)."""
     under = [under] if isinstance(under, str) else list(under)
     names = _names(model)
     unknown = [n for n in [*under, trainable] if n is not None and n not in names]

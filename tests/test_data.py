@@ -100,3 +100,30 @@ def test_the_sampler_drives_a_dataloader():
                         collate_fn=lambda rows: {"x": [r["x"] for r in rows], "language": [r["language"] for r in rows]})  # fmt: skip
     got = [batch_language(b) for b in loader]
     assert sorted(got) == ["en", "en", "xa", "xa"]
+
+
+def test_typological_languages_share_the_renamings_of_shared_features_and_reorder_words():
+    from peft_sparse.data import make_typological_languages
+
+    tok = _tokenizer()  # 13 word tokens
+    names = ["S_SOV", "f1", "f2", "f3"]
+    vectors = {"a": [0, 1, 0, 0], "b": [0, 1, 1, 0], "c": [1, 0, 1, 1], "d": [0, 0, 0, 0]}
+    langs = make_typological_languages(tok, vectors, names, features=3, fraction=1.0, seed=0)
+    assert torch.equal(langs["d"].table, torch.arange(len(tok))) and langs["d"].reorder is None
+    words = set(word_token_ids(tok))
+    renamed = {k: {i for i in range(len(tok)) if int(langs[k].table[i]) != i} for k in vectors}
+    assert renamed["a"] < renamed["b"] and renamed["a"].isdisjoint(renamed["c"]) and renamed["b"] - renamed["a"] <= renamed["c"]
+    assert all(renamed[k] <= words for k in vectors)
+    for i in renamed["a"]:  # the shared feature f1 renames its tokens the same way in a and b
+        assert langs["a"].table[i] == langs["b"].table[i]
+    # c is verb-final (S_SOV): adjacent word tokens swap places; non-words stay and break pairs
+    ids = [0, 3, 4, 5, 1, 6, 7, 2]
+    t = langs["c"].translate(ids)
+    mapped = [int(langs["c"].table[i]) for i in ids]
+    assert t == [mapped[0], mapped[2], mapped[1], mapped[3], mapped[4], mapped[6], mapped[5], mapped[7]]
+    for lang in langs.values():
+        assert lang.inverse().translate(lang.translate(ids)) == ids
+    with pytest.raises(ValueError, match="order_feature='S_XYZ' is not among the feature names"):
+        make_typological_languages(tok, vectors, names, order_feature="S_XYZ")
+    with pytest.raises(ValueError, match="typology vectors have 4 entries but feature_names names 3"):
+        make_typological_languages(tok, vectors, names[:3])

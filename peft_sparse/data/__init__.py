@@ -12,7 +12,17 @@ the tokenizer's word tokens, applied to every token of a text. A model must lear
     check_single_language(batch_languages)                          # refuses a mixed batch
 """
 
-from .languages import SyntheticLanguage, make_languages, word_token_ids
-from .sampling import SingleLanguageBatchSampler, batch_language, check_single_language
+from .languages import SyntheticLanguage, make_languages, make_typological_languages, word_token_ids
+from .sampling import (
+    LanguageBatchStream,
+    LanguageCollator,
+    LanguageSampler,
+    SingleLanguageBatchSampler,
+    batch_language,
+    check_single_language,
+)
 
-__all__ = ["SingleLanguageBatchSampler", "SyntheticLanguage", "batch_language", "check_single_language", "make_languages", "word_token_ids"]
+__all__ = [
+    "LanguageBatchStream", "LanguageCollator", "LanguageSampler", "SingleLanguageBatchSampler", "SyntheticLanguage",
+    "batch_language", "check_single_language", "make_languages", "make_typological_languages", "word_token_ids",
+]  # fmt: skip

@@ -31,6 +31,8 @@ from typing import Optional, Union
 
 from torch import nn
 
+from ..core.blocks import find_blocks
+
 SETS = ("S1", "S2", "V1", "V2")
 Override = Optional[Union[list, str]]
 
@@ -86,23 +88,6 @@ class SlowFastConfig:
 
 
 # ---------------------------------------------------------------------------------------------- sets
-def find_blocks(model: nn.Module) -> tuple[str, int]:
-    """(name prefix, count) of the model's transformer blocks: the longest ModuleList of same-class modules."""
-    best = None
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            kinds = {type(m) for m in module}
-            if len(kinds) == 1 and any(True for _ in module[0].parameters()):
-                if best is None or len(module) > best[1]:
-                    best = (name, len(module))
-    if best is None:
-        raise ValueError(
-            "slow-fast: the model's transformer blocks were not found (no nn.ModuleList of identical modules with "
-            "parameters); name them with SlowFastConfig(s1=..., s2=..., v1=..., v2=...) as regexes on parameter names"
-        )
-    return best
-
-
 def _part(path: list) -> str:
     lowered = [p.lower() for p in path]
     if any("attn" in p or "attention" in p for p in lowered):
@@ -125,7 +110,10 @@ def default_layers(n: int) -> dict:
 def assign_sets(model: nn.Module, config: SlowFastConfig, params: Optional[list] = None) -> dict:
     """{parameter name: frozenset of the sets it is in} over the trainable parameters (or ``params``' names)."""
     names = [n for n, p in model.named_parameters() if p.requires_grad] if params is None else params
-    prefix, count = find_blocks(model)
+    try:
+        prefix, count = find_blocks(model)
+    except ValueError as exc:
+        raise ValueError(f"slow-fast: {exc}; name the sets with SlowFastConfig(s1=..., s2=..., v1=..., v2=...) as regexes on parameter names") from None
     layers = default_layers(count)
     pattern = re.compile(rf"(?:^|\.){re.escape(prefix)}\.(\d+)\.(.*)$") if prefix else re.compile(r"^(\d+)\.(.*)$")
     overrides = {"S1": config.s1, "S2": config.s2, "V1": config.v1, "V2": config.v2}
