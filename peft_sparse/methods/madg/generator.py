@@ -95,13 +95,15 @@ class MADGGenerator(nn.Module):
         h, m, d_l, d_b = hidden_size, config.bottleneck_size, config.language_embedding_dim, config.layer_embedding_dim
         d_in = d_l + (d_b if config.layer_embeddings else 0)
         self.register_buffer("typology", torch.stack([typology_vector(x, config.typology_vectors) for x in config.languages]).to(device))
-        self.V = nn.Parameter(torch.randn(d_l, TYPOLOGY_DIM, device=device) / math.sqrt(TYPOLOGY_DIM))
+        # scales: λ and λ⁽ᵇ⁾ have entries of O(1/√d), so the generator's input x = λ (⊕ λ⁽ᵇ⁾) has ‖x‖ = O(1) and a
+        # generated D has entries of O(1/√h), as a directly initialised adapter; U starts at 0 (the identity)
+        self.V = nn.Parameter(torch.randn(d_l, TYPOLOGY_DIM, device=device) / math.sqrt(TYPOLOGY_DIM * d_l))
         shape = (2 * h * m, d_in) if config.layer_embeddings else (num_blocks, 2 * h * m, d_in)
-        self.W = nn.Parameter(torch.randn(shape, device=device) / math.sqrt(h * d_in))
+        self.W = nn.Parameter(torch.randn(shape, device=device) / math.sqrt(h))
         if config.init_weights:
             with torch.no_grad():
-                self.W[..., h * m :, :].zero_()  # the U half: every generated adapter starts as the identity
-        self.layer_embedding = nn.Parameter(torch.randn(num_blocks, d_b, device=device)) if config.layer_embeddings else None
+                self.W[..., h * m :, :].zero_()
+        self.layer_embedding = nn.Parameter(torch.randn(num_blocks, d_b, device=device) / math.sqrt(d_b)) if config.layer_embeddings else None
         self.language: Optional[str] = None
         self._vector: Optional[torch.Tensor] = None
 
