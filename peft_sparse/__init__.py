@@ -24,7 +24,7 @@ registry.register("s4", S4Config, S4Model)
 registry.register("bottleneck", BottleneckConfig, BottleneckModel)
 registry.register("madg", MADGConfig, MADGModel)
 
-from .callbacks import LTSFTCallback, SlowFastCallback, SpIELCallback  # noqa: E402  (needs transformers, imported after registration)
+from .callbacks import LTSFTCallback, S4Callback, SlowFastCallback, SpIELCallback  # noqa: E402  (needs transformers, imported after registration)
 
 __version__ = "0.1.0"
 
@@ -42,6 +42,7 @@ __all__ = [
     "SparseFTConfig",
     "SparseFTModel",
     "SparseLayer",
+    "S4Callback",
     "S4Config",
     "S4Model",
     "S4Router",

@@ -207,3 +207,26 @@ class SlowFastCallback(_PendingLogs):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+
+class S4Callback(TrainerCallback):
+    """S⁴ in a ``Trainer``/``SFTTrainer``: attaches an :class:`~peft_sparse.S4Router` to the Trainer's optimizer at
+    the start of training (removed at the end). Each batch must name its language: build the dataset with
+    :class:`peft_sparse.data.LanguageBatchStream` and the collator with :class:`peft_sparse.data.LanguageCollator`,
+    and keep the column (``remove_unused_columns=False``)."""
+
+    def __init__(self, adapter_name: str = "default", column: str = "language"):
+        self.adapter_name, self.column = adapter_name, column
+        self.router = None
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        from .methods.s4 import S4Router
+
+        if optimizer is None:
+            raise RuntimeError("S4Callback: the Trainer passed no optimizer at on_train_begin")
+        self.router = S4Router(model, optimizer, adapter_name=self.adapter_name, column=self.column)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.router is not None:
+            self.router.remove()
+            self.router = None

@@ -328,3 +328,24 @@ def test_madg_layers_cover_every_block():
     assert [n for n, _ in madg_layers(model)] == FFN["bert"]
     assert [m.madg_block["default"] for _, m in madg_layers(model)] == [0, 1]
     assert all(isinstance(m, MADGLayer) for _, m in madg_layers(model))
+
+
+# ---------------------------------------------------------------------------------------------- the demonstration
+def test_the_madg_recipe_runs_every_stage(tmp_path):
+    import importlib.util
+    from argparse import Namespace
+
+    from .test_cross_lingual_recipe import _rows, _tokenizer
+    from .test_readme_and_recipes import ROOT
+
+    spec = importlib.util.spec_from_file_location("madg_typology", ROOT / "recipes" / "madg_typology.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    args = Namespace(train_languages=["deu", "jpn", "eng"], held_out="nld", steps=2, lr=1e-3, direct_lr=1e-3, bottleneck_size=4,
+                     features=4, fraction=1.0, batch_size=2, max_length=32, seed=0)  # fmt: skip
+    result = recipe.run(tiny_llama(), _tokenizer(), _rows(8, 1), _rows(4, 3), args, tmp_path)
+    assert len(result["heldout_loss"]) == 4 and all(math.isfinite(v) for v in result["heldout_loss"].values())
+    assert result["closest"][0] == "deu"  # Dutch is typologically closest to German
+    for name in ("generated-nld", "generated-eng"):
+        assert json.loads((tmp_path / name / "adapter_config.json").read_text())["peft_type"] == "BOTTLENECK"
+    assert json.loads((tmp_path / "generator" / "adapter_config.json").read_text())["layer_embeddings"] is True

@@ -147,3 +147,32 @@ def test_inspect_prints_the_overlap_table_and_writes_the_heatmap(tmp_path, capsy
     overlaps = mask_overlaps(model)
     assert f"{overlaps[('a', 'b')]:.3f}" in out
     assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_trainer_routes_languages_through_the_callback(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from peft_sparse import S4Callback
+    from peft_sparse.data import LanguageBatchStream, LanguageCollator, SingleLanguageBatchSampler
+
+    config = _config()
+    model = build_s4_model(tiny_llama(), config, detect_language_masks(tiny_llama(), _loaders(), config))
+    masks = list(language_masks(model).values())
+    layers = sparse_layers(model)
+    rows = [{"input_ids": inputs(seed=i, batch=1)[0].tolist(), "language": "b"} for i in range(8)]
+    for r in rows:
+        r["labels"] = r["input_ids"]
+    before = [l.sparse_values["default"].detach().clone() for l in layers]
+    collate = LanguageCollator(lambda feats: {k: torch.tensor([f[k] for f in feats]) for k in ("input_ids", "labels")})
+    stream = LanguageBatchStream(rows, SingleLanguageBatchSampler([r["language"] for r in rows], batch_size=2, seed=0))
+    args = TrainingArguments(tmp_path, per_device_train_batch_size=2, max_steps=4, learning_rate=1e-2, report_to=[],
+                             remove_unused_columns=False, save_strategy="no", use_cpu=True)  # fmt: skip
+    callback = S4Callback()
+    Trainer(model=model, args=args, train_dataset=stream, data_collator=collate, callbacks=[callback]).train()
+    assert callback.router is None  # removed at the end
+    changed = 0
+    for layer, mask, old in zip(layers, masks, before):
+        new = layer.sparse_values["default"].detach()
+        assert torch.equal(new[~mask[1]], old[~mask[1]])  # only language b's sub-network moved
+        changed += int((new[mask[1]] != old[mask[1]]).sum())
+    assert changed > 0
