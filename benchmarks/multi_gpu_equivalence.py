@@ -48,7 +48,9 @@ def run(args) -> None:
         config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                              num_key_value_heads=4, max_position_embeddings=128, tie_word_embeddings=False)  # fmt: skip
         base = LlamaForCausalLM(config).to(device)
-        spiel = SpIELConfig(target_modules="all-linear", density=0.02, growth=growth, reselection_steps=20, gradient_estimation_steps=5)
+        spiel = SpIELConfig(
+            target_modules="all-linear", density=0.02, growth=growth, reselection_steps=20, gradient_estimation_steps=5
+        )
         model = get_peft_model(base, spiel)
         if args.engine == "fsdp2" and world > 1:
             from torch.distributed.fsdp import fully_shard
@@ -67,7 +69,9 @@ def run(args) -> None:
         wrapped.train()
         for step in range(args.steps):
             g = torch.Generator().manual_seed(1000 + step)
-            x = torch.randint(0, 1024, (args.global_batch, args.length), generator=g)[rank * share : (rank + 1) * share].to(device)
+            x = torch.randint(0, 1024, (args.global_batch, args.length), generator=g)[rank * share : (rank + 1) * share].to(
+                device
+            )
             loss = wrapped(input_ids=x, labels=x).loss
             loss.backward()
             optimizer.step()
@@ -76,14 +80,19 @@ def run(args) -> None:
             losses.append(loss.item())
         layers = [m for m in model.modules() if isinstance(m, SparseLayer)]
         torch.save(
-            {"indices": [l.sparse_indices["default"].cpu() for l in layers], "values": [l.sparse_values["default"].detach().cpu() for l in layers]},
+            {
+                "indices": [l.sparse_indices["default"].cpu() for l in layers],
+                "values": [l.sparse_values["default"].detach().cpu() for l in layers],
+            },
             out / f"{growth}-rank{rank}.pt",
         )
         report[growth] = {"steps": scheduler.t, "first_loss": losses[0], "last_loss": losses[-1]}
         del wrapped, model, base, optimizer, scheduler
         torch.cuda.empty_cache()
     if rank == 0:
-        (out / "run.json").write_text(json.dumps({"world": world, "device": torch.cuda.get_device_name(0), "report": report}, default=str))
+        (out / "run.json").write_text(
+            json.dumps({"world": world, "device": torch.cuda.get_device_name(0), "report": report}, default=str)
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -99,7 +108,11 @@ def compare(args) -> None:
         total = sum(i.numel() for i in a["indices"])
         equal = sum(int(torch.isin(i, j).sum()) for i, j in zip(a["indices"], b[0]["indices"]))
         identical = all(torch.equal(i, j) for i, j in zip(a["indices"], b[0]["indices"]))
-        diff = max(float((u - v).abs().max()) for u, v, i, j in zip(a["values"], b[0]["values"], a["indices"], b[0]["indices"]) if torch.equal(i, j))
+        diff = max(
+            float((u - v).abs().max())
+            for u, v, i, j in zip(a["values"], b[0]["values"], a["indices"], b[0]["indices"])
+            if torch.equal(i, j)
+        )
         scale = max(float(u.abs().max()) for u in a["values"])
         result[growth] = {"ranks_identical": same_ranks, "indices_identical": identical, "shared_fraction": equal / total,
                           "max_value_diff": diff, "max_value": scale}  # fmt: skip

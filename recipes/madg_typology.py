@@ -77,7 +77,11 @@ def train(model, batches, steps: int, lr: float) -> dict:
         schedule.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"seconds": round(time.perf_counter() - start, 1), "first_loss": losses[0], "last_loss": sum(losses[-5:]) / len(losses[-5:])}
+    return {
+        "seconds": round(time.perf_counter() - start, 1),
+        "first_loss": losses[0],
+        "last_loss": sum(losses[-5:]) / len(losses[-5:]),
+    }
 
 
 @torch.no_grad()
@@ -95,7 +99,9 @@ def heldout_loss(model, rows: list, pad_id: int, batch_size: int = 8) -> float:
 def run(base, tokenizer, corpus: list, test: list, args, out: Path) -> dict:
     codes = args.train_languages + [args.held_out]
     vectors = {c: uriel_vector(c) for c in codes}
-    langs = make_typological_languages(tokenizer, vectors, feature_names(), features=args.features, fraction=args.fraction, seed=args.seed)
+    langs = make_typological_languages(
+        tokenizer, vectors, feature_names(), features=args.features, fraction=args.fraction, seed=args.seed
+    )
     pad = tokenizer.pad_token_id
     ids = [text_ids(tokenizer, r, args.max_length) for r in corpus]
     train_rows, train_names = [], []
@@ -103,7 +109,10 @@ def run(base, tokenizer, corpus: list, test: list, args, out: Path) -> dict:
         train_rows += [langs[c].translate(x) for x in ids]
         train_names += [c] * len(ids)
     test_rows = [langs[args.held_out].translate(text_ids(tokenizer, r, args.max_length)) for r in test]
-    similar = sorted(args.train_languages, key=lambda c: -float(torch.nn.functional.cosine_similarity(vectors[c], vectors[args.held_out], dim=0)))
+    similar = sorted(
+        args.train_languages,
+        key=lambda c: -float(torch.nn.functional.cosine_similarity(vectors[c], vectors[args.held_out], dim=0)),
+    )
     print(f"held-out {args.held_out}: typologically closest training languages {similar[:3]}", flush=True)
 
     def language_batches(rows, names, seed):
@@ -122,7 +131,12 @@ def run(base, tokenizer, corpus: list, test: list, args, out: Path) -> dict:
     # 3. a bottleneck adapter trained directly on the held-out language (MAD-X)
     direct = get_peft_model(copy.deepcopy(base), BottleneckConfig(bottleneck_size=args.bottleneck_size))
     held_rows = [langs[args.held_out].translate(x) for x in ids]
-    timings["direct"] = train(direct, ((b, None) for b, _ in language_batches(held_rows, [args.held_out] * len(held_rows), args.seed)), args.steps, args.direct_lr)
+    timings["direct"] = train(
+        direct,
+        ((b, None) for b, _ in language_batches(held_rows, [args.held_out] * len(held_rows), args.seed)),
+        args.steps,
+        args.direct_lr,
+    )
     results = {}
 
     def score(label, model):
@@ -132,7 +146,10 @@ def run(base, tokenizer, corpus: list, test: list, args, out: Path) -> dict:
     print(f"\nheld-out causal-LM loss on {len(test_rows)} {args.held_out} texts", flush=True)
     score("no language adapter", base)
     score("English adapter (MAD-G-en)", PeftModel.from_pretrained(copy.deepcopy(base), out / "generated-eng"))
-    score(f"generated {args.held_out} adapter (MAD-G-LS, unseen language)", PeftModel.from_pretrained(copy.deepcopy(base), out / f"generated-{args.held_out}"))
+    score(
+        f"generated {args.held_out} adapter (MAD-G-LS, unseen language)",
+        PeftModel.from_pretrained(copy.deepcopy(base), out / f"generated-{args.held_out}"),
+    )
     score(f"bottleneck adapter trained on {args.held_out} (MAD-X)", direct)
     return {"heldout_loss": results, "timings": timings, "closest": similar[:3]}
 

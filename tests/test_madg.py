@@ -144,7 +144,11 @@ def test_stack_is_language_then_task_and_only_task_trains(tmp_path):
     assert all(g is None for n, g in grads.items() if ".lang" in n)
     # the first block's output feeds the second, so compare the second block given the stacked first block
     seen = {}
-    h = model.get_base_model().get_submodule(FFN["llama"][1]).base_layer.register_forward_hook(lambda m, a, o: seen.setdefault("y", o))
+    h = (
+        model.get_base_model()
+        .get_submodule(FFN["llama"][1])
+        .base_layer.register_forward_hook(lambda m, a, o: seen.setdefault("y", o))
+    )
     model(x)
     h.remove()
     torch.testing.assert_close(base_out, apply(apply(seen["y"], "lang"), "task"))
@@ -154,7 +158,10 @@ def test_stacking_an_adapter_of_another_base_model_is_refused(tmp_path):
     other = get_peft_model(tiny_llama(hidden_size=48, intermediate_size=64), BottleneckConfig(bottleneck_size=4))
     other.save_pretrained(tmp_path / "wide")
     model = get_peft_model(tiny_llama(), BottleneckConfig(bottleneck_size=4), adapter_name="task")
-    with pytest.raises(ValueError, match=r"was made for another base model: its adapter at 'model.layers.0.mlp.down_proj' is 48 wide, the module's output here is 32"):
+    with pytest.raises(
+        ValueError,
+        match=r"was made for another base model: its adapter at 'model.layers.0.mlp.down_proj' is 48 wide, the module's output here is 32",
+    ):
         add_frozen_adapter(model, tmp_path / "wide", "xx")
     named = get_peft_model(tiny_llama(), BottleneckConfig(bottleneck_size=4))
     named.peft_config["default"].base_model_name_or_path = "org/other-model"
@@ -223,7 +230,9 @@ def test_generated_adapter_for_an_unseen_language_loads_as_bottleneck(arch, tmp_
     mine = torch.rand(289, generator=torch.Generator().manual_seed(3)).round()
     generate_language_adapter(model, "my-lang", tmp_path / "mine", typology=mine.tolist())
     model.peft_config["default"].typology_vectors = {"my-lang": mine.tolist()}
-    torch.testing.assert_close(out(PeftModel.from_pretrained(BUILDERS[arch](), tmp_path / "mine"), x), out(model, x, language="my-lang"))
+    torch.testing.assert_close(
+        out(PeftModel.from_pretrained(BUILDERS[arch](), tmp_path / "mine"), x), out(model, x, language="my-lang")
+    )
 
 
 @pytest.mark.parametrize("ls", [False, True], ids=["madg", "madg-ls"])
@@ -238,7 +247,9 @@ def test_generator_save_load_round_trip(ls, tmp_path):
         assert torch.equal(out(loaded, x, language=lang), out(model, x, language=lang))
     assert not any(p.requires_grad for p in loaded.parameters())
     trainable = PeftModel.from_pretrained(tiny_llama(), tmp_path, is_trainable=True)
-    assert sorted(n.rsplit(".", 1)[-1] for n, p in trainable.named_parameters() if p.requires_grad) == sorted(["V", "W"] + (["layer_embedding"] if ls else []))
+    assert sorted(n.rsplit(".", 1)[-1] for n, p in trainable.named_parameters() if p.requires_grad) == sorted(
+        ["V", "W"] + (["layer_embedding"] if ls else [])
+    )
 
 
 def test_feature_importance_is_the_column_norm_of_W_V(tmp_path, capsys):
@@ -289,11 +300,15 @@ def test_language_collator_keeps_names_and_refuses_mixed_batches():
 def test_madg_trains_through_trainer_with_single_language_batches(tmp_path):
     model = madg(languages=["deu", "fin"])
     g = torch.Generator().manual_seed(0)
-    rows = [{"input_ids": torch.randint(0, 97, (8,), generator=g).tolist(), "language": lang} for lang in ["deu"] * 12 + ["fin"] * 12]
+    rows = [
+        {"input_ids": torch.randint(0, 97, (8,), generator=g).tolist(), "language": lang} for lang in ["deu"] * 12 + ["fin"] * 12
+    ]
     for r in rows:
         r["labels"] = r["input_ids"]
     seen = []
-    model.base_model.model.register_forward_pre_hook(lambda m, a: seen.append(model.base_model.madg_generator["default"].language))
+    model.base_model.model.register_forward_pre_hook(
+        lambda m, a: seen.append(model.base_model.madg_generator["default"].language)
+    )
     sampler = LanguageSampler([r["language"] for r in rows], batch_size=4, num_batches=6, seed=0)
     stream = LanguageBatchStream(rows, sampler)
     collate = LanguageCollator(lambda feats: {k: torch.tensor([f[k] for f in feats]) for k in ("input_ids", "labels")})

@@ -22,9 +22,7 @@ def find_blocks(model: nn.Module) -> tuple[str, int]:
                 if best is None or len(module) > best[1]:
                     best = (name, len(module))
     if best is None:
-        raise ValueError(
-            "the model's transformer blocks were not found (no nn.ModuleList of identical modules with parameters)"
-        )
+        raise ValueError("the model's transformer blocks were not found (no nn.ModuleList of identical modules with parameters)")
     return best
 
 

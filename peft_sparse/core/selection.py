@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from typing import Callable, Mapping
 
 import torch
 
@@ -227,7 +228,7 @@ def _order_bits(scores: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.int32)
 
 
-def global_top_k(score_fns: "Mapping[str, Callable[[], torch.Tensor]]", k: int) -> dict:
+def global_top_k(score_fns: Mapping[str, Callable[[], torch.Tensor]], k: int) -> dict:
     """Positions of the ``k`` largest scores over several tensors, never concatenated.
 
     ``score_fns`` maps a name to a function giving that tensor's non-negative finite scores (called

@@ -42,7 +42,8 @@ class BottleneckConfig(PeftConfig):
     """A bottleneck adapter after every block's feed-forward output (module docstring)."""
 
     bottleneck_size: int = field(
-        default=64, metadata={"help": "m, the adapter's inner size (MAD-X language adapters: 384 on a 768-wide model; task adapters: 48)."}
+        default=64,
+        metadata={"help": "m, the adapter's inner size (MAD-X language adapters: 384 on a 768-wide model; task adapters: 48)."},
     )
     target_modules: Optional[Union[list[str], str]] = field(
         default=None,
@@ -53,7 +54,9 @@ class BottleneckConfig(PeftConfig):
             )
         },
     )
-    use_bias: bool = field(default=True, metadata={"help": "Biases b_D, b_U in the adapter (MAD-X: yes; MAD-G's generated adapters: no)."})
+    use_bias: bool = field(
+        default=True, metadata={"help": "Biases b_D, b_U in the adapter (MAD-X: yes; MAD-G's generated adapters: no)."}
+    )
     init_weights: bool = field(
         default=True, metadata={"help": "True: U = 0, a new adapter is the identity. False: U random too (for tests)."}
     )
@@ -107,7 +110,9 @@ class BottleneckLayer(nn.Module, BaseTunerLayer):
         self.set_adapter(self.active_adapters)
 
     def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
-        raise ValueError("a bottleneck adapter is non-linear and cannot be merged into the weights: run it unmerged, or unload() it")
+        raise ValueError(
+            "a bottleneck adapter is non-linear and cannot be merged into the weights: run it unmerged, or unload() it"
+        )
 
     def unmerge(self) -> None:
         pass  # never merged
@@ -145,7 +150,9 @@ class BottleneckModel(BaseTuner):
         return ffn_targets(self.model, peft_config)
 
     def _check_merge_allowed(self):
-        raise ValueError("bottleneck adapters are non-linear and cannot be merged into the weights: use unload() or run them unmerged")
+        raise ValueError(
+            "bottleneck adapters are non-linear and cannot be merged into the weights: use unload() or run them unmerged"
+        )
 
     def _create_and_replace(self, peft_config, adapter_name, target, target_name, parent, current_key, **kwargs):
         if isinstance(target, BottleneckLayer):

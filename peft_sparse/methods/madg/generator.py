@@ -46,11 +46,15 @@ class MADGConfig(PeftConfig):
 
     languages: list = field(
         default_factory=list,
-        metadata={"help": "The training languages: ISO 639-3 codes (URIEL vectors from lang2vec) or names given in typology_vectors."},
+        metadata={
+            "help": "The training languages: ISO 639-3 codes (URIEL vectors from lang2vec) or names given in typology_vectors."
+        },
     )
     typology_vectors: Optional[dict] = field(
         default=None,
-        metadata={"help": f"Your own typology vectors, {{name: [{TYPOLOGY_DIM} floats]}}; they take precedence over URIEL's and are saved with the config."},
+        metadata={
+            "help": f"Your own typology vectors, {{name: [{TYPOLOGY_DIM} floats]}}; they take precedence over URIEL's and are saved with the config."
+        },
     )
     bottleneck_size: int = field(default=384, metadata={"help": "m, the generated adapters' inner size (thesis: 384)."})
     language_embedding_dim: int = field(default=32, metadata={"help": "d_l, the size of λ⁽ˡ⁾ = V·t⁽ˡ⁾ (thesis: 32)."})
@@ -62,9 +66,12 @@ class MADGConfig(PeftConfig):
         default=None, metadata={"help": "Where the adapters sit; None: every block's feed-forward output, found from the model."}
     )
     init_weights: bool = field(
-        default=True, metadata={"help": "True: the up-projection part of W starts at 0 (every generated adapter is the identity)."}
+        default=True,
+        metadata={"help": "True: the up-projection part of W starts at 0 (every generated adapter is the identity)."},
     )
-    modules_to_save: Optional[list[str]] = field(default=None, metadata={"help": "Modules trained in full and saved, as in LoRA."})
+    modules_to_save: Optional[list[str]] = field(
+        default=None, metadata={"help": "Modules trained in full and saved, as in LoRA."}
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -79,7 +86,9 @@ class MADGConfig(PeftConfig):
         if len(set(self.languages)) != len(self.languages):
             raise ValueError(f"languages must be distinct, got languages={self.languages!r}")
         if self.typology_vectors is not None:
-            self.typology_vectors = {str(k): [float(x) for x in check_vector(k, v).tolist()] for k, v in self.typology_vectors.items()}
+            self.typology_vectors = {
+                str(k): [float(x) for x in check_vector(k, v).tolist()] for k, v in self.typology_vectors.items()
+            }
         for language in self.languages:
             typology_vector(language, self.typology_vectors)  # refuses unknown codes now, not at the first batch
         if isinstance(self.target_modules, (set, tuple)):
@@ -94,7 +103,9 @@ class MADGGenerator(nn.Module):
         self.config, self.hidden_size, self.num_blocks = config, hidden_size, num_blocks
         h, m, d_l, d_b = hidden_size, config.bottleneck_size, config.language_embedding_dim, config.layer_embedding_dim
         d_in = d_l + (d_b if config.layer_embeddings else 0)
-        self.register_buffer("typology", torch.stack([typology_vector(x, config.typology_vectors) for x in config.languages]).to(device))
+        self.register_buffer(
+            "typology", torch.stack([typology_vector(x, config.typology_vectors) for x in config.languages]).to(device)
+        )
         # scales: λ and λ⁽ᵇ⁾ have entries of O(1/√d), so the generator's input x = λ (⊕ λ⁽ᵇ⁾) has ‖x‖ = O(1) and a
         # generated D has entries of O(1/√h), as a directly initialised adapter; U starts at 0 (the identity)
         self.V = nn.Parameter(torch.randn(d_l, TYPOLOGY_DIM, device=device) / math.sqrt(TYPOLOGY_DIM * d_l))
@@ -103,7 +114,9 @@ class MADGGenerator(nn.Module):
         if config.init_weights:
             with torch.no_grad():
                 self.W[..., h * m :, :].zero_()
-        self.layer_embedding = nn.Parameter(torch.randn(num_blocks, d_b, device=device) / math.sqrt(d_b)) if config.layer_embeddings else None
+        self.layer_embedding = (
+            nn.Parameter(torch.randn(num_blocks, d_b, device=device) / math.sqrt(d_b)) if config.layer_embeddings else None
+        )
         self.language: Optional[str] = None
         self._vector: Optional[torch.Tensor] = None
 
@@ -165,7 +178,9 @@ class MADGLayer(nn.Module, BaseTunerLayer):
         self.merged_adapters = []
 
     def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
-        raise ValueError("MAD-G adapters are non-linear and cannot be merged: generate_language_adapter() writes a BOTTLENECK adapter")
+        raise ValueError(
+            "MAD-G adapters are non-linear and cannot be merged: generate_language_adapter() writes a BOTTLENECK adapter"
+        )
 
     def unmerge(self) -> None:
         pass
@@ -212,7 +227,9 @@ class MADGModel(BaseTuner):
         return ffn_targets(self.model, peft_config)
 
     def _check_merge_allowed(self):
-        raise ValueError("MAD-G adapters are non-linear and cannot be merged: generate_language_adapter() writes a BOTTLENECK adapter")
+        raise ValueError(
+            "MAD-G adapters are non-linear and cannot be merged: generate_language_adapter() writes a BOTTLENECK adapter"
+        )
 
     def _targets(self, config) -> list:
         return [key for key, module in self.model.named_modules() if self._check_target_module_exists(config, key)]
@@ -224,7 +241,9 @@ class MADGModel(BaseTuner):
             keys = self._targets(peft_config)
             widths = {in_out_features(self.model.get_submodule(k))[1] for k in keys}
             if len(widths) != 1:
-                raise ValueError(f"MAD-G: the targeted modules have different output widths {sorted(widths)}; one hidden size is needed")
+                raise ValueError(
+                    f"MAD-G: the targeted modules have different output widths {sorted(widths)}; one hidden size is needed"
+                )
             self._madg_keys = {**getattr(self, "_madg_keys", {}), adapter_name: keys}
             self.madg_generator[adapter_name] = MADGGenerator(peft_config, widths.pop(), len(keys), device=target.weight.device)
         block = self._madg_keys[adapter_name].index(current_key)

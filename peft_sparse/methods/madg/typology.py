@@ -78,7 +78,9 @@ def uriel_vector(code: str) -> torch.Tensor:
 def check_vector(name: str, vector) -> torch.Tensor:
     t = torch.as_tensor(vector, dtype=torch.float32).flatten()
     if t.numel() != TYPOLOGY_DIM:
-        raise ValueError(f"typology vector of {name!r} has {t.numel()} entries; MAD-G needs {TYPOLOGY_DIM} (URIEL {'+'.join(FEATURE_SETS)})")
+        raise ValueError(
+            f"typology vector of {name!r} has {t.numel()} entries; MAD-G needs {TYPOLOGY_DIM} (URIEL {'+'.join(FEATURE_SETS)})"
+        )
     if not torch.isfinite(t).all():
         raise ValueError(f"typology vector of {name!r} has non-finite entries")
     return t
@@ -89,4 +91,3 @@ def typology_vector(name: str, vectors: Optional[Mapping[str, Sequence[float]]] 
     if vectors and name in vectors:
         return check_vector(name, vectors[name])
     return uriel_vector(name)
-
