@@ -43,22 +43,20 @@ def run(args) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     report = {}
-    for growth in ("ag", "ma"):
+    for growth in args.growth:
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                             num_key_value_heads=4, max_position_embeddings=128, tie_word_embeddings=False)  # fmt: skip
+        config = LlamaConfig(vocab_size=1024, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                             num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
+                             max_position_embeddings=128, tie_word_embeddings=False)  # fmt: skip
         base = LlamaForCausalLM(config).to(device)
         spiel = SpIELConfig(
             target_modules="all-linear", density=0.02, growth=growth, reselection_steps=20, gradient_estimation_steps=5
         )
         model = get_peft_model(base, spiel)
         if args.engine == "fsdp2" and world > 1:
-            from torch.distributed.fsdp import fully_shard
+            from peft_sparse.distributed import shard
 
-            for block in base.model.layers:
-                fully_shard(block)
-            fully_shard(model)
-            wrapped = model
+            wrapped = shard(model)
         else:
             wrapped = DDP(model, device_ids=[rank], broadcast_buffers=False) if world > 1 else model
         params = [p for p in model.parameters() if p.requires_grad]
@@ -86,7 +84,9 @@ def run(args) -> None:
             },
             out / f"{growth}-rank{rank}.pt",
         )
-        report[growth] = {"steps": scheduler.t, "first_loss": losses[0], "last_loss": losses[-1]}
+        report[growth] = {"steps": scheduler.t, "first_loss": losses[0], "last_loss": losses[-1],
+                          "peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20}  # fmt: skip
+        torch.cuda.reset_peak_memory_stats(device)
         del wrapped, model, base, optimizer, scheduler
         torch.cuda.empty_cache()
     if rank == 0:
@@ -129,6 +129,10 @@ if __name__ == "__main__":
     r.add_argument("--steps", type=int, default=50)
     r.add_argument("--global-batch", type=int, default=8)
     r.add_argument("--length", type=int, default=64)
+    r.add_argument("--hidden", type=int, default=256)
+    r.add_argument("--intermediate", type=int, default=688)
+    r.add_argument("--layers", type=int, default=4)
+    r.add_argument("--growth", nargs="+", default=["ag", "ma"])
     r.add_argument("--engine", choices=["ddp", "fsdp2"], default="ddp", help="how 2 or more GPUs share the work")
     c = sub.add_parser("compare")
     c.add_argument("one")

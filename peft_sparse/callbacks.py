@@ -33,6 +33,17 @@ def _token_in(directory: str):
         return None
 
 
+def _replicate_if_sharded(model) -> None:
+    """Under FSDP2 (accelerate's ``fsdp_version: 2``) the values stay replicated: see :mod:`peft_sparse.distributed`."""
+    import torch.distributed as dist
+
+    if model is not None and dist.is_available() and dist.is_initialized():
+        from .distributed import is_fsdp2, replicate_values
+
+        if is_fsdp2(model):
+            replicate_values(model)
+
+
 class _PendingLogs(TrainerCallback):
     """Adds what a callback gathered at an optimizer step (``_pending_logs``) to the next log entry."""
 
@@ -66,6 +77,7 @@ class SpIELCallback(_PendingLogs, ExportableState):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._output_dir, self._step = args.output_dir, state.global_step
+        _replicate_if_sharded(model)
         self.scheduler = SpIELScheduler(model, optimizer, total_steps=state.max_steps)
         if state.global_step > 0:  # resuming: the Trainer restored global_step (and its state) from the checkpoint
             self.scheduler.load(self._resumed_state_dir(args, state))

@@ -1,0 +1,94 @@
+"""Sharded data parallel (FSDP2) for sparse adapters: the frozen base weights sharded, the values replicated.
+
+    dist.init_process_group("nccl")
+    model = get_peft_model(base.to(device), SpIELConfig(...))
+    shard(model)                                   # fully_shard per transformer block and at the root
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=...)
+    scheduler = SpIELScheduler(model, optimizer, total_steps)   # as on one GPU
+
+The base weights — nearly all of the memory — are sharded by ``torch.distributed.fsdp.fully_shard`` (FSDP2)
+and gathered block by block for the forward and backward passes. The sparse values (d_φ numbers, a small
+fraction of the model) are left out of the sharding (``ignored_params``): every rank holds all of them,
+their gradients are averaged over ranks right after each backward pass, and so the optimizer, SM3's
+accumulators, the reselections and the mask-editing API work on plain tensors exactly as on one GPU. The
+selection statistics are all-reduced before selection as under DDP, so the indices are identical on every
+rank by construction. Other trainable parameters (``modules_to_save`` heads) are sharded by FSDP as usual.
+
+The training merge writes θ + δ into the base weights, which are shards here: it is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .core.blocks import find_blocks
+from .core.layer import SparseLayer
+
+
+def _average_gradient(param: torch.Tensor) -> None:
+    dist.all_reduce(param.grad)
+    param.grad.div_(dist.get_world_size())
+
+
+def shard(model: nn.Module, mesh=None, reshard_after_forward: bool = True, mp_policy=None, offload_policy=None) -> nn.Module:
+    """Apply FSDP2 to a PEFT model with sparse adapters (module docstring); returns the model, sharded in place.
+
+    Every rank must hold the same model on its device (seeded identically); the values and indices are then
+    broadcast from rank 0 so that they agree bit for bit. ``mesh``, ``reshard_after_forward``, ``mp_policy``
+    and ``offload_policy`` go to ``fully_shard``."""
+    from torch.distributed.fsdp import fully_shard
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("shard: initialise torch.distributed first (dist.init_process_group)")
+    layers = [m for m in model.modules() if isinstance(m, SparseLayer)]
+    if not layers:
+        raise ValueError("shard: the model holds no sparse adapter layers")
+    for config in getattr(model, "peft_config", {}).values():
+        if getattr(config, "training_merge", False):
+            raise ValueError("shard: training_merge=True writes into the base weights, which FSDP shards; set training_merge=False")
+    values = [p for layer in layers for p in layer.sparse_values.values()]
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "ignored_params": set(values)}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
+    prefix, _ = find_blocks(model)
+    for block in model.get_submodule(prefix):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    replicate_values(model)
+    return model
+
+
+def is_fsdp2(model: nn.Module) -> bool:
+    """Whether FSDP2's ``fully_shard`` was applied to ``model`` or a module of it (directly, by :func:`shard`, or by
+    accelerate / a Trainer with ``fsdp_version: 2``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def replicate_values(model: nn.Module) -> None:
+    """Keep the sparse values replicated under a sharding engine that left them out (``ignored_params``; accelerate:
+    ``fsdp_ignored_modules: '.*\\.sparse_values'``): values and indices broadcast from rank 0, and each value's
+    gradient averaged over ranks after every backward pass. Idempotent; the Trainer callbacks call it."""
+    from torch.distributed.tensor import DTensor
+
+    for layer in (m for m in model.modules() if isinstance(m, SparseLayer)):
+        for name, values in layer.sparse_values.items():
+            if isinstance(values, DTensor):
+                raise ValueError(
+                    f"{layer.module_name}: the sparse values were sharded; leave them out of the sharding — "
+                    "peft_sparse.distributed.shard(model), or accelerate's fsdp_ignored_modules: '.*\\.sparse_values'"
+                )
+            if getattr(values, "_peft_sparse_replicated", False):
+                continue
+            with torch.no_grad():  # identical adapters on every rank, as DDP makes its parameters at construction
+                dist.broadcast(values.data, src=0)
+                dist.broadcast(layer.sparse_indices[name], src=0)
+            if values.requires_grad:
+                values.register_post_accumulate_grad_hook(_average_gradient)
+            values._peft_sparse_replicated = True
+
