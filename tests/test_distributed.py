@@ -100,6 +100,8 @@ def _fsdp_worker(rank: int, world: int, port: int, growth: str, out_dir: str) ->
         {"indices": [l.sparse_indices["default"] for l in layers], "values": [l.sparse_values["default"].detach() for l in layers]},
         os.path.join(out_dir, f"w{world}-rank{rank}.pt"),
     )
+    if rank == 0:
+        model.save_pretrained(os.path.join(out_dir, f"adapter-w{world}"))
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
@@ -114,8 +116,15 @@ def test_fsdp2_shards_the_base_and_matches_one_process(growth):
         mp.spawn(_fsdp_worker, args=(2, _free_port(), growth, out_dir), nprocs=2, join=True)
         one = torch.load(os.path.join(out_dir, "w1-rank0.pt"))
         r0, r1 = (torch.load(os.path.join(out_dir, f"w2-rank{r}.pt")) for r in (0, 1))
+        from safetensors.torch import load_file
+
+        saved = {w: load_file(os.path.join(out_dir, f"adapter-w{w}", "adapter_model.safetensors")) for w in (1, 2)}
     assert all(torch.equal(a, b) for a, b in zip(r0["indices"], r1["indices"]))
     assert all(torch.equal(a, b) for a, b in zip(r0["values"], r1["values"]))
     assert all(torch.equal(a, b) for a, b in zip(one["indices"], r0["indices"]))
     for a, b in zip(one["values"], r0["values"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    # save_pretrained on the sharded model writes the same adapter as one process (the values are not shards)
+    assert sorted(saved[1]) == sorted(saved[2]) and all(k.endswith(("sparse_indices", "sparse_values", "sparse_ages")) for k in saved[2])
+    for key in saved[1]:
+        torch.testing.assert_close(saved[1][key], saved[2][key], rtol=1e-4, atol=1e-6)
