@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from peft import get_peft_model
+from peft import PeftModel, get_peft_model
 from torch import nn
 
 from peft_sparse import SparseFTConfig
@@ -105,6 +105,26 @@ def test_values_dtype_accepts_torch_dtype_and_survives_autocast_adapter_dtype():
     model = get_peft_model(tiny_llama(), config, autocast_adapter_dtype=True)
     dtypes = {p.dtype for n, p in model.named_parameters() if "sparse_values" in n}
     assert dtypes == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("base_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("autocast", [True, False])
+def test_autocast_adapter_dtype_false_keeps_the_base_dtype_and_the_config_records_it(tmp_path, base_dtype, autocast):
+    """PEFT's meaning: autocast_adapter_dtype=False leaves the adapter in the base model's dtype; True upcasts it to
+    float32. An explicit values_dtype wins either way; the saved config reproduces the dtype on reload."""
+    model = get_peft_model(tiny_llama(dtype=base_dtype), SparseFTConfig(target_modules="all-linear", density=0.1), autocast_adapter_dtype=autocast)
+    expected = torch.float32 if autocast else base_dtype
+    assert {p.dtype for n, p in model.named_parameters() if "sparse_values" in n} == {expected}
+    assert model.peft_config["default"].values_dtype == str(expected).removeprefix("torch.")
+    x = torch.randint(0, 97, (2, 5))
+    model(x, labels=x).loss.backward()
+    assert {p.grad.dtype for n, p in model.named_parameters() if "sparse_values" in n} == {expected}
+    model.save_pretrained(tmp_path)
+    reloaded = PeftModel.from_pretrained(tiny_llama(dtype=base_dtype), tmp_path)  # (default autocast: the file decides)
+    assert {p.dtype for n, p in reloaded.named_parameters() if "sparse_values" in n} == {expected}
+    explicit = get_peft_model(tiny_llama(dtype=base_dtype), SparseFTConfig(target_modules="all-linear", density=0.1, values_dtype="float64"),
+                              autocast_adapter_dtype=autocast)  # fmt: skip
+    assert {p.dtype for n, p in explicit.named_parameters() if "sparse_values" in n} == {torch.float64}
 
 
 def test_values_stay_float32_over_bfloat16_base():

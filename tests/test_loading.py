@@ -1,6 +1,7 @@
 """Adapter files that don't fit the base model are refused with the module and the value named."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -117,7 +118,9 @@ def test_loading_without_import_gives_peft_error(saved):
         " num_attention_heads=4, num_key_value_heads=2))\n"
         f"PeftModel.from_pretrained(m, {str(saved)!r})\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    # with the auto-registration switched off (test_autoload.py covers it switched on)
+    env = {**os.environ, "PEFT_SPARSE_AUTOLOAD": "0"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode != 0
     assert "KeyError: 'SFT'" in result.stderr
 

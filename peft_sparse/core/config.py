@@ -128,9 +128,15 @@ class SparseConfig(PeftConfig):
             )
         },
     )
-    values_dtype: str = field(
-        default="float32",
-        metadata={"help": "dtype of the trainable values φ: float32 (default), bfloat16, float16 or float64."},
+    values_dtype: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": (
+                "dtype of the trainable values φ: float32, bfloat16, float16 or float64. None: float32, or the base "
+                "weights' floating dtype when the adapter is created with get_peft_model(..., autocast_adapter_dtype=False) "
+                "(PEFT's meaning of that switch). The dtype chosen is recorded in the saved config."
+            )
+        },
     )
     tunable_weights_per_module: Optional[dict[str, int]] = field(
         default=None,
@@ -168,7 +174,8 @@ class SparseConfig(PeftConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        self.values_dtype = dtype_name(self.values_dtype)
+        if self.values_dtype is not None:
+            self.values_dtype = dtype_name(self.values_dtype)
         if callable(self.init):
             if not self.init_accepts_callable:
                 raise ValueError(f"{type(self).__name__} does not accept a callable init, got init={self.init!r}")
@@ -237,7 +244,7 @@ class SparseConfig(PeftConfig):
 
     @property
     def torch_values_dtype(self) -> torch.dtype:
-        return VALUES_DTYPES[self.values_dtype]
+        return VALUES_DTYPES[self.values_dtype or "float32"]
 
     def sparse_fields(self) -> dict:
         """The fields every sparse config shares, e.g. to re-express an adapter as another sparse type."""

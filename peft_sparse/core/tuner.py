@@ -23,7 +23,7 @@ from torch import nn
 from ..registry import ExcludedModule, include_all_linear_layers
 
 from .budget import split_budget, split_weights, total_budget
-from .config import SparseConfig
+from .config import SparseConfig, dtype_name
 from .layer import SparseLayer, SparseLinear, index_dtype, logical_shape, supported_base_layer
 from .selection import BlockGrid, check_sparse_tensors, module_generator
 
@@ -196,7 +196,19 @@ class SparseTuner(BaseTuner):
             self._replace_module(parent, target_name, layer, target)
 
     def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
-        # PEFT would upcast float16/bfloat16 adapter weights to float32; the values keep values_dtype instead.
+        # PEFT would upcast float16/bfloat16 adapter weights to float32; the values keep values_dtype instead. An
+        # unset values_dtype is float32, or — autocast_adapter_dtype=False, as PEFT means it — the base weights'
+        # floating dtype (the first adapted module's; quantized bases: float32); the choice goes into the config.
+        config = self.peft_config.get(adapter_name)
+        layers = [m for m in self.model.modules() if isinstance(m, SparseLayer) and adapter_name in m.sparse_values]
+        if config is not None and getattr(config, "values_dtype", "") is None:
+            dtype = torch.float32
+            if not autocast_adapter_dtype:
+                floating = [w.dtype for m in layers if (w := getattr(m.get_base_layer(), "weight", None)) is not None and w.dtype.is_floating_point]
+                dtype = floating[0] if floating else torch.float32
+            config.values_dtype = dtype_name(dtype)
+            for layer in layers:
+                layer.values_dtype[adapter_name] = dtype
         for layer in self.model.modules():
             if isinstance(layer, SparseLayer) and adapter_name in layer.sparse_values:
                 param = layer.sparse_values[adapter_name]
