@@ -65,14 +65,47 @@ def _inspect_madg(args) -> int:
     return 0
 
 
+def _inspect_bottleneck(args) -> int:
+    import os
+
+    from safetensors import safe_open
+
+    from .core.config import read_adapter_config
+
+    raw = read_adapter_config(args.adapter_dir)
+    path = os.path.join(args.adapter_dir, "adapter_model.safetensors")
+    modules: dict = {}
+    with safe_open(path, "pt") as f:
+        for key in f.keys():
+            name = key.removeprefix("base_model.model.").split(".bottleneck_")[0]
+            shape = f.get_slice(key).get_shape()
+            modules.setdefault(name, 0)
+            modules[name] += int(shape[0]) * (int(shape[1]) if len(shape) > 1 else 1)
+    info = {"peft_type": "BOTTLENECK", "base_model": raw.get("base_model_name_or_path"), "bottleneck_size": raw.get("bottleneck_size"),
+            "bias": raw.get("use_bias"), "parameters": sum(modules.values()), "modules": modules, "file_bytes": os.path.getsize(path)}  # fmt: skip
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"method: bottleneck adapters (PEFT type BOTTLENECK), bottleneck size {info['bottleneck_size']}, biases {info['bias']}")
+    print(f"base model: {info['base_model']}")
+    print(f"parameters: {info['parameters']:,} in {len(modules)} modules; file {info['file_bytes']:,} bytes")
+    print(f"\n{'module':<56}{'parameters':>12}")
+    for name, n in modules.items():
+        print(f"{name:<56}{n:>12,}")
+    return 0
+
+
 def cmd_inspect(args) -> int:
     from .core.compose import adapter_file_summary
     from .core.config import read_adapter_config
 
-    if read_adapter_config(args.adapter_dir).get("peft_type") == "MADG":
+    peft_type = read_adapter_config(args.adapter_dir).get("peft_type")
+    if peft_type == "MADG":
         return _inspect_madg(args)
     if args.feature_plot:
-        raise ValueError(f"--feature-plot needs a MAD-G generator; {args.adapter_dir} holds {read_adapter_config(args.adapter_dir).get('peft_type')}")
+        raise ValueError(f"--feature-plot needs a MAD-G generator; {args.adapter_dir} holds {peft_type}")
+    if peft_type == "BOTTLENECK":
+        return _inspect_bottleneck(args)
     summary = adapter_file_summary(args.adapter_dir)
     tensors = summary.pop("tensors")
     if args.json:

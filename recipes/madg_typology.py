@@ -15,6 +15,12 @@ language swaps adjacent words. Typologically close languages are then close in t
 
     python recipes/madg_typology.py                      # SmolLM2-135M-Instruct on CPU, about 15 minutes
     python recipes/madg_typology.py --steps 20 --limit 16 # a quicker look
+    # real text when the hub is reachable: one subset per language (ISO 639-3 = subset name)
+    python recipes/madg_typology.py --hub-dataset wikimedia/wikipedia --hub-configs eng=20231101.en deu=20231101.de \\
+        fra=20231101.fr jpn=20231101.ja --train-languages eng deu fra --held-out jpn
+
+With ``--hub-dataset`` every language's text comes from its own subset of that dataset (``--text-column``,
+``--hub-rows`` rows for training and a tenth as many held out) instead of a synthetic surface.
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ import argparse
 import copy
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -96,19 +104,40 @@ def heldout_loss(model, rows: list, pad_id: int, batch_size: int = 8) -> float:
     return total / tokens
 
 
-def run(base, tokenizer, corpus: list, test: list, args, out: Path) -> dict:
-    codes = args.train_languages + [args.held_out]
-    vectors = {c: uriel_vector(c) for c in codes}
+def synthetic_texts(tokenizer, corpus: list, test: list, args) -> tuple:
+    """{language: token-id lists} for training (every training language and the held-out one) and the held-out
+    language's test texts: the bundled texts in each typology-driven synthetic language."""
+    vectors = {c: uriel_vector(c) for c in args.train_languages + [args.held_out]}
     langs = make_typological_languages(
         tokenizer, vectors, feature_names(), features=args.features, fraction=args.fraction, seed=args.seed
     )
-    pad = tokenizer.pad_token_id
     ids = [text_ids(tokenizer, r, args.max_length) for r in corpus]
+    texts = {c: [langs[c].translate(x) for x in ids] for c in vectors}
+    return texts, [langs[args.held_out].translate(text_ids(tokenizer, r, args.max_length)) for r in test]
+
+
+def hub_texts(tokenizer, args) -> tuple:
+    """The same from a hub dataset, one subset per language."""
+    from datasets import load_dataset
+
+    texts, test = {}, None
+    for code in args.train_languages + [args.held_out]:
+        rows = load_dataset(args.hub_dataset, args.hub_configs[code], split=f"train[:{args.hub_rows + args.hub_rows // 10}]")
+        ids = [tokenizer(r[args.text_column], add_special_tokens=False)["input_ids"][: args.max_length] for r in rows]
+        texts[code] = ids[: args.hub_rows]
+        if code == args.held_out:
+            test = ids[args.hub_rows :]
+    return texts, test
+
+
+def run(base, tokenizer, corpus: list, test: list, args, out: Path, texts: Optional[tuple] = None) -> dict:
+    vectors = {c: uriel_vector(c) for c in args.train_languages + [args.held_out]}
+    pad = tokenizer.pad_token_id
+    by_language, test_rows = texts if texts is not None else synthetic_texts(tokenizer, corpus, test, args)
     train_rows, train_names = [], []
     for c in args.train_languages:
-        train_rows += [langs[c].translate(x) for x in ids]
-        train_names += [c] * len(ids)
-    test_rows = [langs[args.held_out].translate(text_ids(tokenizer, r, args.max_length)) for r in test]
+        train_rows += by_language[c]
+        train_names += [c] * len(by_language[c])
     similar = sorted(
         args.train_languages,
         key=lambda c: -float(torch.nn.functional.cosine_similarity(vectors[c], vectors[args.held_out], dim=0)),
@@ -130,7 +159,7 @@ def run(base, tokenizer, corpus: list, test: list, args, out: Path) -> dict:
         generate_language_adapter(generator, code, out / f"generated-{code}")
     # 3. a bottleneck adapter trained directly on the held-out language (MAD-X)
     direct = get_peft_model(copy.deepcopy(base), BottleneckConfig(bottleneck_size=args.bottleneck_size))
-    held_rows = [langs[args.held_out].translate(x) for x in ids]
+    held_rows = by_language[args.held_out]
     timings["direct"] = train(
         direct,
         ((b, None) for b, _ in language_batches(held_rows, [args.held_out] * len(held_rows), args.seed)),
@@ -170,9 +199,21 @@ def main(argv=None) -> dict:
     parser.add_argument("--limit", type=int, default=None, help="use only this many test texts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="outputs/madg")
+    parser.add_argument("--hub-dataset", help="real text by hub name (needs the hub): one subset per language, see --hub-configs")
+    parser.add_argument("--hub-configs", nargs="+", default=[], metavar="CODE=SUBSET", help="the dataset subset of each language")
+    parser.add_argument("--text-column", default="text")
+    parser.add_argument("--hub-rows", type=int, default=2000, help="training texts per language (a tenth more are held out)")
     args = parser.parse_args(argv)
     if args.held_out in args.train_languages:
         raise SystemExit(f"--held-out {args.held_out} is also a training language")
+    texts = None
+    if args.hub_dataset:
+        args.hub_configs = dict(item.split("=", 1) for item in args.hub_configs)
+        missing = [c for c in args.train_languages + [args.held_out] if c not in args.hub_configs]
+        if missing:
+            raise SystemExit(f"--hub-configs names no subset for: {' '.join(missing)}")
+        if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+            raise SystemExit(f"--hub-dataset {args.hub_dataset}: the hub is switched off here (HF_HUB_OFFLINE); run without it for the synthetic languages")
     from peft_sparse.assets import load_model_and_tokenizer
 
     torch.manual_seed(args.seed)
@@ -181,7 +222,12 @@ def main(argv=None) -> dict:
     corpus = read_jsonl(data / "skills2_train.jsonl") + read_jsonl(data / "skills_train.jsonl")
     test = (read_jsonl(data / "skills2_test.jsonl") + read_jsonl(data / "skills_test.jsonl"))[: args.limit]
     out = Path(args.output)
-    result = run(base, tokenizer, corpus, test, args, out)
+    if args.hub_dataset:
+        try:
+            texts = hub_texts(tokenizer, args)
+        except Exception as error:  # noqa: BLE001  (any failure to reach the hub ends here, named)
+            raise SystemExit(f"--hub-dataset {args.hub_dataset}: cannot load it ({type(error).__name__}: {error})") from None
+    result = run(base, tokenizer, corpus, test, args, out, texts)
     (out / "results.json").write_text(json.dumps({**result, "args": vars(args)}, indent=1))
     return result
 

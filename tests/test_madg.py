@@ -121,6 +121,16 @@ def test_bottleneck_save_load_unload_and_no_merge(tmp_path):
     torch.testing.assert_close(out(base, x), out(tiny_llama(), x))
 
 
+def test_inspect_summarises_a_bottleneck_adapter(tmp_path, capsys):
+    model = get_peft_model(tiny_llama(), BottleneckConfig(bottleneck_size=8))
+    model.save_pretrained(tmp_path)
+    assert cli(["inspect", str(tmp_path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    per_module = 2 * 32 * 8 + 8 + 32  # D, U and their biases
+    assert info["modules"] == {name: per_module for name in FFN["llama"]} and info["parameters"] == 2 * per_module
+    assert cli(["inspect", str(tmp_path), "--feature-plot", str(tmp_path / "x.png")]) == 2  # a MAD-G-only option
+
+
 def test_stack_is_language_then_task_and_only_task_trains(tmp_path):
     x = inputs()
     lang = get_peft_model(tiny_llama(), BottleneckConfig(bottleneck_size=8, init_weights=False), adapter_name="lang")
@@ -346,6 +356,21 @@ def test_madg_layers_cover_every_block():
 
 
 # ---------------------------------------------------------------------------------------------- the demonstration
+def test_the_madg_recipe_refuses_hub_data_clearly_offline(monkeypatch):
+    import importlib.util
+
+    from .test_readme_and_recipes import ROOT
+
+    spec = importlib.util.spec_from_file_location("madg_typology", ROOT / "recipes" / "madg_typology.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit, match="--hub-dataset wikimedia/wikipedia: the hub is switched off here"):
+        recipe.main(["--hub-dataset", "wikimedia/wikipedia", "--train-languages", "deu", "--hub-configs", "deu=20231101.de", "nld=20231101.nl"])
+    with pytest.raises(SystemExit, match="--hub-configs names no subset for: nld"):
+        recipe.main(["--hub-dataset", "x/y", "--train-languages", "deu", "--hub-configs", "deu=a"])
+
+
 def test_the_madg_recipe_runs_every_stage(tmp_path):
     import importlib.util
     from argparse import Namespace
