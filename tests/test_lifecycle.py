@@ -7,6 +7,7 @@ output differs from the base model's, so merge/load/disable checks test somethin
 import contextlib
 import io
 import json
+import math
 import os
 
 import pytest
@@ -176,8 +177,10 @@ def test_files_are_safetensors_and_json_only(case, peft_type, bytes_per_weight, 
     count = sum(raw["tunable_weights_per_module"].values())
     assert sum(t.numel() for k, t in tensors.items() if k.endswith("sparse_values")) == count
     payload = sum(t.numel() * t.element_size() for t in tensors.values())
-    # 4-byte int32 index + 4-byte float32 value per tunable weight, + a 4-byte int32 age for SpIEL
-    assert payload == bytes_per_weight * count
+    # a 4-byte float32 value per tunable weight (+ a 4-byte int32 age for SpIEL), and per tensor its positions as
+    # 4-byte int32 indices or a ⌈N/8⌉-byte bitmap, whichever is smaller (index_storage="auto")
+    positions = sum(min(4 * c, math.ceil(raw["module_shapes"][m][0] * raw["module_shapes"][m][1] / 8)) for m, c in raw["tunable_weights_per_module"].items())
+    assert payload == (bytes_per_weight - 4) * count + positions
     assert not any(name.endswith((".bin", ".pt", ".pkl")) for name in os.listdir(tmp_path))
 
 

@@ -20,7 +20,8 @@ VKEY = "base_model.model.model.layers.0.self_attn.q_proj.sparse_values"
 
 @pytest.fixture
 def saved(tmp_path):
-    model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules=["q_proj", "v_proj"], density=0.1))
+    # index lists (what these tests corrupt); density 0.1 would otherwise be stored as bitmaps
+    model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules=["q_proj", "v_proj"], density=0.1, index_storage="list"))
     randomize_values(model)
     model.save_pretrained(tmp_path)
     return tmp_path
@@ -166,3 +167,30 @@ def test_transformers_adapter_loading_checks_the_file(saved):
     model.load_adapter(str(saved))
     with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj: indices must be sorted and unique, found unsorted"):
         model(torch.zeros(1, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("density", [0.01, 0.1, 0.6])
+def test_list_and_bitmap_storage_give_identical_models(tmp_path, density):
+    """index_storage: 'list', 'bitmap' and 'auto' files load into the same model; 'auto' is the smaller file, the
+    bitmap above density 1/32; merge_sparse_adapters and inspect read both forms."""
+    from peft_sparse.core.compose import adapter_file_summary, merge_sparse_adapters
+
+    x = torch.randint(0, 97, (2, 7))
+    sizes, logits, merged = {}, {}, {}
+    for storage in ("list", "bitmap", "auto"):
+        model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules="all-linear", density=density, index_storage=storage))
+        randomize_values(model)
+        model.save_pretrained(tmp_path / storage)
+        keys = load_file(tmp_path / storage / "adapter_model.safetensors")
+        assert any(k.endswith("sparse_index_bits") for k in keys) == (storage == "bitmap" or (storage == "auto" and density > 1 / 32))
+        sizes[storage] = sum(t.numel() * t.element_size() for t in keys.values())
+        logits[storage] = _load(tmp_path / storage)(x).logits
+        merged[storage] = merge_sparse_adapters(tiny_llama(), [tmp_path / storage])(x).logits
+        summary = adapter_file_summary(tmp_path / storage)
+        assert summary["num_tunable_weights"] == sum(model.peft_config["default"].tunable_weights_per_module.values())
+    assert torch.equal(logits["list"], logits["bitmap"]) and torch.equal(logits["list"], logits["auto"])
+    assert torch.equal(merged["list"], merged["bitmap"])
+    torch.testing.assert_close(merged["list"], logits["list"], rtol=1e-5, atol=1e-5)
+    assert sizes["auto"] == min(sizes["list"], sizes["bitmap"])
+    with pytest.raises(ValueError, match="index_storage must be 'auto', 'list' or 'bitmap', got index_storage='dense'"):
+        SparseFTConfig(target_modules="all-linear", density=0.1, index_storage="dense")

@@ -19,6 +19,7 @@ from peft.utils import load_peft_weights, set_peft_model_state_dict
 from safetensors.torch import load_file
 from torch import nn
 
+from . import storage
 from .config import SparseConfig, read_adapter_config
 from .layer import add_delta_to_base, index_dtype, logical_shape, supported_base_layer
 from .selection import check_sparse_tensors
@@ -104,7 +105,7 @@ def merge_sparse_adapters(model: nn.Module, adapter_dirs: Sequence[PathLike], we
         path = os.path.join(adapter_dir, "adapter_model.safetensors")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{adapter_dir} holds no adapter_model.safetensors")
-        tensors = load_file(path)
+        tensors = storage.decode(load_file(path))
         counts = config.tunable_weights_per_module or {}
         suffix = ".sparse_indices"
         seen = set()
@@ -141,7 +142,9 @@ def adapter_file_summary(adapter_dir: PathLike) -> dict:
     raw = read_adapter_config(adapter_dir)
     _sparse_config_class(raw.get("peft_type"), str(adapter_dir))
     path = os.path.join(adapter_dir, "adapter_model.safetensors")
-    tensors = load_file(path)
+    raw_tensors = load_file(path)
+    bitmaps = {k.replace(storage.BITS, storage.LIST) for k in raw_tensors if storage.BITS in k}
+    tensors = storage.decode(raw_tensors)
     shapes = raw.get("module_shapes") or {}
     modules = {}
     for key, indices in tensors.items():
@@ -153,6 +156,7 @@ def adapter_file_summary(adapter_dir: PathLike) -> dict:
                 "shape": shape,
                 "density": indices.numel() / (shape[0] * shape[1]) if shape else None,
                 "index_dtype": str(indices.dtype).removeprefix("torch."),
+                "index_storage": "bitmap" if key in bitmaps else "list",
             }
     return {
         "peft_type": raw["peft_type"],

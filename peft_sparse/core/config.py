@@ -108,6 +108,16 @@ class SparseConfig(PeftConfig):
             )
         },
     )
+    index_storage: str = field(
+        default="auto",
+        metadata={
+            "help": (
+                "How the saved file stores each tensor's positions: 'list' (sorted int32 indices, 4 bytes per active "
+                "weight), 'bitmap' (⌈N/8⌉ bytes per N-weight tensor) or 'auto' (default), whichever is smaller — the "
+                "bitmap above density 1/32. Loading reads both; the model in memory is the same."
+            )
+        },
+    )
     training_merge: bool = field(
         default=False,
         metadata={
@@ -225,6 +235,8 @@ class SparseConfig(PeftConfig):
         self.block_shape = tuple(shape)
         if self.budget_split not in BUDGET_SPLITS:
             raise ValueError(f"budget_split must be one of {list(BUDGET_SPLITS)}, got budget_split={self.budget_split!r}")
+        if self.index_storage not in ("auto", "list", "bitmap"):
+            raise ValueError(f"index_storage must be 'auto', 'list' or 'bitmap', got index_storage={self.index_storage!r}")
         if not isinstance(self.training_merge, bool):
             raise ValueError(f"training_merge must be True or False, got training_merge={self.training_merge!r}")
         if self.slow_fast is not None:
@@ -250,7 +262,7 @@ class SparseConfig(PeftConfig):
         """The fields every sparse config shares, e.g. to re-express an adapter as another sparse type."""
         names = [
             "target_modules", "exclude_modules", "layers_to_transform", "layers_pattern", "modules_to_save",
-            "seed", "init_weights", "budget_split", "values_dtype", "slow_fast", "tunable_weights_per_module", "module_shapes", "block_shape", "base_model_name_or_path", "revision",
+            "seed", "init_weights", "budget_split", "values_dtype", "index_storage", "slow_fast", "tunable_weights_per_module", "module_shapes", "block_shape", "base_model_name_or_path", "revision",
             "task_type", "inference_mode",
         ]  # fmt: skip
         out = {n: getattr(self, n) for n in names}

@@ -23,6 +23,7 @@ from torch import nn
 from ..registry import ExcludedModule, include_all_linear_layers
 
 from .budget import split_budget, split_weights, total_budget
+from . import storage
 from .config import SparseConfig, dtype_name
 from .layer import SparseLayer, SparseLinear, index_dtype, logical_shape, supported_base_layer
 from .selection import BlockGrid, check_sparse_tensors, module_generator
@@ -258,10 +259,21 @@ class SparseTuner(BaseTuner):
             for handle in handles:
                 handle.remove()
 
-    # ------------------------------------------------------------------------------- loading
+    # ------------------------------------------------------------------------------- saving and loading
+    @classmethod
+    def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
+        # each tensor's positions as an index list or a bitmap, whichever is smaller (core/storage.py)
+        out = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
+
+        def numel_of(key: str) -> int:
+            module = model.get_submodule(key.split(storage.LIST)[0].removeprefix("_fsdp_wrapped_module."))
+            return module.numel
+
+        return storage.encode(out, numel_of, getattr(config, "index_storage", "list"))
+
     @classmethod
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
-        state_dict = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
+        state_dict = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, storage.decode(state_dict))
         for name, layer in model.named_modules():
             if not isinstance(layer, SparseLayer) or adapter_name not in layer.sparse_values:
                 continue
