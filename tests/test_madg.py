@@ -389,3 +389,30 @@ def test_the_madg_recipe_runs_every_stage(tmp_path):
     for name in ("generated-nld", "generated-eng"):
         assert json.loads((tmp_path / name / "adapter_config.json").read_text())["peft_type"] == "BOTTLENECK"
     assert json.loads((tmp_path / "generator" / "adapter_config.json").read_text())["layer_embeddings"] is True
+
+
+def test_madg_trains_an_encoder_with_masked_lm_through_the_language_collator(tmp_path):
+    """Multilingual MLM for encoders (thesis §3.4.3): a tiny BERT MLM, transformers' MLM collator inside the
+    LanguageCollator, single-language batches from the LanguageSampler, a Trainer run that changes V and W."""
+    from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling
+
+    from .models import tiny_tokenizer
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                        max_position_embeddings=64)  # fmt: skip
+    model = get_peft_model(BertForMaskedLM(config), MADGConfig(languages=["deu", "fin"], bottleneck_size=4))
+    tok = tiny_tokenizer()
+    tok.mask_token = "t3"
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(4, 97, (12,), generator=g).tolist(), "language": lang} for lang in ["deu"] * 16 + ["fin"] * 16]
+    collate = LanguageCollator(DataCollatorForLanguageModeling(tok, mlm=True, mlm_probability=0.3))
+    batch = collate(rows[:4])
+    assert batch["language"] == ["deu"] * 4 and (batch["labels"] != -100).any() and (batch["labels"] == -100).any()
+    generator = model.base_model.madg_generator["default"]
+    before = {n: p.detach().clone() for n, p in generator.named_parameters()}
+    stream = LanguageBatchStream(rows, LanguageSampler([r["language"] for r in rows], batch_size=4, num_batches=5, seed=0))
+    args = TrainingArguments(tmp_path, per_device_train_batch_size=4, max_steps=5, learning_rate=1e-2, report_to=[],
+                             remove_unused_columns=False, save_strategy="no", use_cpu=True)  # fmt: skip
+    Trainer(model=model, args=args, train_dataset=stream, data_collator=collate).train()
+    assert all(not torch.equal(before[n], p.detach()) for n, p in generator.named_parameters())
