@@ -72,3 +72,37 @@ def feature_importance_bars(names: list, importance: list, path: str, top: int =
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def slow_fast_plot(history: list, path: str) -> str:
+    """Phase, φ and the multipliers K per set over training (one ``SlowFastScheduler.step`` log per step) as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError("slow-fast plots need matplotlib: pip install 'peft-sparse[plot]'") from exc
+    if not history:
+        raise ValueError("slow_fast_plot needs at least one step's log")
+    steps = list(range(1, len(history) + 1))
+    keys = sorted({k for h in history for k in h if k.startswith("slow_fast/K[")})
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
+    top.step(steps, [h["slow_fast/phase"] for h in history], where="post", color="#444444", label="phase (1 = P₁, 2 = P₂)")
+    phi = [h.get("slow_fast/phi") for h in history]
+    if any(v is not None for v in phi):
+        top.plot(steps, [float("nan") if v is None else v for v in phi], color="#c00000", label="φ")
+    if "loss" in history[0]:
+        top.plot(steps, [h["loss"] for h in history], color="#4472c4", alpha=0.6, label="training loss")
+    top.legend(fontsize=8)
+    top.set_title("slow-fast: phase and loss ratio φ")
+    for key in keys:
+        bottom.plot(steps, [h.get(key) for h in history], label=key.removeprefix("slow_fast/"))
+    bottom.set_yscale("symlog", linthresh=1e-3)  # (R(φ) reaches 0)
+    bottom.set_xlabel("optimizer step")
+    bottom.set_ylabel("learning-rate multiplier K")
+    bottom.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -191,3 +191,23 @@ def test_trainer_callback_from_the_sparse_config_logs_phase_and_multipliers(tmp_
     assert logged[-1]["slow_fast/K[S1]"] == 0.25
     rates = {g["slow_fast_sets"]: g["lr"] for g in trainer.optimizer.param_groups}
     assert rates[("S1", "S2")] == pytest.approx(0.25e-2) and rates[("V1",)] == pytest.approx(1e-2)
+
+
+def test_the_slow_fast_recipe_compares_plain_and_slow_fast_and_plots(tmp_path):
+    """recipes/slow_fast.py end to end on a tiny model (the mechanism; the README holds the SmolLM2 numbers)."""
+    import importlib.util
+    from argparse import Namespace
+
+    from .test_cross_lingual_recipe import _rows, _tokenizer
+    from .test_readme_and_recipes import ROOT
+
+    spec = importlib.util.spec_from_file_location("slow_fast_recipe", ROOT / "recipes" / "slow_fast.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    args = Namespace(steps=8, window=2, lr=1e-2, budget=500, fraction=0.5, batch_size=2, max_length=32, seed=0)
+    result = recipe.run(tiny_llama(), _tokenizer(), _rows(16, 1), _rows(4, 3), args, tmp_path)
+    assert set(result["exact_match"]) == {"plain", "slow-fast"}
+    plain, fast = result["history"]["plain"], result["history"]["slow-fast"]
+    assert len(plain) == len(fast) == 8 and "slow_fast/phase" in fast[0] and "slow_fast/phase" not in plain[0]
+    assert any("slow_fast/phi" in h for h in fast)  # two full windows of losses exist from step 4
+    assert (tmp_path / "slow-fast.png").stat().st_size > 0
