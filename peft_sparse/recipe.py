@@ -3,8 +3,8 @@
 ::
 
     model:      {source: smollm2-135m-instruct, dtype: float32}
-    method:     {peft_type: SPIEL, target_modules: all-linear, density: 0.01, ...}   # any sparse PEFT config
-    data:       {train: data/skills_train.jsonl, eval: data/skills_test.jsonl}      # relative to the recipe
+    method:     {peft_type: SPIEL, target_modules: all-linear, density: 0.01, ...}   # a sparse config, LORA or FULL
+    data:       {train: data/skills_train.jsonl, eval: data/skills_test.jsonl}      # relative to the recipe, or hub:NAME
     training:   {output_dir: ..., max_steps: ..., learning_rate: ...}             # trl.SFTConfig fields
     evaluation: {max_new_tokens: 8, batch_size: 16}                               # exact match before/after
 
@@ -27,8 +27,10 @@ from typing import Any, Optional
 import yaml
 
 SECTIONS = {"model", "method", "data", "training", "evaluation", "slow_fast"}
-MODEL_KEYS = {"source", "gguf_file", "dtype"}
-DATA_KEYS = {"train", "eval"}
+MODEL_KEYS = {"source", "gguf_file", "dtype", "quantization"}
+DATA_KEYS = {"train", "eval", "train_limit", "subset"}
+QUANTIZATIONS = ("nf4",)
+HUB = "hub:"
 EVAL_KEYS = {"max_new_tokens", "batch_size", "show", "reference"}
 
 
@@ -40,6 +42,7 @@ class Recipe:
     data: dict
     training_args: Any
     evaluation: dict = field(default_factory=dict)
+    slow_fast: Optional[dict] = None  # slow-fast settings for LoRA / full fine-tuning (sparse configs record their own)
 
 
 def _check_keys(section: str, got: dict, allowed: set[str]) -> None:
@@ -49,17 +52,21 @@ def _check_keys(section: str, got: dict, allowed: set[str]) -> None:
 
 
 def build_peft_config(method: dict):
-    """A sparse PEFT config from a mapping with ``peft_type`` and that config's fields."""
+    """The method's PEFT config from a mapping with ``peft_type`` and that config's fields: any sparse method,
+    ``LORA`` (PEFT's ``LoraConfig``), or ``FULL`` (no adapter: full fine-tuning, returns None)."""
+    from .core.config import SparseConfig
     from .registry import PEFT_TYPE_TO_CONFIG_MAPPING
 
-    from .core.config import SparseConfig
-
     method = dict(method)
-    peft_type = method.pop("peft_type", None)
-    config_cls = PEFT_TYPE_TO_CONFIG_MAPPING.get(str(peft_type).upper()) if peft_type else None
-    if config_cls is None or not issubclass(config_cls, SparseConfig):
-        sparse = sorted(k for k, v in PEFT_TYPE_TO_CONFIG_MAPPING.items() if issubclass(v, SparseConfig))
-        raise ValueError(f"recipe method.peft_type={peft_type!r} is not a sparse method; choose one of {sparse}")
+    peft_type = str(method.pop("peft_type", "")).upper()
+    if peft_type == "FULL":
+        if method:
+            raise ValueError(f"recipe method.peft_type=FULL (full fine-tuning) takes no other fields, got {sorted(method)}")
+        return None
+    config_cls = PEFT_TYPE_TO_CONFIG_MAPPING.get(peft_type) if peft_type else None
+    if config_cls is None or not (issubclass(config_cls, SparseConfig) or peft_type == "LORA"):
+        sparse = sorted(k for k, v in PEFT_TYPE_TO_CONFIG_MAPPING.items() if isinstance(v, type) and issubclass(v, SparseConfig))
+        raise ValueError(f"recipe method.peft_type={peft_type or None!r} is not supported; choose one of {sparse}, LORA or FULL")
     names = {f.name for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(method) - names)
     if unknown:
@@ -137,23 +144,45 @@ def load_recipe(path_or_mapping, overrides: Optional[dict] = None) -> Recipe:
         raise ValueError(f"recipe evaluation.reference must map labels to text, got evaluation.reference={reference!r}")
     if "source" not in raw["model"]:
         raise ValueError("recipe model.source is required (a built-in model name or a local directory)")
+    quantization = raw["model"].get("quantization")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"recipe model.quantization={quantization!r} is not supported; use one of {QUANTIZATIONS} or leave it out")
     base = path.parent if path is not None else Path.cwd()
     data = {}
     for split, rel in raw["data"].items():
+        if rel is None:  # (an override may clear an entry: --set data.subset=null)
+            continue
+        if split == "subset":  # rows whose `dataset` field names this subset (e.g. flan_v2 in the Tulu v2 mixture)
+            if not isinstance(rel, str) or not rel:
+                raise ValueError(f"recipe data.subset must name a subset, got data.subset={rel!r}")
+            data[split] = rel
+            continue
+        if split == "train_limit":
+            if isinstance(rel, bool) or not isinstance(rel, int) or rel <= 0:
+                raise ValueError(f"recipe data.train_limit must be a positive integer, got data.train_limit={rel!r}")
+            data[split] = rel
+            continue
+        if str(rel).startswith(HUB):  # a hub dataset by name, read when the recipe runs (online only)
+            data[split] = str(rel)
+            continue
         p = Path(rel) if os.path.isabs(rel) else base / rel
         if not p.is_file():
-            raise ValueError(f"recipe data.{split}={rel!r} does not exist (looked at {p})")
+            raise ValueError(f"recipe data.{split}={rel!r} does not exist (looked at {p}); a hub dataset is written hub:NAME")
         data[split] = p
     if "train" not in data:
         raise ValueError("recipe data.train is required")
     peft_config, training_args = build_peft_config(raw["method"]), build_training_args(raw["training"])
-    if raw["slow_fast"]:  # slow-fast learning rates: recorded in the adapter config, applied by the callback
+    slow_fast = None
+    if raw["slow_fast"]:  # slow-fast learning rates: recorded in a sparse adapter's config, applied by the callback
+        from .core.config import SparseConfig
         from .schedules.slow_fast import SlowFastConfig
 
         try:
-            peft_config.slow_fast = SlowFastConfig.from_value(raw["slow_fast"]).to_dict()
+            slow_fast = SlowFastConfig.from_value(raw["slow_fast"]).to_dict()
         except ValueError as exc:
             raise ValueError(f"recipe slow_fast: {exc}") from None
+        if isinstance(peft_config, SparseConfig):
+            peft_config.slow_fast, slow_fast = slow_fast, None
     phases = getattr(peft_config, "dense_steps", None), getattr(peft_config, "sparse_steps", None)
     if None not in phases and training_args.max_steps != sum(phases):
         raise ValueError(
@@ -167,6 +196,7 @@ def load_recipe(path_or_mapping, overrides: Optional[dict] = None) -> Recipe:
         data=data,
         training_args=training_args,
         evaluation=raw["evaluation"],
+        slow_fast=slow_fast,
     )
 
 
@@ -175,11 +205,46 @@ def read_jsonl(path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def read_rows(source, limit: Optional[int] = None, subset: Optional[str] = None) -> list[dict]:
+    """A recipe's data: a local file, or ``hub:NAME`` (``peft_sparse.data.load_instruction_data``); with ``subset``,
+    only the rows whose ``dataset`` field is that name (the Tulu v2 mixture names each row's source)."""
+    from .data.instructions import load_instruction_data
+
+    if isinstance(source, str) and source.startswith(HUB):
+        rows = load_instruction_data(source[len(HUB) :])
+    else:
+        rows = read_jsonl(source) if str(source).endswith(".jsonl") else load_instruction_data(source)
+    if subset is not None:
+        names = sorted({str(r.get("dataset")) for r in rows})
+        rows = [r for r in rows if r.get("dataset") == subset]
+        if not rows:
+            raise ValueError(f"recipe data.subset={subset!r} matches no row of {source}; its rows name the subsets {names[:20]}")
+    return rows[:limit] if limit is not None else rows
+
+
 def method_callbacks(peft_config) -> list:
     """Trainer callbacks a method needs (dynamic methods drive their scheduler from Trainer events)."""
     from .callbacks import callbacks_for
 
     return callbacks_for(peft_config)
+
+
+def _optimizer(recipe: Recipe):
+    """SpIEL-MA trains with SM3 (its accumulators rank the growth); every other method with the Trainer's optimizer."""
+    if getattr(recipe.peft_config, "growth", None) != "ma":
+        return None
+    from .optim import SM3
+
+    return SM3, {"lr": recipe.training_args.learning_rate, "weight_decay": recipe.training_args.weight_decay}
+
+
+def _slow_fast_callbacks(recipe: Recipe) -> list:
+    if not recipe.slow_fast:
+        return []
+    from .callbacks import SlowFastCallback
+    from .schedules.slow_fast import SlowFastConfig
+
+    return [SlowFastCallback(SlowFastConfig.from_value(recipe.slow_fast))]
 
 
 def _first_line(text: str) -> str:
@@ -214,9 +279,17 @@ def run_recipe(recipe: Recipe) -> dict:
     from .evaluation import exact_match
 
     started = time.time()
-    model, tokenizer = load_model_and_tokenizer(**recipe.model)
-    train_rows = read_jsonl(recipe.data["train"])
-    eval_rows = read_jsonl(recipe.data["eval"]) if "eval" in recipe.data else []
+    model_kwargs = dict(recipe.model)
+    if model_kwargs.pop("quantization", None) == "nf4":  # QLoRA / qSpIEL: NF4 base weights, bfloat16 compute
+        from transformers import BitsAndBytesConfig
+
+        model_kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_use_double_quant=True
+        )
+    model, tokenizer = load_model_and_tokenizer(**model_kwargs)
+    train_rows = read_rows(recipe.data["train"], recipe.data.get("train_limit"), recipe.data.get("subset"))
+    eval_rows = read_rows(recipe.data["eval"]) if "eval" in recipe.data else []
+    eval_rows = [r for r in eval_rows if "answer" in r]  # (exact match needs reference answers)
     if any("messages" in r for r in train_rows):
         # chats: tokenized here with labels on assistant turns only (TRL keeps given labels), over-long ones counted
         from .data.instructions import check_row, tokenize_chats
@@ -243,11 +316,14 @@ def run_recipe(recipe: Recipe) -> dict:
         train_dataset=train,
         processing_class=tokenizer,
         peft_config=recipe.peft_config,
-        callbacks=method_callbacks(recipe.peft_config),
+        callbacks=method_callbacks(recipe.peft_config) + _slow_fast_callbacks(recipe),
+        optimizer_cls_and_kwargs=_optimizer(recipe),
     )
-    trainer.model.print_trainable_parameters()
+    if hasattr(trainer.model, "print_trainable_parameters"):
+        trainer.model.print_trainable_parameters()
     train_result = trainer.train()
-    adapter_dir = Path(recipe.training_args.output_dir) / "adapter"
+    # full fine-tuning saves the whole model; every other method its adapter
+    adapter_dir = Path(recipe.training_args.output_dir) / ("model" if recipe.peft_config is None else "adapter")
     trainer.model.save_pretrained(adapter_dir)
     tokenizer.save_pretrained(adapter_dir)
 

@@ -151,3 +151,26 @@ def test_lt_sft_both_phases_through_trl(tmp_path):
     loaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
     with torch.no_grad():
         assert torch.equal(loaded(**probe).logits, logits)
+
+
+@pytest.mark.parametrize("name", ["spiel_ma-tulu_v2", "lora-flan_v2", "qspiel_ag-gpt4_alpaca", "full-gpt4_alpaca"])
+def test_instruction_recipes_smoke_run_offline(name, tmp_path):
+    """The instruction recipes' offline smoke version (their header's command): SmolLM2, the bundled chats, 2 steps —
+    SpIEL-MA through SM3, LoRA and full fine-tuning through the same runner; the quantized variant without its
+    NF4 base (bitsandbytes 4-bit needs a GPU) but with its bfloat16 values."""
+    from peft_sparse.recipe import load_recipe, run_recipe
+
+    overrides = {"model.source": "smollm2-135m-instruct", "model.quantization": None, "model.dtype": "float32",
+                 "data.train": str(ROOT / "recipes/data/skills_train.jsonl"), "data.subset": None, "data.train_limit": 32,
+                 "training.max_steps": 2, "training.use_cpu": True, "training.bf16": False, "training.max_length": 128,
+                 "training.gradient_accumulation_steps": 1, "training.output_dir": str(tmp_path), "training.save_strategy": "no", "training.logging_steps": 1,
+                 "training.gradient_checkpointing": False, "training.optim": "adamw_torch"}  # fmt: skip
+    if "spiel" in name:
+        overrides["method.num_tunable_weights"] = 4884480  # (LoRA r16's count on SmolLM2; the recipe's is Llama-2-7B's)
+    if not name.startswith("full"):
+        del overrides["training.optim"], overrides["training.gradient_checkpointing"]
+    recipe = load_recipe(ROOT / "recipes" / "instruction" / f"{name}.yaml", overrides=overrides)
+    summary = run_recipe(recipe)
+    assert summary["train_loss_first"] is not None
+    saved = tmp_path / ("model" if name.startswith("full") else "adapter")
+    assert (saved / ("config.json" if name.startswith("full") else "adapter_config.json")).is_file()
