@@ -1,4 +1,4 @@
-"""The peft-sparse command: train a recipe, merge adapters into a model, inspect an adapter."""
+"""The peft-sparse command: train a recipe, merge adapters into a model, evaluate a model, inspect an adapter."""
 
 from __future__ import annotations
 
@@ -142,6 +142,38 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_evaluate(args) -> int:
+    from .assets import load_model_and_tokenizer
+    from .evaluation import suite
+
+    model, tokenizer = load_model_and_tokenizer(args.base, gguf_file=args.gguf_file, dtype=args.dtype)
+    if args.adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, args.adapter)
+    runner = suite.HFModel(model, tokenizer, batch_size=args.batch_size, chat=args.chat)
+    rows = suite.load_task(args.task, args.data)
+    shots = suite.load_task(args.task, args.shots_data, split=suite.SHOT_SPLITS.get(args.task)) if args.task in suite.SHOT_SPLITS else None
+    rows = rows[: args.limit] if args.limit else rows
+    if args.task == "mmlu":
+        result = suite.mmlu(runner, rows, shots)
+    elif args.task == "gsm":
+        result = suite.gsm(runner, rows, shots)
+    elif args.task == "bbh":
+        tasks: dict = {}
+        for row in rows:
+            if "task" not in row:
+                raise ValueError("bbh rows need a 'task' field naming their BBH task (one JSONL for all 23 tasks)")
+            tasks.setdefault(row["task"], []).append(row)
+        result = suite.bbh(runner, tasks)
+    elif args.task == "tydiqa":
+        result = suite.tydiqa(runner, rows)
+    else:
+        result = suite.humaneval(runner, rows)
+    print(json.dumps({"task": args.task, "base": args.base, "adapter": args.adapter, **result}, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="peft-sparse", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -162,6 +194,19 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--weights", type=float, nargs="+", default=None, help="one weight per adapter (default 1)")
     merge.add_argument("--output", default=None, help="directory for the merged model (default: outputs/merged-<first adapter's folder name>)")
     merge.set_defaults(func=cmd_merge)
+
+    evaluate = sub.add_parser("evaluate", help="an instruction-tuning benchmark (MMLU, GSM, BBH, TyDiQA, HumanEval; thesis App. E.1)")
+    evaluate.add_argument("task", choices=["mmlu", "gsm", "bbh", "tydiqa", "humaneval"])
+    evaluate.add_argument("--base", required=True, help="built-in model name or local model directory")
+    evaluate.add_argument("--adapter", default=None, help="an adapter directory to load on the base model")
+    evaluate.add_argument("--gguf-file", default=None)
+    evaluate.add_argument("--dtype", default="float32")
+    evaluate.add_argument("--data", default=None, help="a local .jsonl of the task's items (default: the task's hub dataset)")
+    evaluate.add_argument("--shots-data", default=None, help="mmlu: dev items, gsm: exemplars (.jsonl; default: the hub's split)")
+    evaluate.add_argument("--limit", type=int, default=None, help="evaluate only this many items")
+    evaluate.add_argument("--batch-size", type=int, default=8)
+    evaluate.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
+    evaluate.set_defaults(func=cmd_evaluate)
 
     inspect = sub.add_parser("inspect", help="method, per-module counts and densities, file size of an adapter")
     inspect.add_argument("adapter_dir")

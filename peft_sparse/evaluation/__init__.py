@@ -1,4 +1,5 @@
-"""Exact-match evaluation of short-answer instruction items by greedy generation."""
+"""Evaluation: exact match of short-answer instruction items (below) and the instruction-tuning benchmark suite
+(:mod:`.suite`: MMLU, GSM, BBH, TyDiQA, HumanEval as in thesis App. E.1)."""
 
 from __future__ import annotations
 
