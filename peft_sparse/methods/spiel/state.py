@@ -1,0 +1,110 @@
+"""Saving and restoring a ``SpIELScheduler`` exactly: step, open window statistics, AG seeds still waiting for
+the next optimizer step, and φ₀ for ``drop_criterion='change'`` — JSON plus safetensors, no pickle."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from safetensors.torch import load_file, save_file
+
+
+class SchedulerState:
+    """The state methods of :class:`~peft_sparse.methods.spiel.scheduler.SpIELScheduler` (a mixin)."""
+
+    def state_dict(self) -> dict:
+        """Step, window statistics and seeds still waiting for the next optimizer step (tensors by module)."""
+        by_layer = {id(m.sparse_values[self.adapter_name]): m.module_name for m in self.layers}
+        pending = self.seeding.pending if self.seeding is not None else {}
+        return {
+            "t": self.t,
+            "total_steps": self.total_steps,
+            "adapter_name": self.adapter_name,
+            "steps_in_window": self.steps_in_window,
+            "armed": bool(self.statistics),
+            "statistics": {name: s.tensors() for name, s in self.statistics.items()},
+            "pending_seeds": {
+                by_layer[key]: {"slots": slots, "grad_mean": g, "grad_sq_mean": s2} for key, (slots, g, s2) in pending.items()
+            },
+            "drop_reference": {name: {"values": v} for name, v in self.drop_reference.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["adapter_name"] != self.adapter_name:
+            raise ValueError(f"scheduler state is for adapter {state['adapter_name']!r}, not {self.adapter_name!r}")
+        if state["total_steps"] != self.total_steps:
+            raise ValueError(
+                f"scheduler state was made with total_steps={state['total_steps']}, this scheduler has "
+                f"total_steps={self.total_steps}; k(t) would differ"
+            )
+        self._disarm()
+        self.t = int(state["t"])
+        layers = {m.module_name: m for m in self.layers}
+        for name in list(state["statistics"]) + list(state.get("pending_seeds", {})):
+            if name not in layers:
+                raise ValueError(f"scheduler state refers to module {name!r}, which holds no {self.adapter_name!r} adapter")
+
+        def device_of(name):
+            return layers[name].sparse_values[self.adapter_name].device
+
+        if state["armed"]:
+            self._arm_if_window(self.t + 1)
+            if not self.statistics:
+                raise ValueError(f"scheduler state says a window is open after step {self.t}, but none is scheduled there")
+            for name, tensors in state["statistics"].items():
+                stats = self.statistics[name]
+                if tensors:
+                    stats.candidates = tensors["candidates"].to(device_of(name), copy=True)
+                    if "candidate_units" in tensors:
+                        stats.candidate_units = tensors["candidate_units"].to(device_of(name), copy=True)
+                        stats.index_candidate_blocks()
+                    stats.step_sum = tensors["step_sum"].to(device_of(name), copy=True)
+                    stats.grad_sum = tensors["grad_sum"].to(device_of(name), copy=True)
+                    stats.grad_sq_sum = tensors["grad_sq_sum"].to(device_of(name), copy=True)
+                    if "col_scale" in tensors:
+                        stats.col_scale = tensors["col_scale"].to(device_of(name), copy=True)
+            self.steps_in_window = int(state["steps_in_window"])
+        if self.config.drop_criterion == "change":
+            reference = state.get("drop_reference") or {}
+            if set(reference) != set(layers):
+                raise ValueError("scheduler state holds no φ₀ of every tensor (drop_criterion='change'); it was saved with another drop criterion")
+            self.drop_reference = {name: t["values"].to(device_of(name), copy=True) for name, t in reference.items()}
+        if self.seeding is not None:
+            self.seeding.pending = {
+                id(layers[name].sparse_values[self.adapter_name]): tuple(
+                    t[k].to(device_of(name), copy=True) for k in ("slots", "grad_mean", "grad_sq_mean")
+                )
+                for name, t in state.get("pending_seeds", {}).items()
+            }
+
+    _TENSOR_GROUPS = ("statistics", "pending_seeds", "drop_reference")
+
+    def save(self, directory: str) -> None:
+        """Write the state as ``spiel_scheduler.json`` + ``spiel_scheduler.safetensors`` (no pickle)."""
+        state = self.state_dict()
+        tensors = {  # (window sums are views of one buffer for all tensors: safetensors wants their own storage)
+            f"{group}::{module}::{key}": value.contiguous() if value.untyped_storage().nbytes() == value.nbytes else value.clone()
+            for group in self._TENSOR_GROUPS
+            for module, entries in state.pop(group).items()
+            for key, value in entries.items()
+        }
+        state["modules_with_statistics"] = sorted(self.statistics)
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "spiel_scheduler.json"), "w") as f:
+            json.dump(state, f)
+        save_file(tensors, os.path.join(directory, "spiel_scheduler.safetensors"))
+
+    def load(self, directory: str) -> None:
+        path = os.path.join(directory, "spiel_scheduler.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{directory} holds no spiel_scheduler.json; cannot resume SpIEL exactly")
+        with open(path) as f:
+            state = json.load(f)
+        groups: dict = {g: {} for g in self._TENSOR_GROUPS}
+        for module in state.pop("modules_with_statistics", []):
+            groups["statistics"][module] = {}
+        for key, value in load_file(os.path.join(directory, "spiel_scheduler.safetensors")).items():
+            group, module, name = key.split("::")
+            groups[group].setdefault(module, {})[name] = value
+        state.update(groups)
+        self.load_state_dict(state)
