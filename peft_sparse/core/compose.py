@@ -109,7 +109,9 @@ def merge_sparse_adapters(model: nn.Module, adapter_dirs: Sequence[PathLike], we
         counts = config.tunable_weights_per_module or {}
         suffix = ".sparse_indices"
         seen = set()
-        for key, indices in tensors.items():
+        from tqdm.auto import tqdm
+
+        for key, indices in tqdm(tensors.items(), desc=f"merging {os.path.basename(str(adapter_dir))}", unit="tensor", disable=None, leave=False):
             if not key.endswith(suffix):
                 continue
             module_name = key.removeprefix("base_model.model.")[: -len(suffix)]

@@ -23,7 +23,10 @@ def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens
     model.eval()
     replies = []
     try:
-        for start in range(0, len(prompts), batch_size):
+        from tqdm.auto import tqdm
+
+        # (a bar on a terminal; none when the output is a file or a test)
+        for start in tqdm(range(0, len(prompts), batch_size), desc="evaluating", unit="batch", disable=None, leave=False):
             texts = [
                 tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
                 for p in prompts[start : start + batch_size]

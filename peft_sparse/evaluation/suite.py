@@ -88,7 +88,9 @@ class HFModel:
         try:
             if temperature > 0:
                 torch.manual_seed(self.seed)  # (reproducible sampling)
-            for start in range(0, len(prompts), self.batch_size):
+            from tqdm.auto import tqdm
+
+            for start in tqdm(range(0, len(prompts), self.batch_size), desc="generating", unit="batch", disable=None, leave=False):
                 texts = [self._text(p) for p in prompts[start : start + self.batch_size]]
                 enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=not self.chat).to(self.model.device)
                 kwargs = {"do_sample": True, "temperature": temperature, "top_p": 0.95} if temperature > 0 else {"do_sample": False}
