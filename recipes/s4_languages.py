@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import sys
 import time
@@ -36,6 +37,7 @@ from peft_sparse.data import SingleLanguageBatchSampler, make_languages  # noqa:
 from peft_sparse.methods.s4 import mask_overlaps, overlap_table  # noqa: E402
 
 LANGUAGES = ["xa", "xb", "xc"]
+ARMS = ("none", "full", "random", "s4", "s4-column")
 
 
 def train(model, params, batches, steps: int, lr: float, router_of=None) -> dict:
@@ -87,6 +89,7 @@ def run(base, tokenizer, train_rows: list, test_rows: list, args, out: Path) -> 
     per_language = {lang: [b for b, _ in _take(batches_of([s for s, n in zip(shots, names) if n == lang], [lang] * args.shots, args.batch_size, pad, args.seed), args.importance_batches)] for lang in LANGUAGES}
     config = S4Config(target_modules="all-linear", density=args.density, languages=LANGUAGES, importance_batches=args.importance_batches)
     detected = detect_language_masks(source, per_language, config)
+    arms = getattr(args, "arms", None) or ARMS
     results, overlaps = {}, {}
 
     def score(label, model):
@@ -96,34 +99,49 @@ def run(base, tokenizer, train_rows: list, test_rows: list, args, out: Path) -> 
         print(f"{label:<34}" + "".join(f"{100 * row[k]:7.1f}%" for k in [*LANGUAGES, "mean"]), flush=True)
 
     # 3. the arms, same steps and data
-    s4 = build_s4_model(copy.deepcopy(source), config, detected)
-    params = [p for p in s4.parameters() if p.requires_grad]
-    timings["s4"] = train(s4, params, batches_of(shots, names, args.batch_size, pad, args.seed), args.steps, args.lr, lambda opt: S4Router(s4, opt))
-    overlaps["s4"] = mask_overlaps(s4)
-    s4.save_pretrained(out / "s4-adapter")
-    g = torch.Generator().manual_seed(args.seed + 1)
-    numel = {name: m.numel for name, m in ((n.removeprefix("base_model.model."), m) for n, m in s4.named_modules()) if hasattr(m, "sparse_values") and "default" in getattr(m, "sparse_values", {})}
-    randoms = {lang: {name: torch.randperm(numel[name], generator=g)[: idx.numel()].sort().values for name, idx in mods.items()} for lang, mods in detected.items()}
-    rand = build_s4_model(copy.deepcopy(source), config, randoms)
-    timings["random masks"] = train(rand, [p for p in rand.parameters() if p.requires_grad], batches_of(shots, names, args.batch_size, pad, args.seed),
-                                    args.steps, args.lr, lambda opt: S4Router(rand, opt))  # fmt: skip
-    overlaps["random masks"] = mask_overlaps(rand)
-    full = copy.deepcopy(source).requires_grad_(True)  # (the merged source came back frozen)
-    timings["full fine-tuning"] = train(full, list(full.parameters()), batches_of(shots, names, args.batch_size, pad, args.seed), args.steps, args.full_lr)
+    models, label = {}, {"none": "no adaptation (source model)", "full": "full fine-tuning", "random": f"random masks, p = {args.density}",
+                         "s4": f"S⁴ (Taylor masks, p = {args.density})", "s4-column": f"S⁴, column-normalised, p = {args.density}"}  # fmt: skip
+
+    def masked(name, masks, cfg):
+        model = build_s4_model(copy.deepcopy(source), cfg, masks)
+        params = [p for p in model.parameters() if p.requires_grad]
+        timings[name] = train(model, params, batches_of(shots, names, args.batch_size, pad, args.seed), args.steps, args.lr, lambda opt: S4Router(model, opt))
+        overlaps[name] = mask_overlaps(model)
+        models[name] = model
+
+    if "s4" in arms:
+        masked("s4", detected, config)
+        models["s4"].save_pretrained(out / "s4-adapter")
+    if "s4-column" in arms:
+        column = dataclasses.replace(config, score_normalization="column", tunable_weights_per_module=None, module_shapes=None)
+        masked("s4-column", detect_language_masks(source, per_language, column), column)
+    if "random" in arms:
+        g = torch.Generator().manual_seed(args.seed + 1)
+        numel = {n: (m.weight.numel()) for n, m in source.named_modules() if n in detected[LANGUAGES[0]]}
+        randoms = {lang: {n: torch.randperm(numel[n], generator=g)[: idx.numel()].sort().values for n, idx in mods.items()} for lang, mods in detected.items()}
+        masked("random", randoms, config)
+    if "full" in arms:
+        full = copy.deepcopy(source).requires_grad_(True)  # (the merged source came back frozen)
+        timings["full"] = train(full, list(full.parameters()), batches_of(shots, names, args.batch_size, pad, args.seed), args.steps, args.full_lr)
+        models["full"] = full
+    if "none" in arms:
+        models["none"] = source
     print(f"\nexact match on {len(test_rows)} held-out items per language (p = {args.density}, {args.shots}-shot, {args.steps} steps)")
     print(f"{'':<34}" + "".join(f"{k:>8}" for k in [*LANGUAGES, "mean"]))
-    score("no adaptation (source model)", source)
-    score("full fine-tuning", full)
-    score(f"random masks, p = {args.density}", rand)
-    score(f"S⁴ (Taylor-importance masks, p = {args.density})", s4)
-    print("\nJaccard overlap of the S⁴ language masks")
-    print(overlap_table(LANGUAGES, overlaps["s4"]))
-    try:
-        from peft_sparse.plots import overlap_heatmap
+    for name in ARMS:
+        if name in models:
+            score(label[name], models[name])
+    for name in ("s4", "s4-column"):
+        if name in overlaps:
+            print(f"\nJaccard overlap of the language masks ({label[name]})")
+            print(overlap_table(LANGUAGES, overlaps[name]))
+    if "s4" in overlaps:
+        try:
+            from peft_sparse.plots import overlap_heatmap
 
-        overlap_heatmap(LANGUAGES, overlaps["s4"], str(out / "s4-overlap.png"))
-    except ImportError:
-        pass
+            overlap_heatmap(LANGUAGES, overlaps["s4"], str(out / "s4-overlap.png"))
+        except ImportError:
+            pass
     return {"exact_match": results, "timings": timings, "overlaps": {k: {f"{a}-{b}": v for (a, b), v in o.items()} for k, o in overlaps.items()}}
 
 
@@ -149,6 +167,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--limit", type=int, default=40, help="held-out items per language")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="outputs/s4")
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="which adaptations to run (default: all)")
     args = parser.parse_args(argv)
     from peft_sparse.assets import load_model_and_tokenizer
 

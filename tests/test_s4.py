@@ -20,10 +20,11 @@ def _config(**kwargs):
     return S4Config(**base)
 
 
+@pytest.mark.parametrize("normalization", ["none", "column"])
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_importance_is_the_top_p_of_abs_gradient_times_weight(kind):
+def test_importance_is_the_top_p_of_abs_gradient_times_weight(kind, normalization):
     build, targets, _ = MODELS[kind]
-    config = _config(target_modules=targets)
+    config = _config(target_modules=targets, score_normalization=normalization)
     loaders = _loaders()
     masks = detect_language_masks(build(), loaders, config)
     reference = build()
@@ -39,6 +40,8 @@ def test_importance_is_the_top_p_of_abs_gradient_times_weight(kind):
             score = (module.weight.grad * module.weight).abs()
             if kind == "gpt2":
                 score = score.t()
+            if normalization == "column":  # each score over its input column's RMS score
+                score = score / score.pow(2).mean(0, keepdim=True).sqrt()
             k = round(0.2 * score.numel())
             expected = torch.sort(score.reshape(-1), descending=True, stable=True).indices[:k].sort().values
             assert torch.equal(masks[lang][name], expected), (lang, name)
@@ -127,6 +130,8 @@ def test_bad_input_is_refused_clearly():
         _config(density=1.5)
     with pytest.raises(ValueError, match="languages must be"):
         _config(languages=[])
+    with pytest.raises(ValueError, match="score_normalization must be 'none' or 'column', got score_normalization='row'"):
+        _config(score_normalization="row")
     config = _config()
     with pytest.raises(ValueError, match=r"no data for languages \['b'\]"):
         detect_language_masks(tiny_llama(), {"a": _loaders()["a"]}, config)
@@ -195,10 +200,11 @@ def test_the_s4_recipe_runs_every_arm(tmp_path):
     spec = importlib.util.spec_from_file_location("s4_languages", ROOT / "recipes" / "s4_languages.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
-    args = Namespace(density=0.2, shots=4, steps=2, lr=1e-2, full_lr=1e-3, importance_batches=1, source_steps=2, source_lr=1e-2,
+    args = Namespace(arms=list(recipe.ARMS), density=0.2, shots=4, steps=2, lr=1e-2, full_lr=1e-3, importance_batches=1, source_steps=2, source_lr=1e-2,
                      source_budget=500, fraction=0.5, batch_size=2, max_length=32, seed=0)  # fmt: skip
     result = recipe.run(tiny_llama(), _tokenizer(), _rows(16, 1), _rows(4, 3), args, tmp_path)
-    assert set(result["exact_match"]) == {"no adaptation (source model)", "full fine-tuning", "random masks, p = 0.2", "S⁴ (Taylor-importance masks, p = 0.2)"}
+    assert set(result["exact_match"]) == {"no adaptation (source model)", "full fine-tuning", "random masks, p = 0.2", "S⁴ (Taylor masks, p = 0.2)",
+                                          "S⁴, column-normalised, p = 0.2"}  # fmt: skip
     assert all(0.0 <= v <= 1.0 for row in result["exact_match"].values() for v in row.values())
     s4 = result["overlaps"]["s4"]
     assert {"xa-xb", "xa-xc", "xb-xc"} <= set(s4) and all(0.0 <= v <= 1.0 for v in s4.values()) and s4["xa-xa"] == 1.0

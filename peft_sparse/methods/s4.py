@@ -43,6 +43,15 @@ class S4Config(SparseConfig):
 
     languages: Optional[list] = field(default=None, metadata={"help": "The target languages, in the order of the masks."})
     importance_batches: int = field(default=4, metadata={"help": "Batches of each language's data whose gradients score the weights."})
+    score_normalization: str = field(
+        default="none",
+        metadata={
+            "help": (
+                "'none' (the paper): rank by Ω = |∂L/∂h · h|. 'column': rank by Ω divided by the RMS of Ω over its input "
+                "column, which spreads a mask over the columns instead of piling it into the few with the largest scores."
+            )
+        },
+    )
     min_shared: bool = field(default=False, metadata={"help": "Also keep in every mask the weights that every language selected (no-op by construction; recorded)."})
 
     init_choices = ("detected",)
@@ -61,6 +70,8 @@ class S4Config(SparseConfig):
             raise ValueError("S4Config takes density (p, the fraction of each tensor in a language's mask), not num_tunable_weights")
         if isinstance(self.importance_batches, bool) or not isinstance(self.importance_batches, int) or self.importance_batches < 1:
             raise ValueError(f"importance_batches must be a positive integer, got importance_batches={self.importance_batches!r}")
+        if self.score_normalization not in ("none", "column"):
+            raise ValueError(f"score_normalization must be 'none' or 'column', got score_normalization={self.score_normalization!r}")
         if tuple(self.block_shape) != (1, 1):
             raise ValueError(f"block_shape={self.block_shape!r}: S⁴ masks single weights; use (1, 1)")
 
@@ -144,6 +155,8 @@ def detect_language_masks(model, loaders: Mapping[str, object], config: S4Config
                 score = (w.grad * w.detach()).abs()
                 if type(module).__name__ == "Conv1D":
                     score = score.t()  # (logical (out, in) order)
+                if config.score_normalization == "column":  # Ω_ij / RMS_i(Ω_ij): every input column j on one scale
+                    score = score / score.float().pow(2).mean(0, keepdim=True).sqrt().clamp_min(torch.finfo(torch.float32).tiny)
                 count = round(config.density * score.numel())
                 masks[lang][key] = top_indices(score.float().cpu(), count)
                 w.grad = None
