@@ -153,3 +153,17 @@ def test_the_use_snippet_runs_as_written_without_warnings(tmp_path, monkeypatch)
         warnings.simplefilter("error", UserWarning)
         exec(compile(block, "README.md (Use)", "exec"), scope)
     assert type(scope["merged"]).__name__ == "LlamaForCausalLM" and (tmp_path / "my-adapter" / "adapter_config.json").is_file()
+
+
+def test_every_readme_code_block_parses_and_its_imports_exist():
+    """Every ```python block of the README is valid Python, and its import statements run (the names it shows
+    exist in the package); the Use block also runs whole (test_the_use_snippet_runs_as_written...)."""
+    import ast
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert len(blocks) >= 8
+    for i, block in enumerate(blocks):
+        tree = ast.parse(block, filename=f"README.md python block {i}")
+        imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+        exec(compile(ast.Module(body=imports, type_ignores=[]), f"README.md python block {i} (imports)", "exec"), {})
