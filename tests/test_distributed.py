@@ -125,6 +125,6 @@ def test_fsdp2_shards_the_base_and_matches_one_process(growth):
     for a, b in zip(one["values"], r0["values"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     # save_pretrained on the sharded model writes the same adapter as one process (the values are not shards)
-    assert sorted(saved[1]) == sorted(saved[2]) and all(k.endswith(("sparse_indices", "sparse_values", "sparse_ages")) for k in saved[2])
+    assert sorted(saved[1]) == sorted(saved[2]) and all(k.endswith(("sparse_indices", "sparse_index_bits", "sparse_values", "sparse_ages")) for k in saved[2])
     for key in saved[1]:
         torch.testing.assert_close(saved[1][key], saved[2][key], rtol=1e-4, atol=1e-6)
