@@ -95,6 +95,7 @@ def heldout_loss(model, tokenizer, rows: list[dict], max_length: int, batch_size
     model.eval()
     for start in range(0, len(encoded), batch_size):
         batch = next(batches(encoded[start : start + batch_size], len(encoded[start : start + batch_size]), 1, 0, tokenizer.pad_token_id, shuffle=False))
+        batch = {k: v.to(model.device) for k, v in batch.items()}
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
         labels = batch["labels"][:, 1:]
         total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum").item()
@@ -159,6 +160,7 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
     model = AutoModelForCausalLM.from_config(base_state["config"], dtype=torch.float32)
     model.load_state_dict(base_state["weights"])
     model.generation_config = base_state["generation_config"]
+    model.to(args.device)
     torch.manual_seed(seed)
     budget = lora_budget(model, args.budget_rank)
     overrides = dict(args.set or {})
@@ -182,7 +184,7 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
     losses, reselections = [], []
     start = time.perf_counter()
     for step, batch in enumerate(batches(train, args.batch_size, args.steps, seed, tokenizer.pad_token_id), start=1):
-        loss = wrapped(**batch).loss
+        loss = wrapped(**{k: v.to(args.device) for k, v in batch.items()}).loss
         loss.backward()
         if args.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
@@ -213,8 +215,14 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
         "set": overrides, "optimizer": "sm3" if uses_sm3 else "adamw", "no_reselection": args.no_reselection, "tag": args.tag, "exact_match": score["accuracy"], "heldout_loss": loss_heldout, "per_skill": score["per_skill"],
         "final_loss": sum(losses[-10:]) / min(10, len(losses)), "train_seconds": round(train_seconds, 1),
         "eval_seconds": round(eval_seconds, 1), "reselections": reselections, "threads": torch.get_num_threads(),
-        "host": platform.node(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "host": platform.node(), "device": device_name(args.device), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }  # fmt: skip
+
+
+def device_name(device: str) -> str:
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return "cpu"
 
 
 def load_base():
@@ -244,6 +252,8 @@ def summarize(rows: list[dict]) -> list[dict]:
             settings["optimizer"] = "sm3"
         if r.get("no_reselection"):
             settings["reselection"] = "off"
+        if r.get("device", "cpu") != "cpu":
+            settings["device"] = r["device"]  # GPU numerics differ from the CPU tier: never pooled with it
         key = (r["task"], r["steps"], r["method"], r["lr"], json.dumps(settings, sort_keys=True), r.get("tag") or "")
         groups.setdefault(key, []).append(r)
     out = []
@@ -289,6 +299,7 @@ def main(argv=None) -> None:
     parser.add_argument("--set", nargs="*", metavar="FIELD=VALUE", help="extra config fields (ablations)")
     parser.add_argument("--tag", default="", help="free label stored with the rows")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu (the reference tier) or cuda; float32 either way")
     parser.add_argument("--out", default=str(HERE / "results" / "quality.jsonl"))
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)

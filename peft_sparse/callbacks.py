@@ -22,17 +22,6 @@ from .methods.lt_sft import LTSFTConfig, LTSFTScheduler
 from .methods.spiel import SpIELConfig, SpIELScheduler
 from .schedules.slow_fast import SlowFastConfig, SlowFastScheduler
 
-_TOKEN_FILE = "spiel_checkpoint.json"
-
-
-def _token_in(directory: str):
-    try:
-        with open(os.path.join(directory, _TOKEN_FILE)) as f:
-            return json.load(f).get("token")
-    except (OSError, ValueError):
-        return None
-
-
 def _replicate_if_sharded(model) -> None:
     """Under FSDP2 (accelerate's ``fsdp_version: 2``) the values stay replicated: see :mod:`peft_sparse.distributed`."""
     import torch.distributed as dist
@@ -42,6 +31,58 @@ def _replicate_if_sharded(model) -> None:
 
         if is_fsdp2(model):
             replicate_values(model)
+
+
+class _CheckpointedScheduler(ExportableState):
+    """A callback whose scheduler state is saved into every checkpoint folder and found again on resume: the
+    Trainer writes :meth:`state` (a fresh token and the folder) into the checkpoint's ``trainer_state.json``
+    right before ``on_save``, which writes the same token beside the scheduler's files."""
+
+    token_file = ""  # (set by each callback)
+
+    def _init_checkpointing(self) -> None:
+        self._output_dir: str | None = None
+        self._step = 0
+        self.checkpoint_token: str | None = None
+        self.checkpoint_dir: str | None = None
+
+    def state(self) -> dict:
+        if self._output_dir is not None:
+            self.checkpoint_token = uuid.uuid4().hex
+            self.checkpoint_dir = os.path.abspath(os.path.join(self._output_dir, f"checkpoint-{self._step}"))
+        return {"args": {}, "attributes": {"checkpoint_token": self.checkpoint_token, "checkpoint_dir": self.checkpoint_dir}}
+
+    def _token_in(self, directory: str):
+        try:
+            with open(os.path.join(directory, self.token_file)) as f:
+                return json.load(f).get("token")
+        except (OSError, ValueError):
+            return None
+
+    def _write_token(self, directory: str, global_step: int) -> None:
+        with open(os.path.join(directory, self.token_file), "w") as f:
+            json.dump({"token": self.checkpoint_token, "global_step": global_step}, f)
+
+    def _resumed_state_dir(self, args, state) -> str:
+        """The folder holding the scheduler state saved with the checkpoint the Trainer resumed from: the
+        one its ``trainer_state.json`` names (by token; first where the Trainer would put it, then where
+        it was written). Checkpoints written without a token: the output folder's."""
+        usual = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        saved = (state.stateful_callbacks or {}).get(type(self).__name__)
+        saved = saved[0] if isinstance(saved, list) and saved else saved
+        attributes = saved.get("attributes", {}) if isinstance(saved, dict) else {}
+        token, written = attributes.get("checkpoint_token"), attributes.get("checkpoint_dir")
+        if token is None:
+            return usual
+        candidates = [usual] + ([written] if written else [])
+        for directory in candidates:
+            if self._token_in(directory) == token:
+                return directory
+        raise FileNotFoundError(
+            f"{type(self).__name__}: the scheduler state saved with the checkpoint being resumed (step {state.global_step}) "
+            f"is in none of {candidates}: copy that checkpoint's scheduler files and {self.token_file} into the "
+            "folder resumed from, or resume from the original checkpoint folder"
+        )
 
 
 class _PendingLogs(TrainerCallback):
@@ -57,23 +98,13 @@ class _PendingLogs(TrainerCallback):
             self._pending_logs = {}
 
 
-class SpIELCallback(_PendingLogs, ExportableState):
+class SpIELCallback(_PendingLogs, _CheckpointedScheduler):
+    token_file = "spiel_checkpoint.json"
+
     def __init__(self):
         self.scheduler: SpIELScheduler | None = None
         self._pending_logs: dict = {}
-        self._output_dir: str | None = None
-        self._step = 0
-        # the scheduler state saved with the Trainer's latest checkpoint: its token and folder
-        self.checkpoint_token: str | None = None
-        self.checkpoint_dir: str | None = None
-
-    def state(self) -> dict:
-        """What the Trainer writes into a checkpoint's ``trainer_state.json`` (it asks right before ``on_save``,
-        which writes the scheduler's state with this token)."""
-        if self._output_dir is not None:
-            self.checkpoint_token = uuid.uuid4().hex
-            self.checkpoint_dir = os.path.abspath(os.path.join(self._output_dir, f"checkpoint-{self._step}"))
-        return {"args": {}, "attributes": {"checkpoint_token": self.checkpoint_token, "checkpoint_dir": self.checkpoint_dir}}
+        self._init_checkpointing()
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._output_dir, self._step = args.output_dir, state.global_step
@@ -81,27 +112,6 @@ class SpIELCallback(_PendingLogs, ExportableState):
         self.scheduler = SpIELScheduler(model, optimizer, total_steps=state.max_steps)
         if state.global_step > 0:  # resuming: the Trainer restored global_step (and its state) from the checkpoint
             self.scheduler.load(self._resumed_state_dir(args, state))
-
-    def _resumed_state_dir(self, args, state) -> str:
-        """The folder holding the scheduler state saved with the checkpoint the Trainer resumed from: the
-        one its ``trainer_state.json`` names (by token; first where the Trainer would put it, then where
-        it was written). Checkpoints written without a token: the output folder's, as before."""
-        usual = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        saved = (state.stateful_callbacks or {}).get(type(self).__name__)
-        saved = saved[0] if isinstance(saved, list) and saved else saved
-        attributes = saved.get("attributes", {}) if isinstance(saved, dict) else {}
-        token, written = attributes.get("checkpoint_token"), attributes.get("checkpoint_dir")
-        if token is None:
-            return usual
-        candidates = [usual] + ([written] if written else [])
-        for directory in candidates:
-            if _token_in(directory) == token:
-                return directory
-        raise FileNotFoundError(
-            f"SpIELCallback: the SpIEL scheduler state saved with the checkpoint being resumed (step {state.global_step}) "
-            f"is in none of {candidates}: copy that checkpoint's spiel_scheduler.* and {_TOKEN_FILE} files into the "
-            "folder resumed from, or resume from the original checkpoint folder"
-        )
 
     def on_step_end(self, args, state, control, **kwargs):
         self._step = state.global_step
@@ -114,8 +124,7 @@ class SpIELCallback(_PendingLogs, ExportableState):
         if self.scheduler is not None and state.is_world_process_zero:
             directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             self.scheduler.save(directory)
-            with open(os.path.join(directory, _TOKEN_FILE), "w") as f:
-                json.dump({"token": self.checkpoint_token, "global_step": state.global_step}, f)
+            self._write_token(directory, state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.scheduler is not None:
@@ -134,36 +143,86 @@ def callbacks_for(peft_config) -> list:
     return out
 
 
-class LTSFTCallback(_PendingLogs):
+class LTSFTCallback(_PendingLogs, _CheckpointedScheduler):
     """Drives :class:`peft_sparse.LTSFTScheduler` from Trainer events: the L1 gradient before every optimizer
     step, the switch to the sparse phase after ``dense_steps`` (the Trainer's optimizer is re-pointed at the
     selected values in place), and ``lt_sft/l1`` and ``lt_sft/phase`` in the logs. Run the Trainer for
-    ``dense_steps + sparse_steps`` steps."""
+    ``dense_steps + sparse_steps`` steps.
+
+    Checkpoints hold the scheduler's state (its step, and in the dense phase the heads' starting values the
+    switch rewinds to), and ``trainer.train(resume_from_checkpoint=...)`` continues from them. A checkpoint of
+    the dense phase resumes into the model built as before; one of the sparse phase holds the selected adapter,
+    so build the model from it: ``PeftModel.from_pretrained(base, checkpoint, is_trainable=True)``."""
+
+    token_file = "lt_sft_checkpoint.json"
+    state_file = "lt_sft_scheduler.json"
+    heads_file = "lt_sft_heads.safetensors"
 
     def __init__(self, adapter_name=None):
         self.adapter_name = adapter_name  # (None: the one active LT-SFT adapter)
         self.scheduler = None
         self._pending_logs: dict = {}
+        self._init_checkpointing()
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
-        if state.global_step > 0:
-            raise NotImplementedError("LTSFTCallback does not resume from a checkpoint yet: train both phases in one run")
+        self._output_dir, self._step = args.output_dir, state.global_step
         self.scheduler = LTSFTScheduler(model, adapter_name=self.adapter_name)
         config = self.scheduler.config
-        if self.scheduler.phase == "dense" and state.max_steps != config.dense_steps + config.sparse_steps:
+        if state.global_step > 0:
+            self._resume(self._resumed_state_dir(args, state), state.global_step)
+        total = config.dense_steps + config.sparse_steps
+        if state.max_steps != total:
             raise ValueError(
-                f"LT-SFT runs dense_steps + sparse_steps = {config.dense_steps + config.sparse_steps} optimizer steps; "
+                f"LT-SFT runs dense_steps + sparse_steps = {total} optimizer steps; "
                 f"the Trainer will run max_steps={state.max_steps}: set TrainingArguments(max_steps=...) to match"
             )
         self.scheduler.attach(optimizer, lr_scheduler)
 
+    def _resume(self, directory: str, global_step: int) -> None:
+        path = os.path.join(directory, self.state_file)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"LTSFTCallback: resuming at step {global_step} but {path} is missing (a checkpoint written without LTSFTCallback?)")
+        with open(path) as f:
+            saved = json.load(f)
+        if saved["phase"] != self.scheduler.phase:
+            raise ValueError(
+                f"LTSFTCallback: the checkpoint at step {global_step} is in the {saved['phase']!r} phase but the model's LT-SFT "
+                f"adapter is in the {self.scheduler.phase!r} phase: build the model from the checkpoint, "
+                f"PeftModel.from_pretrained(base, {directory!r}, is_trainable=True), and resume with it"
+            )
+        self.scheduler.load_state_dict(saved)
+        if saved["phase"] == "dense":
+            from safetensors.torch import load_file
+
+            flat = load_file(os.path.join(directory, self.heads_file))
+            snapshot: dict = {}
+            for key, tensor in flat.items():
+                head, name = key.split("::", 1)
+                snapshot.setdefault(head, {})[name] = tensor
+            self.scheduler.head_snapshot = {n: snapshot.get(n, {}) for n in self.scheduler.head_snapshot}
+
     def on_step_end(self, args, state, control, **kwargs):
+        self._step = state.global_step
         switched = self.scheduler.step()
         if self.scheduler.config.l1_reg > 0:
             self._pending_logs["lt_sft/l1"] = self.scheduler.last_l1
         if switched:
             self._pending_logs["lt_sft/selected"] = sum(self.scheduler.config.tunable_weights_per_module.values())
             control.should_log = True
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.scheduler is None or not state.is_world_process_zero:
+            return
+        directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, self.state_file), "w") as f:
+            json.dump(self.scheduler.state_dict(), f)
+        if self.scheduler.phase == "dense":
+            from safetensors.torch import save_file
+
+            flat = {f"{head}::{name}": t.contiguous() for head, state_ in self.scheduler.head_snapshot.items() for name, t in state_.items()}
+            save_file(flat, os.path.join(directory, self.heads_file))
+        self._write_token(directory, state.global_step)
 
 
 class SlowFastCallback(_PendingLogs):

@@ -12,11 +12,19 @@ and ``_ExcludedModule`` (``peft.tuners.tuners_utils``: ``target_modules="all-lin
 ``exclude_modules`` resolved exactly as LoRA resolves them) and ``PEFT_TYPE_TO_CONFIG_MAPPING``
 (``peft.mapping``).
 
+One PEFT function is wrapped, for our types only: ``peft.peft_model.get_peft_model_state_dict`` resolves
+``save_embedding_layers="auto"`` by itself (:func:`resolve_embedding_saving`). PEFT's rule would save the whole
+base embedding table whenever an embedding is targeted (a sparse adapter already holds its delta) and otherwise
+reload the base model's config, from the hub if need be, to tell whether the vocabulary was resized; we compare
+the input embedding's rows with the count the adapter config recorded when it was created, offline.
+
 Tested with PEFT 0.21.x on CPython 3.11 (CI) and 3.12 (GPU machine); the supported PEFT range is
 pinned in ``pyproject.toml``.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import peft
 from packaging.version import Version
@@ -56,12 +64,46 @@ def extend_peft_type(name: str) -> PeftType:
     return member
 
 
+OUR_TYPES: set[str] = set()
+
+
 def register(name: str, config_cls, model_cls) -> None:
     """Register a sparse method with PEFT under PEFT type ``name.upper()`` (idempotent)."""
     peft_type = extend_peft_type(name.upper())
+    OUR_TYPES.add(peft_type.value)
+    resolve_embedding_saving()
     if PEFT_TYPE_TO_CONFIG_MAPPING.get(peft_type) is config_cls:
         return
     register_peft_method(name=name.lower(), config_cls=config_cls, model_cls=model_cls, prefix=model_cls.prefix)
+
+
+def resolve_embedding_saving() -> None:
+    """Wrap ``get_peft_model_state_dict`` where ``PeftModel.save_pretrained`` calls it (idempotent; module docstring)."""
+    import peft.peft_model as peft_model
+
+    original = peft_model.get_peft_model_state_dict
+    if getattr(original, "peft_sparse_wrapped", False):
+        return
+
+    def get_peft_model_state_dict(model, *args, **kwargs):
+        adapter_name = kwargs.get("adapter_name", args[1] if len(args) > 1 else "default")
+        config = model.peft_config.get(adapter_name) if hasattr(model, "peft_config") else None
+        recorded = getattr(config, "base_vocab_size", None)
+        if kwargs.get("save_embedding_layers", "auto") == "auto" and config is not None and getattr(config.peft_type, "value", config.peft_type) in OUR_TYPES and recorded is not None:
+            embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+            embeddings = embeddings.get_base_layer() if hasattr(embeddings, "get_base_layer") else embeddings
+            resized = embeddings is not None and getattr(embeddings, "num_embeddings", recorded) != recorded
+            if resized:
+                warnings.warn(
+                    f"the input embedding has {embeddings.num_embeddings} rows but had {recorded} when adapter "
+                    f"{adapter_name!r} was created: saving the resized embedding layers with the adapter"
+                )
+            kwargs["save_embedding_layers"] = resized
+        return original(model, *args, **kwargs)
+
+    get_peft_model_state_dict.peft_sparse_wrapped = True
+    get_peft_model_state_dict.__wrapped__ = original
+    peft_model.get_peft_model_state_dict = get_peft_model_state_dict
 
 
 _check_peft_version()

@@ -72,8 +72,10 @@ def test_target_modules_matching_nothing():
 
 
 def test_unsupported_layer_type():
-    with pytest.raises(TypeError, match="'model.embed_tokens' is a Embedding"):
-        get_peft_model(tiny_llama(), SparseFTConfig(target_modules=["embed_tokens", "q_proj"], density=0.1))
+    scaled = tiny_llama()
+    scaled.model.embed_tokens.__class__ = type("ScaledEmbedding", (nn.Embedding,), {"forward": lambda self, x: 2 * nn.Embedding.forward(self, x)})
+    with pytest.raises(TypeError, match="'model.embed_tokens' is an embedding .*ScaledEmbedding changes nn.Embedding's forward"):
+        get_peft_model(scaled, SparseFTConfig(target_modules=["embed_tokens", "q_proj"], density=0.1))
 
     class WithConv(nn.Module):
         def __init__(self):

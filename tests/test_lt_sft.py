@@ -182,6 +182,38 @@ def test_heads_restart_from_their_initial_values_in_the_sparse_phase():
     assert all(p not in optimizer.state for p in head.parameters())
 
 
+def test_unfrozen_layer_norms_train_rewind_and_save_with_the_adapter(tmp_path):
+    model = get_peft_model(tiny_llama(), _config(dense_steps=2, freeze_layer_norm=False))
+    saved = model.peft_config["default"].modules_to_save
+    assert "model.norm" in saved and "model.layers.0.input_layernorm" in saved
+    norm = model.base_model.model.model.norm.modules_to_save["default"]
+    start = norm.weight.detach().clone()
+    lt = LTSFTScheduler(model)
+    assert any(p is norm.weight for p in lt.trainable_parameters())
+    optimizer = lt.attach(torch.optim.AdamW(lt.trainable_parameters(), lr=1e-1))
+    for t in range(4):
+        x = inputs(seed=t)
+        model(x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if t == 0:
+            assert not torch.equal(norm.weight, start)  # trains in the dense phase
+        switched = lt.step()
+        if t == 1:
+            assert switched and torch.equal(norm.weight, start)  # rewound with everything else
+    assert not torch.equal(norm.weight, start)  # and trains again in the sparse phase
+    x = inputs(seed=11)
+    model.eval()
+    with torch.no_grad():
+        out = model(x).logits
+    model.save_pretrained(tmp_path / "lt")
+    loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path / "lt")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, out, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="no normalisation layer"):
+        get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), _config(target_modules=["0"], freeze_layer_norm=False))
+
+
 def test_saved_adapter_loads_merges_and_composes(tmp_path):
     model = get_peft_model(tiny_llama(), _config(dense_steps=2))
     lt = LTSFTScheduler(model)
@@ -268,7 +300,7 @@ def test_trl_sft_trainer_with_peft_config(tmp_path):
         (dict(selection="topk"), "selection='topk'"),
         (dict(l1_reg=-1.0), "l1_reg=-1.0"),
         (dict(block_shape=(2, 2)), "block_shape"),
-        (dict(freeze_layer_norm=False), "freeze_layer_norm=False"),
+        (dict(freeze_layer_norm="no"), "freeze_layer_norm='no'"),
         (dict(phase="sparse"), "phase='sparse'"),
     ],
 )
@@ -279,3 +311,58 @@ def test_bad_settings_are_refused_with_the_field_named(kwargs, match):
         return
     with pytest.raises(ValueError, match=match):
         _config(**kwargs)
+
+
+def test_trainer_resumes_in_either_phase_exactly(tmp_path):
+    """A run stopped at a dense-phase or a sparse-phase checkpoint and resumed ends with the values, indices
+    and layer norms of the uninterrupted run."""
+    from transformers import Trainer, TrainingArguments
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 97, (48, 10), generator=g).tolist()
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids, "attention_mask": [[1] * 10] * 48})
+
+    def config():
+        return _config(dense_steps=3, sparse_steps=3, l1_reg=1.0, sparse_learning_rate=2e-2, freeze_layer_norm=False)
+
+    def trainer(model, out, **kw):
+        args = TrainingArguments(
+            output_dir=str(out), per_device_train_batch_size=4, max_steps=6, learning_rate=1e-2, report_to="none",
+            use_cpu=True, save_strategy="steps", save_steps=2, lr_scheduler_type="constant", seed=0, **kw,
+        )  # fmt: skip
+        return Trainer(model=model, args=args, train_dataset=data, callbacks=[LTSFTCallback()])
+
+    def final(model):
+        state = {k: v.detach().clone() for k, v in model.state_dict().items() if "sparse_" in k or "modules_to_save" in k}
+        assert state
+        return state
+
+    full = get_peft_model(tiny_llama(), config())
+    trainer(full, tmp_path / "full").train()
+    expected = final(full)
+    # dense-phase checkpoint (step 2): the model is built as before
+    resumed = get_peft_model(tiny_llama(), config())
+    trainer(resumed, tmp_path / "full").train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    got = final(resumed)
+    assert got.keys() == expected.keys()
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=0, atol=1e-6, msg=k)
+    # sparse-phase checkpoint (step 4): the model comes from the checkpoint
+    checkpoint = tmp_path / "full" / "checkpoint-4"
+    resumed = PeftModel.from_pretrained(tiny_llama(), checkpoint, is_trainable=True)
+    trainer(resumed, tmp_path / "full").train(resume_from_checkpoint=str(checkpoint))
+    got = final(resumed)
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=0, atol=1e-6, msg=k)
+    assert not torch.equal(got[next(k for k in got if "sparse_values" in k)], load_file_values(checkpoint))
+    # a sparse-phase checkpoint into a model built for the dense phase: refused with the way out named
+    wrong = get_peft_model(tiny_llama(), config())
+    with pytest.raises(Exception, match="from_pretrained|phase"):
+        trainer(wrong, tmp_path / "full").train(resume_from_checkpoint=str(checkpoint))
+
+
+def load_file_values(directory):
+    from safetensors.torch import load_file
+
+    tensors = load_file(directory / "adapter_model.safetensors")
+    return next(v for k, v in tensors.items() if "sparse_values" in k)

@@ -150,7 +150,7 @@ def test_resume_is_bit_identical(stop, tmp_path):
         (copied / name).unlink()
     shutil.rmtree(saved)
     resumed = Trainer(model=_model(), args=_args(tmp_path / "elsewhere", T), train_dataset=_dataset(), callbacks=[SpIELCallback()])
-    with pytest.raises(FileNotFoundError, match="the SpIEL scheduler state saved with the checkpoint being resumed"):
+    with pytest.raises(FileNotFoundError, match="SpIELCallback: the scheduler state saved with the checkpoint being resumed"):
         resumed.train(resume_from_checkpoint=str(copied))
 
 

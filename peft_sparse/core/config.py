@@ -118,6 +118,26 @@ class SparseConfig(PeftConfig):
             )
         },
     )
+    base_vocab_size: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": (
+                "Set when the adapter is created: the rows of the model's input embedding. save_pretrained saves the "
+                "embedding layers with the adapter only when that count has changed (a resized vocabulary)."
+            )
+        },
+    )
+    untie_output_embeddings: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "When a targeted input embedding (nn.Embedding) shares its weight with an output layer (tied word "
+                "embeddings), give the output layer its own frozen copy first, so the delta changes the input lookup "
+                "only, before and after merging (thesis §4.4.2: otherwise most of the budget lands in the output "
+                "embedding). False refuses such a target. The model's config then says tie_word_embeddings=False."
+            )
+        },
+    )
     training_merge: bool = field(
         default=False,
         metadata={
@@ -237,6 +257,8 @@ class SparseConfig(PeftConfig):
             raise ValueError(f"budget_split must be one of {list(BUDGET_SPLITS)}, got budget_split={self.budget_split!r}")
         if self.index_storage not in ("auto", "list", "bitmap"):
             raise ValueError(f"index_storage must be 'auto', 'list' or 'bitmap', got index_storage={self.index_storage!r}")
+        if not isinstance(self.untie_output_embeddings, bool):
+            raise ValueError(f"untie_output_embeddings must be True or False, got untie_output_embeddings={self.untie_output_embeddings!r}")
         if not isinstance(self.training_merge, bool):
             raise ValueError(f"training_merge must be True or False, got training_merge={self.training_merge!r}")
         if self.slow_fast is not None:

@@ -85,14 +85,31 @@ def index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2**31 else torch.int64
 
 
+def supported_embedding(module: nn.Module) -> bool:
+    """A plain lookup table: ``nn.Embedding`` or a subclass that keeps its forward (no scaling, no max_norm)."""
+    return isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward and module.max_norm is None
+
+
+def unsupported_embedding_reason(module: nn.Module) -> Optional[str]:
+    if not isinstance(module, nn.Embedding):
+        return None
+    if type(module).forward is not nn.Embedding.forward:
+        return f"{type(module).__name__} changes nn.Embedding's forward (e.g. scales it), so a delta added to its rows would not be what it computes"
+    if module.max_norm is not None:
+        return f"its max_norm={module.max_norm} renormalises the rows in place at every lookup"
+    return None
+
+
 def supported_base_layer(module: nn.Module) -> bool:
-    return isinstance(module, (nn.Linear, Conv1D)) or is_bnb_4bit(module)
+    return isinstance(module, (nn.Linear, Conv1D)) or is_bnb_4bit(module) or supported_embedding(module)
 
 
 def logical_shape(module: nn.Module) -> tuple[int, int]:
-    """(out_features, in_features) of a supported base layer."""
+    """(out_features, in_features) of a supported base layer; an embedding table is (num_embeddings, embedding_dim)."""
     if isinstance(module, Conv1D):
         return module.nf, module.nx
+    if isinstance(module, nn.Embedding):
+        return module.num_embeddings, module.embedding_dim
     return module.out_features, module.in_features
 
 

@@ -25,7 +25,8 @@ from ..registry import ExcludedModule, include_all_linear_layers
 from .budget import split_budget, split_weights, total_budget
 from . import storage
 from .config import SparseConfig, dtype_name
-from .layer import SparseLayer, SparseLinear, index_dtype, logical_shape, supported_base_layer
+from .embedding import SparseEmbedding
+from .layer import SparseLayer, SparseLinear, index_dtype, logical_shape, supported_base_layer, unsupported_embedding_reason
 from .selection import BlockGrid, check_sparse_tensors, module_generator
 
 
@@ -106,17 +107,50 @@ class SparseTuner(BaseTuner):
                 matched[key] = module
         return matched
 
+    def _check_tied_modules(self, model: nn.Module, peft_config) -> None:
+        """A targeted input embedding that shares its weight with an output layer (tied word embeddings) is untied
+        first (``untie_output_embeddings``): the output layer keeps θ₀ in a frozen copy of its own, so the delta
+        reaches the input lookup alone, merged or not. Then PEFT's own check runs on the untied model."""
+        for key, module in model.named_modules():
+            result = target_matches(peft_config, key) if key else None
+            if not isinstance(module, nn.Embedding) or not result or isinstance(result, ExcludedModule):
+                continue
+            weight = module.weight
+            sharing = [k for k, m in model.named_modules() if m is not module and m._parameters.get("weight") is weight]
+            if not sharing:
+                continue
+            if not getattr(peft_config, "untie_output_embeddings", True):
+                raise ValueError(
+                    f"target module {key!r} shares its weight with {sharing} (tied word embeddings), so its delta would "
+                    "change those outputs once merged but not before: set untie_output_embeddings=True, or leave the "
+                    "embedding out of target_modules"
+                )
+            for name in sharing:
+                owner = model.get_submodule(name)
+                owner.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
+            for config in {id(c): c for c in _model_configs(model)}.values():
+                config.tie_word_embeddings = False
+        super()._check_tied_modules(model, peft_config)
+
     def _prepare_model(self, peft_config: SparseConfig, model: nn.Module) -> None:
         """Fix the exact number of tunable weights of every matched module before any is wrapped."""
         include_all_linear_layers(peft_config, model)
+        if peft_config.base_vocab_size is None and hasattr(model, "get_input_embeddings"):
+            embeddings = model.get_input_embeddings()
+            embeddings = embeddings.get_base_layer() if isinstance(embeddings, BaseTunerLayer) else embeddings
+            if isinstance(embeddings, nn.Embedding):
+                peft_config.base_vocab_size = embeddings.num_embeddings
         matched = self._matched_modules(peft_config, model)
         sizes, shapes = {}, {}
         for key, module in matched.items():
             base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
             if not supported_base_layer(base):
+                reason = unsupported_embedding_reason(base)
+                if reason:
+                    raise TypeError(f"target module {key!r} is an embedding that sparse adapters don't support: {reason}")
                 raise TypeError(
                     f"target module {key!r} is a {type(base).__name__}, which sparse adapters don't support; "
-                    "supported are torch.nn.Linear, transformers Conv1D and bitsandbytes Linear4bit"
+                    "supported are torch.nn.Linear, torch.nn.Embedding, transformers Conv1D and bitsandbytes Linear4bit"
                 )
             out_features, in_features = logical_shape(base)
             bh, bw = peft_config.block_shape
@@ -166,6 +200,8 @@ class SparseTuner(BaseTuner):
         count = peft_config.tunable_weights_per_module[current_key]
         if isinstance(target, SparseLayer):
             layer = target
+        elif isinstance(target, nn.Embedding):
+            layer = SparseEmbedding(target, module_name=current_key)
         else:
             layer = SparseLinear(target, module_name=current_key)
         # lets the layer check, whenever it would merge in place, that no other parameter shares the base weight
@@ -360,3 +396,15 @@ class SparseTuner(BaseTuner):
             values.data = summed.to(device=values.device, dtype=values.dtype)
             layer._indices_pending.discard(adapter_name)
         self.set_adapter(self.active_adapters, inference_mode=True)
+
+
+def _model_configs(model: nn.Module) -> list:
+    """The transformers configs of ``model`` that may say ``tie_word_embeddings`` (the model's and its text config)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    configs = [config]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    if text is not None and text is not config:
+        configs.append(text)
+    return configs

@@ -71,7 +71,16 @@ class LTSFTConfig(SparseConfig):
         default=None,
         metadata={"help": "Learning rate of the sparse phase (None: the optimizer's / Trainer's). The thesis recommends a higher rate than the dense phase's."},
     )
-    freeze_layer_norm: bool = field(default=True, metadata={"help": "Layer norms stay frozen (§4.4.2); only True is supported."})
+    freeze_layer_norm: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "True: layer norms stay frozen (§4.4.2). False: every normalisation layer (LayerNorm, RMSNorm, …) trains in "
+                "full in both phases, as the heads in modules_to_save do: it is added to modules_to_save, saved with the "
+                "adapter and rewound to its pre-trained values at the lottery selection."
+            )
+        },
+    )
     phase: str = field(
         default="dense",
         metadata={"help": "Set by the method: 'dense' until the lottery selection, then 'sparse' (the saved config of a finished adapter says 'sparse')."},
@@ -98,8 +107,8 @@ class LTSFTConfig(SparseConfig):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
                 raise ValueError(f"{name} must be a positive number or None, got {name}={value!r}")
-        if self.freeze_layer_norm is not True:
-            raise ValueError(f"freeze_layer_norm={self.freeze_layer_norm!r}: only True is supported (layer norms stay frozen, §4.4.2)")
+        if not isinstance(self.freeze_layer_norm, bool):
+            raise ValueError(f"freeze_layer_norm must be True or False, got freeze_layer_norm={self.freeze_layer_norm!r}")
         if self.phase not in PHASES:
             raise ValueError(f"phase must be one of {list(PHASES)}, got phase={self.phase!r}")
         if tuple(self.block_shape) != (1, 1):
@@ -114,6 +123,11 @@ class LTSFTModel(SparseTuner):
     prefix: str = "sparse_"
 
     def _prepare_model(self, peft_config: LTSFTConfig, model) -> None:
+        if not peft_config.freeze_layer_norm:
+            norms = [name for name, module in model.named_modules() if _is_norm(module)]
+            if not norms:
+                raise ValueError("freeze_layer_norm=False but the model has no normalisation layer (LayerNorm, RMSNorm, …) to train")
+            peft_config.modules_to_save = list(dict.fromkeys([*(peft_config.modules_to_save or []), *norms]))
         if peft_config.phase == "sparse":
             return super()._prepare_model(peft_config, model)
         # the dense phase: check K against the targeted weights, then give every module all its weights
@@ -128,6 +142,27 @@ class LTSFTModel(SparseTuner):
 
     def initial_indices(self, config: LTSFTConfig, layer: SparseLayer, module_name: str, count: int) -> torch.Tensor:
         return torch.arange(count, dtype=torch.long)
+
+    @classmethod
+    def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
+        try:
+            return super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
+        except ValueError as error:
+            if getattr(config, "phase", None) == "dense" and "indices but the config expects" in str(error):
+                raise ValueError(
+                    f"{error}. The file holds a selected (sparse-phase) LT-SFT adapter, but adapter {adapter_name!r} of "
+                    "this model is in the dense phase: build the model from the file instead, "
+                    "PeftModel.from_pretrained(base, path, is_trainable=True) (also to resume a Trainer checkpoint)"
+                ) from error
+            raise
+
+
+def _is_norm(module) -> bool:
+    """A normalisation layer with its own parameters: torch's LayerNorm/RMSNorm/GroupNorm or a model's ``*Norm``
+    class (e.g. ``LlamaRMSNorm``)."""
+    norm_types = (torch.nn.LayerNorm, torch.nn.GroupNorm, getattr(torch.nn, "RMSNorm", torch.nn.LayerNorm))
+    named_like = type(module).__name__.endswith("Norm") or type(module).__name__.endswith("LayerNorm")
+    return (isinstance(module, norm_types) or named_like) and any(True for _ in module.parameters(recurse=False))
 
 
 def _lt_config(model, adapter_name):

@@ -1,0 +1,130 @@
+r"""Sparse deltas over input embeddings (``nn.Embedding``): thesis §4.4.2 trains them in language SFTs.
+
+.. math::
+    Y_t = \big(E + \mathrm{scatter}(\eta, \phi)\big)[\,\mathrm{ids}_t\,] = E[\mathrm{ids}_t] + \delta[\mathrm{ids}_t]
+
+with E the frozen (num_embeddings, embedding_dim) table and η flat row-major indices into it, exactly as for a
+linear layer's (out, in) weight. A pass touches only the rows of the batch's distinct tokens U:
+
+* forward scatters the active entries that fall in those rows into a (|U|, H) block and gathers it per token;
+* backward sums ∂L/∂Y per distinct token, G = Σ_{t: ids_t = u} ∂L/∂Y_t (|U|, H), and reads each active entry
+  η_j = (r_j, c_j) from it: ∂L/∂φ_j = G[r_j, c_j] when r_j ∈ U, else 0.
+
+So a step costs O(tokens·H + d_φ) and never forms a (V, H) gradient — except inside a SpIEL gradient-estimation
+window, whose consumer asks for the dense ∂L/∂E (built from the same sum, then freed). ``padding_idx``'s row
+gets no gradient, as ``nn.Embedding`` gives it none.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .layer import SparseLayer, supported_embedding, unsupported_embedding_reason  # noqa: F401 (re-exported)
+
+
+class SparseEmbeddingDelta(torch.autograd.Function):
+    """δ[ids] for one adapter: (…,) token ids → (…, H), differentiable in the values only (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, ids, indices, values, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int], hooks):
+        flat = ids.reshape(-1)  # (tokens,)
+        used, inverse = torch.unique(flat, return_inverse=True)  # U sorted (|U|,), (tokens,)
+        idx = indices.long()
+        rows, cols = idx // embedding_dim, idx % embedding_dim  # (d_φ,)
+        slot = torch.searchsorted(used, rows).clamp_max_(used.numel() - 1)  # where row r_j would sit in U
+        hit = used[slot] == rows  # (d_φ,) active entries in a looked-up row
+        block = values.new_zeros(used.numel(), embedding_dim)  # (|U|, H)
+        block[slot[hit], cols[hit]] = values[hit]
+        ctx.save_for_backward(flat, inverse, slot, hit, cols, rows)
+        ctx.meta = (used.numel(), num_embeddings, embedding_dim, padding_idx, values.dtype)
+        ctx.hooks = hooks
+        return block[inverse].view(*ids.shape, embedding_dim)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        flat, inverse, slot, hit, cols, rows = ctx.saved_tensors
+        n_used, num_embeddings, embedding_dim, padding_idx, dtype = ctx.meta
+        g = grad_out.reshape(-1, embedding_dim).float()  # (tokens, H)
+        per_row = g.new_zeros(n_used, embedding_dim).index_add_(0, inverse, g)  # G (|U|, H)
+        hooks = ctx.hooks
+        consumer = getattr(hooks, "dense_grad_consumer", None)
+        if consumer is not None:  # a gradient-estimation window: the dense ∂L/∂E, formed once and freed on return
+            dense = g.new_zeros(num_embeddings, embedding_dim).index_add_(0, flat, g)
+            if padding_idx is not None:
+                dense[padding_idx] = 0
+            hooks.dense_grad_count += 1
+            consumer(hooks, dense)
+            del dense
+        grad_values = torch.zeros(hit.numel(), dtype=torch.float32, device=g.device)
+        grad_values[hit] = per_row[slot[hit], cols[hit]]
+        if padding_idx is not None:
+            grad_values[rows == padding_idx] = 0
+        return None, None, grad_values.to(dtype), None, None, None, None
+
+
+def sparse_embedding_delta(ids: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, base: nn.Embedding, hooks=None) -> torch.Tensor:
+    """δ[ids] of one adapter over the embedding ``base`` (see :class:`SparseEmbeddingDelta`)."""
+    return SparseEmbeddingDelta.apply(ids, indices, values, base.num_embeddings, base.embedding_dim, base.padding_idx, hooks)
+
+
+class SparseEmbedding(nn.Module, SparseLayer):
+    """Sparse adapter around ``nn.Embedding``: the base lookup plus each active adapter's δ[ids].
+
+    Merging, unmerging, saving and composition are the core's (the table is an (out=V, in=H) matrix to them);
+    the fast paths of linear layers (training merge, fused kernels) do not apply to lookups."""
+
+    __getstate__ = SparseLayer.__getstate__
+
+    def __init__(self, base_layer: nn.Module, module_name: str) -> None:
+        super().__init__()
+        SparseLayer.__init__(self, base_layer, module_name)
+
+    train = SparseLayer.train
+    _apply = SparseLayer._apply
+    _replicate_for_data_parallel = SparseLayer._replicate_for_data_parallel
+    __repr__ = SparseLayer.__repr__
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if "adapter_names" in kwargs:
+            return self._mixed_batch_forward(x, kwargs.pop("adapter_names"), *args, **kwargs)
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        y = self.base_layer(x, *args, **kwargs)  # (…, H)
+        if self.merged:
+            return y
+        active = [a for a in self.active_adapters if a in self.sparse_values]
+        for name in active:
+            if self._ready.get(name) is not self.sparse_values[name]:
+                self._check_ready(name)
+        if active and self.training_observer is not None and self.training and torch.is_grad_enabled():
+            self.training_observer(self)
+        base = self.get_base_layer()
+        for name in active:
+            delta = sparse_embedding_delta(x, self.sparse_indices[name], self.sparse_values[name], base, hooks=self)
+            y = y + delta.to(y.dtype)
+        return y
+
+    def _mixed_batch_forward(self, x: torch.Tensor, adapter_names: list, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Row i of the batch gets adapter ``adapter_names[i]``'s delta (``"__base__"`` or an adapter this layer
+        does not hold: none)."""
+        if self.merged:
+            raise ValueError(f"{self.module_name}: adapter_names needs unmerged adapters; unmerge first")
+        if len(adapter_names) != x.shape[0]:
+            raise ValueError(f"{self.module_name}: {len(adapter_names)} adapter_names for a batch of {x.shape[0]} rows")
+        y = self.base_layer(x, *args, **kwargs)
+        base = self.get_base_layer()
+        rows_of: dict = {}
+        for i, name in enumerate(adapter_names):
+            if name != "__base__" and name in self.sparse_values:
+                rows_of.setdefault(name, []).append(i)
+        for name, rows in rows_of.items():
+            self._check_ready(name)
+            rows = torch.tensor(rows, device=x.device)
+            delta = sparse_embedding_delta(x[rows], self.sparse_indices[name], self.sparse_values[name], base)
+            y = y.index_add(0, rows, delta.to(y.dtype))
+        return y
