@@ -133,19 +133,29 @@ def exact_match(model, tokenizer, rows, language, batch_size: int = 16, max_new_
     return correct / max(1, len(rows))
 
 
+def language_target_modules(base) -> list:
+    """Every linear layer name of the transformer blocks plus the input embedding's."""
+    output = base.get_output_embeddings()
+    names = {key.split(".")[-1] for key, m in base.named_modules() if isinstance(m, torch.nn.Linear) and m is not output}
+    embedding = next(key for key, m in base.named_modules() if m is base.get_input_embeddings())
+    return sorted(names) + [embedding]
+
+
 def run(base, tokenizer, corpus, train, test, args, out: Path) -> dict:
     langs = make_languages(tokenizer, [SOURCE, TARGET, SECOND], fraction=args.fraction, seed=args.seed)
     pad = tokenizer.pad_token_id
     config = dict(target_modules="all-linear", density=args.density, selection="global", l1_reg=args.l1_reg)
     timings = {}
 
-    def fresh(steps):
-        model = get_peft_model(copy.deepcopy(base), LTSFTConfig(**config, dense_steps=steps, sparse_steps=steps), adapter_name="task")
+    def fresh(steps, **overrides):
+        model = get_peft_model(copy.deepcopy(base), LTSFTConfig(**{**config, **overrides}, dense_steps=steps, sparse_steps=steps), adapter_name="task")
         return model
 
+    # language SFTs also adapt the input embedding (thesis §4.4.2; the tied output embedding is untied and frozen)
+    language_targets = language_target_modules(base) if args.language_embeddings else config["target_modules"]
     # 1. language SFTs: causal LM on the other task's text, in each language
     for name in (SOURCE, TARGET, SECOND):
-        model = fresh(args.language_steps)
+        model = fresh(args.language_steps, target_modules=language_targets)
         data = [text_example(tokenizer, r, langs[name], args.max_length) for r in corpus]
         timings[f"language {name}"] = lt_sft(model, cycle(data, args.batch_size, pad, args.seed), model.peft_config["task"], args.lr)
         model.save_pretrained(out / f"lang-{name}", selected_adapters=["task"])
@@ -193,6 +203,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--language-steps", type=int, default=40, help="steps of each LT-SFT phase of a language SFT")
     parser.add_argument("--task-steps", type=int, default=40, help="steps of each LT-SFT phase of the task SFT")
     parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--no-language-embeddings", dest="language_embeddings", action="store_false",
+                        help="language SFTs adapt the linear layers only (default: the input embedding too)")
     parser.add_argument("--l1-reg", type=float, default=0.0)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--fraction", type=float, default=0.3, help="fraction of word tokens each synthetic language renames")

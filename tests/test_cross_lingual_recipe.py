@@ -45,13 +45,17 @@ def _rows(n, seed):
 def test_the_recipe_runs_every_stage_and_scores_each_composition(tmp_path):
     recipe = _recipe()
     args = recipe.argparse.Namespace(language_steps=2, task_steps=2, density=0.1, l1_reg=0.1, lr=1e-2, fraction=0.5, batch_size=2,
-                                     max_length=32, seed=0)  # fmt: skip
+                                     max_length=32, seed=0, language_embeddings=True)  # fmt: skip
     result = recipe.run(tiny_llama(), _tokenizer(), _rows(8, 1), _rows(8, 2), _rows(4, 3), args, tmp_path)
     scores = result["exact_match"]
     assert len(scores) == 5 and all(0.0 <= v <= 1.0 for v in scores.values())
     for name in ("lang-en/task", "lang-xa/task", "lang-xb/task", "task-single/task", "task-multi/task"):
         config = json.loads((tmp_path / name / "adapter_config.json").read_text())
         assert config["peft_type"] == "LT_SFT" and config["phase"] == "sparse"
+    language = json.loads((tmp_path / "lang-xa/task/adapter_config.json").read_text())
+    assert "model.embed_tokens" in language["tunable_weights_per_module"]  # language SFTs adapt the input embedding
+    task = json.loads((tmp_path / "task-single/task/adapter_config.json").read_text())
+    assert not any("embed" in k for k in task["tunable_weights_per_module"])
     assert set(result["timings"]) == {"language en", "language xa", "language xb", "task single-source", "task multi-source"}
 
 
