@@ -306,7 +306,9 @@ def run_recipe(recipe: Recipe) -> dict:
     ev = recipe.evaluation
     eval_kwargs = {"max_new_tokens": ev.get("max_new_tokens", 8), "batch_size": ev.get("batch_size", 16)}
 
-    before = exact_match(model, tokenizer, eval_rows, **eval_kwargs) if eval_rows else None
+    # under torchrun / accelerate launch every process trains; the first alone evaluates, saves and reports
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    before = exact_match(model, tokenizer, eval_rows, **eval_kwargs) if eval_rows and main_process else None
     if before:
         print(f"before training: {before['accuracy']:.1%} exact match on {before['total']} held-out items")
 
@@ -322,12 +324,16 @@ def run_recipe(recipe: Recipe) -> dict:
     if hasattr(trainer.model, "print_trainable_parameters"):
         trainer.model.print_trainable_parameters()
     train_result = trainer.train()
-    # full fine-tuning saves the whole model; every other method its adapter
+    # full fine-tuning saves the whole model; every other method its adapter (the Trainer gathers a sharded model
+    # and writes from the first process only)
     adapter_dir = Path(recipe.training_args.output_dir) / ("model" if recipe.peft_config is None else "adapter")
-    trainer.model.save_pretrained(adapter_dir)
-    tokenizer.save_pretrained(adapter_dir)
-
-    after = exact_match(trainer.model, tokenizer, eval_rows, **eval_kwargs) if eval_rows else None
+    trainer.save_model(str(adapter_dir))
+    if not trainer.is_world_process_zero():
+        return {"adapter_dir": str(adapter_dir), "world_size": trainer.args.world_size}
+    sharded = getattr(trainer, "is_fsdp_enabled", False)
+    if sharded and eval_rows:
+        print(f"the model is sharded (FSDP), so no exact match after training here: load {adapter_dir} on the base model to score it")
+    after = exact_match(trainer.model, tokenizer, eval_rows, **eval_kwargs) if eval_rows and not sharded else None
     if after:
         print_comparison(before, after, ev.get("show", 6))
         for label, text in (ev.get("reference") or {}).items():  # recorded scores of other methods on the same data
@@ -342,6 +348,7 @@ def run_recipe(recipe: Recipe) -> dict:
         "before": None if before is None else {k: before[k] for k in ("accuracy", "per_skill")},
         "after": None if after is None else {k: after[k] for k in ("accuracy", "per_skill")},
         "torch_threads": torch.get_num_threads(),
+        "world_size": trainer.args.world_size,
     }
     with open(Path(recipe.training_args.output_dir) / "summary.json", "w") as f:
         json.dump(summary, f, indent=2)

@@ -128,3 +128,104 @@ def test_fsdp2_shards_the_base_and_matches_one_process(growth):
     assert sorted(saved[1]) == sorted(saved[2]) and all(k.endswith(("sparse_indices", "sparse_index_bits", "sparse_values", "sparse_ages")) for k in saved[2])
     for key in saved[1]:
         torch.testing.assert_close(saved[1][key], saved[2][key], rtol=1e-4, atol=1e-6)
+
+
+def test_peft_sparse_train_runs_under_a_multi_process_launch(tmp_path):
+    """`peft-sparse train` under torchrun (what `accelerate launch --multi_gpu` runs): two processes train on
+    their shares of the data, the first alone evaluates and writes the adapter and summary, and the adapter loads."""
+    import json
+    import random
+    import subprocess
+    import sys
+
+    from peft import PeftModel
+
+    from tests.models import tiny_llama, tiny_tokenizer
+
+    model, tokenizer = tiny_llama(), tiny_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    r = random.Random(0)
+    for split, n in (("train", 64), ("test", 8)):
+        with open(tmp_path / f"{split}.jsonl", "w") as f:
+            for _ in range(n):
+                a = r.randint(10, 90)
+                row = {"prompt": [{"role": "user", "content": f"t4 t{a}"}], "completion": [{"role": "assistant", "content": f"t{a + 1}"}], "answer": f"t{a + 1}"}
+                f.write(json.dumps(row) + "\n")
+    (tmp_path / "recipe.yaml").write_text(f"""
+model: {{source: {tmp_path / "model"}, dtype: float32}}
+method: {{peft_type: SPIEL, target_modules: all-linear, density: 0.1, reselection_steps: 4, gradient_estimation_steps: 2}}
+data: {{train: {tmp_path / "train.jsonl"}, eval: {tmp_path / "test.jsonl"}}}
+training: {{output_dir: {tmp_path / "out"}, max_steps: 6, per_device_train_batch_size: 4, learning_rate: 0.01, max_length: 32,
+           save_strategy: "no", report_to: none, seed: 0, use_cpu: true, bf16: false, dataloader_num_workers: 0}}
+evaluation: {{max_new_tokens: 2, batch_size: 8}}
+""")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+         "-m", "peft_sparse.cli", "train", str(tmp_path / "recipe.yaml")],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("adapter saved to") == 1 and run.stdout.count("=== held-out exact match ===") == 1
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["after"] is not None
+    loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path / "out" / "adapter")
+    assert loaded.peft_config["default"].peft_type == "SPIEL"
+
+
+def _accelerate_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    from accelerate import Accelerator
+    from peft import get_peft_model
+
+    from peft_sparse import SparseLayer, SpIELConfig, SpIELScheduler
+    from tests.models import tiny_llama
+
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.num_processes == world
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_llama(), SpIELConfig(target_modules="all-linear", density=0.1, reselection_steps=4, gradient_estimation_steps=2))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    scheduler = SpIELScheduler(model, optimizer, total_steps=11)  # the prepared (wrapped) model and optimizer
+    g = torch.Generator().manual_seed(100 + rank)
+    model.train()
+    for _ in range(11):
+        x = torch.randint(0, 97, (4, 12), generator=g)
+        accelerator.backward(model(input_ids=x, labels=x).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    layers = [m for m in accelerator.unwrap_model(model).modules() if isinstance(m, SparseLayer)]
+    torch.save(
+        {"indices": [l.sparse_indices["default"] for l in layers], "values": [l.sparse_values["default"].detach() for l in layers]},
+        os.path.join(out_dir, f"acc-rank{rank}.pt"),
+    )
+    accelerator.wait_for_everyone()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_a_plain_accelerate_loop_selects_the_same_indices_on_every_rank():
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_accelerate_worker, args=(2, _free_port(), out_dir), nprocs=2, join=True)
+        r0 = torch.load(os.path.join(out_dir, "acc-rank0.pt"))
+        r1 = torch.load(os.path.join(out_dir, "acc-rank1.pt"))
+    initial = get_initial_indices()
+    assert all(torch.equal(a, b) for a, b in zip(r0["indices"], r1["indices"]))
+    assert all(torch.equal(a, b) for a, b in zip(r0["values"], r1["values"]))
+    assert any(not torch.equal(a, b) for a, b in zip(r0["indices"], initial))  # reselections happened
+
+
+def get_initial_indices():
+    from peft import get_peft_model
+
+    from peft_sparse import SparseLayer, SpIELConfig
+    from tests.models import tiny_llama
+
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_llama(), SpIELConfig(target_modules="all-linear", density=0.1, reselection_steps=4, gradient_estimation_steps=2))
+    return [m.sparse_indices["default"] for m in model.modules() if isinstance(m, SparseLayer)]
