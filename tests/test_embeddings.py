@@ -197,3 +197,16 @@ def test_lt_sft_selects_embedding_weights_and_trains_them_sparsely():
     kept = layer.sparse_indices["default"].long()
     assert 0 < kept.numel() < 97 * 32
     assert set((kept // 32).unique().tolist()) <= seen  # only looked-up rows moved (AdamW, no weight decay on them)
+
+
+def test_saving_never_looks_up_the_base_model_config(tmp_path, monkeypatch):
+    """PEFT's "auto" rule reloads the base model's config (from the hub for a hub name) to tell whether the
+    vocabulary was resized, and warns "Could not find a config file … vocabulary was not modified" offline;
+    sparse adapters decide from the vocabulary size their config recorded."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules=["up_proj"], density=0.1))
+    model.peft_config["default"].base_model_name_or_path = "no-such-org/no-such-model"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.save_pretrained(tmp_path)
+    assert not [k for k in load_file(tmp_path / "adapter_model.safetensors") if "embed" in k]
