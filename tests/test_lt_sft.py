@@ -366,3 +366,42 @@ def load_file_values(directory):
 
     tensors = load_file(directory / "adapter_model.safetensors")
     return next(v for k, v in tensors.items() if "sparse_values" in k)
+
+
+def test_mlm_language_sft_recipe_trains_an_encoder_with_its_embeddings(tmp_path):
+    """recipes/mlm_language_sft.py on a tiny BERT masked LM: LT-SFT through Trainer with MLM masking, the word
+    embeddings adapted (untied from the MLM head, which keeps the base weights), a loadable adapter."""
+    import importlib.util
+    import json
+
+    from transformers import BertConfig, BertForMaskedLM
+
+    from .test_readme_and_recipes import ROOT
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    BertForMaskedLM(config).save_pretrained(tmp_path / "bert")
+    tokenizer = tiny_tokenizer()
+    tokenizer.mask_token = "t3"
+    tokenizer.save_pretrained(tmp_path / "bert")
+    g = torch.Generator().manual_seed(1)
+    (tmp_path / "text.txt").write_text("\n".join(" ".join(f"t{int(i)}" for i in torch.randint(4, 97, (12,), generator=g)) for _ in range(32)))
+    spec = importlib.util.spec_from_file_location("mlm_language_sft", ROOT / "recipes" / "mlm_language_sft.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    summary = recipe.main(["--model", str(tmp_path / "bert"), "--text", str(tmp_path / "text.txt"), "--dense-steps", "3",
+                           "--sparse-steps", "2", "--batch-size", "4", "--lr", "1e-2", "--output", str(tmp_path / "out")])  # fmt: skip
+    saved = json.loads((tmp_path / "out/adapter/adapter_config.json").read_text())
+    assert saved["peft_type"] == "LT_SFT" and saved["phase"] == "sparse" and saved["l1_reg"] == 0.1
+    assert "bert.embeddings.word_embeddings" in saved["tunable_weights_per_module"]
+    assert summary["kept"] == sum(saved["tunable_weights_per_module"].values()) > 0
+    loaded = PeftModel.from_pretrained(BertForMaskedLM.from_pretrained(tmp_path / "bert"), tmp_path / "out/adapter").eval()
+    head = loaded.base_model.model.cls.predictions.decoder.weight
+    torch.testing.assert_close(head, BertForMaskedLM.from_pretrained(tmp_path / "bert").cls.predictions.decoder.weight, rtol=0, atol=0)
+    x = torch.randint(4, 97, (2, 9), generator=g)
+    with torch.no_grad():
+        merged_out = PeftModel.from_pretrained(BertForMaskedLM.from_pretrained(tmp_path / "bert"), tmp_path / "out/adapter").merge_and_unload()(x).logits
+        torch.testing.assert_close(loaded(x).logits, merged_out, rtol=1e-5, atol=1e-5)
+    with pytest.raises(SystemExit, match="no such file"):
+        recipe.main(["--model", str(tmp_path / "bert"), "--text", str(tmp_path / "missing.txt")])
