@@ -147,24 +147,39 @@ class LanguageSwitch:
 def compose(base_model: torch.nn.Module, adapter_dirs: Sequence[PathLike], weights: Optional[Sequence[float]] = None,
             adapter_name: str = "composed") -> PeftModel:  # fmt: skip
     """θ + Σ wᵢ·φᵢ of saved sparse adapters (any sparse methods, e.g. a target-language SFT and a task SFT) as
-    one active adapter ``adapter_name``; ``merge_and_unload()`` gives the same outputs. Adapters with heads
-    (``modules_to_save``) are refused for now: stack them with :func:`stack` instead."""
+    one active adapter ``adapter_name``; ``merge_and_unload()`` gives the same outputs. Heads
+    (``modules_to_save``, e.g. a task SFT's classifier) come from the one adapter that saves them, unweighted;
+    two adapters saving heads are refused (which head would be meant is ambiguous)."""
     if not adapter_dirs:
         raise ValueError("compose needs at least one adapter directory")
+    from peft.utils import ModulesToSaveWrapper
+
     from .core.config import read_adapter_config
 
-    for directory in adapter_dirs:
-        if read_adapter_config(directory).get("modules_to_save"):
-            raise NotImplementedError(f"compose: {directory} saves heads (modules_to_save); use add_frozen_adapter + stack")
+    with_heads = [d for d in adapter_dirs if read_adapter_config(d).get("modules_to_save")]
+    if len(with_heads) > 1:
+        raise ValueError(f"compose: {[str(d) for d in with_heads]} all save heads (modules_to_save); compose at most one adapter with heads")
     weights = [1.0] * len(adapter_dirs) if weights is None else list(weights)
     if len(weights) != len(adapter_dirs):
         raise ValueError(f"compose: {len(weights)} weights for {len(adapter_dirs)} adapters")
-    model, parts = base_model, []
+    model, parts, heads_of = base_model, [], None
     for i, directory in enumerate(adapter_dirs):
         name = f"{adapter_name}_{i}"
         model = load_sparse_adapter(model, directory, adapter_name=name)
         parts.append(name)
+        if with_heads and directory == with_heads[0]:
+            heads_of = name
+    heads = None
+    if heads_of is not None:  # the deltas are weighted and summed; the heads are taken over as they are
+        heads = model.peft_config[heads_of].modules_to_save
+        model.peft_config[heads_of].modules_to_save = None
     model.add_weighted_adapter(parts, weights, adapter_name)
+    if heads_of is not None:
+        model.peft_config[adapter_name].modules_to_save = list(heads)
+        for module in model.modules():
+            if isinstance(module, ModulesToSaveWrapper) and heads_of in module.modules_to_save:
+                module.update(adapter_name)  # (PEFT's own registration of a head copy for the adapter)
+                module.modules_to_save[adapter_name].load_state_dict(module.modules_to_save[heads_of].state_dict())
     model.set_adapter(adapter_name)
     for name in parts:
         model.delete_adapter(name)

@@ -128,3 +128,33 @@ def test_composing_a_non_additive_or_foreign_adapter_is_refused(tmp_path):
     foreign.save_pretrained(tmp_path / "foreign")
     with pytest.raises(ValueError, match=r"the adapter was made for a \(16, 24\) matrix but the model's is \(32, 48\)"):
         compose(tiny_llama(), [tmp_path / "foreign"])
+
+
+def test_compose_takes_the_task_adapters_head(tmp_path):
+    """Language SFT ⊕ task SFT with a classifier head (BERT): the head comes from the task adapter, the deltas add,
+    and merge_and_unload agrees; two adapters with heads are refused."""
+    from peft import PeftModel
+
+    from .models import randomize_values, tiny_bert
+
+    lang = get_peft_model(tiny_bert(), SparseFTConfig(target_modules=["query", "value", "word_embeddings"], density=0.1, seed=1))
+    randomize_values(lang, seed=1, scale=0.05)
+    lang.save_pretrained(tmp_path / "lang")
+    task = get_peft_model(tiny_bert(), SparseFTConfig(target_modules=["query", "dense"], density=0.1, seed=2, modules_to_save=["classifier"]))
+    randomize_values(task, seed=2, scale=0.05)
+    with torch.no_grad():
+        task.base_model.model.classifier.modules_to_save["default"].weight.add_(1.0)  # a head that differs from the base's
+    task.save_pretrained(tmp_path / "task")
+    x = inputs(seed=3)
+    reference = PeftModel.from_pretrained(tiny_bert(), tmp_path / "lang").merge_and_unload()
+    reference = PeftModel.from_pretrained(reference, tmp_path / "task").merge_and_unload().eval()
+    composed = compose(tiny_bert(), [tmp_path / "lang", tmp_path / "task"]).eval()
+    assert composed.peft_config["composed"].modules_to_save == ["classifier"]
+    with torch.no_grad():
+        expected = reference(x).logits
+        assert not torch.allclose(expected, tiny_bert()(x).logits, atol=1e-3)
+        torch.testing.assert_close(composed(x).logits, expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(composed.merge_and_unload()(x).logits, expected, rtol=1e-5, atol=1e-6)
+    task.save_pretrained(tmp_path / "task2")
+    with pytest.raises(ValueError, match="compose at most one adapter with heads"):
+        compose(tiny_bert(), [tmp_path / "task", tmp_path / "task2"])
