@@ -155,21 +155,7 @@ def cmd_evaluate(args) -> int:
     rows = suite.load_task(args.task, args.data)
     shots = suite.load_task(args.task, args.shots_data, split=suite.SHOT_SPLITS.get(args.task)) if args.task in suite.SHOT_SPLITS else None
     rows = rows[: args.limit] if args.limit else rows
-    if args.task == "mmlu":
-        result = suite.mmlu(runner, rows, shots)
-    elif args.task == "gsm":
-        result = suite.gsm(runner, rows, shots)
-    elif args.task == "bbh":
-        tasks: dict = {}
-        for row in rows:
-            if "task" not in row:
-                raise ValueError("bbh rows need a 'task' field naming their BBH task (one JSONL for all 23 tasks)")
-            tasks.setdefault(row["task"], []).append(row)
-        result = suite.bbh(runner, tasks)
-    elif args.task == "tydiqa":
-        result = suite.tydiqa(runner, rows)
-    else:
-        result = suite.humaneval(runner, rows)
+    result = suite.run_task(args.task, runner, rows, shots)
     print(json.dumps({"task": args.task, "base": args.base, "adapter": args.adapter, **result}, indent=2))
     return 0
 

@@ -112,3 +112,54 @@ def test_trl_keeps_the_assistant_only_labels(tmp_path):
                          train_dataset=data, processing_class=tok)  # fmt: skip
     batch = trainer.data_collator([trainer.train_dataset[0]])
     assert batch["labels"][0].tolist() == labels == [-100, -100, -100, -100, tok.convert_tokens_to_ids("t7")]  # t3 t5 t6 t4 | t7
+
+
+def test_composition_recipe_scores_each_adapter_and_their_sum(tmp_path, capsys):
+    """recipes/instruction/compose.py with trained adapters given: base, A, B and A ⊕ B scored on each eval set;
+    A ⊕ B is θ + φ_a + φ_b (equal to merging both)."""
+    import importlib.util
+    import json
+
+    from peft import PeftModel, get_peft_model
+
+    from peft_sparse import SparseFTConfig
+
+    from .models import randomize_values, tiny_llama, tiny_tokenizer
+    from .test_readme_and_recipes import ROOT
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tiny_llama().save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    for seed, name in ((1, "a"), (2, "b")):
+        model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules="all-linear", density=0.1, seed=seed))
+        randomize_values(model, seed=seed, scale=0.5)
+        model.save_pretrained(tmp_path / name)
+        (tmp_path / f"{name}.yaml").write_text(
+            f"model: {{source: {tmp_path / 'base'}}}\nmethod: {{peft_type: SFT, density: 0.1, target_modules: all-linear}}\n"
+            f"data: {{train: {ROOT / 'recipes/data/skills_train.jsonl'}}}\ntraining: {{output_dir: {tmp_path / name}, use_cpu: true, bf16: false}}\n"
+        )
+    # reference answers: what θ + φ_a + φ_b (both merged, one after the other) says greedily
+    from peft_sparse.evaluation import generate_answers, normalize
+
+    merged = PeftModel.from_pretrained(tiny_llama(), tmp_path / "a").merge_and_unload()
+    merged = PeftModel.from_pretrained(merged, tmp_path / "b").merge_and_unload()
+    prompts = [[{"role": "user", "content": f"t{i} t{i + 1}"}] for i in range(5, 25)]
+    replies = generate_answers(merged, tokenizer, prompts, 8, 16)
+    rows = [{"prompt": p, "answer": normalize(r)} for p, r in zip(prompts, replies)]
+    (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    spec = importlib.util.spec_from_file_location("compose_recipe", ROOT / "recipes/instruction/compose.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    results = recipe.main([str(tmp_path / "a.yaml"), str(tmp_path / "b.yaml"), "--adapters", str(tmp_path / "a"), str(tmp_path / "b"),
+                           "--eval", f"toy={tmp_path / 'eval.jsonl'}", "--output", str(tmp_path / "out")])  # fmt: skip
+    assert list(results) == ["base model", "A (a)", "B (b)", "A ⊕ B"] and all("toy" in r for r in results.values())
+    assert "| A ⊕ B |" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "out/results.json").read_text())
+    assert saved["scores"] == results
+    assert results["A ⊕ B"]["toy"] == 1.0  # the composed model answers as the merged one
+    assert results["base model"]["toy"] < 1.0 and results["A (a)"]["toy"] < 1.0
+    with pytest.raises(SystemExit, match="two recipes"):
+        recipe.main([str(tmp_path / "a.yaml"), "--eval", f"toy={tmp_path / 'eval.jsonl'}"])
+    with pytest.raises(SystemExit, match="nothing to score"):
+        recipe.main([str(tmp_path / "a.yaml"), str(tmp_path / "b.yaml"), "--adapters", "x", "y"])

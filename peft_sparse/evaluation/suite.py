@@ -254,3 +254,31 @@ def humaneval(model, rows: Sequence[dict], temperature: float = 0.1, max_new_tok
     completions = model.generate([r["prompt"] for r in rows], max_new_tokens, temperature=temperature, stop="\ndef ")
     passed = [runner(r["prompt"] + c + "\n\n" + r["test"] + f"\n\ncheck({r['entry_point']})\n", timeout) for r, c in zip(rows, completions)]
     return {"pass@1": sum(passed) / max(1, len(passed)), "total": len(passed)}
+
+
+HEADLINE = {"mmlu": "accuracy", "gsm": "exact_match", "bbh": "exact_match", "tydiqa": "f1", "humaneval": "pass@1"}
+
+
+def run_task(task: str, model: HFModel, rows: Sequence[dict], shots: Optional[Sequence[dict]] = None) -> dict:
+    """Score ``model`` on one task's ``rows`` (``shots``: MMLU dev items / GSM exemplars); the result has the task's
+    metrics plus ``"score"``, its headline number (App. E.1)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; the suite has {list(TASKS)}")
+    if task in SHOT_SPLITS and shots is None:
+        raise ValueError(f"{task} needs its few-shot items (shots=...)")
+    if task == "mmlu":
+        result = mmlu(model, rows, shots)
+    elif task == "gsm":
+        result = gsm(model, rows, shots)
+    elif task == "bbh":
+        tasks: dict = {}
+        for row in rows:
+            if "task" not in row:
+                raise ValueError("bbh rows need a 'task' field naming their BBH task (one JSONL for all 23 tasks)")
+            tasks.setdefault(row["task"], []).append(row)
+        result = bbh(model, tasks)
+    elif task == "tydiqa":
+        result = tydiqa(model, rows)
+    else:
+        result = humaneval(model, rows)
+    return {**result, "score": result[HEADLINE[task]]}
