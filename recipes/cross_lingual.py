@@ -141,6 +141,22 @@ def language_target_modules(base) -> list:
     return sorted(names) + [embedding]
 
 
+def train_multi_source(model, tokenizer, train, langs, args, out: Path, timings: dict) -> None:
+    """The task SFT over two sources, each batch under its own language SFT (``LanguageSwitch``)."""
+    pad = tokenizer.pad_token_id
+    for name in (SOURCE, SECOND):
+        add_frozen_adapter(model, out / f"lang-{name}/task", f"lang_{name}")
+    switch = LanguageSwitch(model, {n: f"lang_{n}" for n in (SOURCE, SECOND)}, task="task")
+    data, names = [], []
+    for i, r in enumerate(train):
+        name = (SOURCE, SECOND)[i % 2]
+        data.append(task_example(tokenizer, r, langs[name], args.max_length))
+        names.append(name)
+    timings["task multi-source"] = lt_sft(model, cycle(data, args.batch_size, pad, args.seed, names), model.peft_config["task"], args.lr)
+    switch.remove()
+    model.save_pretrained(out / "task-multi", selected_adapters=["task"])
+
+
 def run(base, tokenizer, corpus, train, test, args, out: Path) -> dict:
     langs = make_languages(tokenizer, [SOURCE, TARGET, SECOND], fraction=args.fraction, seed=args.seed)
     pad = tokenizer.pad_token_id
@@ -153,32 +169,37 @@ def run(base, tokenizer, corpus, train, test, args, out: Path) -> dict:
 
     # language SFTs also adapt the input embedding (thesis §4.4.2; the tied output embedding is untied and frozen)
     language_targets = language_target_modules(base) if args.language_embeddings else config["target_modules"]
+    earlier = {}
+    if getattr(args, "resume", False) and (out / "results.json").exists():
+        earlier = json.loads((out / "results.json").read_text()).get("timings", {})
+
+    def done(folder: str, label: str) -> bool:
+        """--resume: a stage whose adapter is already saved is kept (with its recorded timing)."""
+        if getattr(args, "resume", False) and (out / folder / "task" / "adapter_config.json").exists():
+            timings[label] = earlier.get(label, "kept from an earlier run")
+            print(f"{label}: kept {out / folder / 'task'}", flush=True)
+            return True
+        return False
+
     # 1. language SFTs: causal LM on the other task's text, in each language
     for name in (SOURCE, TARGET, SECOND):
+        if done(f"lang-{name}", f"language {name}"):
+            continue
         model = fresh(args.language_steps, target_modules=language_targets)
         data = [text_example(tokenizer, r, langs[name], args.max_length) for r in corpus]
         timings[f"language {name}"] = lt_sft(model, cycle(data, args.batch_size, pad, args.seed), model.peft_config["task"], args.lr)
         model.save_pretrained(out / f"lang-{name}", selected_adapters=["task"])
     # 2. task SFT on the source, under its language SFT (single-source) ...
-    model = fresh(args.task_steps)
-    add_frozen_adapter(model, out / f"lang-{SOURCE}/task", "lang")
-    stack(model, ["lang"], "task")
-    data = [task_example(tokenizer, r, langs[SOURCE], args.max_length) for r in train]
-    timings["task single-source"] = lt_sft(model, cycle(data, args.batch_size, pad, args.seed), model.peft_config["task"], args.lr)
-    model.save_pretrained(out / "task-single", selected_adapters=["task"])
+    if not done("task-single", "task single-source"):
+        model = fresh(args.task_steps)
+        add_frozen_adapter(model, out / f"lang-{SOURCE}/task", "lang")
+        stack(model, ["lang"], "task")
+        data = [task_example(tokenizer, r, langs[SOURCE], args.max_length) for r in train]
+        timings["task single-source"] = lt_sft(model, cycle(data, args.batch_size, pad, args.seed), model.peft_config["task"], args.lr)
+        model.save_pretrained(out / "task-single", selected_adapters=["task"])
     # ... and over two sources, each batch under its own language SFT (multi-source)
-    model = fresh(args.task_steps)
-    for name in (SOURCE, SECOND):
-        add_frozen_adapter(model, out / f"lang-{name}/task", f"lang_{name}")
-    switch = LanguageSwitch(model, {n: f"lang_{n}" for n in (SOURCE, SECOND)}, task="task")
-    data, names = [], []
-    for i, r in enumerate(train):
-        name = (SOURCE, SECOND)[i % 2]
-        data.append(task_example(tokenizer, r, langs[name], args.max_length))
-        names.append(name)
-    timings["task multi-source"] = lt_sft(model, cycle(data, args.batch_size, pad, args.seed, names), model.peft_config["task"], args.lr)
-    switch.remove()
-    model.save_pretrained(out / "task-multi", selected_adapters=["task"])
+    if not done("task-multi", "task multi-source"):
+        train_multi_source(fresh(args.task_steps), tokenizer, train, langs, args, out, timings)
     # 3. evaluation on the target language
     results = {}
 
@@ -193,7 +214,43 @@ def run(base, tokenizer, corpus, train, test, args, out: Path) -> dict:
     score(f"{TARGET} ⊕ task (single-source), {TARGET}", [out / f"lang-{TARGET}/task", out / "task-single/task"], TARGET)
     score(f"{TARGET} ⊕ task (multi-source: {SOURCE}+{SECOND}), {TARGET}", [out / f"lang-{TARGET}/task", out / "task-multi/task"], TARGET)
     score(f"{SOURCE} ⊕ task (source reference), {SOURCE}", [out / f"lang-{SOURCE}/task", out / "task-single/task"], SOURCE)
+    # 4. the prompt-tuning baseline (Tu et al.): PEFT's prefix tuning, a prefix at every layer, trained on the source's
+    # task data for as many steps as the task SFT's two phases, applied unchanged to the target language
+    for length in getattr(args, "prefix_tuning", None) or []:
+        model = prefix_model(base, length)
+        data = [task_example(tokenizer, r, langs[SOURCE], args.max_length) for r in train]
+        timings[f"prefix {length}"] = train_plain(model, cycle(data, args.batch_size, pad, args.seed), 2 * args.task_steps, args.prefix_lr)
+        results[f"prefix tuning ({length} tokens), {TARGET}"] = exact_match(model, tokenizer, test, langs[TARGET])
+        results[f"prefix tuning ({length} tokens), {SOURCE}"] = exact_match(model, tokenizer, test, langs[SOURCE])
+        for label in (f"prefix tuning ({length} tokens), {TARGET}", f"prefix tuning ({length} tokens), {SOURCE}"):
+            print(f"{label:<42} {100 * results[label]:5.1f}%", flush=True)
     return {"exact_match": results, "timings": timings}
+
+
+def prefix_model(base, length: int):
+    """PEFT's own prefix tuning (``PrefixTuningConfig``): ``length`` trained key/value prefixes in every layer."""
+    from peft import PrefixTuningConfig
+
+    return get_peft_model(copy.deepcopy(base), PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=length))
+
+
+def train_plain(model, batches, steps: int, lr: float) -> dict:
+    """AdamW with linear decay and no warm-up (the paper's prompt-tuning schedule) over ``steps`` batches."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1 - s / steps))
+    model.train()
+    losses, start = [], time.perf_counter()
+    for _ in range(steps):
+        batch, _ = next(batches)
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"seconds": time.perf_counter() - start, "first_loss": losses[0], "last_loss": sum(losses[-5:]) / len(losses[-5:])}
 
 
 def main(argv=None) -> dict:
@@ -206,6 +263,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-language-embeddings", dest="language_embeddings", action="store_false",
                         help="language SFTs adapt the linear layers only (default: the input embedding too)")
     parser.add_argument("--l1-reg", type=float, default=0.0)
+    parser.add_argument("--prefix-tuning", type=int, nargs="*", default=[16, 32], metavar="LENGTH",
+                        help="prompt-tuning baseline: PEFT prefix tuning with these prefix lengths (none: skip it)")
+    parser.add_argument("--prefix-lr", type=float, default=1e-2, help="learning rate of the prefix-tuning baseline")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--fraction", type=float, default=0.3, help="fraction of word tokens each synthetic language renames")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -213,6 +273,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--limit", type=int, default=None, help="use only this many test items")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="outputs/cross-lingual")
+    parser.add_argument("--resume", action="store_true", help="keep the adapters an earlier run saved in --output; train and score the rest")
     args = parser.parse_args(argv)
     if args.hub_dataset:
         if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":

@@ -45,10 +45,11 @@ def _rows(n, seed):
 def test_the_recipe_runs_every_stage_and_scores_each_composition(tmp_path):
     recipe = _recipe()
     args = recipe.argparse.Namespace(language_steps=2, task_steps=2, density=0.1, l1_reg=0.1, lr=1e-2, fraction=0.5, batch_size=2,
-                                     max_length=32, seed=0, language_embeddings=True)  # fmt: skip
+                                     max_length=32, seed=0, language_embeddings=True, prefix_tuning=[2], prefix_lr=1e-2)  # fmt: skip
     result = recipe.run(tiny_llama(), _tokenizer(), _rows(8, 1), _rows(8, 2), _rows(4, 3), args, tmp_path)
     scores = result["exact_match"]
-    assert len(scores) == 5 and all(0.0 <= v <= 1.0 for v in scores.values())
+    assert len(scores) == 7 and all(0.0 <= v <= 1.0 for v in scores.values())
+    assert "prefix tuning (2 tokens), xa" in scores and "prefix 2" in result["timings"]
     for name in ("lang-en/task", "lang-xa/task", "lang-xb/task", "task-single/task", "task-multi/task"):
         config = json.loads((tmp_path / name / "adapter_config.json").read_text())
         assert config["peft_type"] == "LT_SFT" and config["phase"] == "sparse"
@@ -56,7 +57,13 @@ def test_the_recipe_runs_every_stage_and_scores_each_composition(tmp_path):
     assert "model.embed_tokens" in language["tunable_weights_per_module"]  # language SFTs adapt the input embedding
     task = json.loads((tmp_path / "task-single/task/adapter_config.json").read_text())
     assert not any("embed" in k for k in task["tunable_weights_per_module"])
-    assert set(result["timings"]) == {"language en", "language xa", "language xb", "task single-source", "task multi-source"}
+    assert set(result["timings"]) == {"language en", "language xa", "language xb", "task single-source", "task multi-source", "prefix 2"}
+    # --resume keeps every saved adapter and scores them again: the same numbers
+    (tmp_path / "results.json").write_text(json.dumps(result))
+    args.resume = True
+    again = recipe.run(tiny_llama(), _tokenizer(), _rows(8, 1), _rows(8, 2), _rows(4, 3), args, tmp_path)
+    assert again["timings"]["language xa"] == result["timings"]["language xa"]
+    assert {k: v for k, v in again["exact_match"].items() if "prefix" not in k} == {k: v for k, v in scores.items() if "prefix" not in k}
 
 
 def test_hub_datasets_are_refused_clearly_offline(monkeypatch):
