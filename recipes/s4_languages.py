@@ -37,7 +37,7 @@ from peft_sparse.data import SingleLanguageBatchSampler, make_languages  # noqa:
 from peft_sparse.methods.s4 import mask_overlaps, overlap_table  # noqa: E402
 
 LANGUAGES = ["xa", "xb", "xc"]
-ARMS = ("none", "full", "random", "s4", "s4-column")
+ARMS = ("none", "full", "random", "s4", "s4-column", "s4-global")
 
 
 def train(model, params, batches, steps: int, lr: float, router_of=None) -> dict:
@@ -100,7 +100,8 @@ def run(base, tokenizer, train_rows: list, test_rows: list, args, out: Path) -> 
 
     # 3. the arms, same steps and data
     models, label = {}, {"none": "no adaptation (source model)", "full": "full fine-tuning", "random": f"random masks, p = {args.density}",
-                         "s4": f"S⁴ (Taylor masks, p = {args.density})", "s4-column": f"S⁴, column-normalised, p = {args.density}"}  # fmt: skip
+                         "s4": f"S⁴ (Taylor masks, p = {args.density})", "s4-column": f"S⁴, column-normalised, p = {args.density}",
+                         "s4-global": f"S⁴, global top p·N, p = {args.density}"}  # fmt: skip
 
     def masked(name, masks, cfg):
         model = build_s4_model(copy.deepcopy(source), cfg, masks)
@@ -115,6 +116,9 @@ def run(base, tokenizer, train_rows: list, test_rows: list, args, out: Path) -> 
     if "s4-column" in arms:
         column = dataclasses.replace(config, score_normalization="column", tunable_weights_per_module=None, module_shapes=None)
         masked("s4-column", detect_language_masks(source, per_language, column), column)
+    if "s4-global" in arms:  # the paper's p over all N targeted weights (§3.2), not of each tensor
+        whole = dataclasses.replace(config, selection="global", tunable_weights_per_module=None, module_shapes=None)
+        masked("s4-global", detect_language_masks(source, per_language, whole), whole)
     if "random" in arms:
         g = torch.Generator().manual_seed(args.seed + 1)
         numel = {n: (m.weight.numel()) for n, m in source.named_modules() if n in detected[LANGUAGES[0]]}
@@ -131,7 +135,7 @@ def run(base, tokenizer, train_rows: list, test_rows: list, args, out: Path) -> 
     for name in ARMS:
         if name in models:
             score(label[name], models[name])
-    for name in ("s4", "s4-column"):
+    for name in ("s4", "s4-column", "s4-global"):
         if name in overlaps:
             print(f"\nJaccard overlap of the language masks ({label[name]})")
             print(overlap_table(LANGUAGES, overlaps[name]))

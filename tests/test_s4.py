@@ -48,6 +48,36 @@ def test_importance_is_the_top_p_of_abs_gradient_times_weight(kind, normalizatio
     assert any(not torch.equal(masks["a"][n], masks["b"][n]) for n in masks["a"])
 
 
+def test_global_selection_is_the_top_p_of_all_targeted_weights_at_once():
+    """selection='global' (the paper's p over all N parameters): the top p·N of the concatenated scores."""
+    config = _config(selection="global")
+    loaders = _loaders()
+    masks = detect_language_masks(tiny_llama(), loaders, config)
+    reference = tiny_llama()
+    for lang in ("a", "b"):
+        reference.zero_grad()
+        for p in reference.parameters():
+            p.requires_grad_(True)
+        for batch in loaders[lang][:2]:
+            reference(**batch).loss.backward()
+        names = list(masks[lang])
+        scores = [(reference.get_submodule(n).weight.grad * reference.get_submodule(n).weight).abs().reshape(-1) for n in names]
+        flat = torch.cat(scores)
+        k = round(0.2 * flat.numel())
+        chosen = torch.sort(flat, descending=True, stable=True).indices[:k]
+        start = 0
+        for name, score in zip(names, scores):
+            expected = chosen[(chosen >= start) & (chosen < start + score.numel())] - start
+            assert torch.equal(masks[lang][name], expected.sort().values), (lang, name)
+            start += score.numel()
+        assert sum(m.numel() for m in masks[lang].values()) == k
+        assert len({round(m.numel() / reference.get_submodule(n).weight.numel(), 2) for n, m in masks[lang].items()}) > 1  # uneven shares
+    model = build_s4_model(tiny_llama(), config, masks)
+    assert model.peft_config["default"].selection == "global"
+    with pytest.raises(ValueError, match="selection='topk'"):
+        _config(selection="topk")
+
+
 def test_a_batch_of_one_language_changes_only_its_mask_bit_exactly():
     config = _config()
     model = build_s4_model(tiny_llama(), config, detect_language_masks(tiny_llama(), _loaders(), config))
@@ -204,7 +234,7 @@ def test_the_s4_recipe_runs_every_arm(tmp_path):
                      source_budget=500, fraction=0.5, batch_size=2, max_length=32, seed=0)  # fmt: skip
     result = recipe.run(tiny_llama(), _tokenizer(), _rows(16, 1), _rows(4, 3), args, tmp_path)
     assert set(result["exact_match"]) == {"no adaptation (source model)", "full fine-tuning", "random masks, p = 0.2", "S⁴ (Taylor masks, p = 0.2)",
-                                          "S⁴, column-normalised, p = 0.2"}  # fmt: skip
+                                          "S⁴, column-normalised, p = 0.2", "S⁴, global top p·N, p = 0.2"}  # fmt: skip
     assert all(0.0 <= v <= 1.0 for row in result["exact_match"].values() for v in row.values())
     s4 = result["overlaps"]["s4"]
     assert {"xa-xb", "xa-xc", "xb-xc"} <= set(s4) and all(0.0 <= v <= 1.0 for v in s4.values()) and s4["xa-xa"] == 1.0

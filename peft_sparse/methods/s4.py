@@ -30,7 +30,7 @@ from peft.utils import PeftType
 from ..core import edit
 from ..core.config import SparseConfig
 from ..core.layer import SparseLayer, logical_shape, supported_base_layer
-from ..core.selection import top_indices
+from ..core.selection import global_top_k, top_indices
 from ..core.tuner import SparseTuner, target_matches
 from ..data import check_single_language
 from ..optim.surgery import hold_slots, release_slots, unwrap_optimizer
@@ -49,6 +49,15 @@ class S4Config(SparseConfig):
             "help": (
                 "'none' (the paper): rank by Ω = |∂L/∂h · h|. 'column': rank by Ω divided by the RMS of Ω over its input "
                 "column, which spreads a mask over the columns instead of piling it into the few with the largest scores."
+            )
+        },
+    )
+    selection: str = field(
+        default="per_tensor",
+        metadata={
+            "help": (
+                "'per_tensor': each language keeps the top fraction p of every targeted tensor. 'global' (the paper's §3.2: "
+                "p of all N parameters): the top p·N scores over all targeted tensors at once, found tensor by tensor."
             )
         },
     )
@@ -72,6 +81,8 @@ class S4Config(SparseConfig):
             raise ValueError(f"importance_batches must be a positive integer, got importance_batches={self.importance_batches!r}")
         if self.score_normalization not in ("none", "column"):
             raise ValueError(f"score_normalization must be 'none' or 'column', got score_normalization={self.score_normalization!r}")
+        if self.selection not in ("per_tensor", "global"):
+            raise ValueError(f"selection must be 'per_tensor' or 'global', got selection={self.selection!r}")
         if tuple(self.block_shape) != (1, 1):
             raise ValueError(f"block_shape={self.block_shape!r}: S⁴ masks single weights; use (1, 1)")
 
@@ -123,6 +134,16 @@ def _targets(model, config: S4Config) -> dict:
     return found
 
 
+def _importance(module, w: torch.Tensor, config: S4Config) -> torch.Tensor:
+    """Ω = |∂L/∂h · h| of one tensor (Eq. 2), float32 on the CPU in logical (out, in) order, column-normalised if asked."""
+    score = (w.grad * w.detach()).abs()
+    if type(module).__name__ == "Conv1D":
+        score = score.t()  # (logical (out, in) order)
+    if config.score_normalization == "column":  # Ω_ij / RMS_i(Ω_ij): every input column j on one scale
+        score = score / score.float().pow(2).mean(0, keepdim=True).sqrt().clamp_min(torch.finfo(torch.float32).tiny)
+    return score.float().cpu()
+
+
 def detect_language_masks(model, loaders: Mapping[str, object], config: S4Config) -> dict:
     """{language: {module name: sorted flat indices}}: each language's top-p weights by |∂L_t/∂h · h| (gradients
     accumulated over ``config.importance_batches`` batches of ``loaders[language]``, each a dict for ``model``)."""
@@ -149,16 +170,13 @@ def detect_language_masks(model, loaders: Mapping[str, object], config: S4Config
                 seen += 1
             if seen == 0:
                 raise ValueError(f"language {lang!r} has no data: its loader yielded no batch")
-            masks[lang] = {}
-            for key, module in targets.items():  # one tensor at a time
-                w = weights[key]
-                score = (w.grad * w.detach()).abs()
-                if type(module).__name__ == "Conv1D":
-                    score = score.t()  # (logical (out, in) order)
-                if config.score_normalization == "column":  # Ω_ij / RMS_i(Ω_ij): every input column j on one scale
-                    score = score / score.float().pow(2).mean(0, keepdim=True).sqrt().clamp_min(torch.finfo(torch.float32).tiny)
-                count = round(config.density * score.numel())
-                masks[lang][key] = top_indices(score.float().cpu(), count)
+            scores = {key: (lambda key=key: _importance(targets[key], weights[key], config).reshape(-1)) for key in targets}
+            if config.selection == "global":  # p of all the targeted weights, one tensor's scores in memory at a time
+                total = sum(w.numel() for w in weights.values())
+                masks[lang] = global_top_k(scores, round(config.density * total))
+            else:
+                masks[lang] = {key: top_indices(score(), round(config.density * weights[key].numel())) for key, score in scores.items()}
+            for w in weights.values():
                 w.grad = None
     finally:
         for k, w in weights.items():
