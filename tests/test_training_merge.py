@@ -796,7 +796,7 @@ def test_the_lean_forward_keeps_or_rebuilds_each_input_as_the_generic_pass_does(
     keeps nothing (values not trained) exactly where the generic forward does, in each rebuild mode, with
     the same loss and gradients bit for bit."""
     from peft_sparse.core import functional
-    from peft_sparse.core import layer as layer_module
+    from peft_sparse.accel import steady as steady_module
 
     model, _, x = _steady_after_steps(2, _spiel(torch.bfloat16))
     layers = sparse_layers(model)
@@ -806,7 +806,7 @@ def test_the_lean_forward_keeps_or_rebuilds_each_input_as_the_generic_pass_does(
     taken = []
 
     def pass_results(apply):
-        monkeypatch.setattr(layer_module, "merged_apply", lambda *a: taken.append(1) or apply(*a))
+        monkeypatch.setattr(steady_module, "merged_apply", lambda *a: taken.append(1) or apply(*a))
         embeds = model.get_input_embeddings()(x).detach().requires_grad_()
         loss = model(inputs_embeds=embeds, labels=x).loss
         # (seen holds the nodes, not only their ids: a built-in node's Python object lives only while
@@ -905,12 +905,12 @@ def test_steady_merged_passes_take_the_lean_forward_with_the_generic_results(mon
     multiplies by the stored weight through MergedDeltaLinear; its loss, input gradient and value
     gradients are the generic pass's, bit for bit. Under autocast it takes the generic pass."""
     from peft_sparse.core import functional
-    from peft_sparse.core import layer as layer_module
+    from peft_sparse.accel import steady as steady_module
 
     model, _, x = _steady_after_steps(2)
     layers = sparse_layers(model)
     lean = []
-    monkeypatch.setattr(layer_module, "merged_apply", lambda *a: lean.append(1) or functional.merged_apply(*a))
+    monkeypatch.setattr(steady_module, "merged_apply", lambda *a: lean.append(1) or functional.merged_apply(*a))
 
     def pass_results():
         lean.clear()
@@ -924,7 +924,7 @@ def test_steady_merged_passes_take_the_lean_forward_with_the_generic_results(mon
 
     loss, x_grad, grads, taken = pass_results()
     assert taken == len(layers) and all(layer._steady is not None for layer in layers)
-    monkeypatch.setattr(layer_module, "merged_apply", lambda *a: lean.append(1) or functional.sparse_delta_apply(*a))
+    monkeypatch.setattr(steady_module, "merged_apply", lambda *a: lean.append(1) or functional.sparse_delta_apply(*a))
     loss_b, x_grad_b, grads_b, _ = pass_results()  # (the same decisions, through the generic forward)
     assert torch.equal(loss, loss_b) and torch.equal(x_grad, x_grad_b)
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_b))
@@ -933,7 +933,7 @@ def test_steady_merged_passes_take_the_lean_forward_with_the_generic_results(mon
     randomize_values(model, scale=0.1)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model.train()
-    monkeypatch.setattr(layer_module, "merged_apply", lambda *a: lean.append(1) or functional.merged_apply(*a))
+    monkeypatch.setattr(steady_module, "merged_apply", lambda *a: lean.append(1) or functional.merged_apply(*a))
     for _ in range(2):
         model(x, labels=x).loss.backward()
         opt.step()

@@ -21,7 +21,7 @@ from torch import nn
 
 from . import storage
 from .config import SparseConfig, read_adapter_config
-from .layer import add_delta_to_base, index_dtype, logical_shape, supported_base_layer
+from .base import add_delta_to_base, index_dtype, logical_shape, supported_base_layer
 from .selection import check_sparse_tensors
 
 PathLike = Union[str, os.PathLike]

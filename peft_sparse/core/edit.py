@@ -35,7 +35,8 @@ import torch
 from ..optim.surgery import reindex_optimizer_states
 from . import kernels
 from ..accel.training_merge import release_training_merges, reseat_training_merges
-from .layer import SparseLayer, index_dtype
+from .base import index_dtype
+from .layer import SparseLayer
 from .selection import BlockGrid, check_sparse_tensors, isin_sorted
 
 

@@ -22,7 +22,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .layer import SparseLayer, supported_embedding, unsupported_embedding_reason  # noqa: F401 (re-exported)
+from .base import supported_embedding, unsupported_embedding_reason  # noqa: F401 (re-exported)
+from .layer import SparseLayer
 
 
 class SparseEmbeddingDelta(torch.autograd.Function):

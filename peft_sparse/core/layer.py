@@ -44,6 +44,7 @@ from transformers.pytorch_utils import Conv1D
 from .. import accel
 from ..accel import internals
 from ..accel.nf4 import FusedNF4Layer, _NF4Rebuild
+from ..accel.steady import steady_forward
 from ..accel.training_merge import (
     TrainingMergeLayer,
     _TrainingMerge,
@@ -52,15 +53,21 @@ from ..registry import BufferDict
 from . import kernels
 from .functional import (
     compose_weight,
-    given_weight_apply,
-    merged_apply,
-    sparse_delta_apply,
     sparse_delta_linear,
     delta_matrix,
     sparse_delta_linear_reference,
     sparse_delta_product,
 )
-from .quant import is_bnb_4bit, standard_4bit_layout
+from .base import (  # noqa: F401 (the base-layer helpers, also importable from here)
+    add_delta_to_base,
+    index_dtype,
+    logical_shape,
+    storage_positions,
+    supported_base_layer,
+    supported_embedding,
+    unsupported_embedding_reason,
+)
+from .quant import standard_4bit_layout
 from .selection import check_sparse_tensors
 
 
@@ -81,101 +88,12 @@ def sparse_owner(values: torch.Tensor) -> Optional[tuple["SparseLayer", str]]:
     return layer, entry[2]
 
 
-def index_dtype(numel: int) -> torch.dtype:
-    return torch.int32 if numel < 2**31 else torch.int64
-
-
-def supported_embedding(module: nn.Module) -> bool:
-    """A plain lookup table: ``nn.Embedding`` or a subclass that keeps its forward (no scaling, no max_norm)."""
-    return isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward and module.max_norm is None
-
-
-def unsupported_embedding_reason(module: nn.Module) -> Optional[str]:
-    if not isinstance(module, nn.Embedding):
-        return None
-    if type(module).forward is not nn.Embedding.forward:
-        return f"{type(module).__name__} changes nn.Embedding's forward (e.g. scales it), so a delta added to its rows would not be what it computes"
-    if module.max_norm is not None:
-        return f"its max_norm={module.max_norm} renormalises the rows in place at every lookup"
-    return None
-
-
-def supported_base_layer(module: nn.Module) -> bool:
-    return isinstance(module, (nn.Linear, Conv1D)) or is_bnb_4bit(module) or supported_embedding(module)
-
-
-def logical_shape(module: nn.Module) -> tuple[int, int]:
-    """(out_features, in_features) of a supported base layer; an embedding table is (num_embeddings, embedding_dim)."""
-    if isinstance(module, Conv1D):
-        return module.nf, module.nx
-    if isinstance(module, nn.Embedding):
-        return module.num_embeddings, module.embedding_dim
-    return module.out_features, module.in_features
-
-
-def storage_positions(base: nn.Module, indices: torch.Tensor) -> torch.Tensor:
-    """Flat positions in the stored float weight of logical (out, in) flat indices (Conv1D stores the transpose)."""
-    idx = indices.long()
-    if isinstance(base, Conv1D):
-        out_features, in_features = logical_shape(base)
-        return (idx % in_features) * out_features + idx // in_features
-    return idx
-
-
 def _release_before_state_dict(module, prefix, keep_vars) -> None:
     module.release_training_merge()
 
 
 def _release_before_load(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
     module.release_training_merge()
-
-
-class _BareLayer:
-    """Adapter-less stand-in so quantization backends can requantize a plain base module."""
-
-    def __init__(self, module: nn.Module):
-        self._module = module
-
-    def get_base_layer(self) -> nn.Module:
-        return self._module
-
-
-def add_delta_to_base(
-    layer, indices: torch.Tensor, values: torch.Tensor, scale: float, *, safe: bool = False, what: str = "delta"
-) -> Optional[torch.Tensor]:
-    """θ ← θ + scale·scatter(η, φ) in the storage of ``layer`` (a SparseLayer or a bare supported module).
-
-    Float weights are updated in place at the affected positions only; the previous values there are
-    returned so the caller can restore them exactly. 4-bit weights are dequantized, updated and
-    requantized through PEFT's quantization backend (returns None).
-    """
-    base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
-    values = values.detach()
-    backend = resolve_quantization_backend(base)
-    if backend is not None:
-        if not backend.supports_merge:
-            raise TypeError(f"{backend.backend_name} layers cannot be merged")
-        standard_4bit_layout(base)
-        weight = backend.get_base_weight(base)  # (out, in), fresh
-        weight.view(-1).index_add_(0, indices, (scale * values.float()).to(weight.dtype))
-        if safe and not torch.isfinite(weight).all():
-            raise ValueError(f"NaNs detected in the merged weights. The {what} seems to be broken")
-        backend.set_base_weight(layer if hasattr(layer, "get_base_layer") else _BareLayer(base), weight)
-        return None
-    if base.weight.is_inference() and not torch.is_inference_mode_enabled():
-        where = getattr(layer, "module_name", type(base).__name__)
-        raise RuntimeError(
-            f"{where}: the base weight was created under torch.inference_mode and can only change inside it: "
-            "merge inside `with torch.inference_mode():`, or load the base model outside it"
-        )
-    idx = storage_positions(base, indices)
-    flat = base.weight.data.view(-1)
-    before = flat[idx]
-    after = (before.float() + scale * values.float()).to(flat.dtype)
-    if safe and not torch.isfinite(after).all():
-        raise ValueError(f"NaNs detected in the merged weights. The {what} seems to be broken")
-    flat[idx] = after
-    return before
 
 
 class SparseLayer(TrainingMergeLayer, FusedNF4Layer, BaseTunerLayer):
@@ -508,66 +426,11 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, BaseTunerLayer):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if "adapter_names" in kwargs:
             return self._mixed_batch_forward(x, kwargs.pop("adapter_names"), *args, **kwargs)
-        steady = self._steady
         observed = False
-        if steady is not None and not args and not kwargs and accel.ON:
-            # A training pass like the last one: the same single adapter (values, indices, blocks), still
-            # merged in place and current (or, on a quantized layer, rebuilt as in every pass). Each
-            # decision of the full path below is checked again here,
-            # only without its lookups: the host time of a layer call bounds the step when kernels are short.
-            # (The observer runs first, as in the full path: whatever it changes is seen by the checks.)
-            current, name, values, dtype, indices, indices_key, base, weight, merge, blocks, device = steady
-            observer = self.training_observer
-            if (
-                observer is not None and not getattr(observer, "idle", False)  # (idle: nothing to watch for now)
-                and self.training and torch.is_grad_enabled() and not self._disable_adapters
-                and not self.merged_adapters and self._active_adapter == current and name in self._modules["sparse_values"]._parameters
-            ):  # (where the full path calls it: its adapter is active on this layer)  # fmt: skip
-                self.training_observer(self)
-                observed = True
-            if (
-                self.training
-                and self._active_adapter == current
-                and not self._disable_adapters
-                and not self.merged_adapters
-                and self._training_merge is merge
-                and self._modules["base_layer"] is base
-                and base._parameters.get("weight") is weight
-                and self._modules["sparse_values"]._parameters.get(name) is values
-                and self._ready.get(name) is values
-                and values.dtype is dtype
-                and self._modules["sparse_indices"]._buffers.get(name) is indices
-                and internals.version(indices) == indices_key[0]
-                and indices.data_ptr() == indices_key[1]
-                and torch.is_grad_enabled()
-            ):
-                if merge is None:  # a quantized layer: its weight is rebuilt in each pass (nothing merged)
-                    spec = (self._stored_weight, True, self, blocks, None, 1)  # (never kept: it holds the layer)
-                    rebuild = self._nf4_rebuild
-                    if rebuild is not None and not torch.is_autocast_enabled(x.device.type):
-                        # the kept fused launch, called here (its own checks included) rather than from
-                        # inside the autograd function's generic forward
-                        merged = rebuild(self, indices, values, None)
-                        if merged is not None:
-                            y = given_weight_apply(x, merged, base._parameters.get("bias"), spec, indices, values)
-                            del merged  # (transient: freed before the output's cast, as inside the autograd function)
-                            return y.to(x.dtype)
-                        self._nf4_rebuild = None  # (it did not apply: the generic path plans anew, without checking it again)
-                    return sparse_delta_apply(x, base._parameters.get("bias"), spec, indices, values).to(x.dtype)
-                autocast = torch.is_autocast_enabled(device)  # (the weight's device type: X on another fails in F.linear)
-                if (
-                    self.merge_for_training
-                    and (not autocast or torch.get_autocast_dtype(device) == weight.dtype)
-                    and weight.data_ptr() == merge.weight_ptr  # (merge.stored_in_weight(): the steady merge's weight is this one)
-                    and not weight.requires_grad
-                    and merge.current(values)
-                ):
-                    spec = (merge.stored_weight, False, self, blocks, merge, 1)
-                    bias = base._parameters.get("bias")
-                    if not autocast and x.dtype is weight.dtype and (bias is None or bias.dtype is weight.dtype):
-                        return merged_apply(x, bias, spec, indices, values)  # (the generic pass would make no other decision)
-                    return sparse_delta_apply(x, bias, spec, indices, values)
-            self._steady = None  # (assigned only when set: nn.Module.__setattr__ costs host time on every pass)
+        if self._steady is not None and not args and not kwargs and accel.ON:
+            y, observed = steady_forward(self, x)  # (a fast path: accel/steady.py)
+            if y is not None:
+                return y
         if self.disable_adapters:
             self.release_training_merge()
             if self.merged:

@@ -26,7 +26,8 @@ from .budget import split_budget, split_weights, total_budget
 from . import storage
 from .config import SparseConfig, dtype_name
 from .embedding import SparseEmbedding
-from .layer import SparseLayer, SparseLinear, index_dtype, logical_shape, supported_base_layer, unsupported_embedding_reason
+from .base import index_dtype, logical_shape, supported_base_layer, unsupported_embedding_reason
+from .layer import SparseLayer, SparseLinear
 from .selection import BlockGrid, check_sparse_tensors, module_generator
 
 

@@ -29,7 +29,8 @@ from peft.utils import PeftType
 
 from ..core import edit
 from ..core.config import SparseConfig
-from ..core.layer import SparseLayer, logical_shape, supported_base_layer
+from ..core.base import logical_shape, supported_base_layer
+from ..core.layer import SparseLayer
 from ..core.selection import global_top_k, top_indices
 from ..core.tuner import SparseTuner, target_matches
 from ..data import check_single_language

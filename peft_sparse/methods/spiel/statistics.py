@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from ...core import kernels
-from ...core.layer import SparseLayer, index_dtype
+from ...core.base import index_dtype
+from ...core.layer import SparseLayer
 from ...core.selection import BlockGrid
 
 
