@@ -15,7 +15,9 @@ task labels; "xb" a second source for multi-source training.
 
     python recipes/cross_lingual.py                       # SmolLM2-135M-Instruct on CPU
     python recipes/cross_lingual.py --language-steps 20 --task-steps 20 --limit 40   # a quicker look
-    python recipes/cross_lingual.py --hub-dataset NAME     # real data by hub name (needs the hub)
+    # real language corpora by hub name (needs the hub), task rows per language from files or hub:NAME
+    python recipes/cross_lingual.py --hub-dataset NAME --language-column lang --languages en sw de \\
+        --task-train en.jsonl --task-train-second de.jsonl --task-test sw.jsonl
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from peft_sparse.evaluation import normalize  # noqa: E402
 from peft_sparse.transfer import LanguageSwitch, add_frozen_adapter, compose, stack  # noqa: E402
 
 SOURCE, TARGET, SECOND = "en", "xa", "xb"
+DEFAULT_LANGUAGES = (SOURCE, TARGET, SECOND)
 
 
 def read_jsonl(path) -> list[dict]:
@@ -63,9 +66,28 @@ def task_example(tokenizer, row, language, max_length: int):
 
 
 def text_example(tokenizer, row, language, max_length: int):
-    """(ids, labels) of unlabelled text in ``language`` (the whole conversation, causal LM)."""
-    ids = language.translate(chat_ids(tokenizer, row["prompt"] + row["completion"], False)[:max_length])
+    """(ids, labels) of unlabelled text in ``language`` (a ``text`` row, or a whole conversation; causal LM)."""
+    if "text" in row:
+        raw = tokenizer(row["text"], add_special_tokens=False)["input_ids"][:max_length]
+    else:
+        raw = chat_ids(tokenizer, row["prompt"] + row["completion"], False)[:max_length]
+    ids = language.translate(raw)
     return ids, list(ids)
+
+
+class Native:
+    """A real language: its token ids are its own (the synthetic languages' translate/inverse, as identity)."""
+
+    def translate(self, ids):
+        return list(ids)
+
+    def inverse(self):
+        return self
+
+
+def _of(data, name: str):
+    """Rows for one language: ``data`` is the same rows for all (synthetic: translated per language) or a mapping."""
+    return data[name] if isinstance(data, dict) else data
 
 
 def collate(examples, pad_id: int):
@@ -141,15 +163,19 @@ def language_target_modules(base) -> list:
     return sorted(names) + [embedding]
 
 
-def train_multi_source(model, tokenizer, train, langs, args, out: Path, timings: dict) -> None:
-    """The task SFT over two sources, each batch under its own language SFT (``LanguageSwitch``)."""
+def train_multi_source(model, tokenizer, train, langs, sources, args, out: Path, timings: dict) -> None:
+    """The task SFT over two sources, each batch under its own language SFT (``LanguageSwitch``): the shared
+    rows split between the two (synthetic), or each source's own rows (real data)."""
     pad = tokenizer.pad_token_id
-    for name in (SOURCE, SECOND):
+    for name in sources:
         add_frozen_adapter(model, out / f"lang-{name}/task", f"lang_{name}")
-    switch = LanguageSwitch(model, {n: f"lang_{n}" for n in (SOURCE, SECOND)}, task="task")
+    switch = LanguageSwitch(model, {n: f"lang_{n}" for n in sources}, task="task")
     data, names = [], []
-    for i, r in enumerate(train):
-        name = (SOURCE, SECOND)[i % 2]
+    if isinstance(train, dict):
+        pairs = [(name, r) for name in sources for r in train[name]]
+    else:
+        pairs = [(sources[i % 2], r) for i, r in enumerate(train)]
+    for name, r in pairs:
         data.append(task_example(tokenizer, r, langs[name], args.max_length))
         names.append(name)
     timings["task multi-source"] = lt_sft(model, cycle(data, args.batch_size, pad, args.seed, names), model.peft_config["task"], args.lr)
@@ -158,7 +184,12 @@ def train_multi_source(model, tokenizer, train, langs, args, out: Path, timings:
 
 
 def run(base, tokenizer, corpus, train, test, args, out: Path) -> dict:
-    langs = make_languages(tokenizer, [SOURCE, TARGET, SECOND], fraction=args.fraction, seed=args.seed)
+    """``corpus``/``train``/``test``: rows shared by the synthetic languages, or mappings language → rows (real data)."""
+    SOURCE, TARGET, SECOND = getattr(args, "languages", None) or DEFAULT_LANGUAGES  # noqa: N806 (real codes with --languages)
+    if isinstance(corpus, dict):  # real languages: text as it is
+        langs = {name: Native() for name in (SOURCE, TARGET, SECOND)}
+    else:
+        langs = make_languages(tokenizer, [SOURCE, TARGET, SECOND], fraction=args.fraction, seed=args.seed)
     pad = tokenizer.pad_token_id
     config = dict(target_modules="all-linear", density=args.density, selection="global", l1_reg=args.l1_reg)
     timings = {}
@@ -186,7 +217,7 @@ def run(base, tokenizer, corpus, train, test, args, out: Path) -> dict:
         if done(f"lang-{name}", f"language {name}"):
             continue
         model = fresh(args.language_steps, target_modules=language_targets)
-        data = [text_example(tokenizer, r, langs[name], args.max_length) for r in corpus]
+        data = [text_example(tokenizer, r, langs[name], args.max_length) for r in _of(corpus, name)]
         timings[f"language {name}"] = lt_sft(model, cycle(data, args.batch_size, pad, args.seed), model.peft_config["task"], args.lr)
         model.save_pretrained(out / f"lang-{name}", selected_adapters=["task"])
     # 2. task SFT on the source, under its language SFT (single-source) ...
@@ -194,21 +225,21 @@ def run(base, tokenizer, corpus, train, test, args, out: Path) -> dict:
         model = fresh(args.task_steps)
         add_frozen_adapter(model, out / f"lang-{SOURCE}/task", "lang")
         stack(model, ["lang"], "task")
-        data = [task_example(tokenizer, r, langs[SOURCE], args.max_length) for r in train]
+        data = [task_example(tokenizer, r, langs[SOURCE], args.max_length) for r in _of(train, SOURCE)]
         timings["task single-source"] = lt_sft(model, cycle(data, args.batch_size, pad, args.seed), model.peft_config["task"], args.lr)
         model.save_pretrained(out / "task-single", selected_adapters=["task"])
     # ... and over two sources, each batch under its own language SFT (multi-source)
     if not done("task-multi", "task multi-source"):
-        train_multi_source(fresh(args.task_steps), tokenizer, train, langs, args, out, timings)
+        train_multi_source(fresh(args.task_steps), tokenizer, train, langs, (SOURCE, SECOND), args, out, timings)
     # 3. evaluation on the target language
     results = {}
 
     def score(label, dirs, language):
         model = compose(copy.deepcopy(base), dirs) if dirs else copy.deepcopy(base)
-        results[label] = exact_match(model, tokenizer, test, langs[language])
+        results[label] = exact_match(model, tokenizer, _of(test, language), langs[language])
         print(f"{label:<42} {100 * results[label]:5.1f}%", flush=True)
 
-    print(f"\nexact match on {len(test)} held-out items", flush=True)
+    print(f"\nexact match on {len(_of(test, TARGET))} held-out items", flush=True)
     score(f"base model, {TARGET}", [], TARGET)
     score(f"task SFT only, {TARGET}", [out / "task-single/task"], TARGET)
     score(f"{TARGET} ⊕ task (single-source), {TARGET}", [out / f"lang-{TARGET}/task", out / "task-single/task"], TARGET)
@@ -218,10 +249,10 @@ def run(base, tokenizer, corpus, train, test, args, out: Path) -> dict:
     # task data for as many steps as the task SFT's two phases, applied unchanged to the target language
     for length in getattr(args, "prefix_tuning", None) or []:
         model = prefix_model(base, length)
-        data = [task_example(tokenizer, r, langs[SOURCE], args.max_length) for r in train]
+        data = [task_example(tokenizer, r, langs[SOURCE], args.max_length) for r in _of(train, SOURCE)]
         timings[f"prefix {length}"] = train_plain(model, cycle(data, args.batch_size, pad, args.seed), 2 * args.task_steps, args.prefix_lr)
-        results[f"prefix tuning ({length} tokens), {TARGET}"] = exact_match(model, tokenizer, test, langs[TARGET])
-        results[f"prefix tuning ({length} tokens), {SOURCE}"] = exact_match(model, tokenizer, test, langs[SOURCE])
+        results[f"prefix tuning ({length} tokens), {TARGET}"] = exact_match(model, tokenizer, _of(test, TARGET), langs[TARGET])
+        results[f"prefix tuning ({length} tokens), {SOURCE}"] = exact_match(model, tokenizer, _of(test, SOURCE), langs[SOURCE])
         for label in (f"prefix tuning ({length} tokens), {TARGET}", f"prefix tuning ({length} tokens), {SOURCE}"):
             print(f"{label:<42} {100 * results[label]:5.1f}%", flush=True)
     return {"exact_match": results, "timings": timings}
@@ -253,10 +284,57 @@ def train_plain(model, batches, steps: int, lr: float) -> dict:
     return {"seconds": time.perf_counter() - start, "first_loss": losses[0], "last_loss": sum(losses[-5:]) / len(losses[-5:])}
 
 
+def load_real_data(args) -> tuple[dict, dict, dict]:
+    """(corpus, train, test), each a mapping language → rows, for ``--hub-dataset``: unlabelled text per language
+    from the hub dataset (``--language-column``, ``--text-column``), task rows from ``--task-train`` (source),
+    ``--task-train-second`` and ``--task-test`` (target), ``--task-test-source`` (local JSONL/Parquet or hub:NAME,
+    the bundled skills format: prompt messages, completion, answer)."""
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        raise SystemExit(f"--hub-dataset {args.hub_dataset}: the hub is switched off here (HF_HUB_OFFLINE); use the synthetic languages")
+    if args.languages is None or args.language_column is None or not args.task_train or not args.task_test:
+        raise SystemExit("--hub-dataset needs --languages SOURCE TARGET SECOND, --language-column, --task-train, --task-train-second and --task-test")
+    source, target, second = args.languages
+    from datasets import load_dataset
+
+    from peft_sparse.recipe import read_rows
+
+    try:
+        data = load_dataset(args.hub_dataset, args.hub_config, split=args.hub_split)
+    except Exception as error:  # noqa: BLE001  (any failure to reach the hub ends here, named)
+        raise SystemExit(f"--hub-dataset {args.hub_dataset}: cannot load it from the hub ({type(error).__name__}: {error})") from None
+    for column in (args.language_column, args.text_column):
+        if column not in data.column_names:
+            raise SystemExit(f"--hub-dataset {args.hub_dataset}: no column {column!r} (columns: {data.column_names})")
+    corpus = {name: [] for name in (source, target, second)}
+    for row in data:
+        texts = corpus.get(row[args.language_column])
+        if texts is not None and len(texts) < args.corpus_limit:
+            texts.append({"text": row[args.text_column]})
+    empty = [name for name, texts in corpus.items() if not texts]
+    if empty:
+        raise SystemExit(f"--hub-dataset {args.hub_dataset}: no text in languages {empty} (column {args.language_column!r})")
+    train = {source: read_rows(args.task_train), second: read_rows(args.task_train_second) if args.task_train_second else []}
+    if not train[second]:
+        raise SystemExit("--task-train-second: the multi-source task SFT needs task rows in the second source language")
+    test = {target: read_rows(args.task_test)[: args.limit]}
+    test[source] = read_rows(args.task_test_source)[: args.limit] if args.task_test_source else test[target]
+    return corpus, train, test
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--hub-dataset", help="a real multilingual dataset by hub name instead of the synthetic languages")
+    parser.add_argument("--hub-dataset", help="real language corpora by hub name instead of the synthetic languages (needs the hub)")
+    parser.add_argument("--hub-config", default=None)
+    parser.add_argument("--hub-split", default="train")
+    parser.add_argument("--language-column", default=None, help="--hub-dataset: the column naming each text's language")
+    parser.add_argument("--text-column", default="text")
+    parser.add_argument("--corpus-limit", type=int, default=20000, help="--hub-dataset: texts per language")
+    parser.add_argument("--languages", nargs=3, default=None, metavar=("SOURCE", "TARGET", "SECOND"), help="--hub-dataset: the language codes")
+    parser.add_argument("--task-train", help="--hub-dataset: task rows in the source language (JSONL/Parquet or hub:NAME)")
+    parser.add_argument("--task-train-second", help="--hub-dataset: task rows in the second source language")
+    parser.add_argument("--task-test", help="--hub-dataset: held-out task rows in the target language")
+    parser.add_argument("--task-test-source", help="--hub-dataset: held-out task rows in the source language")
     parser.add_argument("--language-steps", type=int, default=40, help="steps of each LT-SFT phase of a language SFT")
     parser.add_argument("--task-steps", type=int, default=40, help="steps of each LT-SFT phase of the task SFT")
     parser.add_argument("--density", type=float, default=0.01)
@@ -275,23 +353,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--output", default="outputs/cross-lingual")
     parser.add_argument("--resume", action="store_true", help="keep the adapters an earlier run saved in --output; train and score the rest")
     args = parser.parse_args(argv)
-    if args.hub_dataset:
-        if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
-            raise SystemExit(f"--hub-dataset {args.hub_dataset}: the hub is switched off here (HF_HUB_OFFLINE); use the synthetic languages")
-        from datasets import load_dataset
-
-        try:
-            load_dataset(args.hub_dataset, split="train[:1]")
-        except Exception as error:  # noqa: BLE001  (any failure to reach the hub ends here, named)
-            raise SystemExit(f"--hub-dataset {args.hub_dataset}: cannot load it from the hub ({type(error).__name__}: {error})") from None
-        raise SystemExit(f"--hub-dataset {args.hub_dataset}: real-data runs are not wired into this recipe yet")
     from peft_sparse.assets import load_model_and_tokenizer
 
+    real = load_real_data(args) if args.hub_dataset else None  # (before the model: a bad source fails fast)
     torch.manual_seed(args.seed)
     base, tokenizer = load_model_and_tokenizer(args.model)
-    data = HERE / "data"
-    test = read_jsonl(data / "skills_test.jsonl")[: args.limit]
-    result = run(base, tokenizer, read_jsonl(data / "skills2_train.jsonl"), read_jsonl(data / "skills_train.jsonl"), test, args, Path(args.output))
+    if real is not None:
+        result = run(base, tokenizer, *real, args, Path(args.output))
+    else:
+        args.languages = None
+        data = HERE / "data"
+        test = read_jsonl(data / "skills_test.jsonl")[: args.limit]
+        result = run(base, tokenizer, read_jsonl(data / "skills2_train.jsonl"), read_jsonl(data / "skills_train.jsonl"), test, args, Path(args.output))
     (Path(args.output) / "results.json").write_text(json.dumps({**result, "args": vars(args)}, indent=1))
     return result
 

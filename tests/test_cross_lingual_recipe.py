@@ -70,3 +70,35 @@ def test_hub_datasets_are_refused_clearly_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(SystemExit, match="the hub is switched off"):
         _recipe().main(["--hub-dataset", "some/dataset"])
+
+
+def test_real_corpora_by_hub_name(tmp_path, monkeypatch):
+    """--hub-dataset: language corpora from a hub dataset (here a stand-in for load_dataset), task rows from local
+    files in each language, the same stages and scores with the real language codes."""
+    import datasets
+
+    from .models import tiny_llama
+
+    recipe = _recipe()
+    tiny_llama().save_pretrained(tmp_path / "model")
+    _tokenizer().save_pretrained(tmp_path / "model")
+    words = WORDS[:10]
+    corpus = datasets.Dataset.from_dict({"lang": ["en", "sw", "de"] * 6, "content": [" ".join(words[i % 10 : i % 10 + 3]) for i in range(18)]})
+    asked = []
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # (the stand-in answers instead of the hub)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config=None, split=None: asked.append((name, config, split)) or corpus)
+    for name, seed in (("train-en", 1), ("train-de", 2), ("test-sw", 3)):
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in _rows(6, seed)))
+    argv = ["--model", str(tmp_path / "model"), "--hub-dataset", "org/corpora", "--language-column", "lang", "--text-column", "content",
+            "--languages", "en", "sw", "de", "--task-train", str(tmp_path / "train-en.jsonl"), "--task-train-second",
+            str(tmp_path / "train-de.jsonl"), "--task-test", str(tmp_path / "test-sw.jsonl"), "--language-steps", "1", "--task-steps", "1",
+            "--density", "0.1", "--batch-size", "2", "--max-length", "32", "--prefix-tuning", "2", "--output", str(tmp_path / "out")]  # fmt: skip
+    result = recipe.main(argv)
+    assert asked == [("org/corpora", None, "train")]
+    assert "sw ⊕ task (single-source), sw" in result["exact_match"] and "prefix tuning (2 tokens), sw" in result["exact_match"]
+    assert (tmp_path / "out" / "lang-sw" / "task" / "adapter_config.json").is_file()
+    with pytest.raises(SystemExit, match="needs --languages"):
+        recipe.main(["--model", str(tmp_path / "model"), "--hub-dataset", "org/corpora"])
+    with pytest.raises(SystemExit, match=r"no text in languages \['yo'\]"):
+        recipe.main(argv[:10] + ["yo"] + argv[11:])
