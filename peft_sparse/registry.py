@@ -89,7 +89,7 @@ def resolve_embedding_saving() -> None:
         adapter_name = kwargs.get("adapter_name", args[1] if len(args) > 1 else "default")
         config = model.peft_config.get(adapter_name) if hasattr(model, "peft_config") else None
         recorded = getattr(config, "base_vocab_size", None)
-        if kwargs.get("save_embedding_layers", "auto") == "auto" and config is not None and getattr(config.peft_type, "value", config.peft_type) in OUR_TYPES and recorded is not None:
+        if len(args) < 4 and kwargs.get("save_embedding_layers", "auto") == "auto" and config is not None and getattr(config.peft_type, "value", config.peft_type) in OUR_TYPES and recorded is not None:
             embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
             embeddings = embeddings.get_base_layer() if hasattr(embeddings, "get_base_layer") else embeddings
             resized = embeddings is not None and getattr(embeddings, "num_embeddings", recorded) != recorded
