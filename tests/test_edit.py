@@ -197,3 +197,15 @@ def test_values_from_a_hypernetwork_get_the_gradients_of_a_dense_delta(fast):
             with torch.no_grad():
                 for p in hyper.parameters():
                     p -= 0.1 * p.grad
+
+
+def test_a_deepspeed_optimizer_is_refused_with_the_way_out():
+    """ZeRO's flattened optimizer partitions cannot follow a reselection: SpIEL refuses them, naming DDP / FSDP2."""
+    from peft_sparse import SpIELScheduler
+
+    model = get_peft_model(tiny_llama(), SpIELConfig(target_modules="all-linear", density=0.1))
+    inner = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    zero = type("DeepSpeedZeroOptimizer", (), {"__module__": "deepspeed.runtime.zero.stage_1_and_2"})()
+    zero.optimizer = inner
+    with pytest.raises(NotImplementedError, match="DeepSpeed optimizer.*use DDP or FSDP2"):
+        SpIELScheduler(model, zero, total_steps=10)

@@ -30,6 +30,12 @@ from .sm3 import SM3
 def unwrap_optimizer(optimizer):
     """The torch optimizer inside wrappers such as accelerate's AcceleratedOptimizer."""
     for _ in range(8):  # AcceleratedOptimizer subclasses Optimizer but only wraps the real one
+        if type(optimizer).__module__.split(".")[0] == "deepspeed":
+            raise NotImplementedError(
+                f"{type(optimizer).__name__} is a DeepSpeed optimizer: ZeRO keeps the optimizer state in flattened "
+                "partitions that a reselection cannot edit slot by slot, so sparse methods do not run under DeepSpeed "
+                "yet; use DDP or FSDP2 (integrations/README.md)"
+            )
         inner = getattr(optimizer, "optimizer", None)
         if inner is None or inner is optimizer:
             break
