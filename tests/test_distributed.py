@@ -229,3 +229,31 @@ def get_initial_indices():
     torch.manual_seed(0)
     model = get_peft_model(tiny_llama(), SpIELConfig(target_modules="all-linear", density=0.1, reselection_steps=4, gradient_estimation_steps=2))
     return [m.sparse_indices["default"] for m in model.modules() if isinstance(m, SparseLayer)]
+
+
+def _disagree_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    from peft import get_peft_model
+
+    from peft_sparse import SpIELConfig, SpIELScheduler
+    from tests.models import tiny_llama
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model = get_peft_model(tiny_llama(), SpIELConfig(target_modules="all-linear", density=0.1, seed=rank))  # a seed per rank
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    try:
+        SpIELScheduler(model, optimizer, total_steps=10)
+        message = "no error"
+    except ValueError as error:
+        message = str(error)
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(message)
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_ranks_that_disagree_are_refused():
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_disagree_worker, args=(2, _free_port(), out_dir), nprocs=2, join=True)
+        messages = [open(os.path.join(out_dir, f"rank{r}.txt")).read() for r in range(2)]
+    for message in messages:  # every rank stops, naming the first difference
+        assert "ranks disagree on the SpIEL setup" in message and "rank 1 has config.seed=1 but rank 0 has 0" in message
