@@ -148,11 +148,40 @@ def exact_match(model, tokenizer, rows, language, batch_size: int = 16, max_new_
         width = max(map(len, prompts))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-        for row, reply in zip(chunk, out[:, width:]):
+        replies = greedy(model, ids, mask, max_new_tokens, pad)
+        for row, reply in zip(chunk, replies):
             text = tokenizer.decode(back.translate(reply), skip_special_tokens=True)
             correct += normalize(text) == row["answer"]
     return correct / max(1, len(rows))
+
+
+@torch.no_grad()
+def greedy(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, pad: int) -> torch.Tensor:
+    """Greedy continuations of left-padded prompts: the new tokens, ``pad`` after each row's end of sequence.
+
+    A PEFT prompt-learning model (prefix tuning) is decoded without a cache: transformers 5's ``generate`` passes
+    its own cache and drops the prefix's key/values, so it would score the base model (checked in the tests).
+    Every step runs the whole sequence with the prefix prepended, the real tokens numbered from 0 as in training (no position ids).
+    """
+    config = getattr(model, "active_peft_config", None)
+    if config is None or not config.is_prompt_learning:
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+        return out[:, ids.shape[1] :]
+    eos = model.generation_config.eos_token_id
+    eos = torch.tensor(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    done = torch.zeros(ids.shape[0], dtype=torch.bool)
+    new = []
+    for _ in range(max_new_tokens):
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        token = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].argmax(-1)
+        token = torch.where(done, torch.full_like(token, pad), token)
+        new.append(token)
+        done |= torch.isin(token, eos)
+        ids = torch.cat([ids, token[:, None]], 1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        if done.all():
+            break
+    return torch.stack(new, 1)
 
 
 def language_target_modules(base) -> list:

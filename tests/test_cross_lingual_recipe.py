@@ -102,3 +102,32 @@ def test_real_corpora_by_hub_name(tmp_path, monkeypatch):
         recipe.main(["--model", str(tmp_path / "model"), "--hub-dataset", "org/corpora"])
     with pytest.raises(SystemExit, match=r"no text in languages \['yo'\]"):
         recipe.main(argv[:10] + ["yo"] + argv[11:])
+
+
+def test_prefix_tuning_is_scored_with_its_prefix():
+    """transformers 5's generate() drops PEFT's prefix key/values; the recipe's decoding keeps them: its answers
+    equal a plain cache-free greedy loop through the prefix model, per row, and differ from the base model's."""
+    from peft import PrefixTuningConfig, get_peft_model
+
+    recipe = _recipe()
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_llama(), PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 3.0)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    pad = 0
+    ids = torch.tensor([[pad] * (5 - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (5 - len(p)) + [1] * len(p) for p in prompts])
+    replies = recipe.greedy(model, ids, mask, 4, pad)
+    for prompt, reply in zip(prompts, replies):
+        seq = torch.tensor([prompt])
+        with torch.no_grad():
+            for _ in range(4):
+                seq = torch.cat([seq, model(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)], 1)
+        assert reply.tolist() == seq[0, len(prompt) :].tolist()
+    base = recipe.greedy(model.base_model, ids, mask, 4, pad)  # the model without the prefix, through generate()
+    assert not torch.equal(replies, base)
