@@ -137,6 +137,23 @@ def test_recipes_build_their_training_arguments_without_deprecation_warnings():
     assert off.training_args.activation_checkpointing is False
 
 
+def test_trainer_weight_decay_reaches_every_sparse_value():
+    """The README tells SpIEL-AG users to set weight_decay: Trainer's decay list must hold every sparse value."""
+    from peft import get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    from peft_sparse import SpIELConfig
+
+    from .models import tiny_llama
+
+    model = get_peft_model(tiny_llama(), SpIELConfig(target_modules="all-linear", density=0.05))
+    values = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert values and all("sparse" in n or "values" in n for n in values)
+    args = TrainingArguments(output_dir="unused", weight_decay=3.0, report_to="none", use_cpu=True)
+    decayed = set(Trainer(model=model, args=args).get_decay_parameter_names(model))
+    assert values <= decayed
+
+
 def test_the_use_snippet_runs_as_written_without_warnings(tmp_path, monkeypatch):
     import re
     import warnings
