@@ -12,11 +12,15 @@ from .models import MODELS, inputs, randomize_values, sparse_layers
 
 
 def _count_products(monkeypatch) -> list:
+    """Every pass that applies a delta from its entries: the plain path's product, or the fast path's kept CSR one."""
+    from peft_sparse.accel import inference
     from peft_sparse.core import layer as layer_module
 
     calls = []
     original = layer_module.sparse_delta_product
     monkeypatch.setattr(layer_module, "sparse_delta_product", lambda *a, **k: calls.append(1) or original(*a, **k))
+    kept = inference.add_delta
+    monkeypatch.setattr(inference, "add_delta", lambda *a, **k: calls.append(1) or kept(*a, **k))
     return calls
 
 

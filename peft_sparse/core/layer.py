@@ -44,6 +44,7 @@ from transformers.pytorch_utils import Conv1D
 from .. import accel
 from ..accel import internals
 from ..accel.nf4 import FusedNF4Layer, _NF4Rebuild
+from ..accel.inference import inference_forward
 from ..accel.steady import steady_forward
 from ..accel.training_merge import (
     TrainingMergeLayer,
@@ -137,6 +138,7 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, BaseTunerLayer):
         self._nf4_starts_cache = None  # (weakref to an indices tensor, (address, version, size), its starts)
         self._nf4_rebuild: Optional[_NF4Rebuild] = None  # the last single-adapter fused NF4 launch, to repeat
         self._delta_csr: dict = {}  # adapter → (key, indices, values, its CSR delta) for inference passes
+        self._inference_memo = None  # the single active adapter's CSR delta and what it was built from (accel/inference.py)
         # adapter → the values tensor that last passed _check_ready, and the indices tensor it last checked
         self._ready: dict[str, torch.Tensor] = {}
         self._checked_indices: dict[str, torch.Tensor] = {}
@@ -272,6 +274,7 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, BaseTunerLayer):
         self._indices_pending.discard(adapter_name)
         self._ready.pop(adapter_name, None)
         self._delta_csr.pop(adapter_name, None)
+        self._inference_memo = None
 
     def block_metadata(self, adapter_name: str):
         """For a block adapter: its :class:`~peft_sparse.core.kernels.BlockLayout` (block rows and
@@ -365,6 +368,7 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, BaseTunerLayer):
         module is followed — the values take the new floating dtype and it becomes their ``values_dtype`` on this
         layer (a cast of ``.data`` from outside is refused or undone instead: :meth:`_check_ready`)."""
         self.release_training_merge()
+        self._inference_memo = None
         before = {name: v.dtype for name, v in self.sparse_values.items()}
         out = nn.Module._apply(self, fn, recurse)
         for name, v in self.sparse_values.items():
@@ -377,7 +381,7 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, BaseTunerLayer):
         # pickling (torch.save of a whole model): the caches that hold weak references start empty in the copy,
         # which fills them again; the model reference is set again by the tuner (SparseTuner.__setstate__)
         state = nn.Module.__getstate__(self).copy()
-        state.update(_model_ref=None, _shared_check=None, _nf4_cache=None, _nf4_starts_cache=None, _delta_csr={})
+        state.update(_model_ref=None, _shared_check=None, _nf4_cache=None, _nf4_starts_cache=None, _delta_csr={}, _inference_memo=None)
         return state
 
     def _replicate_for_data_parallel(self):
@@ -427,6 +431,10 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, BaseTunerLayer):
         if "adapter_names" in kwargs:
             return self._mixed_batch_forward(x, kwargs.pop("adapter_names"), *args, **kwargs)
         observed = False
+        if not args and not kwargs and accel.ON and not torch.is_grad_enabled():
+            y = inference_forward(self, x)  # (a fast path: accel/inference.py)
+            if y is not None:
+                return y
         if self._steady is not None and not args and not kwargs and accel.ON:
             y, observed = steady_forward(self, x)  # (a fast path: accel/steady.py)
             if y is not None:

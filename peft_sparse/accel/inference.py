@@ -1,0 +1,96 @@
+"""Passes without gradients (generation, evaluation) on the fast paths: Y = base(X) + X·δᵀ with δ kept per layer
+as one CSR matrix with 32-bit indices, and the decisions of :meth:`SparseLayer.forward` checked again here without
+its lookups. At decode (one token) the product is a sparse matrix-vector product: host time per layer call is
+what bounds batch-1 generation, so the checks are attribute reads only. The plain path builds the same product
+from the entries on every call (:func:`peft_sparse.core.functional.sparse_delta_product`)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import internals
+from ..core import kernels
+from ..core.functional import delta_matrix
+
+_SPARSE_DTYPES = {"cpu": (torch.float32, torch.float64)}  # CPU sparse products have no 16-bit kernels
+
+
+class _Memo:
+    __slots__ = ("active", "name", "count", "values", "values_key", "indices", "indices_key", "dtype", "csr", "nnz")
+
+
+def inference_forward(layer, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """The layer's output for a pass without gradients, or None where the full path must decide (several
+    adapters, a training merge in place, a dtype without sparse kernels, or more tokens than the cost model
+    gives the product)."""
+    memo = layer._inference_memo
+    if memo is None or not _current(layer, memo):
+        memo = layer._inference_memo = _remember(layer, x)
+        if memo is None:
+            return None
+    tokens = x.numel() // layer.in_features if x.dim() else 0
+    ratio = kernels.COST_MODEL.inference_sparse_ratio.get(x.device.type, 0.0)
+    if not tokens * memo.nnz < ratio * layer.out_features * layer.in_features or x.device != memo.csr.device:
+        return None
+    return add_delta(memo.csr, x, layer.base_layer(x), tokens, layer.in_features)
+
+
+def add_delta(csr: torch.Tensor, x: torch.Tensor, y: torch.Tensor, tokens: int, in_features: int) -> torch.Tensor:
+    """Y + X·δᵀ: a matrix-vector product for one token (added in place where Y holds it), a sparse × dense
+    product for more."""
+    if tokens == 1:
+        if x.dtype is csr.dtype and y.dtype is csr.dtype and y.is_contiguous():
+            y.view(-1).add_(torch.mv(csr, x.reshape(-1)))
+            return y
+        return y + torch.mv(csr, x.reshape(-1).to(csr.dtype)).reshape(y.shape).to(y.dtype)
+    x2 = x.reshape(tokens, in_features).to(csr.dtype)
+    return y + torch.sparse.mm(csr, x2.t()).t().reshape(y.shape).to(y.dtype)
+
+
+def _current(layer, memo: _Memo) -> bool:
+    values, indices = memo.values, memo.indices
+    return (
+        layer._active_adapter == memo.active
+        and not layer._disable_adapters
+        and not layer.merged_adapters
+        and layer._training_merge is None
+        and len(layer._modules["sparse_values"]._parameters) == memo.count
+        and layer._modules["sparse_values"]._parameters.get(memo.name) is values
+        and layer._ready.get(memo.name) is values
+        and values.dtype is memo.dtype
+        and (internals.version(values), values.data_ptr()) == memo.values_key
+        and layer._modules["sparse_indices"]._buffers.get(memo.name) is indices
+        and (internals.version(indices), indices.data_ptr()) == memo.indices_key
+    )
+
+
+def _remember(layer, x: torch.Tensor) -> Optional[_Memo]:
+    """A memo of the single active adapter's delta, where the full path would take the sparse product."""
+    if layer._disable_adapters or layer.merged_adapters or layer._training_merge is not None:
+        return None
+    values_of, indices_of = layer.sparse_values, layer.sparse_indices
+    active = [a for a in layer.active_adapters if a in values_of]
+    if len(active) != 1:
+        return None
+    name = active[0]
+    values, indices = values_of[name], indices_of[name]
+    if layer._ready.get(name) is not values or values.dtype != layer.values_dtype[name]:
+        return None  # (the full path checks it first)
+    if values.is_inference() or indices.is_inference():
+        return None  # (no version counter follows their edits)
+    if layer.quantization_backend is None and layer.get_base_layer().weight.requires_grad:
+        return None
+    if values.dtype not in _SPARSE_DTYPES.get(values.device.type, (values.dtype,)) or not x.dtype.is_floating_point:
+        return None
+    csr = delta_matrix(indices, values.detach(), layer.out_features, layer.in_features)
+    if layer.out_features * layer.in_features < 2**31:
+        crow, cols = csr.crow_indices().to(torch.int32), csr.col_indices().to(torch.int32)
+        csr = torch.sparse_csr_tensor(crow, cols, csr.values(), csr.shape, check_invariants=False)
+    memo = _Memo()
+    memo.active = layer._active_adapter if isinstance(layer._active_adapter, str) else list(layer._active_adapter)
+    memo.name, memo.count, memo.dtype, memo.csr, memo.nnz = name, len(values_of), values.dtype, csr, values.numel()
+    memo.values, memo.values_key = values, (internals.version(values), values.data_ptr())
+    memo.indices, memo.indices_key = indices, (internals.version(indices), indices.data_ptr())
+    return memo
