@@ -82,3 +82,50 @@ def test_a_values_edit_is_seen_by_the_next_inference_pass(monkeypatch):
     merged = model.merge_and_unload()
     with torch.no_grad():
         torch.testing.assert_close(after, output(merged(x)), rtol=1e-5, atol=1e-5)
+
+
+def test_the_kept_inference_delta_follows_adapters_edits_and_switches(monkeypatch):
+    """The fast path's kept CSR delta (accel/inference.py) is rebuilt whenever what it was built from changes: an
+    index edit through the core's API, another active adapter, adapters disabled; each pass equals the plain path."""
+    from peft_sparse.core import edit
+
+    build, targets, output = MODELS["llama"]
+    monkeypatch.setitem(kernels.COST_MODEL.inference_sparse_ratio, "cpu", 1e9)
+    model = get_peft_model(build(), SparseFTConfig(target_modules=targets, density=0.1, seed=0))
+    model.add_adapter("other", SparseFTConfig(target_modules=targets, density=0.1, seed=1))
+    randomize_values(model, "default", seed=1, scale=0.1)
+    randomize_values(model, "other", seed=2, scale=0.1)
+    model.eval()
+    x = inputs(seed=3, batch=1, length=1)  # one token: the matrix-vector product
+
+    def both() -> tuple:
+        with torch.no_grad():
+            fast = output(model(x))
+            assert torch.equal(output(model(x)), fast)  # (built, then reused)
+            with peft_sparse.fast_paths(False):
+                plain = output(model(x))
+        return fast, plain
+
+    seen = []
+    fast, plain = both()
+    torch.testing.assert_close(fast, plain, rtol=1e-6, atol=1e-6)
+    seen.append(fast)
+    layer = next(m for m in sparse_layers(model) if m.module_name.endswith("v_proj"))  # (one token: q, k do not matter)
+    with torch.no_grad():
+        old = layer.sparse_indices["default"]
+        free = torch.tensor(sorted(set(range(layer.out_features * layer.in_features)) - set(old.tolist()))[:2])
+    edit.replace(model, {layer.module_name: (torch.tensor([0, 1]), free, torch.tensor([0.3, -0.3]))})
+    fast, plain = both()
+    torch.testing.assert_close(fast, plain, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(fast, seen[-1])
+    seen.append(fast)
+    model.set_adapter("other")
+    fast, plain = both()
+    torch.testing.assert_close(fast, plain, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(fast, seen[-1])
+    with model.disable_adapter():
+        fast, plain = both()
+    assert torch.equal(fast, plain)  # (the base model on both paths)
+    model.set_adapter("default")
+    fast, _ = both()
+    assert torch.equal(fast, seen[1])

@@ -25,15 +25,15 @@ def inference_forward(layer, x: torch.Tensor) -> Optional[torch.Tensor]:
     """The layer's output for a pass without gradients, or None where the full path must decide (several
     adapters, a training merge in place, a dtype without sparse kernels, or more tokens than the cost model
     gives the product)."""
+    tokens = x.numel() // layer.in_features if x.dim() else 0
+    limit = kernels.COST_MODEL.inference_sparse_ratio.get(x.device.type, 0.0) * layer.out_features * layer.in_features
     memo = layer._inference_memo
     if memo is None or not _current(layer, memo):
-        memo = layer._inference_memo = _remember(layer, x)
+        memo = layer._inference_memo = _remember(layer, x, tokens, limit)
         if memo is None:
             return None
-    tokens = x.numel() // layer.in_features if x.dim() else 0
-    ratio = kernels.COST_MODEL.inference_sparse_ratio.get(x.device.type, 0.0)
-    if not tokens * memo.nnz < ratio * layer.out_features * layer.in_features or x.device != memo.csr.device:
-        return None
+    if not tokens * memo.nnz < limit or x.device != memo.csr.device:
+        return None  # (the full path: W + δ rebuilt, where that is cheaper)
     return add_delta(memo.csr, x, layer.base_layer(x), tokens, layer.in_features)
 
 
@@ -66,7 +66,7 @@ def _current(layer, memo: _Memo) -> bool:
     )
 
 
-def _remember(layer, x: torch.Tensor) -> Optional[_Memo]:
+def _remember(layer, x: torch.Tensor, tokens: int, limit: float) -> Optional[_Memo]:
     """A memo of the single active adapter's delta, where the full path would take the sparse product."""
     if layer._disable_adapters or layer.merged_adapters or layer._training_merge is not None:
         return None
@@ -76,8 +76,11 @@ def _remember(layer, x: torch.Tensor) -> Optional[_Memo]:
         return None
     name = active[0]
     values, indices = values_of[name], indices_of[name]
+    if not tokens * values.numel() < limit:
+        return None  # (not built for a pass the product would not serve)
     if layer._ready.get(name) is not values or values.dtype != layer.values_dtype[name]:
-        return None  # (the full path checks it first)
+        layer._check_ready(name)  # (as the full path would)
+        values = values_of[name]
     if values.is_inference() or indices.is_inference():
         return None  # (no version counter follows their edits)
     if layer.quantization_backend is None and layer.get_base_layer().weight.requires_grad:
