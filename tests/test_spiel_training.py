@@ -303,6 +303,27 @@ def test_bad_scheduler_arguments():
         SpIELScheduler(model, torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]), total_steps=10)
 
 
+def test_a_scheduler_whose_optimizer_was_flattened_after_creation_is_refused_at_reselection():
+    """accelerator.prepare under DeepSpeed or FSDP with flattened parameters re-groups the optimizer it was given:
+    a scheduler created before that would edit state nobody steps. The next reselection refuses, naming the step."""
+    model = _spiel()
+    opt = _optimizer(model, "ag")
+    scheduler = SpIELScheduler(model, opt, total_steps=20)
+    values = [p for g in opt.param_groups for p in g["params"]]
+    flat = torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in values]))
+    opt.param_groups[0]["params"] = [flat]  # (what a flattening wrapper leaves in the optimizer)
+    model.train()
+    before = [layer.sparse_indices["default"].clone() for layer in sparse_layers(model)]
+    with pytest.raises(ValueError, match=r"at step 2 the optimizer no longer holds the SpIEL values .*accelerator\.prepare"):
+        for step in range(3):
+            x = _batch(step)
+            model(x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            scheduler.step()
+    assert all(torch.equal(a, layer.sparse_indices["default"]) for a, layer in zip(before, sparse_layers(model)))
+
+
 def test_training_without_a_scheduler_warns_once():
     model = _spiel(gradient_estimation_steps=2)
     model.train()

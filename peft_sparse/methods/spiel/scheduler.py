@@ -91,10 +91,7 @@ class SpIELScheduler(SchedulerState):
                 f"got optimizer {type(self.optimizer).__name__}"
             )
         self.layers = [m for m in self.model.modules() if isinstance(m, SparseLayer) and self.adapter_name in m.sparse_values]
-        held = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
-        missing = [m.module_name for m in self.layers if id(m.sparse_values[self.adapter_name]) not in held]
-        if missing:
-            raise ValueError(f"the optimizer does not hold the SpIEL values of {missing[:3]}{'…' if len(missing) > 3 else ''}")
+        self._check_optimizer_holds_values(created=True)
         self.t = 0
         self.steps_in_window = 0
         self.statistics: dict[str, _WindowStatistics] = {}
@@ -111,6 +108,24 @@ class SpIELScheduler(SchedulerState):
             self._check_ranks_agree()
         self._attach_guard(tuner)
         self._arm_if_window(1)
+
+    def _check_optimizer_holds_values(self, created: bool = False) -> None:
+        """The optimizer must hold every layer's values Parameter itself: its state is what a reselection edits.
+        After creation, a miss means something re-grouped or replaced the optimizer's parameters since (DeepSpeed
+        and FSDP with flattened parameters do, in ``accelerator.prepare``)."""
+        held = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        missing = [m.module_name for m in self.layers if id(m.sparse_values[self.adapter_name]) not in held]
+        if not missing:
+            return
+        some = f"{missing[:3]}{'…' if len(missing) > 3 else ''}"
+        if created:
+            raise ValueError(f"the optimizer does not hold the SpIEL values of {some}")
+        raise ValueError(
+            f"SpIELScheduler: at step {self.t} the optimizer no longer holds the SpIEL values of {some}: its "
+            "parameters were replaced or flattened after the scheduler was created (accelerator.prepare does this "
+            "under DeepSpeed or FSDP with flattened parameters). Create the scheduler after accelerator.prepare, "
+            "with the prepared model and optimizer"
+        )
 
     def _check_ranks_agree(self) -> None:
         """Identical selections on every rank need identical inputs: the same config, total_steps and initial indices.
@@ -244,6 +259,7 @@ class SpIELScheduler(SchedulerState):
         Otherwise (several devices, or fewer candidates than active units) every flag is read first
         and nothing is edited before every group is checked."""
         c, name = self.config, self.adapter_name
+        self._check_optimizer_holds_values()
         by_device: dict = {}  # device → [(layer, TensorReselection, window statistics)]
         for layer in self.layers:
             values, indices = layer.sparse_values[name], layer.sparse_indices[name]
