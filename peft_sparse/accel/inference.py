@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from .. import accel
 from . import internals
 from ..core import kernels
 from ..core.functional import delta_matrix
@@ -97,3 +98,23 @@ def _remember(layer, x: torch.Tensor, tokens: int, limit: float) -> Optional[_Me
     memo.values, memo.values_key = values, (internals.version(values), values.data_ptr())
     memo.indices, memo.indices_key = indices, (internals.version(indices), indices.data_ptr())
     return memo
+
+
+def kept_delta_matrices(layer, active: list, indices: list, values: list) -> Optional[list]:
+    """The full path's adapters' deltas as CSR matrices for :func:`~peft_sparse.core.functional.sparse_delta_product`
+    (several adapters, more tokens), kept in ``layer._delta_csr`` while their indices and values are unchanged.
+    None when the fast paths are off: the product then builds them."""
+    if not accel.ON:
+        return None
+    cache = layer._delta_csr
+    out = []
+    for name, idx, val in zip(active, indices, values):
+        if idx.is_inference() or val.is_inference():
+            return None  # (no version counter follows their edits)
+        key = (idx.data_ptr(), internals.version(idx), val.data_ptr(), internals.version(val), val.dtype, val.device)
+        kept = cache.get(name)
+        if kept is None or kept[0] != key or kept[1] is not idx or kept[2] is not val:
+            kept = (key, idx, val, delta_matrix(idx, val.detach(), layer.out_features, layer.in_features))
+            cache[name] = kept
+        out.append(kept[3])
+    return out

@@ -36,7 +36,7 @@ import weakref
 from typing import Any, Optional
 
 import torch
-from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
+from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import resolve_quantization_backend
 from torch import nn
 from transformers.pytorch_utils import Conv1D
@@ -44,7 +44,7 @@ from transformers.pytorch_utils import Conv1D
 from .. import accel
 from ..accel import internals
 from ..accel.nf4 import FusedNF4Layer, _NF4Rebuild
-from ..accel.inference import inference_forward
+from ..accel.inference import inference_forward, kept_delta_matrices
 from ..accel.steady import steady_forward
 from ..accel.training_merge import (
     TrainingMergeLayer,
@@ -53,9 +53,7 @@ from ..accel.training_merge import (
 from ..registry import BufferDict
 from . import kernels
 from .functional import (
-    compose_weight,
     sparse_delta_linear,
-    delta_matrix,
     sparse_delta_linear_reference,
     sparse_delta_product,
 )
@@ -68,6 +66,8 @@ from .base import (  # noqa: F401 (the base-layer helpers, also importable from 
     supported_embedding,
     unsupported_embedding_reason,
 )
+from .block_layout import BlockLayoutLayer
+from .merging import MergeLayer
 from .quant import standard_4bit_layout
 from .selection import check_sparse_tensors
 
@@ -97,7 +97,7 @@ def _release_before_load(module, state_dict, prefix, local_metadata, strict, mis
     module.release_training_merge()
 
 
-class SparseLayer(TrainingMergeLayer, FusedNF4Layer, BaseTunerLayer):
+class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, BlockLayoutLayer, BaseTunerLayer):
     adapter_layer_names = ("sparse_values",)
     other_param_names = ("sparse_indices", "sparse_ages", "sparse_masks")
     # keep the training adapter merged in the base weight's storage (module docstring): opt-in, through the
@@ -187,13 +187,6 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, BaseTunerLayer):
         return weight.t() if self.fan_in_fan_out else weight
 
 
-    def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
-        """The dense (out, in) delta scatter(η, φ) of one adapter, in the values' dtype."""
-        values = self.sparse_values[adapter_name]
-        delta = torch.zeros(self.numel, dtype=values.dtype, device=values.device)
-        delta.index_add_(0, self.sparse_indices[adapter_name], values.detach())
-        return delta.view(self.out_features, self.in_features)
-
     # ----------------------------------------------------------------------------------- adapters
     def update_layer(
         self,
@@ -275,88 +268,6 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, BaseTunerLayer):
         self._ready.pop(adapter_name, None)
         self._delta_csr.pop(adapter_name, None)
         self._inference_memo = None
-
-    def block_metadata(self, adapter_name: str):
-        """For a block adapter: its :class:`~peft_sparse.core.kernels.BlockLayout` (block rows and
-        columns, ascending, and where each block's elements sit in the values); None when unstructured.
-
-        Cached until the indices change (their version counter moves on every in-place edit)."""
-        bh, bw = self.block_shape.get(adapter_name, (1, 1))
-        if bh * bw == 1:
-            return None
-        indices = self._modules["sparse_indices"]._buffers[adapter_name]
-        cached = self._block_metadata.get(adapter_name)
-        if cached is not None and cached[0] == self._indices_key(indices):
-            return cached[1]
-        from .selection import BlockGrid
-
-        blocks = BlockGrid(self.out_features, self.in_features, (bh, bw)).units(indices)
-        if blocks.numel() * bh * bw != indices.numel():
-            raise ValueError(f"{self.module_name}: indices of adapter {adapter_name!r} are not whole {(bh, bw)} blocks")
-        return self.set_block_metadata(adapter_name, blocks)
-
-    @staticmethod
-    def _indices_key(indices: torch.Tensor) -> tuple:
-        if indices.is_inference():  # (no version counter follows an edit: a key equal to no other, so never cached)
-            return (indices.data_ptr(), object(), indices.numel())
-        return (indices.data_ptr(), internals.version(indices), indices.numel())
-
-    def cached_block_metadata(self, adapter_name: str):
-        """The block layout cached for ``adapter_name`` (None: none), current or not — e.g. to learn which
-        kernel plans it used before a reselection replaces it."""
-        cached = self._block_metadata.get(adapter_name)
-        return cached[1] if cached is not None else None
-
-    def set_block_metadata(self, adapter_name: str, blocks: torch.Tensor, metadata=None):
-        """Cache the block layout of the (ascending) active block numbers ``blocks`` (``metadata``: a
-        :class:`~peft_sparse.core.kernels.BlockLayout` already computed for the current indices, e.g.
-        by a batched reselection)."""
-        indices = self.sparse_indices[adapter_name]
-        if metadata is None:
-            metadata = kernels.BlockLayout.of_blocks(blocks, self.out_features, self.in_features, self.block_shape[adapter_name])
-        self._block_metadata[adapter_name] = (self._indices_key(indices), metadata)
-        return metadata
-
-    # ----------------------------------------------------------------------------------- merge
-    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
-        self.release_training_merge()
-        adapter_names = check_adapters_to_merge(self, adapter_names)
-        for name in adapter_names:
-            if name in self.sparse_values:
-                self._check_ready(name)
-                self.add_scaled_delta(name, 1.0, safe=safe_merge, keep_backup=True)
-                self.merged_adapters.append(name)
-
-    def unmerge(self) -> None:
-        if not self.merged:
-            warnings.warn("Already unmerged. Nothing to do.")
-            return
-        while self.merged_adapters:
-            name = self.merged_adapters.pop()
-            if name not in self.sparse_values:
-                continue
-            backup = self._merge_backup.pop(name, None)
-            if backup is not None:  # float weights: restore the exact pre-merge values
-                base = self.get_base_layer()
-                base.weight.data.view(-1)[storage_positions(base, self.sparse_indices[name])] = backup
-            else:
-                self.add_scaled_delta(name, -1.0)
-
-    def add_scaled_delta(self, adapter_name: str, scale: float, safe: bool = False, keep_backup: bool = False) -> None:
-        """θ ← θ + scale·scatter(η, φ) in the base layer's own storage (requantized for 4-bit)."""
-        backup = add_delta_to_base(
-            self,
-            self.sparse_indices[adapter_name],
-            self.sparse_values[adapter_name].detach(),
-            scale,
-            safe=safe,
-            what=f"adapter {adapter_name}",
-        )
-        if keep_backup and backup is not None:
-            self._merge_backup[adapter_name] = backup
-
-    # ----------------------------------------------------------------------------------- merged for training
-
 
     def train(self, mode: bool = True):
         if not mode:
@@ -471,7 +382,7 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, BaseTunerLayer):
             if kernels.COST_MODEL.choose_inference(x, x.numel() // max(1, x.shape[-1]), self.out_features, self.in_features, nnz) == "sparse":
                 self.release_weight_merge()
                 y = self.base_layer(x)
-                delta = sparse_delta_product(x, indices, values, self.out_features, self._delta_matrices(active, indices, values))
+                delta = sparse_delta_product(x, indices, values, self.out_features, kept_delta_matrices(self, active, indices, values))
                 return y + delta.to(y.dtype)
         blocks = [self.block_metadata(a) for a in active]
         premerged = self._merged_for_training(active, x, base)
@@ -510,24 +421,6 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, BaseTunerLayer):
             y = y.index_add(0, rows, delta.to(y.dtype))
         return y
 
-    def _delta_matrices(self, active: list, indices: list, values: list) -> Optional[list]:
-        """The adapters' deltas as CSR matrices for :func:`sparse_delta_product`, kept while their indices and
-        values are unchanged (a fast path: None when the fast paths are off, the product then builds them)."""
-        if not accel.ON:
-            return None
-        cache = self._delta_csr
-        out = []
-        for name, idx, val in zip(active, indices, values):
-            if idx.is_inference() or val.is_inference():
-                return None  # (no version counter follows their edits)
-            key = (idx.data_ptr(), internals.version(idx), val.data_ptr(), internals.version(val), val.dtype, val.device)
-            kept = cache.get(name)
-            if kept is None or kept[0] != key or kept[1] is not idx or kept[2] is not val:
-                kept = (key, idx, val, delta_matrix(idx, val.detach(), self.out_features, self.in_features))
-                cache[name] = kept
-            out.append(kept[3])
-        return out
-
     def _base_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The base layer alone. In training with grad, through the sparse autograd function with no
         adapter: a plain ``nn.Linear`` would keep the live weight for backward, which a later training
@@ -537,18 +430,6 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, BaseTunerLayer):
                 and not args and not kwargs):  # fmt: skip
             return sparse_delta_linear(x, self._stored_weight, base.bias, [], [], hooks=self)
         return self.base_layer(x, *args, **kwargs)
-
-    def merged_weight(self, adapter_names: Optional[list[str]] = None) -> torch.Tensor:
-        """W + Σ scatter(η, φ) over the given (default: active) adapters, as a new (out, in) tensor."""
-        names = adapter_names if adapter_names is not None else [a for a in self.active_adapters if a in self.sparse_values]
-        weight = self.logical_weight()
-        return compose_weight(
-            weight,
-            [self.sparse_indices[a] for a in names],
-            [self.sparse_values[a].detach() for a in names],
-            weight.dtype,
-            owned=self.quantization_backend is not None,
-        )
 
     def __repr__(self) -> str:
         return "sparse." + nn.Module.__repr__(self)
