@@ -110,12 +110,13 @@ class SpIELScheduler(SchedulerState):
         self._arm_if_window(1)
 
     def _check_optimizer_holds_values(self, created: bool = False) -> None:
-        """The optimizer must hold every layer's values Parameter itself: its state is what a reselection edits.
-        After creation, a miss means something re-grouped or replaced the optimizer's parameters since (DeepSpeed
-        and FSDP with flattened parameters do, in ``accelerator.prepare``)."""
+        """At creation the optimizer must hold every layer's values Parameter itself: its state is what a
+        reselection edits. Later, holding none of them means something re-grouped or replaced the optimizer's
+        parameters since (DeepSpeed and FSDP with flattened parameters do, in ``accelerator.prepare``); a layer
+        whose values were replaced by the user (an assign-load) keeps being reselected, its new values untrained."""
         held = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         missing = [m.module_name for m in self.layers if id(m.sparse_values[self.adapter_name]) not in held]
-        if not missing:
+        if not missing or (not created and len(missing) < len(self.layers)):
             return
         some = f"{missing[:3]}{'…' if len(missing) > 3 else ''}"
         if created:
