@@ -445,6 +445,32 @@ def test_state_dict_round_trip_inside_a_window():
         SpIELScheduler(model, opt, total_steps=30).load_state_dict(state)
 
 
+def test_a_state_from_another_world_size_loads_and_a_changed_schedule_names_the_world_sizes(tmp_path):
+    """The scheduler's state is the same on every rank (window sums are averaged every step), so a checkpoint
+    written by 2 processes resumes in 1 exactly when max_steps carries over; when the schedule changed, the error
+    names both world sizes and the fix."""
+    import json
+
+    model = _spiel(reselection_steps=6, gradient_estimation_steps=3)
+    opt = _optimizer(model, "ag")
+    scheduler = SpIELScheduler(model, opt, total_steps=20)
+    _run(model, opt, scheduler, 2)
+    scheduler.save(tmp_path)
+    path = tmp_path / "spiel_scheduler.json"
+    saved = json.loads(path.read_text())
+    assert saved["world_size"] == 1
+    saved["world_size"] = 2  # (as rank 0 of a 2-process run writes it)
+    path.write_text(json.dumps(saved))
+    other = SpIELScheduler(model, opt, total_steps=20)
+    other.load(tmp_path)
+    assert other.t == 2
+    for name, stats in scheduler.statistics.items():
+        for key, value in stats.tensors().items():
+            assert torch.equal(other.statistics[name].tensors()[key], value)
+    with pytest.raises(ValueError, match=r"total_steps=20.*written by 2 process\(es\) and this run has 1.*max_steps"):
+        SpIELScheduler(model, opt, total_steps=40).load(tmp_path)
+
+
 @pytest.mark.parametrize("seed_moments", ["second", "both"])
 @pytest.mark.parametrize("max_norm", [None, 0.05])
 def test_seeds_are_written_at_the_next_step_in_the_units_the_optimizer_sees(max_norm, seed_moments):

@@ -9,6 +9,12 @@ import os
 from safetensors.torch import load_file, save_file
 
 
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 class SchedulerState:
     """The state methods of :class:`~peft_sparse.methods.spiel.scheduler.SpIELScheduler` (a mixin)."""
 
@@ -19,6 +25,7 @@ class SchedulerState:
         return {
             "t": self.t,
             "total_steps": self.total_steps,
+            "world_size": _world_size(),
             "adapter_name": self.adapter_name,
             "steps_in_window": self.steps_in_window,
             "armed": bool(self.statistics),
@@ -33,9 +40,16 @@ class SchedulerState:
         if state["adapter_name"] != self.adapter_name:
             raise ValueError(f"scheduler state is for adapter {state['adapter_name']!r}, not {self.adapter_name!r}")
         if state["total_steps"] != self.total_steps:
+            saved_world, world = state.get("world_size", 1), _world_size()
+            moved = (
+                f" The checkpoint was written by {saved_world} process(es) and this run has {world}: with the same "
+                "global batch, set max_steps to the original run's so the schedule carries over (the scheduler's state "
+                "is the same on every rank, so it resumes at any world size)."
+                if saved_world != world else ""
+            )
             raise ValueError(
                 f"scheduler state was made with total_steps={state['total_steps']}, this scheduler has "
-                f"total_steps={self.total_steps}; k(t) would differ"
+                f"total_steps={self.total_steps}; k(t) would differ.{moved}"
             )
         self._disarm()
         self.t = int(state["t"])
