@@ -1,5 +1,5 @@
 """Passes without gradients (generation, evaluation) on the fast paths: Y = base(X) + X·δᵀ with δ kept per layer
-as one CSR matrix with 32-bit indices, and the decisions of :meth:`SparseLayer.forward` checked again here without
+as one CSR matrix with 32-bit indices (kept with the full path's, one copy), and the decisions of :meth:`SparseLayer.forward` checked again here without
 its lookups. At decode (one token) the product is a sparse matrix-vector product: host time per layer call is
 what bounds batch-1 generation, so the checks are attribute reads only. The plain path builds the same product
 from the entries on every call (:func:`peft_sparse.core.functional.sparse_delta_product`)."""
@@ -27,15 +27,19 @@ def inference_forward(layer, x: torch.Tensor) -> Optional[torch.Tensor]:
     adapters, a training merge in place, a dtype without sparse kernels, or more tokens than the cost model
     gives the product)."""
     tokens = x.numel() // layer.in_features if x.dim() else 0
-    limit = kernels.COST_MODEL.inference_sparse_ratio.get(x.device.type, 0.0) * layer.out_features * layer.in_features
     memo = layer._inference_memo
     if memo is None or not _current(layer, memo):
-        memo = layer._inference_memo = _remember(layer, x, tokens, limit)
+        memo = layer._inference_memo = _remember(layer, x, tokens)
         if memo is None:
             return None
-    if not tokens * memo.nnz < limit or x.device != memo.csr.device:
+    if x.device != memo.csr.device or not _serves(layer, x, tokens, memo.nnz):
         return None  # (the full path: W + δ rebuilt, where that is cheaper)
     return add_delta(memo.csr, x, layer.base_layer(x), tokens, layer.in_features)
+
+
+def _serves(layer, x: torch.Tensor, tokens: int, nnz: int) -> bool:
+    """Whether the cost model gives this pass the product from δ's entries (the full path's own decision)."""
+    return kernels.COST_MODEL.choose_inference(x, tokens, layer.out_features, layer.in_features, nnz) == "sparse"
 
 
 def add_delta(csr: torch.Tensor, x: torch.Tensor, y: torch.Tensor, tokens: int, in_features: int) -> torch.Tensor:
@@ -67,7 +71,7 @@ def _current(layer, memo: _Memo) -> bool:
     )
 
 
-def _remember(layer, x: torch.Tensor, tokens: int, limit: float) -> Optional[_Memo]:
+def _remember(layer, x: torch.Tensor, tokens: int) -> Optional[_Memo]:
     """A memo of the single active adapter's delta, where the full path would take the sparse product."""
     if layer._disable_adapters or layer.merged_adapters or layer._training_merge is not None:
         return None
@@ -77,7 +81,7 @@ def _remember(layer, x: torch.Tensor, tokens: int, limit: float) -> Optional[_Me
         return None
     name = active[0]
     values, indices = values_of[name], indices_of[name]
-    if not tokens * values.numel() < limit:
+    if not _serves(layer, x, tokens, values.numel()):
         return None  # (not built for a pass the product would not serve)
     if layer._ready.get(name) is not values or values.dtype != layer.values_dtype[name]:
         layer._check_ready(name)  # (as the full path would)
@@ -88,22 +92,22 @@ def _remember(layer, x: torch.Tensor, tokens: int, limit: float) -> Optional[_Me
         return None
     if values.dtype not in _SPARSE_DTYPES.get(values.device.type, (values.dtype,)) or not x.dtype.is_floating_point:
         return None
-    csr = delta_matrix(indices, values.detach(), layer.out_features, layer.in_features)
-    if layer.out_features * layer.in_features < 2**31:
-        crow, cols = csr.crow_indices().to(torch.int32), csr.col_indices().to(torch.int32)
-        csr = torch.sparse_csr_tensor(crow, cols, csr.values(), csr.shape, check_invariants=False)
+    kept = kept_delta_matrices(layer, [name], [indices], [values])
+    if kept is None:
+        return None
     memo = _Memo()
     memo.active = layer._active_adapter if isinstance(layer._active_adapter, str) else list(layer._active_adapter)
-    memo.name, memo.count, memo.dtype, memo.csr, memo.nnz = name, len(values_of), values.dtype, csr, values.numel()
+    memo.name, memo.count, memo.dtype, memo.csr, memo.nnz = name, len(values_of), values.dtype, kept[0], values.numel()
     memo.values, memo.values_key = values, (internals.version(values), values.data_ptr())
     memo.indices, memo.indices_key = indices, (internals.version(indices), indices.data_ptr())
     return memo
 
 
 def kept_delta_matrices(layer, active: list, indices: list, values: list) -> Optional[list]:
-    """The full path's adapters' deltas as CSR matrices for :func:`~peft_sparse.core.functional.sparse_delta_product`
-    (several adapters, more tokens), kept in ``layer._delta_csr`` while their indices and values are unchanged.
-    None when the fast paths are off: the product then builds them."""
+    """The adapters' deltas as CSR matrices (32-bit indices where they fit), kept in ``layer._delta_csr`` while
+    their indices and values are unchanged: the one copy both the memo above and the full path's
+    :func:`~peft_sparse.core.functional.sparse_delta_product` use. None when the fast paths are off: the product
+    then builds them."""
     if not accel.ON:
         return None
     cache = layer._delta_csr
@@ -114,7 +118,15 @@ def kept_delta_matrices(layer, active: list, indices: list, values: list) -> Opt
         key = (idx.data_ptr(), internals.version(idx), val.data_ptr(), internals.version(val), val.dtype, val.device)
         kept = cache.get(name)
         if kept is None or kept[0] != key or kept[1] is not idx or kept[2] is not val:
-            kept = (key, idx, val, delta_matrix(idx, val.detach(), layer.out_features, layer.in_features))
+            kept = (key, idx, val, _csr32(delta_matrix(idx, val.detach(), layer.out_features, layer.in_features)))
             cache[name] = kept
         out.append(kept[3])
     return out
+
+
+def _csr32(csr: torch.Tensor) -> torch.Tensor:
+    """The same CSR matrix with 32-bit row and column indices where the matrix allows them (faster products)."""
+    if csr.shape[0] * csr.shape[1] >= 2**31:
+        return csr
+    crow, cols = csr.crow_indices().to(torch.int32), csr.col_indices().to(torch.int32)
+    return torch.sparse_csr_tensor(crow, cols, csr.values(), csr.shape, check_invariants=False)
