@@ -13,7 +13,6 @@
 set -u
 export STATE=${STATE:-/tmp/qres}
 export DEADLINE=${DEADLINE:-540}   # seconds: start no run after this
-export START=$(date +%s)
 PARALLEL=${PARALLEL:-1}
 mkdir -p "$STATE"
 touch "$STATE/done"
@@ -35,5 +34,6 @@ run_line() {
 export -f run_line
 # convert the GGUF file into the cache once, before parallel runs race to write it
 python3 -c "from peft_sparse.assets import load_model_and_tokenizer as load; load('smollm2-135m-instruct')" > /dev/null 2>&1
+export START=$(date +%s)   # (DEADLINE counts from here, after the conversion)
 grep -v '^\s*#' "${QUEUE:-benchmarks/dev/quality_queue.txt}" | grep -v '^\s*$' \
   | xargs -d '\n' -P "$PARALLEL" -I{} bash -c 'run_line "$1"' _ {}
