@@ -169,7 +169,7 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
     n_trainable = sum(p.numel() for p in params)
     decay = args.weight_decay
     if uses_sm3:
-        optimizer = peft_sparse.SM3(params, lr=lr, weight_decay=decay)
+        optimizer = peft_sparse.SM3(params, lr=lr, weight_decay=decay, momentum=args.sm3_momentum)
     else:
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=decay, betas=(0.9, 0.999))
     warmup = max(1, round(0.03 * args.steps))
@@ -212,7 +212,7 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
     return {
         "task": args.task, "method": method, "lr": lr, "seed": seed, "steps": args.steps, "batch_size": args.batch_size,
         "budget_rank": args.budget_rank, "trainable": n_trainable, "weight_decay": decay, "max_grad_norm": args.max_grad_norm,
-        "set": overrides, "optimizer": "sm3" if uses_sm3 else "adamw", "no_reselection": args.no_reselection, "tag": args.tag, "exact_match": score["accuracy"], "heldout_loss": loss_heldout, "per_skill": score["per_skill"],
+        "set": overrides, "optimizer": "sm3" if uses_sm3 else "adamw", "sm3_momentum": args.sm3_momentum if uses_sm3 else None, "no_reselection": args.no_reselection, "tag": args.tag, "exact_match": score["accuracy"], "heldout_loss": loss_heldout, "per_skill": score["per_skill"],
         "final_loss": sum(losses[-10:]) / min(10, len(losses)), "train_seconds": round(train_seconds, 1),
         "eval_seconds": round(eval_seconds, 1), "reselections": reselections, "threads": torch.get_num_threads(),
         "host": platform.node(), "device": device_name(args.device), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -250,6 +250,8 @@ def summarize(rows: list[dict]) -> list[dict]:
             settings["weight_decay"] = r["weight_decay"]
         if r.get("optimizer") == "sm3" and "-ma" not in r["method"]:
             settings["optimizer"] = "sm3"
+        if r.get("sm3_momentum"):
+            settings["sm3_momentum"] = r["sm3_momentum"]
         if r.get("no_reselection"):
             settings["reselection"] = "off"
         if r.get("device", "cpu") != "cpu":
@@ -293,6 +295,7 @@ def main(argv=None) -> None:
     parser.add_argument("--budget-rank", type=int, default=16, help="trainable weights equal to LoRA at this rank")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay λ of the optimizer")
     parser.add_argument("--optimizer", choices=("adamw", "sm3"), default="adamw", help="SpIEL-MA always uses SM3")
+    parser.add_argument("--sm3-momentum", type=float, default=0.0, help="SM3's momentum (heavy-ball β over the preconditioned step)")
     parser.add_argument("--no-reselection", action="store_true", help="SpIEL without a scheduler: the initial mask kept")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--max-length", type=int, default=128)
