@@ -1,6 +1,13 @@
 """Steady training passes (a fast path of :class:`peft_sparse.core.layer.SparseLayer`): once a merge was rewritten
 by an optimizer step, a layer remembers the decisions of its last pass and the next training forward checks
-each of them directly, without the lookups of the full path, before reusing them."""
+each of them directly, without the lookups of the full path, before reusing them.
+
+The decisions kept are the adapter, values, indices and their version, base layer and weight, and block layout:
+nothing that refers back to the layer. Any difference, and any other kind of pass, takes the full path.
+Quantized (4-bit) layers, which rebuild their weight in every pass and never merge, remember their training
+passes the same way and repeat the fused NF4 launch of their single adapter while its operands are the same; a
+steady training pass launches it itself and multiplies by the weight it gives (``functional.GivenWeightLinear``).
+When kernels are short, the host time of a layer call bounds the training step."""
 
 from __future__ import annotations
 

@@ -101,3 +101,22 @@ def add_delta_to_base(
         raise ValueError(f"NaNs detected in the merged weights. The {what} seems to be broken")
     flat[idx] = after
     return before
+
+
+def innermost_base_layer(base: nn.Module) -> nn.Module:
+    """The innermost base layer under ``base`` (PEFT's definition: follow ``base_layer`` while there is one), without
+    the attribute-lookup exceptions of PEFT's loop: it runs on every forward pass of a sparse layer."""
+    while True:
+        inner = base._modules.get("base_layer") if isinstance(base, nn.Module) else None
+        if inner is None:
+            if (
+                isinstance(base, nn.Module)
+                and type(base).__getattr__ is nn.Module.__getattr__  # no attribute forwarding (as wrappers do)
+                and "base_layer" not in base.__dict__
+                and not hasattr(type(base), "base_layer")
+            ):
+                return base  # a plain module (checked without a failing attribute lookup)
+            if not hasattr(base, "base_layer"):
+                return base
+            inner = base.base_layer
+        base = inner

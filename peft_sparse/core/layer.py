@@ -18,21 +18,14 @@ paths live in :mod:`peft_sparse.accel` and are mixed in here: the opt-in trainin
 (:mod:`peft_sparse.accel.training_merge`, W + δ kept in the base weight's storage while training) and the
 fused NF4 launch of 4-bit layers (:mod:`peft_sparse.accel.nf4`).
 
-**Steady passes** (a fast path). Once a merge was rewritten by an optimizer step, the layer remembers the
-decisions of its last pass (adapter, values, indices and their version, base layer and weight, block
-layout — nothing that refers back to the layer) and the next training forward checks each of them
-directly, without the lookups of the full path, before reusing them; any difference, and any other
-kind of pass, takes the full path. Quantized (4-bit) layers, which rebuild their weight in every
-pass and never merge, remember their training passes the same way, and repeat the fused NF4 launch of
-their single adapter while its operands are the same; a steady training pass launches it itself and
-multiplies by the weight it gives (``functional.GivenWeightLinear``). When kernels are short, the host
-time of a layer call bounds the training step.
+**Steady passes** (a fast path, :mod:`peft_sparse.accel.steady`): a training forward like the last one
+checks that pass's decisions directly and reuses them. The values' owner table is in :mod:`.owners`, mixed
+batches (``adapter_names``) in :mod:`.mixed_batch`.
 """
 
 from __future__ import annotations
 
 import warnings
-import weakref
 from typing import Any, Optional
 
 import torch
@@ -60,6 +53,7 @@ from .functional import (
 from .base import (  # noqa: F401 (the base-layer helpers, also importable from here)
     add_delta_to_base,
     index_dtype,
+    innermost_base_layer,
     logical_shape,
     storage_positions,
     supported_base_layer,
@@ -68,25 +62,10 @@ from .base import (  # noqa: F401 (the base-layer helpers, also importable from 
 )
 from .block_layout import BlockLayoutLayer
 from .merging import MergeLayer
+from .mixed_batch import MixedBatchLayer
+from .owners import register_owner, sparse_owner  # noqa: F401 (sparse_owner: also importable from here)
 from .quant import standard_4bit_layout
 from .selection import check_sparse_tensors
-
-
-# id(values Parameter) → (weakref to it, weakref to its layer, adapter name): lets optimizers (SM3)
-# find a values tensor's indices and dense shape from the parameter alone. Only weak references are
-# held (tensors compare elementwise, so a WeakKeyDictionary cannot key them).
-_VALUES_OWNER: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
-
-
-def sparse_owner(values: torch.Tensor) -> Optional[tuple["SparseLayer", str]]:
-    """(layer, adapter_name) of a sparse values Parameter, or None for any other tensor."""
-    entry = _VALUES_OWNER.get(id(values))
-    if entry is None or entry[0]() is not values:
-        return None
-    layer = entry[1]()  # (its container read directly: optimizers ask for every parameter at every step)
-    if layer is None or layer._modules["sparse_values"]._parameters.get(entry[2]) is not values:
-        return None
-    return layer, entry[2]
 
 
 def _release_before_state_dict(module, prefix, keep_vars) -> None:
@@ -97,7 +76,7 @@ def _release_before_load(module, state_dict, prefix, local_metadata, strict, mis
     module.release_training_merge()
 
 
-class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, BlockLayoutLayer, BaseTunerLayer):
+class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, MixedBatchLayer, BlockLayoutLayer, BaseTunerLayer):
     adapter_layer_names = ("sparse_values",)
     other_param_names = ("sparse_indices", "sparse_ages", "sparse_masks")
     # keep the training adapter merged in the base weight's storage (module docstring): opt-in, through the
@@ -216,29 +195,10 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, BlockLayoutLaye
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
 
     def _register_values(self, adapter_name: str) -> None:
-        values = self.sparse_values[adapter_name]
-        for key in [k for k, v in _VALUES_OWNER.items() if v[0]() is None]:
-            del _VALUES_OWNER[key]  # forget parameters that no longer exist
-        _VALUES_OWNER[id(values)] = (weakref.ref(values), weakref.ref(self), adapter_name)
+        register_owner(self.sparse_values[adapter_name], self, adapter_name)
 
     def get_base_layer(self) -> nn.Module:
-        """The innermost base layer (PEFT's definition: follow ``base_layer`` while there is one), without
-        the attribute-lookup exceptions of PEFT's loop — it runs on every forward pass."""
-        base = self._modules["base_layer"]
-        while True:
-            inner = base._modules.get("base_layer") if isinstance(base, nn.Module) else None
-            if inner is None:
-                if (
-                    isinstance(base, nn.Module)
-                    and type(base).__getattr__ is nn.Module.__getattr__  # no attribute forwarding (as wrappers do)
-                    and "base_layer" not in base.__dict__
-                    and not hasattr(type(base), "base_layer")
-                ):
-                    return base  # a plain module (checked without a failing attribute lookup)
-                if not hasattr(base, "base_layer"):
-                    return base
-                inner = base.base_layer
-            base = inner
+        return innermost_base_layer(self._modules["base_layer"])
 
     def _base_device(self) -> torch.device:
         base = self.get_base_layer()
@@ -399,27 +359,6 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, BlockLayoutLaye
             self._steady = (current, active[0], values[0], values[0].dtype, idx, (internals.version(idx), idx.data_ptr()), base, base.weight,
                             premerged, blocks, base.weight.device.type)  # fmt: skip
         return y.to(x.dtype) if self.quantization_backend is not None else y
-
-    def _mixed_batch_forward(self, x: torch.Tensor, adapter_names: list, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Row i of the batch gets adapter ``adapter_names[i]``'s delta (``"__base__"``, or an adapter this layer
-        does not hold: none): the base output plus X_rows · δᵀ from each adapter's d_φ entries."""
-        if self.merged:
-            raise ValueError(f"{self.module_name}: adapter_names needs unmerged adapters; unmerge first")
-        if len(adapter_names) != x.shape[0]:
-            raise ValueError(f"{self.module_name}: {len(adapter_names)} adapter_names for a batch of {x.shape[0]} rows")
-        self.release_training_merge()
-        y = self._base_forward(x, *args, **kwargs)
-        rows_of: dict = {}
-        for i, name in enumerate(adapter_names):
-            if name != "__base__" and name in self.sparse_values:
-                rows_of.setdefault(name, []).append(i)
-        for name, rows in rows_of.items():
-            self._check_ready(name)
-            rows = torch.tensor(rows, device=x.device)
-            values = self.sparse_values[name]
-            delta = sparse_delta_product(x[rows], [self.sparse_indices[name]], [values], self.out_features)
-            y = y.index_add(0, rows, delta.to(y.dtype))
-        return y
 
     def _base_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The base layer alone. In training with grad, through the sparse autograd function with no
