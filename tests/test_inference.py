@@ -129,3 +129,36 @@ def test_the_kept_inference_delta_follows_adapters_edits_and_switches(monkeypatc
     model.set_adapter("default")
     fast, _ = both()
     assert torch.equal(fast, seen[1])
+
+
+@pytest.mark.parametrize("hook", ["none", "module", "global"])
+def test_one_token_passes_equal_the_merged_model_and_base_layer_hooks_still_fire(hook, monkeypatch):
+    """At one token the fast path adds δ·x into the base output in place and computes a plain ``nn.Linear``'s
+    output itself; a forward hook on the base layer, or a global one, still sees every call."""
+    build, targets, output = MODELS["llama"]
+    model = get_peft_model(build(), SparseFTConfig(target_modules=targets, density=0.1))
+    randomize_values(model, scale=0.1)
+    model.eval()
+    monkeypatch.setitem(kernels.COST_MODEL.inference_sparse_ratio, "cpu", 1e9)
+    calls = _count_products(monkeypatch)
+    layers = sparse_layers(model)
+    seen = []
+    handles = []
+    if hook == "module":
+        handles = [m.base_layer.register_forward_hook(lambda mod, args, out: seen.append(mod)) for m in layers]
+    elif hook == "global":
+        handles = [torch.nn.modules.module.register_module_forward_hook(lambda mod, args, out: seen.append(mod))]
+    x = inputs(seed=7, batch=1, length=1)
+    try:
+        with torch.no_grad():
+            got = output(model(x))
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(calls) == len(layers)
+    base_layers = {id(m.base_layer) for m in layers}
+    assert sum(id(m) in base_layers for m in seen) == (0 if hook == "none" else len(layers))
+    merged = model.merge_and_unload()
+    with torch.no_grad():
+        want = output(merged(x))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -22,6 +22,7 @@ def _absent(monkeypatch) -> None:
     monkeypatch.setattr(internals, "saved_tensor_hooks_active", lambda: True)
     monkeypatch.setattr(internals, "queue_after_backward", lambda callback: False)
     monkeypatch.setattr(internals, "triton_device_caches", lambda kernel: None)
+    monkeypatch.setattr(internals, "module_hooks_anywhere", lambda module: True)
 
 
 def _train(growth: str, clip: float = 0.0, steps: int = 12):

@@ -111,6 +111,19 @@ def queue_after_backward(callback: Callable[[], None]) -> bool:
 current_cuda_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
+def module_hooks_anywhere(module) -> bool:
+    """Whether a forward hook could see ``module``'s call: its own hooks, or the global ones of
+    ``torch.nn.modules.module`` (private names; where they are missing, True: the caller calls the module)."""
+    if module._forward_hooks or module._forward_pre_hooks:
+        return True
+    try:
+        from torch.nn.modules import module as _module
+
+        return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_forward_hooks_always_called)
+    except AttributeError:
+        return True
+
+
 def cuda_raw_stream(device_index: int):
     """The current CUDA stream of a device as the raw handle Triton's compiled launcher takes."""
     return torch._C._cuda_getCurrentRawStream(device_index)
