@@ -4,7 +4,8 @@
 tensor *i* with :math:`n_i` elements receives the quota :math:`q_i = N n_i / \\sum_j n_j`.
 ``budget_split="lora"`` gives tensor *i* of shape (m, n) a quota in proportion to m + n, as LoRA's
 rank r gives it r·(m + n) parameters: small matrices (attention projections of grouped-query models)
-get a higher density than large ones. A quota larger than its tensor is capped and the rest shared
+get a higher density than large ones. ``budget_split="adaptive"`` (SpIEL-AG) starts uniform and lets the
+reselections move budget between tensors. A quota larger than its tensor is capped and the rest shared
 among the others. Quotas are rounded by the largest-remainder method, so the counts sum to exactly
 :math:`N`; remainder ties go to the tensor that comes first in model order (deterministic).
 """
@@ -40,12 +41,12 @@ def total_budget(total_weights: int, density: float | None, num_tunable_weights:
     return budget
 
 
-BUDGET_SPLITS = ("uniform", "lora")
+BUDGET_SPLITS = ("uniform", "lora", "adaptive")
 
 
 def split_weights(shapes: Mapping[str, tuple], how: str) -> dict[str, int]:
     """The share each tensor's quota is proportional to: its size (uniform) or out + in (lora)."""
-    if how == "uniform":
+    if how in ("uniform", "adaptive"):  # (adaptive: uniform until a reselection moves budget)
         return {n: int(s[0]) * int(s[1]) for n, s in shapes.items()}
     if how == "lora":
         return {n: int(s[0]) + int(s[1]) for n, s in shapes.items()}

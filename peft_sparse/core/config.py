@@ -93,7 +93,9 @@ class SparseConfig(PeftConfig):
             "help": (
                 "How the budget is shared among the targeted tensors: 'uniform' (the same density in each, as in the "
                 "thesis) or 'lora' (in proportion to out + in, as LoRA's rank shares its parameters: small matrices "
-                "get a higher density)."
+                "get a higher density), or 'adaptive' (SpIEL-AG only: uniform at first, then each reselection drops the "
+                "globally smallest |φ| and grows the candidates with the largest |ĝ|/√ŝ over all tensors, so tensors "
+                "gain or lose weights; tunable_weights_per_module follows)."
             )
         },
     )
@@ -181,6 +183,7 @@ class SparseConfig(PeftConfig):
     #: string choices of ``init`` besides "external"; whether a callable importance function is accepted
     init_choices: ClassVar[tuple[str, ...]] = ("random",)
     init_accepts_callable: ClassVar[bool] = False
+    moves_budget: ClassVar[bool] = False  # whether budget_split='adaptive' has a policy that moves budget
 
     block_shape: tuple[int, int] = field(
         default=(1, 1),
@@ -255,6 +258,11 @@ class SparseConfig(PeftConfig):
         self.block_shape = tuple(shape)
         if self.budget_split not in BUDGET_SPLITS:
             raise ValueError(f"budget_split must be one of {list(BUDGET_SPLITS)}, got budget_split={self.budget_split!r}")
+        if self.budget_split == "adaptive" and not self.moves_budget:
+            raise ValueError(
+                f"budget_split='adaptive' needs a method whose reselections move budget between tensors (SpIELConfig with "
+                f"growth='ag'); {type(self).__name__} keeps its indices: use 'uniform' or 'lora'"
+            )
         if self.index_storage not in ("auto", "list", "bitmap"):
             raise ValueError(f"index_storage must be 'auto', 'list' or 'bitmap', got index_storage={self.index_storage!r}")
         if not isinstance(self.untie_output_embeddings, bool):

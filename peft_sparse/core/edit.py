@@ -14,6 +14,8 @@ Three calls for users and methods::
 
 and one batched primitive, :func:`edit_slots`, which they (and SpIEL's reselection) go through: the
 new slot j of every tensor takes old slot ``source[j]``, or starts new where ``source[j] = −1``.
+:func:`resize_slots` is the same edit where tensors change size (budget moved between tensors); the
+values stay the same Parameter objects, so an optimizer follows there too.
 
 Values computed by a module (a hypernetwork generating φ) stay a leaf Parameter in the layers, so
 every forward and backward path applies unchanged: write them with :func:`set_values` before the
@@ -32,7 +34,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from ..optim.surgery import reindex_optimizer_states
+from ..optim.surgery import reindex_optimizer_states, resize_optimizer_state
 from . import kernels
 from ..accel.training_merge import release_training_merges, reseat_training_merges
 from .base import index_dtype
@@ -166,6 +168,52 @@ def edit_slots(
         release_training_merges([layer for layer, _ in merged_anew])
 
     return SlotEdit(sizes, source, old_ages, undo)
+
+
+def resize_slots(
+    layers: list,
+    adapter_name: str,
+    sources: list,
+    new_indices: list,
+    *,
+    optimizer=None,
+    new_values: Optional[list] = None,
+    step: Optional[int] = None,
+) -> None:
+    """Give each tensor of ``layers`` its new indices and a size of their count (unstructured adapters).
+
+    Per layer: new slot j takes old slot ``sources[i][j]`` (a slot of that tensor) with its value, age and
+    optimizer state, or is new where it is −1: value ``new_values[i][j]`` (default 0), age ``step``, zero
+    optimizer state. The values Parameters are resized in place (the same objects: an optimizer holding
+    them follows); the training merges are released (the next forward pass merges again) and every cache
+    built from the old indices or values is dropped with them."""
+    release_training_merges(layers)
+    for at, (layer, source, fresh) in enumerate(zip(layers, sources, new_indices)):
+        if layer.block_shape.get(adapter_name, (1, 1)) != (1, 1):
+            raise ValueError(f"{layer.module_name}: resize_slots edits unstructured adapters; adapter {adapter_name!r} selects blocks")
+        values = layer.sparse_values[adapter_name]
+        source = source.to(values.device).long()
+        new = source < 0
+        moved = values.detach()[source.clamp(min=0)] if values.numel() else torch.zeros(source.numel(), dtype=values.dtype, device=values.device)
+        if new_values is not None and new_values[at] is not None:
+            moved = torch.where(new, new_values[at].to(device=moved.device, dtype=moved.dtype), moved)
+        else:
+            moved[new] = 0
+        values.data = moved
+        if adapter_name in layer.sparse_ages:
+            ages = layer.sparse_ages[adapter_name]
+            new_ages = ages[source.clamp(min=0)] if ages.numel() else torch.zeros(source.numel(), dtype=ages.dtype, device=ages.device)
+            new_ages[new] = 0 if step is None else step
+            layer.sparse_ages[adapter_name] = new_ages
+        layer.sparse_indices[adapter_name] = fresh.to(device=values.device, dtype=index_dtype(layer.numel))
+        layer._ready.pop(adapter_name, None)
+        layer._delta_csr.pop(adapter_name, None)
+        layer._inference_memo = None
+        layer._steady = None
+        if optimizer is not None:
+            resize_optimizer_state(optimizer, values, source)
+    if optimizer is not None and hasattr(optimizer, "forget_layouts"):
+        optimizer.forget_layouts()  # (SM3: launch plans and memos built over the old sizes)
 
 
 def _slot_map(layer: SparseLayer, adapter_name: str, drop: torch.Tensor, grow: torch.Tensor):

@@ -74,6 +74,15 @@ def _release_before_state_dict(module, prefix, keep_vars) -> None:
 
 def _release_before_load(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
     module.release_training_merge()
+    for name in module.resizable_adapters:  # (budget_split='adaptive': a saved adapter holds its own sizes)
+        saved = state_dict.get(f"{prefix}sparse_indices.{name}")
+        if saved is not None and name in module.sparse_values and saved.numel() != module.sparse_values[name].numel():
+            values = module.sparse_values[name]
+            values.data = torch.zeros(saved.numel(), dtype=values.dtype, device=values.device)  # (the same Parameter)
+            module.sparse_indices[name] = torch.zeros(saved.numel(), dtype=index_dtype(module.numel), device=values.device)
+            if name in module.sparse_ages:
+                module.sparse_ages[name] = torch.zeros(saved.numel(), dtype=torch.int32, device=values.device)
+            module._ready.pop(name, None)
 
 
 class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, MixedBatchLayer, BlockLayoutLayer, BaseTunerLayer):
@@ -121,6 +130,7 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, MixedBatchLayer
         # adapter → the values tensor that last passed _check_ready, and the indices tensor it last checked
         self._ready: dict[str, torch.Tensor] = {}
         self._checked_indices: dict[str, torch.Tensor] = {}
+        self.resizable_adapters: set[str] = set()  # adapters whose size a reselection or a load may change
         self.register_state_dict_pre_hook(_release_before_state_dict)
         self.register_load_state_dict_pre_hook(_release_before_load)
 

@@ -223,6 +223,8 @@ class SparseTuner(BaseTuner):
             indices_pending=external,
             block_shape=peft_config.block_shape,
         )
+        if peft_config.budget_split == "adaptive":
+            layer.resizable_adapters.add(adapter_name)
         if not peft_config.init_weights and not external:
             values = layer.sparse_values[adapter_name]
             g = module_generator(peft_config.seed + 1, current_key)
@@ -324,7 +326,8 @@ class SparseTuner(BaseTuner):
                 indices,
                 values,
                 layer.numel,
-                expected_count=layer.sparse_values[adapter_name].numel(),
+                # (an adaptive adapter takes the file's sizes: its load pre-hook resizes the layer)
+                expected_count=None if adapter_name in layer.resizable_adapters else layer.sparse_values[adapter_name].numel(),
                 index_dtype=index_dtype(layer.numel),
                 values_dtype=layer.values_dtype[adapter_name],
             )
@@ -336,6 +339,9 @@ class SparseTuner(BaseTuner):
                         f"{where}: ages must be int32 of shape {tuple(indices.shape)}, got {ages.dtype} {tuple(ages.shape)}"
                     )
             layer._indices_pending.discard(adapter_name)
+            counts = getattr(config, "tunable_weights_per_module", None)
+            if adapter_name in layer.resizable_adapters and counts and layer.module_name in counts:
+                counts[layer.module_name] = int(indices.numel())  # (the sizes the load gives the layer)
         return state_dict
 
     # ------------------------------------------------------------------------------- composition

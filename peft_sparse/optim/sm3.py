@@ -182,6 +182,12 @@ class SM3(torch.optim.Optimizer):
                 self._steady = _SteadyStep.after(self, on_fused, launches, steps)
         return loss
 
+    def forget_layouts(self) -> None:
+        """Drop the launch plans, scratch buffers and steady-step memo built over the parameters' current
+        sizes (called when sparse values are resized in place)."""
+        self._leave_steady()
+        self._plans, self._scratch = {}, {}
+
     def _leave_steady(self) -> None:
         """Forget the steady step, leaving the scratch buffers where the full step expects them."""
         steady, self._steady = self._steady, None

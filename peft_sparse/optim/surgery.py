@@ -98,6 +98,23 @@ def reindex_optimizer_states(optimizer, params: list, source: torch.Tensor) -> N
             start += size
 
 
+def resize_optimizer_state(optimizer, param: torch.Tensor, source: torch.Tensor) -> None:
+    """``param`` was resized in place to ``source.numel()`` slots, new slot j holding old slot ``source[j]``
+    (−1: new): its per-slot state follows (new slots at zero); per-parameter state (steps, SM3's row and
+    column accumulators) stays as it is."""
+    opt = check_supported(optimizer)
+    state = opt.state.get(param)
+    if not state:
+        return
+    grown = source < 0
+    for key in PER_SLOT_STATE:
+        old = state.get(key)
+        if isinstance(old, torch.Tensor) and old.dim() == 1:
+            new = old[source.clamp(min=0)] if old.numel() else torch.zeros(source.numel(), dtype=old.dtype, device=old.device)
+            new[grown] = 0
+            state[key] = new
+
+
 def seed_optimizer_state(
     optimizer, param: torch.Tensor, slots: torch.Tensor, grad_mean: torch.Tensor, grad_sq_mean: torch.Tensor
 ) -> None:

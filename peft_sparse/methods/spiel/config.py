@@ -92,6 +92,7 @@ class SpIELConfig(SparseConfig):
     )
 
     init_choices: ClassVar[tuple[str, ...]] = ("random",)
+    moves_budget: ClassVar[bool] = True  # budget_split='adaptive' (AG, unstructured): see the scheduler
 
     def __post_init__(self):
         super().__post_init__()
@@ -131,6 +132,11 @@ class SpIELConfig(SparseConfig):
             raise ValueError(f"seed_moments must be 'both', 'second' or 'none', got seed_moments={self.seed_moments!r}")
         if self.drop_criterion not in ("magnitude", "change"):
             raise ValueError(f"drop_criterion must be 'magnitude' or 'change', got drop_criterion={self.drop_criterion!r}")
+        if self.budget_split == "adaptive" and (self.growth != "ag" or tuple(self.block_shape) != (1, 1)):
+            raise ValueError(
+                f"budget_split='adaptive' moves single weights between tensors by AG's window statistics; got "
+                f"growth={self.growth!r} and block_shape={tuple(self.block_shape)} (needs growth='ag', block_shape=(1, 1))"
+            )
         if self.grow_init not in ("zero", "gradient"):
             raise ValueError(f"grow_init must be 'zero' or 'gradient', got grow_init={self.grow_init!r}")
         if self.score_normalization is None:

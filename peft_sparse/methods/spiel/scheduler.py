@@ -19,6 +19,7 @@ from ...core.tuner import SparseTuner
 from ...optim.sm3 import SM3
 from ...optim.surgery import check_supported
 from ...schedules.reselection import in_estimation_window, is_reselection_step, replacement_count
+from .adaptive import reselect_adaptive, uniform_quotas
 from .batched import AllReselections, TensorReselection, _starts, reselect_all
 from .config import SpIELConfig
 from .model import SpIELModel
@@ -173,11 +174,13 @@ class SpIELScheduler(SchedulerState):
 
     def _arm_if_window(self, next_t: int) -> None:
         if self._in_window(next_t) and not self.statistics:
+            quotas = uniform_quotas(self.layers, self.adapter_name) if self.config.budget_split == "adaptive" else None
             for layer in self.layers:
                 values = layer.sparse_values[self.adapter_name]
                 dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
                 grid = SparseTuner.grid(self.config, layer)
-                num_units = math.ceil(self.config.candidate_ratio * (values.numel() // grid.unit))  # K = ⌈ratio·d_φ⌉ (in units)
+                d = quotas[layer.module_name] if quotas else values.numel()  # (adaptive: the uniform quota)
+                num_units = math.ceil(self.config.candidate_ratio * (d // grid.unit))  # K = ⌈ratio·d_φ⌉ (in units)
                 stats = _WindowStatistics(min(grid.numel, num_units), grid, dtype, self.config.score_normalization)
                 self.statistics[layer.module_name] = stats
                 layer.dense_grad_consumer = stats
@@ -261,6 +264,8 @@ class SpIELScheduler(SchedulerState):
         and nothing is edited before every group is checked."""
         c, name = self.config, self.adapter_name
         self._check_optimizer_holds_values()
+        if c.budget_split == "adaptive":  # one drop/grow over all tensors: budget moves between them (.adaptive)
+            return reselect_adaptive(self, t)
         by_device: dict = {}  # device → [(layer, TensorReselection, window statistics)]
         for layer in self.layers:
             values, indices = layer.sparse_values[name], layer.sparse_indices[name]

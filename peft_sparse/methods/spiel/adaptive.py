@@ -1,0 +1,140 @@
+"""SpIEL-AG with ``budget_split="adaptive"``: one reselection over all tensors at once, so budget moves between them.
+
+The uniform split gives every tensor the same density for the whole run; here a reselection drops and grows over
+the concatenation of every tensor instead of within each (the thesis names moving budget between tensors as
+future work, §7.6). Both rankings must compare weights of different tensors, so both are in the units of a weight's
+change under Adam:
+
+* DROP: the k smallest |φ| (or |φ − φ₀|, ``drop_criterion="change"``) of all tensors: how far each active weight moved;
+* GROW: the k candidates with the largest |ĝ|/√ŝ of all tensors, ĝ and ŝ the window's mean gradient and mean squared
+  gradient: the size of the step Adam would take at that weight (per unit learning rate), free of the tensor's
+  gradient scale, which |ĝ| alone is not.
+
+k is the sum of the tensors' k(i, t) of Eq. 7.6, so the schedule, the first full replacement and the total budget
+are those of the uniform split; only where the weights sit changes. Each tensor keeps at least one weight. Each
+tensor's window takes ⌈candidate_ratio · q_i⌉ candidates with q_i its uniform quota (not its current size), so a
+tensor that lost weights can win them back. Sizes change, so the edit goes through
+:func:`peft_sparse.core.edit.resize_slots` and the config's ``tunable_weights_per_module`` follows (a saved adapter
+loads with its sizes). The selection runs as torch operations over d_φ and the candidates (no fast path of its own).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ...core import edit
+from ...core.budget import split_budget
+from ...schedules.reselection import replacement_count
+
+
+def uniform_quotas(layers: list, adapter_name: str) -> dict:
+    """{module name: its uniform share of the adapter's current total}: the candidate base of each window."""
+    sizes = {m.module_name: m.numel for m in layers}
+    total = sum(m.sparse_values[adapter_name].numel() for m in layers)
+    return split_budget(sizes, total)
+
+
+@torch.no_grad()
+def reselect_adaptive(scheduler, t: int) -> dict:
+    """One reselection of every tensor of ``scheduler``'s adapter over their concatenation (module docstring)."""
+    c, name = scheduler.config, scheduler.adapter_name
+    layers = scheduler.layers
+    values = [m.sparse_values[name] for m in layers]
+    indices = [m.sparse_indices[name].long() for m in layers]
+    sizes = [v.numel() for v in values]
+    k = sum(
+        replacement_count(t, scheduler.total_steps, d, c.initial_reselection_rate, c.schedule, scheduler.gamma, c.first_full_replacement)
+        for d in sizes
+    )
+    if k == 0:
+        return {}
+    device = values[0].device
+    # DROP scores, each tensor's largest kept out of reach (every tensor keeps a weight)
+    drop_scores = []
+    for layer, v in zip(layers, values):
+        score = (v.detach() - scheduler.drop_reference[layer.module_name] if c.drop_criterion == "change" else v.detach()).abs().float()
+        if score.numel():
+            score[score.argmax()] = float("inf")
+        drop_scores.append(score.to(device))
+    # GROW scores: |ĝ|/√ŝ at each tensor's candidates not active now
+    n = max(1, scheduler.steps_in_window)
+    owners, flat_idx, snr, g_means, s_means = [], [], [], [], []
+    for at, (layer, idx) in enumerate(zip(layers, indices)):
+        stats = scheduler.statistics.get(layer.module_name)
+        if stats is None or stats.candidates is None:
+            warnings.warn(f"SpIEL: {layer.module_name} got no gradient in the estimation window; it grows nothing")
+            continue
+        cand = stats.candidates.long()
+        g, s2 = stats.grad_sum / n, stats.grad_sq_sum / n
+        score = g.abs() / (s2.sqrt() + 1e-30)
+        if not bool(torch.isfinite(score).all()):
+            raise FloatingPointError(f"SpIEL: non-finite growth scores in {layer.module_name}; nothing was reselected")
+        eligible = ~torch.isin(cand, idx)
+        owners.append(torch.full((int(eligible.sum()),), at, dtype=torch.long, device=device))
+        flat_idx.append(cand[eligible].to(device))
+        snr.append(score[eligible].float().to(device))
+        g_means.append(g[eligible].float().to(device))
+        s_means.append(s2[eligible].float().to(device))
+    if not owners:
+        return {}
+    owners, flat_idx, snr = torch.cat(owners), torch.cat(flat_idx), torch.cat(snr)
+    g_means, s_means = torch.cat(g_means), torch.cat(s_means)
+    all_drop = torch.cat(drop_scores)
+    droppable = int(torch.isfinite(all_drop).sum())
+    k = min(k, droppable, snr.numel())
+    if k == 0:
+        return {}
+    dropped = torch.topk(all_drop, k, largest=False, sorted=False).indices
+    grown = torch.topk(snr, k, sorted=False).indices
+    starts = [0]
+    for s in sizes[:-1]:
+        starts.append(starts[-1] + s)
+    drop_mask = torch.zeros(all_drop.numel(), dtype=torch.bool, device=device)
+    drop_mask[dropped] = True
+    grown_owner = owners[grown]
+    sources, news, fresh_values, seeds = [], [], [], []
+    new_sizes = []
+    lr_of = {id(p): g["lr"] for g in scheduler.optimizer.param_groups for p in g["params"]}
+    eps_of = {id(p): g.get("eps", 1e-8) for g in scheduler.optimizer.param_groups for p in g["params"]}
+    for at, (v, idx) in enumerate(zip(values, indices)):
+        keep = ~drop_mask[starts[at] : starts[at] + sizes[at]]
+        kept_slots = torch.nonzero(keep).squeeze(1)
+        mine = grown[grown_owner == at]
+        grow_idx, order = torch.sort(flat_idx[mine])
+        merged, where = torch.sort(torch.cat([idx.to(device)[kept_slots], grow_idx]))
+        source = torch.cat([kept_slots, torch.full_like(grow_idx, -1)])[where]
+        new_slots = torch.nonzero(source < 0).squeeze(1)  # ascending: the grown indices in ascending order
+        g_hat, s_hat = g_means[mine][order], s_means[mine][order]
+        init = None
+        if c.grow_init == "gradient" and new_slots.numel():
+            init = torch.zeros(merged.numel(), device=device)
+            init[new_slots] = -float(lr_of[id(v)]) * n * g_hat / (s_hat.sqrt() + float(eps_of[id(v)]))
+        sources.append(source)
+        news.append(merged)
+        fresh_values.append(init)
+        seeds.append((new_slots, g_hat, s_hat))
+        new_sizes.append(merged.numel())
+    old_ages = [scheduler.layers[at].sparse_ages[name].clone() if name in scheduler.layers[at].sparse_ages else None for at in range(len(layers))]
+    edit.resize_slots(layers, name, sources, news, optimizer=scheduler.optimizer, new_values=fresh_values, step=t)
+    counts = c.tunable_weights_per_module
+    for layer, size in zip(layers, new_sizes):
+        if counts is not None and layer.module_name in counts:
+            counts[layer.module_name] = int(size)
+    if scheduler.seeding is not None and c.seed_moments != "none":
+        for v, (slots, g_hat, s_hat) in zip(values, seeds):
+            if slots.numel():
+                scheduler.seeding.pending[id(v)] = (slots, g_hat, s_hat)
+    dropped_age = sum(int((t - a.long())[drop_mask[starts[i] : starts[i] + sizes[i]]].sum()) for i, a in enumerate(old_ages) if a is not None)
+    total = sum(new_sizes)
+    moved = sum(abs(a - b) for a, b in zip(new_sizes, sizes)) // 2
+    return {
+        "spiel/step": t,
+        "spiel/replaced": k,
+        "spiel/fraction_changed": k / max(1, total),
+        "spiel/mean_age_dropped": dropped_age / max(1, k),
+        "spiel/budget_moved": moved,
+        "spiel/density_min": min(s / m.numel for s, m in zip(new_sizes, layers)),
+        "spiel/density_max": max(s / m.numel for s, m in zip(new_sizes, layers)),
+    }
