@@ -110,22 +110,8 @@ class SparseEmbedding(nn.Module, SparseLayer):
             y = y + delta.to(y.dtype)
         return y
 
-    def _mixed_batch_forward(self, x: torch.Tensor, adapter_names: list, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Row i of the batch gets adapter ``adapter_names[i]``'s delta (``"__base__"`` or an adapter this layer
-        does not hold: none)."""
-        if self.merged:
-            raise ValueError(f"{self.module_name}: adapter_names needs unmerged adapters; unmerge first")
-        if len(adapter_names) != x.shape[0]:
-            raise ValueError(f"{self.module_name}: {len(adapter_names)} adapter_names for a batch of {x.shape[0]} rows")
-        y = self.base_layer(x, *args, **kwargs)
-        base = self.get_base_layer()
-        rows_of: dict = {}
-        for i, name in enumerate(adapter_names):
-            if name != "__base__" and name in self.sparse_values:
-                rows_of.setdefault(name, []).append(i)
-        for name, rows in rows_of.items():
-            self._check_ready(name)
-            rows = torch.tensor(rows, device=x.device)
-            delta = sparse_embedding_delta(x[rows], self.sparse_indices[name], self.sparse_values[name], base)
-            y = y.index_add(0, rows, delta.to(y.dtype))
-        return y
+    def _mixed_base_output(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.base_layer(x, *args, **kwargs)
+
+    def _rows_delta(self, x_rows: torch.Tensor, name: str) -> torch.Tensor:
+        return sparse_embedding_delta(x_rows, self.sparse_indices[name], self.sparse_values[name], self.get_base_layer())
