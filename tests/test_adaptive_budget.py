@@ -25,9 +25,12 @@ def _train(model, steps, lr=1e-2):
     scheduler = SpIELScheduler(model, optimizer, total_steps=T)
     model.train()
     reports = []
+    loss = None
     for step in range(1, steps + 1):
         x = inputs(seed=step, batch=4, length=9)
-        model(x, labels=x).loss.backward()
+        loss = model(x, labels=x).loss  # (the previous step's graph stays alive until here, as in most loops)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad()
         reports.append(scheduler.step())
@@ -214,3 +217,23 @@ def test_trainer_resume_of_an_adaptive_adapter_is_bit_identical(stop, tmp_path):
     resumed = Trainer(model=build(), args=_args(tmp_path / "cut", T), train_dataset=_dataset(), callbacks=[SpIELCallback()])
     resumed.train(resume_from_checkpoint=True)
     _assert_same(want, _snapshot(resumed))
+
+
+def test_a_resize_keeps_the_seeding_hooks_and_works_while_an_old_graph_is_alive():
+    model = _model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    scheduler = SpIELScheduler(model, optimizer, total_steps=T)
+    model.train()
+    kept_graph = None
+    for step in range(1, 4):  # the first reselection at t = 2 resizes; step 3's backward follows it
+        x = inputs(seed=step, batch=4, length=9)
+        loss = model(x, labels=x).loss
+        loss.backward()
+        if step == 3:
+            assert scheduler.seeding.raw  # the post-accumulate hooks of the resized values fired
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        kept_graph = loss  # noqa: F841 (held across the reselection on purpose)
+    assert _sizes(model) != {m.module_name: m.numel // 10 for m in sparse_layers(model)}

@@ -30,3 +30,10 @@ def register_owner(values: torch.Tensor, layer, adapter_name: str) -> None:
     for key in [k for k, v in _VALUES_OWNER.items() if v[0]() is None]:
         del _VALUES_OWNER[key]  # forget parameters that no longer exist
     _VALUES_OWNER[id(values)] = (weakref.ref(values), weakref.ref(layer), adapter_name)
+
+
+def forget_owner(values: torch.Tensor) -> None:
+    """Drop ``values``' entry (and with it the weak reference to it)."""
+    entry = _VALUES_OWNER.get(id(values))
+    if entry is not None and entry[0]() is values:
+        del _VALUES_OWNER[id(values)]

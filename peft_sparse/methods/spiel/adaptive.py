@@ -118,6 +118,8 @@ def reselect_adaptive(scheduler, t: int) -> dict:
         new_sizes.append(merged.numel())
     old_ages = [scheduler.layers[at].sparse_ages[name].clone() if name in scheduler.layers[at].sparse_ages else None for at in range(len(layers))]
     edit.resize_slots(layers, name, sources, news, optimizer=scheduler.optimizer, new_values=fresh_values, step=t)
+    if scheduler.seeding is not None:
+        scheduler.seeding.rehook()
     counts = c.tunable_weights_per_module
     for layer, size in zip(layers, new_sizes):
         if counts is not None and layer.module_name in counts:

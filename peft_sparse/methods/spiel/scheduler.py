@@ -106,6 +106,8 @@ class SpIELScheduler(SchedulerState):
         if self.config.drop_criterion == "change":
             self._snapshot_drop_reference()
         if distributed():
+            if self.config.budget_split == "adaptive":
+                raise ValueError("budget_split='adaptive' resizes the values, which DDP and FSDP buckets cannot follow; use 'uniform' or 'lora' on several processes")
             self._check_ranks_agree()
         self._attach_guard(tuner)
         self._arm_if_window(1)

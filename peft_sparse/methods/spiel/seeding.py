@@ -83,6 +83,12 @@ class DeferredSeeding:
                               [e[2] for e in entries], scale=c, first=self.first_moment)  # fmt: skip
         self.pending, self.raw, self.last_factor = {}, {}, c
 
+    def rehook(self) -> None:
+        """Register the post-accumulate hooks again (after the values were resized: hooks stay with the old tensors)."""
+        for handle in self._handles[:-1]:
+            handle.remove()
+        self._handles = [p.register_post_accumulate_grad_hook(self._after_backward) for p in self.params] + self._handles[-1:]
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
