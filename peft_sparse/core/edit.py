@@ -39,7 +39,7 @@ from . import kernels
 from ..accel.training_merge import release_training_merges, reseat_training_merges
 from .base import index_dtype
 from .layer import SparseLayer
-from .owners import forget_owner, register_owner
+from .owners import resize_parameter
 from .selection import BlockGrid, check_sparse_tensors, isin_sorted
 
 
@@ -201,7 +201,7 @@ def resize_slots(
             moved = torch.where(new, new_values[at].to(device=moved.device, dtype=moved.dtype), moved)
         else:
             moved[new] = 0
-        _resize_parameter(layer, adapter_name, values, moved)
+        resize_parameter(layer, adapter_name, values, moved)
         if adapter_name in layer.sparse_ages:
             ages = layer.sparse_ages[adapter_name]
             new_ages = ages[source.clamp(min=0)] if ages.numel() else torch.zeros(source.numel(), dtype=ages.dtype, device=ages.device)
@@ -216,29 +216,6 @@ def resize_slots(
             resize_optimizer_state(optimizer, values, source)
     if optimizer is not None and hasattr(optimizer, "forget_layouts"):
         optimizer.forget_layouts()  # (SM3: launch plans and memos built over the old sizes)
-
-
-_HOOK_ATTRIBUTES = ("_backward_hooks", "_post_accumulate_grad_hooks")  # (tied to the old tensor's C++ hooks)
-
-
-def _resize_parameter(layer: SparseLayer, adapter_name: str, values: torch.nn.Parameter, data: torch.Tensor) -> None:
-    """Give the Parameter ``values`` the contents ``data`` of another size, keeping the Python object (what an
-    optimizer and user code hold). Its tensor is swapped for a fresh one (``torch.utils.swap_tensors``), so the
-    next backward pass accumulates into a node of the new size even while a graph of an earlier step (a
-    ``loss`` still referenced) keeps the old node alive; ``.data`` assignment (the fallback, where another weak
-    reference to the tensor blocks the swap) would reuse that node and fail."""
-    fresh = torch.nn.Parameter(data, requires_grad=values.requires_grad)
-    fresh.__dict__.update({k: v for k, v in values.__dict__.items() if k not in _HOOK_ATTRIBUTES})
-    forget_owner(values)  # (our weak reference: the swap refuses tensors that have one)
-    try:
-        torch.utils.swap_tensors(values, fresh)
-    except RuntimeError:
-        values.data = data
-    else:
-        for name in _HOOK_ATTRIBUTES:  # (Python-side hook tables stay with the object; their C++ hooks did not)
-            if getattr(values, name, None) is not None:
-                setattr(values, name, None)
-    register_owner(values, layer, adapter_name)
 
 
 def _slot_map(layer: SparseLayer, adapter_name: str, drop: torch.Tensor, grow: torch.Tensor):

@@ -63,7 +63,7 @@ from .base import (  # noqa: F401 (the base-layer helpers, also importable from 
 from .block_layout import BlockLayoutLayer
 from .merging import MergeLayer
 from .mixed_batch import MixedBatchLayer
-from .owners import register_owner, sparse_owner  # noqa: F401 (sparse_owner: also importable from here)
+from .owners import register_owner, sparse_owner, take_saved_sizes  # noqa: F401 (sparse_owner: also importable from here)
 from .quant import standard_4bit_layout
 from .selection import check_sparse_tensors
 
@@ -74,15 +74,7 @@ def _release_before_state_dict(module, prefix, keep_vars) -> None:
 
 def _release_before_load(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
     module.release_training_merge()
-    for name in module.resizable_adapters:  # (budget_split='adaptive': a saved adapter holds its own sizes)
-        saved = state_dict.get(f"{prefix}sparse_indices.{name}")
-        if saved is not None and name in module.sparse_values and saved.numel() != module.sparse_values[name].numel():
-            values = module.sparse_values[name]
-            values.data = torch.zeros(saved.numel(), dtype=values.dtype, device=values.device)  # (the same Parameter)
-            module.sparse_indices[name] = torch.zeros(saved.numel(), dtype=index_dtype(module.numel), device=values.device)
-            if name in module.sparse_ages:
-                module.sparse_ages[name] = torch.zeros(saved.numel(), dtype=torch.int32, device=values.device)
-            module._ready.pop(name, None)
+    take_saved_sizes(module, state_dict, prefix)  # (budget_split='adaptive': a saved adapter holds its own sizes)
 
 
 class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, MixedBatchLayer, BlockLayoutLayer, BaseTunerLayer):
