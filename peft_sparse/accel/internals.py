@@ -111,15 +111,17 @@ def queue_after_backward(callback: Callable[[], None]) -> bool:
 current_cuda_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
+_MODULE_GLOBALS = torch.nn.modules.module
+_GLOBAL_HOOK_TABLES = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_forward_hooks_always_called")
+
+
 def module_hooks_anywhere(module) -> bool:
     """Whether a forward hook could see ``module``'s call: its own hooks, or the global ones of
     ``torch.nn.modules.module`` (private names; where they are missing, True: the caller calls the module)."""
     if module._forward_hooks or module._forward_pre_hooks:
         return True
     try:
-        from torch.nn.modules import module as _module
-
-        return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_forward_hooks_always_called)
+        return any(getattr(_MODULE_GLOBALS, name) for name in _GLOBAL_HOOK_TABLES)
     except AttributeError:
         return True
 

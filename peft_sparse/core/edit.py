@@ -218,15 +218,22 @@ def resize_slots(
         optimizer.forget_layouts()  # (SM3: launch plans and memos built over the old sizes)
 
 
-def _slot_map(layer: SparseLayer, adapter_name: str, drop: torch.Tensor, grow: torch.Tensor):
-    """(source, new indices, where the grown indices went) of one tensor for :func:`replace`."""
+def slot_map(layer: SparseLayer, adapter_name: str, drop: torch.Tensor, grow: torch.Tensor, same_count: bool = True, checked: bool = True):
+    """(source, new indices, where the grown indices went: new slot of grown index i in the caller's order) of one
+    tensor after dropping slots ``drop`` and growing indices ``grow``: for :func:`replace` (``same_count``) and for
+    :func:`resize_slots` (counts may differ). ``checked=False`` skips the checks of positions and indices (each
+    reads the device) for a caller whose selection guarantees them."""
     where = layer.module_name
     old = layer.sparse_indices[adapter_name].long()
     n = old.numel()
     drop = torch.as_tensor(drop, device=old.device).long().reshape(-1)
     grow = torch.as_tensor(grow, device=old.device).long().reshape(-1)
-    if drop.numel() != grow.numel():
+    if same_count and drop.numel() != grow.numel():
         raise ValueError(f"{where}: {drop.numel()} positions dropped but {grow.numel()} indices grown; the count must stay the same")
+    if not checked:
+        keep = torch.ones(n, dtype=torch.bool, device=old.device)
+        keep[drop] = False
+        return _merged_slots(old, keep, grow)
     if drop.numel() and (int(drop.min()) < 0 or int(drop.max()) >= n):
         raise ValueError(f"{where}: drop position {int(drop.min()) if int(drop.min()) < 0 else int(drop.max())} is outside 0..{n - 1}")
     if drop.unique().numel() != drop.numel():
@@ -243,8 +250,14 @@ def _slot_map(layer: SparseLayer, adapter_name: str, drop: torch.Tensor, grow: t
     clash = isin_sorted(grow_sorted, kept)
     if bool(clash.any()):
         raise ValueError(f"{where}: grown index {int(grow_sorted[clash][0])} is already active (and not dropped)")
-    merged = torch.cat([kept, grow_sorted])
-    merged, at = torch.sort(merged)
+    return _merged_slots(old, keep, grow)
+
+
+def _merged_slots(old: torch.Tensor, keep: torch.Tensor, grow: torch.Tensor):
+    """:func:`slot_map`'s result from the kept slots' mask and the grown indices (disjoint from the kept ones)."""
+    kept = old[keep]
+    grow_sorted, order = torch.sort(grow)
+    merged, at = torch.sort(torch.cat([kept, grow_sorted]))
     source = torch.cat([torch.nonzero(keep).squeeze(1), torch.full_like(grow_sorted, -1)])[at]
     position_of_grown = torch.empty_like(order)
     position_of_grown[order] = torch.nonzero(at >= kept.numel()).squeeze(1)  # grown index i (caller's order) → new slot
@@ -274,7 +287,7 @@ def replace(
     for layer, change in zip(layers, changes.values()):
         if len(change) not in (2, 3):
             raise ValueError(f"{layer.module_name}: a change is (drop_positions, new_indices[, new_values]), got {len(change)} items")
-        source, new_indices, position = _slot_map(layer, adapter_name, change[0], change[1])
+        source, new_indices, position = slot_map(layer, adapter_name, change[0], change[1])
         values = layer.sparse_values[adapter_name]
         fresh = torch.zeros(values.numel(), dtype=values.dtype, device=values.device)
         if len(change) == 3:

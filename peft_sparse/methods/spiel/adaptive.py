@@ -42,7 +42,6 @@ def reselect_adaptive(scheduler, t: int) -> dict:
     c, name = scheduler.config, scheduler.adapter_name
     layers = scheduler.layers
     values = [m.sparse_values[name] for m in layers]
-    indices = [m.sparse_indices[name].long() for m in layers]
     sizes = [v.numel() for v in values]
     k = sum(
         replacement_count(t, scheduler.total_steps, d, c.initial_reselection_rate, c.schedule, scheduler.gamma, c.first_full_replacement)
@@ -61,7 +60,7 @@ def reselect_adaptive(scheduler, t: int) -> dict:
     # GROW scores: |ĝ|/√ŝ at each tensor's candidates not active now
     n = max(1, scheduler.steps_in_window)
     owners, flat_idx, snr, g_means, s_means = [], [], [], [], []
-    for at, (layer, idx) in enumerate(zip(layers, indices)):
+    for at, layer in enumerate(layers):
         stats = scheduler.statistics.get(layer.module_name)
         if stats is None or stats.candidates is None:
             warnings.warn(f"SpIEL: {layer.module_name} got no gradient in the estimation window; it grows nothing")
@@ -71,7 +70,7 @@ def reselect_adaptive(scheduler, t: int) -> dict:
         score = g.abs() / (s2.sqrt() + 1e-30)
         if not bool(torch.isfinite(score).all()):
             raise FloatingPointError(f"SpIEL: non-finite growth scores in {layer.module_name}; nothing was reselected")
-        eligible = ~torch.isin(cand, idx)
+        eligible = ~torch.isin(cand, layer.sparse_indices[name].long())
         owners.append(torch.full((int(eligible.sum()),), at, dtype=torch.long, device=device))
         flat_idx.append(cand[eligible].to(device))
         snr.append(score[eligible].float().to(device))
@@ -98,15 +97,14 @@ def reselect_adaptive(scheduler, t: int) -> dict:
     new_sizes = []
     lr_of = {id(p): g["lr"] for g in scheduler.optimizer.param_groups for p in g["params"]}
     eps_of = {id(p): g.get("eps", 1e-8) for g in scheduler.optimizer.param_groups for p in g["params"]}
-    for at, (v, idx) in enumerate(zip(values, indices)):
-        keep = ~drop_mask[starts[at] : starts[at] + sizes[at]]
-        kept_slots = torch.nonzero(keep).squeeze(1)
+    dropped_age = sum(
+        int((t - m.sparse_ages[name].long())[drop_mask[starts[i] : starts[i] + sizes[i]]].sum()) for i, m in enumerate(layers) if name in m.sparse_ages
+    )
+    for at, (layer, v) in enumerate(zip(layers, values)):
         mine = grown[grown_owner == at]
-        grow_idx, order = torch.sort(flat_idx[mine])
-        merged, where = torch.sort(torch.cat([idx.to(device)[kept_slots], grow_idx]))
-        source = torch.cat([kept_slots, torch.full_like(grow_idx, -1)])[where]
-        new_slots = torch.nonzero(source < 0).squeeze(1)  # ascending: the grown indices in ascending order
-        g_hat, s_hat = g_means[mine][order], s_means[mine][order]
+        drop_positions = torch.nonzero(drop_mask[starts[at] : starts[at] + sizes[at]]).squeeze(1)
+        source, merged, new_slots = edit.slot_map(layer, name, drop_positions, flat_idx[mine], same_count=False, checked=False)
+        g_hat, s_hat = g_means[mine], s_means[mine]  # (in the order of new_slots)
         init = None
         if c.grow_init == "gradient" and new_slots.numel():
             init = torch.zeros(merged.numel(), device=device)
@@ -116,7 +114,6 @@ def reselect_adaptive(scheduler, t: int) -> dict:
         fresh_values.append(init)
         seeds.append((new_slots, g_hat, s_hat))
         new_sizes.append(merged.numel())
-    old_ages = [scheduler.layers[at].sparse_ages[name].clone() if name in scheduler.layers[at].sparse_ages else None for at in range(len(layers))]
     edit.resize_slots(layers, name, sources, news, optimizer=scheduler.optimizer, new_values=fresh_values, step=t)
     if scheduler.seeding is not None:
         scheduler.seeding.rehook()
@@ -128,7 +125,6 @@ def reselect_adaptive(scheduler, t: int) -> dict:
         for v, (slots, g_hat, s_hat) in zip(values, seeds):
             if slots.numel():
                 scheduler.seeding.pending[id(v)] = (slots, g_hat, s_hat)
-    dropped_age = sum(int((t - a.long())[drop_mask[starts[i] : starts[i] + sizes[i]]].sum()) for i, a in enumerate(old_ages) if a is not None)
     total = sum(new_sizes)
     moved = sum(abs(a - b) for a, b in zip(new_sizes, sizes)) // 2
     return {
