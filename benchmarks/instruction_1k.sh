@@ -1,0 +1,45 @@
+#!/bin/bash
+# SpIEL-AG (recipes/smollm2_spiel.yaml) beside PEFT LoRA r16 (recipes/smollm2_lora.yaml) for 1,000 steps through
+# `peft-sparse train` (TRL's SFTTrainer) on both bundled instruction sets, several seeds, on one GPU: held-out exact
+# match before/after, final training loss and training time, one JSON line per run in $RESULTS.
+#   RESULTS=benchmarks/results/instruction-1k.jsonl PARALLEL=12 bash benchmarks/instruction_1k.sh
+# Both recipes run at the same trainable count, batch 8, linear decay after 3% warmup, float32; SpIEL at the
+# paper's S = 20, γ = 5 (the recipe's fractions of T are for its 60-step CPU length). Runs share the GPU
+# PARALLEL at a time, so compare the two methods' times within one call, not across calls.
+set -u
+STEPS=${STEPS:-1000}
+SEEDS=${SEEDS:-"0 1 2"}
+TASKS=${TASKS:-"skills skills2"}
+METHODS=${METHODS:-"spiel lora"}
+PARALLEL=${PARALLEL:-4}
+WORK=${WORK:-/tmp/instruction-1k}
+RESULTS=${RESULTS:-$WORK/results.jsonl}
+DEVICE_FLAGS=${DEVICE_FLAGS:-"--set training.use_cpu=false"}
+mkdir -p "$WORK"
+# convert the GGUF file into the cache once, before parallel runs race to write it
+python3 -c "from peft_sparse.assets import load_model_and_tokenizer as load; load('smollm2-135m-instruct')" > /dev/null 2>&1
+run_one() {
+  local method=$1 task=$2 seed=$3 dir="$WORK/$1-$2-$3"
+  local extra=""
+  [[ $method == spiel ]] && extra="--set method.reselection_steps=20 --set method.gradient_estimation_steps=5 --set method.seed=$seed"
+  # shellcheck disable=SC2086
+  python3 -m peft_sparse.cli train "recipes/smollm2_$method.yaml" $DEVICE_FLAGS $extra \
+    --set training.max_steps="$STEPS" --set training.warmup_steps="$(( (STEPS * 3 + 99) / 100 ))" \
+    --set training.seed="$seed" --set training.logging_steps=50 --set training.output_dir="$dir" \
+    --set data.train="data/${task}_train.jsonl" --set data.eval="data/${task}_test.jsonl" > "$dir.log" 2>&1 \
+    || { echo "FAILED $method $task $seed"; tail -5 "$dir.log"; return 0; }
+  python3 - "$dir/summary.json" "$method" "$task" "$seed" "$STEPS" >> "$RESULTS" <<'PY'
+import json, sys, torch
+s = json.load(open(sys.argv[1]))
+row = {"method": sys.argv[2], "task": sys.argv[3], "seed": int(sys.argv[4]), "steps": int(sys.argv[5]),
+       "before": s["before"]["accuracy"], "after": s["after"]["accuracy"], "per_skill": s["after"]["per_skill"],
+       "train_loss_last": s["train_loss_last"], "train_runtime_s": s["train_runtime_s"],
+       "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+print(json.dumps(row))
+PY
+  echo "ok $method $task $seed"
+}
+export -f run_one
+export STEPS WORK RESULTS DEVICE_FLAGS
+for seed in $SEEDS; do for task in $TASKS; do for method in $METHODS; do echo "$method $task $seed"; done; done; done \
+  | xargs -P "$PARALLEL" -L 1 bash -c 'run_one "$@"' _
