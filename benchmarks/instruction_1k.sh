@@ -15,6 +15,7 @@ PARALLEL=${PARALLEL:-4}
 WORK=${WORK:-/tmp/instruction-1k}
 RESULTS=${RESULTS:-$WORK/results.jsonl}
 DEVICE_FLAGS=${DEVICE_FLAGS:-"--set training.use_cpu=false"}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}   # parallel runs: a few threads each, not every core each
 mkdir -p "$WORK"
 # convert the GGUF file into the cache once, before parallel runs race to write it
 python3 -c "from peft_sparse.assets import load_model_and_tokenizer as load; load('smollm2-135m-instruct')" > /dev/null 2>&1

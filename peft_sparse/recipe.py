@@ -287,6 +287,9 @@ def run_recipe(recipe: Recipe) -> dict:
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_use_double_quant=True
         )
     model, tokenizer = load_model_and_tokenizer(**model_kwargs)
+    device = recipe.training_args.device
+    if device.type != "cpu" and "quantization_config" not in model_kwargs and not recipe.training_args.fsdp:
+        model.to(device)  # the evaluation before training runs where training will (the Trainer would move it anyway)
     train_rows = read_rows(recipe.data["train"], recipe.data.get("train_limit"), recipe.data.get("subset"))
     eval_rows = read_rows(recipe.data["eval"]) if "eval" in recipe.data else []
     eval_rows = [r for r in eval_rows if "answer" in r]  # (exact match needs reference answers)

@@ -131,10 +131,12 @@ def test_recipes_build_their_training_arguments_without_deprecation_warnings():
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
-        recipe = load_recipe(ROOT / "recipes/smollm2_spiel.yaml")
-    assert recipe.training_args.activation_checkpointing is True  # TRL's default, under the current name
-    off = load_recipe(ROOT / "recipes/smollm2_spiel.yaml", overrides={"training.gradient_checkpointing": False})
-    assert off.training_args.activation_checkpointing is False
+        recipe = load_recipe(ROOT / "recipes/instruction/spiel_ag-tulu_v2.yaml", overrides={"training.bf16": False})
+    assert recipe.training_args.activation_checkpointing is True  # TRL's default (not set there), under the current name
+    small = load_recipe(ROOT / "recipes/smollm2_spiel.yaml")  # (sets gradient_checkpointing: false)
+    assert small.training_args.activation_checkpointing is False
+    on = load_recipe(ROOT / "recipes/smollm2_spiel.yaml", overrides={"training.gradient_checkpointing": True})
+    assert on.training_args.activation_checkpointing is True
 
 
 def test_trainer_weight_decay_reaches_every_sparse_value():
