@@ -163,3 +163,40 @@ def test_composition_recipe_scores_each_adapter_and_their_sum(tmp_path, capsys):
         recipe.main([str(tmp_path / "a.yaml"), "--eval", f"toy={tmp_path / 'eval.jsonl'}"])
     with pytest.raises(SystemExit, match="nothing to score"):
         recipe.main([str(tmp_path / "a.yaml"), str(tmp_path / "b.yaml"), "--adapters", "x", "y"])
+
+
+def test_a_recipe_evaluates_before_training_on_the_training_device(tmp_path, monkeypatch):
+    """On a GPU run the evaluation before training runs where training will, not on the CPU the model was loaded
+    to (a 135M model's greedy evaluation on 16 threads × several runs stalled a whole GPU call)."""
+    import torch
+    from trl import SFTConfig
+
+    from peft_sparse import recipe as recipe_module
+
+    from .models import tiny_llama
+
+    model = tiny_llama()
+    moved = []
+    monkeypatch.setattr(model, "to", lambda *a, **k: moved.append(a[0] if a else k.get("device")) or model)
+    monkeypatch.setattr("peft_sparse.assets.load_model_and_tokenizer", lambda **k: (model, _tok()))
+    monkeypatch.setattr(SFTConfig, "device", property(lambda self: torch.device("cuda", 0)))
+
+    class Reached(Exception):
+        pass
+
+    def evaluated(m, *a, **k):
+        raise Reached(list(moved))
+
+    monkeypatch.setattr("peft_sparse.evaluation.exact_match", evaluated)
+    rows = [{"prompt": [{"role": "user", "content": "t5"}], "completion": [{"role": "assistant", "content": "t7"}], "answer": "t7"}]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    recipe = recipe_module.load_recipe({
+        "model": {"source": "unused"},
+        "method": {"peft_type": "SFT", "target_modules": "all-linear", "density": 0.1},
+        "data": {"train": str(data), "eval": str(data)},
+        "training": {"output_dir": str(tmp_path / "out"), "max_steps": 1, "use_cpu": True, "bf16": False, "report_to": "none"},
+    })  # fmt: skip
+    with pytest.raises(Reached) as reached:
+        recipe_module.run_recipe(recipe)
+    assert reached.value.args[0] == [torch.device("cuda", 0)]
