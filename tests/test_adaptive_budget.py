@@ -237,3 +237,29 @@ def test_a_resize_keeps_the_seeding_hooks_and_works_while_an_old_graph_is_alive(
         scheduler.step()
         kept_graph = loss  # noqa: F841 (held across the reselection on purpose)
     assert _sizes(model) != {m.module_name: m.numel // 10 for m in sparse_layers(model)}
+
+
+def test_a_reselection_reads_the_device_twice_not_per_tensor(monkeypatch):
+    """Every read of a device value (tolist, item, bool, int, nonzero) waits for a GPU's queue; the adaptive
+    reselection ranks over the concatenations and reads twice, whatever the number of tensors."""
+    import peft_sparse.methods.spiel.scheduler as scheduler_module
+
+    reads = []
+    original = scheduler_module.reselect_adaptive
+
+    def counted(*args, **kwargs):
+        with monkeypatch.context() as m:
+            for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero"):
+                method = getattr(torch.Tensor, name)
+                m.setattr(torch.Tensor, name, lambda self, *a, _f=method, _n=name, **k: (reads.append(_n), _f(self, *a, **k))[1])
+            nonzero = torch.nonzero
+            m.setattr(torch, "nonzero", lambda *a, **k: (reads.append("torch.nonzero"), nonzero(*a, **k))[1])
+            before = len(reads)
+            report = original(*args, **kwargs)
+            assert len(reads) - before == 2 or not report, reads[before:]
+            return report
+
+    monkeypatch.setattr(scheduler_module, "reselect_adaptive", counted)
+    model = _model()
+    _, _, reports = _train(model, 13)
+    assert sum(1 for r in reports if r) == 2 and len(sparse_layers(model)) == 14 and set(reads) == {"tolist"}

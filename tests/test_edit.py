@@ -209,3 +209,25 @@ def test_a_deepspeed_optimizer_is_refused_with_the_way_out():
     zero.optimizer = inner
     with pytest.raises(NotImplementedError, match="DeepSpeed optimizer.*use DDP or FSDP2"):
         SpIELScheduler(model, zero, total_steps=10)
+
+
+@pytest.mark.parametrize("drops, grows", [(5, 5), (9, 2), (0, 7), (12, 0), (40, 40)])
+def test_slot_map_without_checks_equals_the_checked_one(drops, grows):
+    """``checked=False`` builds the slot map without reading the device (stable sorts for nonzero): the same
+    sources, indices and grown positions as the checked path, for equal and unequal counts."""
+    model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules=["q_proj"], density=0.05))
+    layer = sparse_layers(model)[0]
+    g = torch.Generator().manual_seed(drops * 100 + grows)
+    old = layer.sparse_indices["default"].long()
+    drop = torch.randperm(old.numel(), generator=g)[:drops]
+    inactive = torch.ones(layer.numel, dtype=torch.bool)
+    inactive[old] = False
+    candidates = torch.nonzero(inactive).squeeze(1)
+    grow = candidates[torch.randperm(candidates.numel(), generator=g)[:grows]]
+    checked = edit.slot_map(layer, "default", drop, grow, same_count=False)
+    free = edit.slot_map(layer, "default", drop, grow, same_count=False, checked=False)
+    for a, b in zip(checked, free):
+        assert torch.equal(a, b)
+    source, merged, position = free
+    assert merged.numel() == old.numel() - drops + grows and bool((merged[1:] > merged[:-1]).all())
+    assert torch.equal(merged[position], grow) and bool((source[position] == -1).all())

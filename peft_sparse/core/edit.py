@@ -200,12 +200,12 @@ def resize_slots(
         if new_values is not None and new_values[at] is not None:
             moved = torch.where(new, new_values[at].to(device=moved.device, dtype=moved.dtype), moved)
         else:
-            moved[new] = 0
+            moved.masked_fill_(new, 0)  # (a mask fill: no read of the device, as no step here makes)
         resize_parameter(layer, adapter_name, values, moved)
         if adapter_name in layer.sparse_ages:
             ages = layer.sparse_ages[adapter_name]
             new_ages = ages[source.clamp(min=0)] if ages.numel() else torch.zeros(source.numel(), dtype=ages.dtype, device=ages.device)
-            new_ages[new] = 0 if step is None else step
+            new_ages.masked_fill_(new, 0 if step is None else step)
             layer.sparse_ages[adapter_name] = new_ages
         layer.sparse_indices[adapter_name] = fresh.to(device=values.device, dtype=index_dtype(layer.numel))
         layer._ready.pop(adapter_name, None)
@@ -222,7 +222,8 @@ def slot_map(layer: SparseLayer, adapter_name: str, drop: torch.Tensor, grow: to
     """(source, new indices, where the grown indices went: new slot of grown index i in the caller's order) of one
     tensor after dropping slots ``drop`` and growing indices ``grow``: for :func:`replace` (``same_count``) and for
     :func:`resize_slots` (counts may differ). ``checked=False`` skips the checks of positions and indices (each
-    reads the device) for a caller whose selection guarantees them."""
+    reads the device) for a caller whose selection guarantees them, and builds the result without reading the
+    device at all (the counts are the tensors' lengths)."""
     where = layer.module_name
     old = layer.sparse_indices[adapter_name].long()
     n = old.numel()
@@ -233,7 +234,7 @@ def slot_map(layer: SparseLayer, adapter_name: str, drop: torch.Tensor, grow: to
     if not checked:
         keep = torch.ones(n, dtype=torch.bool, device=old.device)
         keep[drop] = False
-        return _merged_slots(old, keep, grow)
+        return _merged_slots(old, keep, grow, kept_count=n - drop.numel())
     if drop.numel() and (int(drop.min()) < 0 or int(drop.max()) >= n):
         raise ValueError(f"{where}: drop position {int(drop.min()) if int(drop.min()) < 0 else int(drop.max())} is outside 0..{n - 1}")
     if drop.unique().numel() != drop.numel():
@@ -253,14 +254,24 @@ def slot_map(layer: SparseLayer, adapter_name: str, drop: torch.Tensor, grow: to
     return _merged_slots(old, keep, grow)
 
 
-def _merged_slots(old: torch.Tensor, keep: torch.Tensor, grow: torch.Tensor):
-    """:func:`slot_map`'s result from the kept slots' mask and the grown indices (disjoint from the kept ones)."""
-    kept = old[keep]
+def _merged_slots(old: torch.Tensor, keep: torch.Tensor, grow: torch.Tensor, kept_count: Optional[int] = None):
+    """:func:`slot_map`'s result from the kept slots' mask and the grown indices (disjoint from the kept ones).
+    With ``kept_count`` (the mask's count, known to the caller) no step reads the device: the positions where a
+    mask holds come from a stable sort instead of ``nonzero`` (the same positions, in the same order)."""
+
+    def where(mask: torch.Tensor, count: Optional[int]) -> torch.Tensor:
+        if count is None:
+            return torch.nonzero(mask).squeeze(1)
+        return torch.sort((~mask).to(torch.uint8), stable=True).indices[:count]
+
+    kept_at = where(keep, kept_count)
+    kept = old[kept_at]
     grow_sorted, order = torch.sort(grow)
     merged, at = torch.sort(torch.cat([kept, grow_sorted]))
-    source = torch.cat([torch.nonzero(keep).squeeze(1), torch.full_like(grow_sorted, -1)])[at]
+    source = torch.cat([kept_at, torch.full_like(grow_sorted, -1)])[at]
     position_of_grown = torch.empty_like(order)
-    position_of_grown[order] = torch.nonzero(at >= kept.numel()).squeeze(1)  # grown index i (caller's order) → new slot
+    grown_at = where(at >= kept.numel(), None if kept_count is None else grow.numel())
+    position_of_grown[order] = grown_at  # grown index i (caller's order) → new slot
     return source, merged, position_of_grown
 
 

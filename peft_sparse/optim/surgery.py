@@ -111,8 +111,7 @@ def resize_optimizer_state(optimizer, param: torch.Tensor, source: torch.Tensor)
         old = state.get(key)
         if isinstance(old, torch.Tensor) and old.dim() == 1:
             new = old[source.clamp(min=0)] if old.numel() else torch.zeros(source.numel(), dtype=old.dtype, device=old.device)
-            new[grown] = 0
-            state[key] = new
+            state[key] = new.masked_fill_(grown, 0)
 
 
 def seed_optimizer_state(

@@ -38,7 +38,10 @@ def uniform_quotas(layers: list, adapter_name: str) -> dict:
 
 @torch.no_grad()
 def reselect_adaptive(scheduler, t: int) -> dict:
-    """One reselection of every tensor of ``scheduler``'s adapter over their concatenation (module docstring)."""
+    """One reselection of every tensor of ``scheduler``'s adapter over their concatenation (module docstring).
+
+    Both rankings run over the concatenations, so the device is read twice per reselection (the counts that bound
+    k, then each tensor's share of the drops and grows), not per tensor: on a GPU every read waits for the queue."""
     c, name = scheduler.config, scheduler.adapter_name
     layers = scheduler.layers
     values = [m.sparse_values[name] for m in layers]
@@ -50,16 +53,18 @@ def reselect_adaptive(scheduler, t: int) -> dict:
     if k == 0:
         return {}
     device = values[0].device
+    inf = float("inf")
     # DROP scores, each tensor's largest kept out of reach (every tensor keeps a weight)
     drop_scores = []
     for layer, v in zip(layers, values):
         score = (v.detach() - scheduler.drop_reference[layer.module_name] if c.drop_criterion == "change" else v.detach()).abs().float()
         if score.numel():
-            score[score.argmax()] = float("inf")
+            score.index_fill_(0, score.argmax().view(1), inf)
         drop_scores.append(score.to(device))
-    # GROW scores: |ĝ|/√ŝ at each tensor's candidates not active now
+    all_drop = torch.cat(drop_scores)
+    # GROW scores: |ĝ|/√ŝ at each tensor's candidates, −∞ where the candidate is active now
     n = max(1, scheduler.steps_in_window)
-    owners, flat_idx, snr, g_means, s_means = [], [], [], [], []
+    owner_of, cands, raw, active, g_means, s_means = [], [], [], [], [], []
     for at, layer in enumerate(layers):
         stats = scheduler.statistics.get(layer.module_name)
         if stats is None or stats.candidates is None:
@@ -67,53 +72,60 @@ def reselect_adaptive(scheduler, t: int) -> dict:
             continue
         cand = stats.candidates.long()
         g, s2 = stats.grad_sum / n, stats.grad_sq_sum / n
-        score = g.abs() / (s2.sqrt() + 1e-30)
-        if not bool(torch.isfinite(score).all()):
-            raise FloatingPointError(f"SpIEL: non-finite growth scores in {layer.module_name}; nothing was reselected")
-        eligible = ~torch.isin(cand, layer.sparse_indices[name].long())
-        owners.append(torch.full((int(eligible.sum()),), at, dtype=torch.long, device=device))
-        flat_idx.append(cand[eligible].to(device))
-        snr.append(score[eligible].float().to(device))
-        g_means.append(g[eligible].float().to(device))
-        s_means.append(s2[eligible].float().to(device))
-    if not owners:
+        owner_of.append(at)
+        cands.append(cand.to(device))
+        raw.append((g.abs() / (s2.sqrt() + 1e-30)).float().to(device))
+        active.append(torch.isin(cand, layer.sparse_indices[name].long()).to(device))
+        g_means.append(g.float().to(device))
+        s_means.append(s2.float().to(device))
+    if not cands:
         return {}
-    owners, flat_idx, snr = torch.cat(owners), torch.cat(flat_idx), torch.cat(snr)
+    counts = [x.numel() for x in cands]
+    owners = torch.repeat_interleave(torch.tensor(owner_of, device=device), torch.tensor(counts, device=device), output_size=sum(counts))
+    cands, raw, active = torch.cat(cands), torch.cat(raw), torch.cat(active)
     g_means, s_means = torch.cat(g_means), torch.cat(s_means)
-    all_drop = torch.cat(drop_scores)
-    droppable = int(torch.isfinite(all_drop).sum())
-    k = min(k, droppable, snr.numel())
+    finite, eligible, droppable = torch.stack(
+        [torch.isfinite(raw).all().long(), (~active).sum(), torch.isfinite(all_drop).sum()]
+    ).tolist()  # (read 1)
+    if not finite:
+        for at, part in zip(owner_of, raw.split(counts)):
+            if not bool(torch.isfinite(part).all()):
+                raise FloatingPointError(f"SpIEL: non-finite growth scores in {layers[at].module_name}; nothing was reselected")
+    k = min(k, droppable, eligible)
     if k == 0:
         return {}
-    dropped = torch.topk(all_drop, k, largest=False, sorted=False).indices
-    grown = torch.topk(snr, k, sorted=False).indices
+    dropped = torch.sort(torch.topk(all_drop, k, largest=False, sorted=False).indices).values  # (ascending: by tensor)
+    grown = torch.topk(raw.masked_fill(active, -inf), k, sorted=False).indices
+    grown = grown[torch.sort(owners[grown], stable=True).indices]  # (grouped by tensor)
     starts = [0]
-    for s in sizes[:-1]:
-        starts.append(starts[-1] + s)
-    drop_mask = torch.zeros(all_drop.numel(), dtype=torch.bool, device=device)
-    drop_mask[dropped] = True
-    grown_owner = owners[grown]
+    for size in sizes[:-1]:
+        starts.append(starts[-1] + size)
+    bounds = torch.tensor(starts[1:], device=device)
+    drop_owner = torch.bucketize(dropped, bounds, right=True)
+    ages = [m.sparse_ages[name] for m in layers] if all(name in m.sparse_ages for m in layers) else None
+    dropped_age = (t - torch.cat(ages).to(device).long()[dropped]).sum().view(1) if ages else torch.zeros(1, dtype=torch.long, device=device)
+    shares = torch.cat([
+        torch.bincount(drop_owner, minlength=len(layers)), torch.bincount(owners[grown], minlength=len(layers)), dropped_age,
+    ]).tolist()  # (read 2)
+    drop_counts, grow_counts, dropped_age = shares[: len(layers)], shares[len(layers) : 2 * len(layers)], shares[-1]
+    drop_parts, grow_parts = dropped.split(drop_counts), grown.split(grow_counts)
     sources, news, fresh_values, seeds = [], [], [], []
     new_sizes = []
     lr_of = {id(p): g["lr"] for g in scheduler.optimizer.param_groups for p in g["params"]}
     eps_of = {id(p): g.get("eps", 1e-8) for g in scheduler.optimizer.param_groups for p in g["params"]}
-    dropped_age = sum(
-        int((t - m.sparse_ages[name].long())[drop_mask[starts[i] : starts[i] + sizes[i]]].sum()) for i, m in enumerate(layers) if name in m.sparse_ages
-    )
     for at, (layer, v) in enumerate(zip(layers, values)):
-        mine = grown[grown_owner == at]
-        drop_positions = torch.nonzero(drop_mask[starts[at] : starts[at] + sizes[at]]).squeeze(1)
-        source, merged, new_slots = edit.slot_map(layer, name, drop_positions, flat_idx[mine], same_count=False, checked=False)
+        mine = grow_parts[at]
+        source, merged, new_slots = edit.slot_map(layer, name, drop_parts[at] - starts[at], cands[mine], same_count=False, checked=False)
         g_hat, s_hat = g_means[mine], s_means[mine]  # (in the order of new_slots)
         init = None
-        if c.grow_init == "gradient" and new_slots.numel():
+        if c.grow_init == "gradient" and grow_counts[at]:
             init = torch.zeros(merged.numel(), device=device)
             init[new_slots] = -float(lr_of[id(v)]) * n * g_hat / (s_hat.sqrt() + float(eps_of[id(v)]))
         sources.append(source)
         news.append(merged)
         fresh_values.append(init)
         seeds.append((new_slots, g_hat, s_hat))
-        new_sizes.append(merged.numel())
+        new_sizes.append(sizes[at] - drop_counts[at] + grow_counts[at])
     edit.resize_slots(layers, name, sources, news, optimizer=scheduler.optimizer, new_values=fresh_values, step=t)
     if scheduler.seeding is not None:
         scheduler.seeding.rehook()
@@ -122,8 +134,8 @@ def reselect_adaptive(scheduler, t: int) -> dict:
         if counts is not None and layer.module_name in counts:
             counts[layer.module_name] = int(size)
     if scheduler.seeding is not None and c.seed_moments != "none":
-        for v, (slots, g_hat, s_hat) in zip(values, seeds):
-            if slots.numel():
+        for v, (slots, g_hat, s_hat), grew in zip(values, seeds, grow_counts):
+            if grew:
                 scheduler.seeding.pending[id(v)] = (slots, g_hat, s_hat)
     total = sum(new_sizes)
     moved = sum(abs(a - b) for a, b in zip(new_sizes, sizes)) // 2
