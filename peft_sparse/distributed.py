@@ -9,7 +9,7 @@
 The base weights — nearly all of the memory — are sharded by ``torch.distributed.fsdp.fully_shard`` (FSDP2)
 and gathered block by block for the forward and backward passes. The sparse values (d_φ numbers, a small
 fraction of the model) are left out of the sharding (``ignored_params``): every rank holds all of them,
-their gradients are averaged over ranks right after each backward pass, and so the optimizer, SM3's
+their gradients are averaged over ranks in buckets during and at the end of each backward pass, and so the optimizer, SM3's
 accumulators, the reselections and the mask-editing API work on plain tensors exactly as on one GPU. The
 selection statistics are all-reduced before selection as under DDP, so the indices are identical on every
 rank by construction. Other trainable parameters (``modules_to_save`` heads) are sharded by FSDP as usual.
@@ -23,8 +23,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .accel import internals
 from .core.blocks import find_blocks
 from .core.layer import SparseLayer
+
+
+BUCKET_MB = 25.0  # the gradient buckets' size (DDP's default)
 
 
 def _average_gradient(param: torch.Tensor) -> None:
@@ -32,12 +36,61 @@ def _average_gradient(param: torch.Tensor) -> None:
     param.grad.div_(dist.get_world_size())
 
 
-def shard(model: nn.Module, mesh=None, reshard_after_forward: bool = True, mp_policy=None, offload_policy=None) -> nn.Module:
+class BucketedAverage:
+    """Averages replicated values' gradients over the ranks in few collectives: each gradient joins a flat
+    bucket (per device and dtype) as the backward pass produces it, a bucket's all-reduce starts
+    asynchronously once it holds ``bucket_mb`` MB, and when the backward pass ends the rest start and all
+    are awaited, the averages written back into the gradients. The same averages as one all-reduce per
+    gradient (the fallback, where the autograd engine offers no end-of-backward callback), in
+    ⌈d_φ bytes / bucket⌉ collectives instead of one per tensor. A post-accumulate-grad hook."""
+
+    def __init__(self, bucket_mb: float = BUCKET_MB):
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, got bucket_mb={bucket_mb!r}")
+        self.bucket_bytes = bucket_mb * 2**20
+        self.pending: dict = {}  # (device, dtype) → [params, bytes]
+        self.inflight: list = []  # (work handle, flat buffer, params)
+        self.queued = False
+
+    def __call__(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        if not self.queued:
+            if not internals.queue_after_backward(self.finish):
+                _average_gradient(param)  # (no end-of-backward callback: one all-reduce per gradient)
+                return
+            self.queued = True
+        bucket = self.pending.setdefault((grad.device, grad.dtype), [[], 0])
+        bucket[0].append(param)
+        bucket[1] += grad.numel() * grad.element_size()
+        if bucket[1] >= self.bucket_bytes:
+            self._start((grad.device, grad.dtype))
+
+    def _start(self, key) -> None:
+        params, _ = self.pending.pop(key)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        self.inflight.append((dist.all_reduce(flat, async_op=True), flat, params))
+
+    def finish(self) -> None:
+        self.queued = False
+        for key in list(self.pending):
+            self._start(key)
+        world = dist.get_world_size()
+        inflight, self.inflight = self.inflight, []
+        for work, flat, params in inflight:
+            work.wait()
+            flat.div_(world)
+            for p, part in zip(params, flat.split([p.grad.numel() for p in params])):
+                p.grad.copy_(part.view_as(p.grad))
+
+
+def shard(model: nn.Module, mesh=None, reshard_after_forward: bool = True, mp_policy=None, offload_policy=None, bucket_mb: float = BUCKET_MB) -> nn.Module:
     """Apply FSDP2 to a PEFT model with sparse adapters (module docstring); returns the model, sharded in place.
 
     Every rank must hold the same model on its device (seeded identically); the values and indices are then
     broadcast from rank 0 so that they agree bit for bit. ``mesh``, ``reshard_after_forward``, ``mp_policy``
-    and ``offload_policy`` go to ``fully_shard``."""
+    and ``offload_policy`` go to ``fully_shard``; ``bucket_mb`` sizes the buckets of the values' gradient averaging."""
     from torch.distributed.fsdp import fully_shard
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -58,7 +111,7 @@ def shard(model: nn.Module, mesh=None, reshard_after_forward: bool = True, mp_po
     for block in model.get_submodule(prefix):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    replicate_values(model)
+    replicate_values(model, bucket_mb)
     return model
 
 
@@ -70,11 +123,14 @@ def is_fsdp2(model: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-def replicate_values(model: nn.Module) -> None:
+def replicate_values(model: nn.Module, bucket_mb: float = BUCKET_MB) -> None:
     """Keep the sparse values replicated under a sharding engine that left them out (``ignored_params``; accelerate:
-    ``fsdp_ignored_modules: '.*\\.sparse_values'``): values and indices broadcast from rank 0, and each value's
-    gradient averaged over ranks after every backward pass. Idempotent; the Trainer callbacks call it."""
+    ``fsdp_ignored_modules: '.*\\.sparse_values'``): values and indices broadcast from rank 0, and the values'
+    gradients averaged over ranks after every backward pass, in buckets of ``bucket_mb`` MB
+    (:class:`BucketedAverage`). Idempotent; the Trainer callbacks call it."""
     from torch.distributed.tensor import DTensor
+
+    average = BucketedAverage(bucket_mb)
 
     for layer in (m for m in model.modules() if isinstance(m, SparseLayer)):
         for name, values in layer.sparse_values.items():
@@ -89,6 +145,6 @@ def replicate_values(model: nn.Module) -> None:
                 dist.broadcast(values.data, src=0)
                 dist.broadcast(layer.sparse_indices[name], src=0)
             if values.requires_grad:
-                values.register_post_accumulate_grad_hook(_average_gradient)
+                values.register_post_accumulate_grad_hook(average)
             values._peft_sparse_replicated = True
 

@@ -257,3 +257,61 @@ def test_ranks_that_disagree_are_refused():
         messages = [open(os.path.join(out_dir, f"rank{r}.txt")).read() for r in range(2)]
     for message in messages:  # every rank stops, naming the first difference
         assert "ranks disagree on the SpIEL setup" in message and "rank 1 has config.seed=1 but rank 0 has 0" in message
+
+
+def _bucket_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    from peft import get_peft_model
+
+    from peft_sparse import SparseFTConfig, SparseLayer
+    from peft_sparse.accel import internals
+    from peft_sparse.distributed import replicate_values
+    from tests.models import tiny_llama
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules="all-linear", density=0.1))
+    values = [l.sparse_values["default"] for l in model.modules() if isinstance(l, SparseLayer)]
+    with torch.no_grad():
+        for v in values:
+            v.normal_(0, 0.01)  # (the same on every rank: same seed)
+    x = torch.randint(0, 97, (4, 12), generator=torch.Generator().manual_seed(100 + rank))  # different data per rank
+    model(x, labels=x).loss.backward()
+    local = torch.cat([v.grad.reshape(-1) for v in values])
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local)
+    expected = torch.stack(gathered).mean(0)
+    model.zero_grad(set_to_none=True)
+    calls = []
+    reduce = dist.all_reduce
+    dist.all_reduce = lambda tensor, *a, **k: (calls.append(tensor.numel()), reduce(tensor, *a, **k))[1]
+    total_bytes = local.numel() * 4
+    replicate_values(model, bucket_mb=total_bytes / 3.5 / 2**20)  # → 4 buckets
+    results = {}
+    for label, fallback in (("buckets", False), ("per_gradient", True)):
+        if fallback:
+            internals.queue_after_backward = lambda callback: False
+        calls.clear()
+        for micro_batch in range(2):  # (accumulated: each backward averages its own contribution)
+            model(x, labels=x).loss.backward()
+        results[label] = {"grad": torch.cat([v.grad.reshape(-1) for v in values]), "calls": list(calls)}
+        model.zero_grad(set_to_none=True)
+    dist.all_reduce = reduce
+    torch.save({"expected": expected, "tensors": len(values), **results}, os.path.join(out_dir, f"bucket{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_replicated_gradients_are_averaged_in_buckets():
+    """replicate_values averages the values' gradients over ranks in a few flat buckets (one all-reduce each,
+    started as they fill, awaited at the end of the backward pass): the same averages as one all-reduce per
+    gradient (the fallback without the engine's end-of-backward callback), with gradient accumulation."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_bucket_worker, args=(2, _free_port(), out_dir), nprocs=2, join=True)
+        r0, r1 = (torch.load(os.path.join(out_dir, f"bucket{r}.pt")) for r in (0, 1))
+    for r in (r0, r1):
+        torch.testing.assert_close(r["buckets"]["grad"], 2 * r["expected"], rtol=1e-5, atol=1e-8)  # (two micro-batches)
+        torch.testing.assert_close(r["per_gradient"]["grad"], r["buckets"]["grad"], rtol=1e-6, atol=1e-9)
+        assert len(r["buckets"]["calls"]) == 2 * 4 and sum(r["buckets"]["calls"]) == 2 * r["expected"].numel()
+        assert len(r["per_gradient"]["calls"]) == 2 * r["tensors"] > 2 * 4
+    assert torch.equal(r0["buckets"]["grad"], r1["buckets"]["grad"])
