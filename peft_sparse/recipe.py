@@ -326,7 +326,9 @@ def run_recipe(recipe: Recipe) -> dict:
     )
     if hasattr(trainer.model, "print_trainable_parameters"):
         trainer.model.print_trainable_parameters()
-    train_result = trainer.train()
+    # training.resume_from_checkpoint: a checkpoint folder, or true for the last one in output_dir (the
+    # methods' callbacks restore their scheduler state from it, at any world size with the same max_steps)
+    train_result = trainer.train(resume_from_checkpoint=recipe.training_args.resume_from_checkpoint or None)
     # full fine-tuning saves the whole model; every other method its adapter (the Trainer gathers a sharded model
     # and writes from the first process only)
     adapter_dir = Path(recipe.training_args.output_dir) / ("model" if recipe.peft_config is None else "adapter")

@@ -315,3 +315,72 @@ def test_replicated_gradients_are_averaged_in_buckets():
         assert len(r["buckets"]["calls"]) == 2 * 4 and sum(r["buckets"]["calls"]) == 2 * r["expected"].numel()
         assert len(r["per_gradient"]["calls"]) == 2 * r["tensors"] > 2 * 4
     assert torch.equal(r0["buckets"]["grad"], r1["buckets"]["grad"])
+
+
+def _tiny_recipe(tmp_path, name: str, training: str) -> "os.PathLike":
+    """A tiny Llama, its tokenizer, successor data and a SpIEL recipe over them (S = 4, γ = 2) with ``training`` added."""
+    import json
+    import random
+
+    from tests.models import tiny_llama, tiny_tokenizer
+
+    if not (tmp_path / "model").exists():
+        model, tokenizer = tiny_llama(), tiny_tokenizer()
+        tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+        model.save_pretrained(tmp_path / "model")
+        tokenizer.save_pretrained(tmp_path / "model")
+        r = random.Random(0)
+        for split, n in (("train", 64), ("test", 8)):
+            with open(tmp_path / f"{split}.jsonl", "w") as f:
+                for _ in range(n):
+                    a = r.randint(10, 90)
+                    row = {"prompt": [{"role": "user", "content": f"t4 t{a}"}], "completion": [{"role": "assistant", "content": f"t{a + 1}"}], "answer": f"t{a + 1}"}
+                    f.write(json.dumps(row) + "\n")
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(f"""
+model: {{source: {tmp_path / "model"}, dtype: float32}}
+method: {{peft_type: SPIEL, target_modules: all-linear, density: 0.1, reselection_steps: 4, gradient_estimation_steps: 2}}
+data: {{train: {tmp_path / "train.jsonl"}, eval: {tmp_path / "test.jsonl"}}}
+training: {{output_dir: {tmp_path / name}, learning_rate: 0.01, max_length: 32, report_to: none, seed: 0, use_cpu: true,
+           bf16: false, dataloader_num_workers: 0, logging_steps: 1, {training}}}
+evaluation: {{max_new_tokens: 2, batch_size: 8}}
+""")
+    return path
+
+
+def test_a_two_process_checkpoint_resumes_in_one_process(tmp_path):
+    """`peft-sparse train` under torchrun with 2 processes saves a checkpoint at step 4; one process with the same
+    global batch and max_steps resumes from it (training.resume_from_checkpoint): the scheduler continues at step 4
+    with the saved indices and reselects at step 6 as scheduled. With another max_steps it is refused, naming both
+    world sizes."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    two = _tiny_recipe(tmp_path, "two", "max_steps: 8, per_device_train_batch_size: 4, save_strategy: steps, save_steps: 4")
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+         "-m", "peft_sparse.cli", "train", str(two)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    checkpoint = tmp_path / "two" / "checkpoint-4"
+    saved = load_file(checkpoint / "adapter_model.safetensors")
+
+    one = _tiny_recipe(tmp_path, "one", f"max_steps: 8, per_device_train_batch_size: 8, save_strategy: steps, save_steps: 8, resume_from_checkpoint: {checkpoint}")
+    run = subprocess.run([sys.executable, "-m", "peft_sparse.cli", "train", str(one)], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads((tmp_path / "one" / "summary.json").read_text())["world_size"] == 1
+    history = json.loads((tmp_path / "one" / "checkpoint-8" / "trainer_state.json").read_text())["log_history"]
+    assert [h["step"] for h in history if "spiel/replaced" in h] == [2, 6]  # (2: the first run's; 6: after the resume)
+    final = load_file(tmp_path / "one" / "checkpoint-8" / "adapter_model.safetensors")
+    ages = [k for k in saved if k.endswith("sparse_ages")]
+    assert ages and all(int(saved[k].max()) <= 2 for k in ages) and any(int(final[k].max()) == 6 for k in ages)
+
+    other = _tiny_recipe(tmp_path, "other", f"max_steps: 12, per_device_train_batch_size: 8, save_strategy: 'no', resume_from_checkpoint: {checkpoint}")
+    run = subprocess.run([sys.executable, "-m", "peft_sparse.cli", "train", str(other)], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode != 0
+    assert "total_steps=8" in run.stderr and "total_steps=12" in run.stderr and "written by 2 process(es) and this run has 1" in run.stderr
