@@ -42,43 +42,53 @@ class BucketedAverage:
     asynchronously once it holds ``bucket_mb`` MB, and when the backward pass ends the rest start and all
     are awaited, the averages written back into the gradients. The same averages as one all-reduce per
     gradient (the fallback, where the autograd engine offers no end-of-backward callback), in
-    ⌈d_φ bytes / bucket⌉ collectives instead of one per tensor. A post-accumulate-grad hook."""
+    ⌈d_φ bytes / bucket⌉ collectives instead of one per tensor. A post-accumulate-grad hook.
+
+    The buckets belong to the backward pass that filled them (its graph task), so a pass that raised (its
+    end-of-backward callback never runs: an out-of-memory retry) leaves nothing to the next one; the last
+    few such leftovers are kept, older ones dropped."""
+
+    KEEP = 8  # backward passes with buckets at once (nested reentrant ones, and those that raised)
 
     def __init__(self, bucket_mb: float = BUCKET_MB):
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got bucket_mb={bucket_mb!r}")
         self.bucket_bytes = bucket_mb * 2**20
-        self.pending: dict = {}  # (device, dtype) → [params, bytes]
-        self.inflight: list = []  # (work handle, flat buffer, params)
-        self.queued = False
+        self.tasks: dict = {}  # graph task id → {"pending": {(device, dtype): [params, bytes]}, "inflight": [(work, flat, params)]}
 
     def __call__(self, param: torch.Tensor) -> None:
         grad = param.grad
         if grad is None:
             return
-        if not self.queued:
-            if not internals.queue_after_backward(self.finish):
+        task = internals.graph_task_id()
+        state = self.tasks.get(task)
+        if state is None:
+            if not internals.queue_after_backward(lambda: self.finish(task)):
                 _average_gradient(param)  # (no end-of-backward callback: one all-reduce per gradient)
                 return
-            self.queued = True
-        bucket = self.pending.setdefault((grad.device, grad.dtype), [[], 0])
+            state = self.tasks[task] = {"pending": {}, "inflight": []}
+            while len(self.tasks) > self.KEEP:
+                self.tasks.pop(next(iter(self.tasks)))  # (the oldest: a pass that raised long ago)
+        bucket = state["pending"].setdefault((grad.device, grad.dtype), [[], 0])
         bucket[0].append(param)
         bucket[1] += grad.numel() * grad.element_size()
         if bucket[1] >= self.bucket_bytes:
-            self._start((grad.device, grad.dtype))
+            self._start(state, (grad.device, grad.dtype))
 
-    def _start(self, key) -> None:
-        params, _ = self.pending.pop(key)
+    @staticmethod
+    def _start(state: dict, key) -> None:
+        params, _ = state["pending"].pop(key)
         flat = torch.cat([p.grad.reshape(-1) for p in params])
-        self.inflight.append((dist.all_reduce(flat, async_op=True), flat, params))
+        state["inflight"].append((dist.all_reduce(flat, async_op=True), flat, params))
 
-    def finish(self) -> None:
-        self.queued = False
-        for key in list(self.pending):
-            self._start(key)
+    def finish(self, task) -> None:
+        state = self.tasks.pop(task, None)
+        if state is None:
+            return
+        for key in list(state["pending"]):
+            self._start(state, key)
         world = dist.get_world_size()
-        inflight, self.inflight = self.inflight, []
-        for work, flat, params in inflight:
+        for work, flat, params in state["inflight"]:
             work.wait()
             flat.div_(world)
             for p, part in zip(params, flat.split([p.grad.numel() for p in params])):

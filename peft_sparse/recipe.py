@@ -287,9 +287,6 @@ def run_recipe(recipe: Recipe) -> dict:
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_use_double_quant=True
         )
     model, tokenizer = load_model_and_tokenizer(**model_kwargs)
-    device = recipe.training_args.device
-    if device.type != "cpu" and "quantization_config" not in model_kwargs and not recipe.training_args.fsdp:
-        model.to(device)  # the evaluation before training runs where training will (the Trainer would move it anyway)
     train_rows = read_rows(recipe.data["train"], recipe.data.get("train_limit"), recipe.data.get("subset"))
     eval_rows = read_rows(recipe.data["eval"]) if "eval" in recipe.data else []
     eval_rows = [r for r in eval_rows if "answer" in r]  # (exact match needs reference answers)
@@ -311,10 +308,6 @@ def run_recipe(recipe: Recipe) -> dict:
 
     # under torchrun / accelerate launch every process trains; the first alone evaluates, saves and reports
     main_process = int(os.environ.get("RANK", "0")) == 0
-    before = exact_match(model, tokenizer, eval_rows, **eval_kwargs) if eval_rows and main_process else None
-    if before:
-        print(f"before training: {before['accuracy']:.1%} exact match on {before['total']} held-out items")
-
     trainer = SFTTrainer(
         model=model,
         args=recipe.training_args,
@@ -324,6 +317,11 @@ def run_recipe(recipe: Recipe) -> dict:
         callbacks=method_callbacks(recipe.peft_config) + _slow_fast_callbacks(recipe),
         optimizer_cls_and_kwargs=_optimizer(recipe),
     )
+    # scored before training on the model as the Trainer placed it (its device: a GPU run evaluates on the GPU);
+    # the adapter's delta starts at zero, so these are the base model's answers
+    before = exact_match(trainer.model, tokenizer, eval_rows, **eval_kwargs) if eval_rows and main_process else None
+    if before:
+        print(f"before training: {before['accuracy']:.1%} exact match on {before['total']} held-out items")
     if hasattr(trainer.model, "print_trainable_parameters"):
         trainer.model.print_trainable_parameters()
     # training.resume_from_checkpoint: a checkpoint folder, or true for the last one in output_dir (the

@@ -287,6 +287,7 @@ def _bucket_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     total_bytes = local.numel() * 4
     replicate_values(model, bucket_mb=total_bytes / 3.5 / 2**20)  # → 4 buckets
     results = {}
+    queue = internals.queue_after_backward
     for label, fallback in (("buckets", False), ("per_gradient", True)):
         if fallback:
             internals.queue_after_backward = lambda callback: False
@@ -295,6 +296,25 @@ def _bucket_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             model(x, labels=x).loss.backward()
         results[label] = {"grad": torch.cat([v.grad.reshape(-1) for v in values]), "calls": list(calls)}
         model.zero_grad(set_to_none=True)
+    internals.queue_after_backward = queue
+
+    class Boom(torch.autograd.Function):  # raises last in the backward pass, after every value's hook ran
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("boom")
+
+    embeds = model.get_input_embeddings()(x).detach().requires_grad_()
+    try:
+        model(inputs_embeds=Boom.apply(embeds), labels=x).loss.backward()
+    except RuntimeError:
+        pass
+    model.zero_grad(set_to_none=True)
+    model(x, labels=x).loss.backward()  # after a backward pass that raised: averaged as usual
+    results["after_failure"] = {"grad": torch.cat([v.grad.reshape(-1) for v in values])}
     dist.all_reduce = reduce
     torch.save({"expected": expected, "tensors": len(values), **results}, os.path.join(out_dir, f"bucket{rank}.pt"))
     dist.barrier()
@@ -305,7 +325,8 @@ def _bucket_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_replicated_gradients_are_averaged_in_buckets():
     """replicate_values averages the values' gradients over ranks in a few flat buckets (one all-reduce each,
     started as they fill, awaited at the end of the backward pass): the same averages as one all-reduce per
-    gradient (the fallback without the engine's end-of-backward callback), with gradient accumulation."""
+    gradient (the fallback without the engine's end-of-backward callback), with gradient accumulation, and again
+    after a backward pass that raised (its buckets never finished)."""
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_bucket_worker, args=(2, _free_port(), out_dir), nprocs=2, join=True)
         r0, r1 = (torch.load(os.path.join(out_dir, f"bucket{r}.pt")) for r in (0, 1))
@@ -314,6 +335,7 @@ def test_replicated_gradients_are_averaged_in_buckets():
         torch.testing.assert_close(r["per_gradient"]["grad"], r["buckets"]["grad"], rtol=1e-6, atol=1e-9)
         assert len(r["buckets"]["calls"]) == 2 * 4 and sum(r["buckets"]["calls"]) == 2 * r["expected"].numel()
         assert len(r["per_gradient"]["calls"]) == 2 * r["tensors"] > 2 * 4
+        torch.testing.assert_close(r["after_failure"]["grad"], r["expected"], rtol=1e-5, atol=1e-8)
     assert torch.equal(r0["buckets"]["grad"], r1["buckets"]["grad"])
 
 

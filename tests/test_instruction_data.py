@@ -165,27 +165,23 @@ def test_composition_recipe_scores_each_adapter_and_their_sum(tmp_path, capsys):
         recipe.main([str(tmp_path / "a.yaml"), str(tmp_path / "b.yaml"), "--adapters", "x", "y"])
 
 
-def test_a_recipe_evaluates_before_training_on_the_training_device(tmp_path, monkeypatch):
-    """On a GPU run the evaluation before training runs where training will, not on the CPU the model was loaded
-    to (a 135M model's greedy evaluation on 16 threads × several runs stalled a whole GPU call)."""
-    import torch
-    from trl import SFTConfig
+def test_a_recipe_evaluates_before_training_on_the_model_as_the_trainer_placed_it(tmp_path, monkeypatch):
+    """The evaluation before training scores the Trainer's model (placed on the training device by the Trainer:
+    a GPU run evaluates on the GPU, not on the CPU the model was loaded to), whose delta is still zero."""
+    from peft import PeftModel
 
     from peft_sparse import recipe as recipe_module
 
     from .models import tiny_llama
 
     model = tiny_llama()
-    moved = []
-    monkeypatch.setattr(model, "to", lambda *a, **k: moved.append(a[0] if a else k.get("device")) or model)
     monkeypatch.setattr("peft_sparse.assets.load_model_and_tokenizer", lambda **k: (model, _tok()))
-    monkeypatch.setattr(SFTConfig, "device", property(lambda self: torch.device("cuda", 0)))
 
     class Reached(Exception):
         pass
 
     def evaluated(m, *a, **k):
-        raise Reached(list(moved))
+        raise Reached(m)
 
     monkeypatch.setattr("peft_sparse.evaluation.exact_match", evaluated)
     rows = [{"prompt": [{"role": "user", "content": "t5"}], "completion": [{"role": "assistant", "content": "t7"}], "answer": "t7"}]
@@ -199,4 +195,6 @@ def test_a_recipe_evaluates_before_training_on_the_training_device(tmp_path, mon
     })  # fmt: skip
     with pytest.raises(Reached) as reached:
         recipe_module.run_recipe(recipe)
-    assert reached.value.args[0] == [torch.device("cuda", 0)]
+    scored = reached.value.args[0]
+    assert isinstance(scored, PeftModel) and scored.get_base_model() is model
+    assert all(float(v.abs().max()) == 0 for n, v in scored.named_parameters() if "sparse_values" in n)

@@ -3,7 +3,7 @@
 The fast paths lean on a few things torch and Triton do not promise: a tensor's version counter (what
 tells a kept result that its inputs changed), the tensors an autograd node saved (what the input
 rebuild reads), the C++ ``Function.apply`` behind the Python wrapper, the autograd engine's end-of-backward
-callbacks, the current raw CUDA stream, and a Triton kernel's compiled-launch cache. Where one of them is
+callbacks and the id of the backward pass running, the current raw CUDA stream, and a Triton kernel's compiled-launch cache. Where one of them is
 missing or behaves otherwise, the function here says so (a version that equals nothing, no saved tensor,
 "hooks active", no callback queue, no kept launch) and the caller takes its reference path: the results
 stay the same, only slower. A test makes each of them look absent and checks exactly that.
@@ -104,6 +104,15 @@ def queue_after_backward(callback: Callable[[], None]) -> bool:
         return False
     queue(callback)
     return True
+
+
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def graph_task_id():
+    """The id of the backward pass (autograd graph task) now running, -1 outside one; None where torch does not
+    tell (callers then treat every backward pass as one and the same)."""
+    return None if _GRAPH_TASK_ID is None else _GRAPH_TASK_ID()
 
 
 # torch.cuda.current_device() without its Python-level initialisation check (a CUDA tensor exists, so CUDA is

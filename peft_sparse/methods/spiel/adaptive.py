@@ -81,7 +81,8 @@ def reselect_adaptive(scheduler, t: int) -> dict:
     if not cands:
         return {}
     counts = [x.numel() for x in cands]
-    owners = torch.repeat_interleave(torch.tensor(owner_of, device=device), torch.tensor(counts, device=device), output_size=sum(counts))
+    # (fills, not tensors from host lists: a copy from pageable host memory waits for the device's queue)
+    owners = torch.cat([torch.full((n,), at, dtype=torch.long, device=device) for at, n in zip(owner_of, counts)])
     cands, raw, active = torch.cat(cands), torch.cat(raw), torch.cat(active)
     g_means, s_means = torch.cat(g_means), torch.cat(s_means)
     finite, eligible, droppable = torch.stack(
@@ -100,10 +101,11 @@ def reselect_adaptive(scheduler, t: int) -> dict:
     starts = [0]
     for size in sizes[:-1]:
         starts.append(starts[-1] + size)
-    bounds = torch.tensor(starts[1:], device=device)
+    bounds = torch.cat([torch.full((1,), s, dtype=torch.long, device=device) for s in starts[1:]]) if len(starts) > 1 else torch.zeros(0, dtype=torch.long, device=device)
     drop_owner = torch.bucketize(dropped, bounds, right=True)
-    ages = [m.sparse_ages[name] for m in layers] if all(name in m.sparse_ages for m in layers) else None
-    dropped_age = (t - torch.cat(ages).to(device).long()[dropped]).sum().view(1) if ages else torch.zeros(1, dtype=torch.long, device=device)
+    # (a tensor without ages counts its dropped weights as age 0)
+    ages = torch.cat([(m.sparse_ages[name] if name in m.sparse_ages else torch.full((n,), t)).to(device).long() for m, n in zip(layers, sizes)])
+    dropped_age = (t - ages[dropped]).sum().view(1)
     shares = torch.cat([
         torch.bincount(drop_owner, minlength=len(layers)), torch.bincount(owners[grown], minlength=len(layers)), dropped_age,
     ]).tolist()  # (read 2)
