@@ -12,6 +12,7 @@ SEEDS=${SEEDS:-"0 1 2"}
 TASKS=${TASKS:-"skills skills2"}
 METHODS=${METHODS:-"spiel lora"}
 PARALLEL=${PARALLEL:-4}
+DEADLINE=${DEADLINE:-100000}   # seconds from the start: launch no run after this (a call with a time limit)
 WORK=${WORK:-/tmp/instruction-1k}
 RESULTS=${RESULTS:-$WORK/results.jsonl}
 DEVICE_FLAGS=${DEVICE_FLAGS:-"--set training.use_cpu=false"}
@@ -21,6 +22,7 @@ mkdir -p "$WORK"
 python3 -c "from peft_sparse.assets import load_model_and_tokenizer as load; load('smollm2-135m-instruct')" > /dev/null 2>&1
 run_one() {
   local method=$1 task=$2 seed=$3 dir="$WORK/$1-$2-$3"
+  (( $(date +%s) - START > DEADLINE )) && { echo "skipped $method $task $seed (deadline)"; return 0; }
   local extra=""
   [[ $method == spiel ]] && extra="--set method.reselection_steps=20 --set method.gradient_estimation_steps=5 --set method.seed=$seed"
   # shellcheck disable=SC2086
@@ -41,6 +43,7 @@ PY
   echo "ok $method $task $seed"
 }
 export -f run_one
-export STEPS WORK RESULTS DEVICE_FLAGS
+export STEPS WORK RESULTS DEVICE_FLAGS DEADLINE
+export START=$(date +%s)
 for seed in $SEEDS; do for task in $TASKS; do for method in $METHODS; do echo "$method $task $seed"; done; done; done \
   | xargs -P "$PARALLEL" -L 1 bash -c 'run_one "$@"' _
