@@ -134,37 +134,18 @@ def test_peft_sparse_train_runs_under_a_multi_process_launch(tmp_path):
     """`peft-sparse train` under torchrun (what `accelerate launch --multi_gpu` runs): two processes train on
     their shares of the data, the first alone evaluates and writes the adapter and summary, and the adapter loads."""
     import json
-    import random
     import subprocess
     import sys
 
     from peft import PeftModel
 
-    from tests.models import tiny_llama, tiny_tokenizer
+    from tests.models import tiny_llama
 
-    model, tokenizer = tiny_llama(), tiny_tokenizer()
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
-    r = random.Random(0)
-    for split, n in (("train", 64), ("test", 8)):
-        with open(tmp_path / f"{split}.jsonl", "w") as f:
-            for _ in range(n):
-                a = r.randint(10, 90)
-                row = {"prompt": [{"role": "user", "content": f"t4 t{a}"}], "completion": [{"role": "assistant", "content": f"t{a + 1}"}], "answer": f"t{a + 1}"}
-                f.write(json.dumps(row) + "\n")
-    (tmp_path / "recipe.yaml").write_text(f"""
-model: {{source: {tmp_path / "model"}, dtype: float32}}
-method: {{peft_type: SPIEL, target_modules: all-linear, density: 0.1, reselection_steps: 4, gradient_estimation_steps: 2}}
-data: {{train: {tmp_path / "train.jsonl"}, eval: {tmp_path / "test.jsonl"}}}
-training: {{output_dir: {tmp_path / "out"}, max_steps: 6, per_device_train_batch_size: 4, learning_rate: 0.01, max_length: 32,
-           save_strategy: "no", report_to: none, seed: 0, use_cpu: true, bf16: false, dataloader_num_workers: 0}}
-evaluation: {{max_new_tokens: 2, batch_size: 8}}
-""")
+    recipe = _tiny_recipe(tmp_path, "out", "max_steps: 6, per_device_train_batch_size: 4, save_strategy: 'no'")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-         "-m", "peft_sparse.cli", "train", str(tmp_path / "recipe.yaml")],
+         "-m", "peft_sparse.cli", "train", str(recipe)],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
