@@ -134,20 +134,13 @@ def test_peft_sparse_train_runs_under_a_multi_process_launch(tmp_path):
     """`peft-sparse train` under torchrun (what `accelerate launch --multi_gpu` runs): two processes train on
     their shares of the data, the first alone evaluates and writes the adapter and summary, and the adapter loads."""
     import json
-    import subprocess
-    import sys
 
     from peft import PeftModel
 
     from tests.models import tiny_llama
 
     recipe = _tiny_recipe(tmp_path, "out", "max_steps: 6, per_device_train_batch_size: 4, save_strategy: 'no'")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-         "-m", "peft_sparse.cli", "train", str(recipe)],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
+    run = _train_cli(recipe, processes=2)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("adapter saved to") == 1 and run.stdout.count("=== held-out exact match ===") == 1
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
@@ -320,6 +313,16 @@ def test_replicated_gradients_are_averaged_in_buckets():
     assert torch.equal(r0["buckets"]["grad"], r1["buckets"]["grad"])
 
 
+def _train_cli(recipe, processes: int = 1):
+    """`peft-sparse train RECIPE` in a subprocess: alone, or under torchrun with ``processes`` processes."""
+    import subprocess
+    import sys
+
+    launch = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(_free_port())] if processes > 1 else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    return subprocess.run([sys.executable, *launch, "-m", "peft_sparse.cli", "train", str(recipe)], capture_output=True, text=True, env=env, timeout=600)
+
+
 def _tiny_recipe(tmp_path, name: str, training: str) -> "os.PathLike":
     """A tiny Llama, its tokenizer, successor data and a SpIEL recipe over them (S = 4, γ = 2) with ``training`` added."""
     import json
@@ -357,24 +360,17 @@ def test_a_two_process_checkpoint_resumes_in_one_process(tmp_path):
     with the saved indices and reselects at step 6 as scheduled. With another max_steps it is refused, naming both
     world sizes."""
     import json
-    import subprocess
-    import sys
 
     from safetensors.torch import load_file
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
     two = _tiny_recipe(tmp_path, "two", "max_steps: 8, per_device_train_batch_size: 4, save_strategy: steps, save_steps: 4")
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-         "-m", "peft_sparse.cli", "train", str(two)],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
+    run = _train_cli(two, processes=2)
     assert run.returncode == 0, run.stderr[-3000:]
     checkpoint = tmp_path / "two" / "checkpoint-4"
     saved = load_file(checkpoint / "adapter_model.safetensors")
 
     one = _tiny_recipe(tmp_path, "one", f"max_steps: 8, per_device_train_batch_size: 8, save_strategy: steps, save_steps: 8, resume_from_checkpoint: {checkpoint}")
-    run = subprocess.run([sys.executable, "-m", "peft_sparse.cli", "train", str(one)], capture_output=True, text=True, env=env, timeout=600)
+    run = _train_cli(one)
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads((tmp_path / "one" / "summary.json").read_text())["world_size"] == 1
     history = json.loads((tmp_path / "one" / "checkpoint-8" / "trainer_state.json").read_text())["log_history"]
@@ -384,6 +380,6 @@ def test_a_two_process_checkpoint_resumes_in_one_process(tmp_path):
     assert ages and all(int(saved[k].max()) <= 2 for k in ages) and any(int(final[k].max()) == 6 for k in ages)
 
     other = _tiny_recipe(tmp_path, "other", f"max_steps: 12, per_device_train_batch_size: 8, save_strategy: 'no', resume_from_checkpoint: {checkpoint}")
-    run = subprocess.run([sys.executable, "-m", "peft_sparse.cli", "train", str(other)], capture_output=True, text=True, env=env, timeout=600)
+    run = _train_cli(other)
     assert run.returncode != 0
     assert "total_steps=8" in run.stderr and "total_steps=12" in run.stderr and "written by 2 process(es) and this run has 1" in run.stderr
