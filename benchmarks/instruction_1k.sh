@@ -2,7 +2,8 @@
 # SpIEL-AG (recipes/smollm2_spiel.yaml) beside PEFT LoRA r16 (recipes/smollm2_lora.yaml) for 1,000 steps through
 # `peft-sparse train` (TRL's SFTTrainer) on both bundled instruction sets, several seeds, on one GPU: held-out exact
 # match before/after, final training loss and training time, one JSON line per run in $RESULTS.
-#   RESULTS=benchmarks/results/instruction-1k.jsonl PARALLEL=12 bash benchmarks/instruction_1k.sh
+#   RESULTS=benchmarks/results/instruction-1k.jsonl PARALLEL=8 DEADLINE=300 bash benchmarks/instruction_1k.sh
+# (peft_sparse importable: installed, or PYTHONPATH=$PWD; the model converted once into PEFT_SPARSE_CACHE)
 # Both recipes run at the same trainable count, batch 8, linear decay after 3% warmup, float32; SpIEL at the
 # paper's S = 20, γ = 5 (the recipe's fractions of T are for its 60-step CPU length). Runs share the GPU
 # PARALLEL at a time, so compare the two methods' times within one call, not across calls.
