@@ -240,3 +240,73 @@ def test_score_normalization_defaults_to_column_for_unstructured_ag_only():
     assert SpIELConfig(target_modules="all-linear", density=0.1).score_normalization == "column"
     assert SpIELConfig(target_modules="all-linear", density=0.1, growth="ma").score_normalization == "none"
     assert SpIELConfig(target_modules="all-linear", density=0.1, block_shape=(4, 4)).score_normalization == "none"
+
+
+def _greedy_capped(row, col, kept, k, cap):
+    """Brute force: every free weight by (R_i·C_j desc, index asc), taken while its column has room."""
+    out_features, in_features = row.numel(), col.numel()
+    count = torch.bincount(kept % in_features, minlength=in_features).tolist()
+    kept_set = set(kept.tolist())
+    entries = sorted((-float(row[i] * col[j]), i * in_features + j) for i in range(out_features) for j in range(in_features) if i * in_features + j not in kept_set)
+    chosen = []
+    for _, flat in entries:
+        if len(chosen) == k:
+            break
+        if count[flat % in_features] < cap:
+            count[flat % in_features] += 1
+            chosen.append(flat)
+    rest = [flat for _, flat in entries if flat not in chosen]  # (room for fewer than k: the rest uncapped)
+    return sorted(chosen + rest[: k - len(chosen)])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_capped_ma_growth_equals_a_brute_force_greedy(seed):
+    from peft_sparse.methods.spiel.batched import grow_ma_capped
+
+    g = torch.Generator().manual_seed(seed)
+    out_features, in_features = 12, 9
+    row = torch.rand(out_features, generator=g, dtype=torch.float64) ** 4  # (a few large rows, as gradients have)
+    col = torch.rand(in_features, generator=g, dtype=torch.float64) ** 4
+    kept = torch.randperm(out_features * in_features, generator=g)[:20].sort().values
+    k, cap = 10, 3 + seed % 2
+    got = grow_ma_capped(row, col, kept, k, cap)
+    assert got.tolist() == _greedy_capped(row, col, kept, k, cap)
+    uncapped = grow_ma_capped(row, col, kept, k, out_features)  # (a cap no column reaches: the plain ranking)
+    assert uncapped.tolist() == _greedy_capped(row, col, kept, k, out_features)
+
+
+def test_column_cap_spreads_ma_growth_over_the_columns():
+    """SpIEL-MA with column_cap trains through the scheduler; grown weights never fill a column past the cap, and
+    the mask covers more columns than without it."""
+    import peft_sparse
+
+    def run(cap):
+        model = _model(growth="ma", density=0.1, column_cap=cap)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = peft_sparse.SM3(params, lr=0.05)
+        scheduler = SpIELScheduler(model, optimizer, total_steps=T)
+        for step in range(1, 9):
+            x = inputs(seed=step, batch=4, length=9)
+            model(x, labels=x).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            before = _indices(model)
+            scheduler.step()
+            if cap is not None and scheduler.last_statistics:
+                for layer, old in zip(sparse_layers(model), before):
+                    new = layer.sparse_indices["default"].long()
+                    grown = new[~torch.isin(new, old.long())]
+                    limit = math.ceil(cap * new.numel() / layer.in_features)
+                    counts = torch.bincount(new % layer.in_features, minlength=layer.in_features)
+                    assert bool((counts[grown % layer.in_features] <= limit).all()), layer.module_name
+        empty = [float((torch.bincount(l.sparse_indices["default"].long() % l.in_features, minlength=l.in_features) == 0).float().mean()) for l in sparse_layers(model)]
+        return sum(empty) / len(empty)
+
+    assert run(1.5) < run(None)
+
+
+def test_column_cap_is_for_unstructured_ma():
+    with pytest.raises(ValueError, match="column_cap=2.0 caps SpIEL-MA's unstructured growth"):
+        SpIELConfig(target_modules="all-linear", density=0.1, growth="ag", column_cap=2.0)
+    with pytest.raises(ValueError, match="column_cap must be a number >= 1"):
+        SpIELConfig(target_modules="all-linear", density=0.1, growth="ma", column_cap=0.5)

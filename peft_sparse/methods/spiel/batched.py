@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -108,7 +109,7 @@ def _segments(sizes: list, dev: torch.device) -> tuple:
     return seg, kernels.table(_starts(sizes), dev)
 
 
-def reselect_all(items: list, growth: str) -> AllReselections:
+def reselect_all(items: list, growth: str, column_cap: Optional[float] = None) -> AllReselections:
     """DROP and GROW for many tensors at once, identical to :func:`reselect_ag` / :func:`reselect_ma`
     per tensor. The per-tensor selections are segmented ranks (one sort for all drops, one for all
     growths; MA's threshold search runs on padded per-tensor tables) and the merge is done once over
@@ -152,8 +153,14 @@ def reselect_all(items: list, growth: str) -> AllReselections:
         cand_gid = torch.cat([it.candidates for it in items]).long() + e_off_t[seg_c]
         score = torch.cat([it.score for it in items]).float().abs()  # |ĝ| (Eq. 7.5)
         grown_gid, ok, per_tensor_ok, grown_from_rows = _grow_ag_all(cand_gid, score, score, seg_c, c_start_t, c_start_t, kept_gid, k_t, sum(k))
-    else:  # Alg. 3: the k weights with the largest √⁴(R_i·C_j) (Eq. 7.7)
+    elif column_cap is None:  # Alg. 3: the k weights with the largest √⁴(R_i·C_j) (Eq. 7.7)
         grown_gid = _grow_ma_all(items, kept_gid, d, k, u_off)
+    else:  # the same, each column filled up to its cap (tensor by tensor: an ablation's path)
+        grown_gid = torch.cat([
+            grow_ma_capped(it.row_acc.double().pow(0.25), it.col_acc.double().pow(0.25), it.indices.long()[~dropped[a : a + d_i]],
+                           k_i, math.ceil(column_cap * d_i / it.grid.in_features)) + e_off[i]
+            for i, (it, d_i, k_i, a) in enumerate(zip(items, d, k, _starts(d)))
+        ]).sort().values  # fmt: skip
 
     # MERGE: kept and grown weights of all tensors at once (each tensor keeps its size and place)
     rows = grown_from_rows if grown_from_rows is not None else torch.full_like(grown_gid, -1)
@@ -273,3 +280,36 @@ def _reselect_blocks(items: list, growth: str, d: list, k: list, u_off: list, ma
         for (r, c, b, st), it, u in zip(pieces, items, units)
     ]  # fmt: skip
     return AllReselections(d, source, grown_from, new_flat, units, [k_i * unit for k_i in k], ok, changed, per_tensor_ok, metadata)
+
+
+def grow_ma_capped(row_score: torch.Tensor, col_score: torch.Tensor, kept: torch.Tensor, k: int, cap: int) -> torch.Tensor:
+    """MA's growth in one (out, in) tensor with each column filled up to ``cap`` active weights: the k flat
+    indices outside ``kept`` with the largest R_i·C_j (ties → lowest index) among those a column still has room
+    for (cap − its kept count). Exact: in every column the scores fall in the one row order of R, so a column's
+    admissible weights are its first free rows in that order, and picking the largest scores under per-column
+    limits is a greedy choice. Where the cap leaves fewer than k weights, the rest come uncapped."""
+    out_features, in_features = row_score.numel(), col_score.numel()
+    dev = row_score.device
+    kept = kept.long()
+    if k <= 0:
+        return torch.empty(0, dtype=torch.long, device=dev)
+    order = torch.sort(row_score, descending=True, stable=True).indices  # rows by score, ties → lower row
+    room = (cap - torch.bincount(kept % in_features, minlength=in_features)).clamp(min=0)
+    depth = min(out_features, cap)  # a column with room finds its free rows among the first `cap` of the order
+    flat = order[:depth, None] * in_features + torch.arange(in_features, device=dev)[None, :]  # (depth, in)
+    free = ~isin_sorted(flat.reshape(-1), kept).view(depth, in_features)
+    admissible = free & (free.long().cumsum(0) <= room[None, :])
+    chosen = _top_by_score(flat[admissible], (row_score[order[:depth], None] * col_score[None, :])[admissible], k)
+    if chosen.numel() < k:  # (room for fewer than k: the rest by the uncapped ranking)
+        taken = torch.cat([kept, chosen]).sort().values
+        every = torch.arange(out_features * in_features, device=dev)
+        rest = every[~isin_sorted(every, taken)]
+        chosen = torch.cat([chosen, _top_by_score(rest, row_score[rest // in_features] * col_score[rest % in_features], k - chosen.numel())])
+    return chosen.sort().values
+
+
+def _top_by_score(index: torch.Tensor, score: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` entries of ``index`` with the largest ``score``, ties → lowest index."""
+    by_index = torch.argsort(index)
+    index, score = index[by_index], score[by_index]
+    return index[torch.sort(score, descending=True, stable=True).indices[:k]]

@@ -91,6 +91,17 @@ class SpIELConfig(SparseConfig):
         },
     )
 
+    column_cap: Optional[float] = field(
+        default=None,
+        metadata={
+            "help": (
+                "MA, unstructured: growth may fill a column of a tensor only up to ⌈column_cap · d_φ / in_features⌉ active "
+                "weights (column_cap times the mean count; ≥ 1), so that the rank-one score R_i·C_j cannot pile the mask "
+                "into the few columns with the largest gradients; None (the thesis): no cap."
+            )
+        },
+    )
+
     init_choices: ClassVar[tuple[str, ...]] = ("random",)
     moves_budget: ClassVar[bool] = True  # budget_split='adaptive' (AG, unstructured): see the scheduler
 
@@ -148,6 +159,14 @@ class SpIELConfig(SparseConfig):
                 f"score_normalization={self.score_normalization!r} applies to unstructured SpIEL-AG; got growth={self.growth!r}, "
                 f"block_shape={tuple(self.block_shape)!r}"
             )
+        if self.column_cap is not None:
+            if isinstance(self.column_cap, bool) or not isinstance(self.column_cap, (int, float)) or not self.column_cap >= 1.0:
+                raise ValueError(f"column_cap must be a number >= 1 (times the mean column count) or None, got column_cap={self.column_cap!r}")
+            if self.growth != "ma" or tuple(self.block_shape) != (1, 1):
+                raise ValueError(
+                    f"column_cap={self.column_cap!r} caps SpIEL-MA's unstructured growth; got growth={self.growth!r}, "
+                    f"block_shape={tuple(self.block_shape)!r}"
+                )
         if self.growth == "ma" and self.grow_init != "zero":
             raise ValueError(
                 f"grow_init={self.grow_init!r} is a setting of AG's estimation window; SpIEL-MA (growth='ma') has none: leave it at 'zero'"

@@ -303,7 +303,7 @@ class SpIELScheduler(SchedulerState):
             if not accel.ON:  # the reference: Algorithms 2–3 tensor by tensor (the batched selection is a fast path)
                 results.append((group, self._per_tensor(group), True))
                 continue
-            result = reselect_all(items, c.growth)
+            result = reselect_all(items, c.growth, c.column_cap)
             if c.growth == "ma":  # (MA's selection has no flag: it always succeeds)
                 results.append((group, result, True))
             elif len(by_device) == 1 and all(_candidate_units(it) >= it.values.numel() // it.grid.unit for it in items):
