@@ -255,32 +255,33 @@ def _greedy_capped(row, col, kept, k, cap):
         if count[flat % in_features] < cap:
             count[flat % in_features] += 1
             chosen.append(flat)
-    rest = [flat for _, flat in entries if flat not in chosen]  # (room for fewer than k: the rest uncapped)
-    return sorted(chosen + rest[: k - len(chosen)])
+    return sorted(chosen)
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_capped_ma_growth_equals_a_brute_force_greedy(seed):
-    from peft_sparse.methods.spiel.batched import grow_ma_capped
+    from peft_sparse.methods.spiel.rank_one import top_k_row_col_products_capped as grow_ma_capped
 
     g = torch.Generator().manual_seed(seed)
     out_features, in_features = 12, 9
     row = torch.rand(out_features, generator=g, dtype=torch.float64) ** 4  # (a few large rows, as gradients have)
     col = torch.rand(in_features, generator=g, dtype=torch.float64) ** 4
     kept = torch.randperm(out_features * in_features, generator=g)[:20].sort().values
-    k, cap = 10, 3 + seed % 2
+    k, cap = 10, 4 + seed % 2  # (4 × 9 columns hold the 20 kept and 10 grown weights)
     got = grow_ma_capped(row, col, kept, k, cap)
     assert got.tolist() == _greedy_capped(row, col, kept, k, cap)
+    with pytest.raises(ValueError, match="a column cap of 3 weights leaves no room for 20 kept and 10 grown weights in 9 columns"):
+        grow_ma_capped(row, col, kept, k, 3)
     uncapped = grow_ma_capped(row, col, kept, k, out_features)  # (a cap no column reaches: the plain ranking)
     assert uncapped.tolist() == _greedy_capped(row, col, kept, k, out_features)
 
 
 def test_column_cap_spreads_ma_growth_over_the_columns():
-    """SpIEL-MA with column_cap trains through the scheduler; grown weights never fill a column past the cap, and
-    the mask covers more columns than without it."""
+    """SpIEL-MA with column_cap trains through the scheduler; grown weights never fill a column past the cap, the
+    mask covers more columns than without it, and the reference path (fast paths off) chooses the same indices."""
     import peft_sparse
 
-    def run(cap):
+    def run(cap, indices=None):
         model = _model(growth="ma", density=0.1, column_cap=cap)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = peft_sparse.SM3(params, lr=0.05)
@@ -300,9 +301,15 @@ def test_column_cap_spreads_ma_growth_over_the_columns():
                     counts = torch.bincount(new % layer.in_features, minlength=layer.in_features)
                     assert bool((counts[grown % layer.in_features] <= limit).all()), layer.module_name
         empty = [float((torch.bincount(l.sparse_indices["default"].long() % l.in_features, minlength=l.in_features) == 0).float().mean()) for l in sparse_layers(model)]
+        if indices is not None:
+            indices.extend(_indices(model))
         return sum(empty) / len(empty)
 
-    assert run(1.5) < run(None)
+    fast, reference = [], []
+    assert run(1.5, fast) < run(None)
+    with peft_sparse.fast_paths(False):
+        run(1.5, reference)
+    assert fast and all(torch.equal(a, b) for a, b in zip(fast, reference))
 
 
 def test_column_cap_is_for_unstructured_ma():

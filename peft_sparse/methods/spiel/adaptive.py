@@ -104,7 +104,7 @@ def reselect_adaptive(scheduler, t: int) -> dict:
     bounds = torch.cat([torch.full((1,), s, dtype=torch.long, device=device) for s in starts[1:]]) if len(starts) > 1 else torch.zeros(0, dtype=torch.long, device=device)
     drop_owner = torch.bucketize(dropped, bounds, right=True)
     # (a tensor without ages counts its dropped weights as age 0)
-    ages = torch.cat([(m.sparse_ages[name] if name in m.sparse_ages else torch.full((n,), t)).to(device).long() for m, n in zip(layers, sizes)])
+    ages = torch.cat([(m.sparse_ages[name] if name in m.sparse_ages else torch.full((n,), t, device=device)).to(device).long() for m, n in zip(layers, sizes)])
     dropped_age = (t - ages[dropped]).sum().view(1)
     shares = torch.cat([
         torch.bincount(drop_owner, minlength=len(layers)), torch.bincount(owners[grown], minlength=len(layers)), dropped_age,

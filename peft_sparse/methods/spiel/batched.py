@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -10,7 +9,7 @@ import torch
 
 from ...core import kernels
 from ...core.selection import BlockGrid, isin_sorted, segmented_rank
-from .rank_one import _grow_rank_one_all
+from .rank_one import _grow_rank_one_all, column_cap_count, top_k_row_col_products_capped
 from .selection import _merge, _merged_units
 
 
@@ -157,8 +156,8 @@ def reselect_all(items: list, growth: str, column_cap: Optional[float] = None) -
         grown_gid = _grow_ma_all(items, kept_gid, d, k, u_off)
     else:  # the same, each column filled up to its cap (tensor by tensor: an ablation's path)
         grown_gid = torch.cat([
-            grow_ma_capped(it.row_acc.double().pow(0.25), it.col_acc.double().pow(0.25), it.indices.long()[~dropped[a : a + d_i]],
-                           k_i, math.ceil(column_cap * d_i / it.grid.in_features)) + e_off[i]
+            top_k_row_col_products_capped(it.row_acc.double().pow(0.25), it.col_acc.double().pow(0.25),
+                                          it.indices.long()[~dropped[a : a + d_i]], k_i, column_cap_count(column_cap, d_i, it.grid.in_features)) + e_off[i]
             for i, (it, d_i, k_i, a) in enumerate(zip(items, d, k, _starts(d)))
         ]).sort().values  # fmt: skip
 
@@ -281,35 +280,3 @@ def _reselect_blocks(items: list, growth: str, d: list, k: list, u_off: list, ma
     ]  # fmt: skip
     return AllReselections(d, source, grown_from, new_flat, units, [k_i * unit for k_i in k], ok, changed, per_tensor_ok, metadata)
 
-
-def grow_ma_capped(row_score: torch.Tensor, col_score: torch.Tensor, kept: torch.Tensor, k: int, cap: int) -> torch.Tensor:
-    """MA's growth in one (out, in) tensor with each column filled up to ``cap`` active weights: the k flat
-    indices outside ``kept`` with the largest R_i·C_j (ties → lowest index) among those a column still has room
-    for (cap − its kept count). Exact: in every column the scores fall in the one row order of R, so a column's
-    admissible weights are its first free rows in that order, and picking the largest scores under per-column
-    limits is a greedy choice. Where the cap leaves fewer than k weights, the rest come uncapped."""
-    out_features, in_features = row_score.numel(), col_score.numel()
-    dev = row_score.device
-    kept = kept.long()
-    if k <= 0:
-        return torch.empty(0, dtype=torch.long, device=dev)
-    order = torch.sort(row_score, descending=True, stable=True).indices  # rows by score, ties → lower row
-    room = (cap - torch.bincount(kept % in_features, minlength=in_features)).clamp(min=0)
-    depth = min(out_features, cap)  # a column with room finds its free rows among the first `cap` of the order
-    flat = order[:depth, None] * in_features + torch.arange(in_features, device=dev)[None, :]  # (depth, in)
-    free = ~isin_sorted(flat.reshape(-1), kept).view(depth, in_features)
-    admissible = free & (free.long().cumsum(0) <= room[None, :])
-    chosen = _top_by_score(flat[admissible], (row_score[order[:depth], None] * col_score[None, :])[admissible], k)
-    if chosen.numel() < k:  # (room for fewer than k: the rest by the uncapped ranking)
-        taken = torch.cat([kept, chosen]).sort().values
-        every = torch.arange(out_features * in_features, device=dev)
-        rest = every[~isin_sorted(every, taken)]
-        chosen = torch.cat([chosen, _top_by_score(rest, row_score[rest // in_features] * col_score[rest % in_features], k - chosen.numel())])
-    return chosen.sort().values
-
-
-def _top_by_score(index: torch.Tensor, score: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k`` entries of ``index`` with the largest ``score``, ties → lowest index."""
-    by_index = torch.argsort(index)
-    index, score = index[by_index], score[by_index]
-    return index[torch.sort(score, descending=True, stable=True).indices[:k]]

@@ -335,7 +335,7 @@ class SpIELScheduler(SchedulerState):
             if self.config.growth == "ag":
                 per_tensor.append(reselect_ag(ranked, it.indices, it.k, it.candidates, it.score.abs(), it.grid, it.units, it.candidate_units))
             else:
-                per_tensor.append(reselect_ma(ranked, it.indices, it.k, it.row_acc, it.col_acc, it.grid, it.units))
+                per_tensor.append(reselect_ma(ranked, it.indices, it.k, it.row_acc, it.col_acc, it.grid, it.units, self.config.column_cap))
         return AllReselections.of_tensors(items, per_tensor)
 
     def _apply_all(self, t: int, group: list, result: AllReselections, condition: Optional[torch.Tensor]) -> "_GroupEdit":

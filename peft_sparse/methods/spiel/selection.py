@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from ...core.selection import BlockGrid, isin_sorted, top_k_positions, top_k_set
-from .rank_one import top_k_row_col_products
+from .rank_one import column_cap_count, top_k_row_col_products, top_k_row_col_products_capped
 
 
 # ------------------------------------------------------------------------------------------- selection
@@ -146,9 +146,11 @@ def reselect_ma(
     col_acc: torch.Tensor,
     grid: Optional[BlockGrid] = None,
     units: Optional[torch.Tensor] = None,
+    column_cap: Optional[float] = None,
 ) -> Reselection:
     """DROP the k units with the smallest Σ|φ|; GROW the k units outside the kept set with the largest
-    Σ√⁴(R_i·C_j) (Eq. 7.7) — for a block, (Σ_i R_i^¼)(Σ_j C_j^¼), so blocks rank like weights."""
+    Σ√⁴(R_i·C_j) (Eq. 7.7) — for a block, (Σ_i R_i^¼)(Σ_j C_j^¼), so blocks rank like weights. ``column_cap``
+    (unstructured): no column ends above that many times the mean count (:func:`top_k_row_col_products_capped`)."""
     grid = grid or BlockGrid(row_acc.numel(), col_acc.numel())
     units, magnitude, unit_of_element = _drop(values, indices, grid, units)
     k = min(k, units.numel())
@@ -156,7 +158,11 @@ def reselect_ma(
     kept_ids = units[kept_positions]  # ascending
     row_score = grid.reduce_rows(row_acc.double().pow(0.25))
     col_score = grid.reduce_cols(col_acc.double().pow(0.25))
-    grown_units = top_k_row_col_products(row_score, col_score, kept_ids, k)
+    if column_cap is None:
+        grown_units = top_k_row_col_products(row_score, col_score, kept_ids, k)
+    else:
+        cap = column_cap_count(column_cap, indices.numel(), col_score.numel())
+        grown_units = top_k_row_col_products_capped(row_score, col_score, kept_ids, k, cap)
     grown = grid.expand(grown_units)
     keep = kept if unit_of_element is None else kept[unit_of_element]
     result = _merge(indices, keep, (units.numel() - k) * grid.unit, grown, torch.full_like(grown, -1))
