@@ -247,7 +247,7 @@ def _greedy_capped(row, col, kept, k, cap):
     out_features, in_features = row.numel(), col.numel()
     count = torch.bincount(kept % in_features, minlength=in_features).tolist()
     kept_set = set(kept.tolist())
-    entries = sorted((-float(row[i] * col[j]), i * in_features + j) for i in range(out_features) for j in range(in_features) if i * in_features + j not in kept_set)
+    entries = sorted((-float((row[i] * col[j]).float()), i * in_features + j) for i in range(out_features) for j in range(in_features) if i * in_features + j not in kept_set)
     chosen = []
     for _, flat in entries:
         if len(chosen) == k:

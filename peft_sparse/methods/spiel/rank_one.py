@@ -150,8 +150,8 @@ def column_cap_count(column_cap: float, count: int, in_features: int) -> int:
 
 
 def top_k_row_col_products_capped(row_score: torch.Tensor, col_score: torch.Tensor, kept: torch.Tensor, k: int, cap: int) -> torch.Tensor:
-    """Ascending flat indices of the k weights outside ``kept`` (ascending) with the largest R_i·C_j (ties →
-    lowest index) such that no column ends with more than ``cap`` active weights (``SpIELConfig.column_cap``).
+    """Ascending flat indices of the k weights outside ``kept`` (ascending) with the largest R_i·C_j (ranked like
+    :func:`top_k_row_col_products`: scores rounded to float32, ties → lowest index) such that no column ends with more than ``cap`` active weights (``SpIELConfig.column_cap``).
     Exact: in every column the scores fall in the one row order of R, so a column's admissible weights are its
     first free rows in that order (among the first ``cap`` rows), and picking the largest scores under
     per-column limits is a greedy choice. O(cap · in) memory: about column_cap · d_φ."""
@@ -170,6 +170,5 @@ def top_k_row_col_products_capped(row_score: torch.Tensor, col_score: torch.Tens
     admissible = free & (free.long().cumsum(0) <= room[None, :])
     index = flat[admissible]
     score = (row_score[order[:depth], None] * col_score[None, :])[admissible]
-    by_index = torch.argsort(index)
-    index, score = index[by_index], score[by_index]
-    return index[torch.sort(score, descending=True, stable=True).indices[:k]].sort().values
+    by_index = torch.argsort(index)  # (ascending flat index: top_k_positions breaks ties by it)
+    return index[by_index][top_k_positions(score[by_index], k)].sort().values
