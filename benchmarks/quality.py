@@ -181,7 +181,8 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
         scheduler = peft_sparse.SpIELScheduler(wrapped, optimizer, total_steps=args.steps)
     train, test = data
     wrapped.train()
-    losses, reselections = [], []
+    losses, reselections, step_times = [], [], []
+    scheduler_seconds = 0.0  # time inside scheduler.step(): the reselections and the windows' bookkeeping
     start = time.perf_counter()
     for step, batch in enumerate(batches(train, args.batch_size, args.steps, seed, tokenizer.pad_token_id), start=1):
         loss = wrapped(**{k: v.to(args.device) for k, v in batch.items()}).loss
@@ -191,11 +192,15 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         lr_schedule.step()
-        losses.append(loss.item())
+        losses.append(loss.item())  # (a read of the device each step: the step times below are complete)
         if scheduler is not None:
+            at = time.perf_counter()
             report = scheduler.step()
             if report:
+                torch.cuda.synchronize() if args.device.startswith("cuda") else None
                 reselections.append(report)
+            scheduler_seconds += time.perf_counter() - at
+        step_times.append(time.perf_counter())
         if args.verbose and step % 10 == 0:
             print(f"  step {step}: loss {sum(losses[-10:]) / 10:.4f}", flush=True)
     train_seconds = time.perf_counter() - start
@@ -214,7 +219,9 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
         "budget_rank": args.budget_rank, "trainable": n_trainable, "weight_decay": decay, "max_grad_norm": args.max_grad_norm,
         "set": overrides, "optimizer": "sm3" if uses_sm3 else "adamw", "sm3_momentum": args.sm3_momentum if uses_sm3 else None, "no_reselection": args.no_reselection, "tag": args.tag, "exact_match": score["accuracy"], "heldout_loss": loss_heldout, "per_skill": score["per_skill"],
         "final_loss": sum(losses[-10:]) / min(10, len(losses)), "train_seconds": round(train_seconds, 1),
-        "eval_seconds": round(eval_seconds, 1), "reselections": reselections, "threads": torch.get_num_threads(),
+        "eval_seconds": round(eval_seconds, 1), "scheduler_seconds": round(scheduler_seconds, 2),
+        "median_step_ms": round(1000 * statistics.median(b - a for a, b in zip([start] + step_times[:-1], step_times)), 1),
+        "reselections": reselections, "threads": torch.get_num_threads(),
         "host": platform.node(), "device": device_name(args.device), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }  # fmt: skip
 

@@ -180,6 +180,7 @@ def resize_slots(
     optimizer=None,
     new_values: Optional[list] = None,
     step: Optional[int] = None,
+    checked: bool = True,
 ) -> None:
     """Give each tensor of ``layers`` its new indices and a size of their count (unstructured adapters).
 
@@ -188,7 +189,20 @@ def resize_slots(
     optimizer state. The values Parameters are resized in place (the same objects: an optimizer holding
     them follows); the training merges are released (the next forward pass merges again) and every cache
     built from the old indices or values is dropped with them. Hooks registered on a values tensor stay with
-    its old contents: register them again (SpIEL's scheduler does so for its own)."""
+    its old contents: register them again (SpIEL's scheduler does so for its own).
+
+    The new indices must be sorted, unique and inside each tensor, and the sources slots of each tensor or −1:
+    checked before anything changes, for all tensors in one read of the device (a ValueError names the first
+    offending layer). ``checked=False`` skips that read for a caller whose selection guarantees it (as
+    :func:`slot_map`'s); either way the layers take the indices as checked, so the next forward pass does not
+    check each tensor again (three reads of the device per tensor)."""
+    if len(sources) != len(layers) or len(new_indices) != len(layers):
+        raise ValueError(f"resize_slots: {len(layers)} layers but {len(sources)} sources and {len(new_indices)} index tensors")
+    for layer, source, fresh in zip(layers, sources, new_indices):
+        if source.numel() != fresh.numel():
+            raise ValueError(f"{layer.module_name}: {source.numel()} sources for {fresh.numel()} new indices")
+    if checked:
+        _check_resize(layers, adapter_name, sources, new_indices)
     release_training_merges(layers)
     for at, (layer, source, fresh) in enumerate(zip(layers, sources, new_indices)):
         if layer.block_shape.get(adapter_name, (1, 1)) != (1, 1):
@@ -208,6 +222,7 @@ def resize_slots(
             new_ages.masked_fill_(new, 0 if step is None else step)
             layer.sparse_ages[adapter_name] = new_ages
         layer.sparse_indices[adapter_name] = fresh.to(device=values.device, dtype=index_dtype(layer.numel))
+        layer._checked_indices[adapter_name] = layer.sparse_indices[adapter_name]  # (checked above, or vouched for)
         layer._ready.pop(adapter_name, None)
         layer._delta_csr.pop(adapter_name, None)
         layer._inference_memo = None
@@ -216,6 +231,31 @@ def resize_slots(
             resize_optimizer_state(optimizer, values, source)
     if optimizer is not None and hasattr(optimizer, "forget_layouts"):
         optimizer.forget_layouts()  # (SM3: launch plans and memos built over the old sizes)
+
+
+def _check_resize(layers: list, adapter_name: str, sources: list, new_indices: list) -> None:
+    """:func:`resize_slots`'s checks over every tensor with one read of the device: per tensor, whether its new
+    indices are sorted, unique and inside it, and its sources inside its old slots or −1."""
+    flags = []
+    for layer, source, fresh in zip(layers, sources, new_indices):
+        old_count = layer.sparse_values[adapter_name].numel()
+        fresh, source = fresh.long(), source.long().to(fresh.device)
+        bad = torch.zeros((), dtype=torch.bool, device=fresh.device)
+        if fresh.numel():
+            bad = bad | (fresh.min() < 0) | (fresh.max() >= layer.numel) | (source.min() < -1) | (source.max() >= old_count)
+        if fresh.numel() > 1:
+            bad = bad | (fresh[1:] <= fresh[:-1]).any()
+        flags.append(bad.to(layers[0].sparse_values[adapter_name].device))
+    if not flags:
+        return
+    for layer, source, fresh, bad in zip(layers, sources, new_indices, torch.stack(flags).tolist()):
+        if bad:
+            values = torch.zeros(fresh.numel(), device=fresh.device)
+            check_sparse_tensors(layer.module_name, fresh.reshape(-1), values, layer.numel)  # (raises with the details)
+            raise ValueError(
+                f"{layer.module_name}: a source slot is outside -1..{layer.sparse_values[adapter_name].numel() - 1} "
+                f"(min {int(source.min())}, max {int(source.max())})"
+            )
 
 
 def slot_map(layer: SparseLayer, adapter_name: str, drop: torch.Tensor, grow: torch.Tensor, same_count: bool = True, checked: bool = True):

@@ -128,7 +128,7 @@ def reselect_adaptive(scheduler, t: int) -> dict:
         fresh_values.append(init)
         seeds.append((new_slots, g_hat, s_hat))
         new_sizes.append(sizes[at] - drop_counts[at] + grow_counts[at])
-    edit.resize_slots(layers, name, sources, news, optimizer=scheduler.optimizer, new_values=fresh_values, step=t)
+    edit.resize_slots(layers, name, sources, news, optimizer=scheduler.optimizer, new_values=fresh_values, step=t, checked=False)
     if scheduler.seeding is not None:
         scheduler.seeding.rehook()
     counts = c.tunable_weights_per_module
