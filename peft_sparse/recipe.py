@@ -91,6 +91,16 @@ def _type_error(value, kind) -> bool:
     return False
 
 
+def _engine(trainer) -> str:
+    """How the Trainer ran the model: "deepspeed-zero<stage>", "fsdp", "ddp" or "single"."""
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        stage = (trainer.accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization") or {}).get("stage", 0)
+        return f"deepspeed-zero{stage}"
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return "fsdp"
+    return "ddp" if trainer.args.world_size > 1 else "single"
+
+
 def build_training_args(training: dict):
     from trl import SFTConfig
 
@@ -352,6 +362,8 @@ def run_recipe(recipe: Recipe) -> dict:
         "after": None if after is None else {k: after[k] for k in ("accuracy", "per_skill")},
         "torch_threads": torch.get_num_threads(),
         "world_size": trainer.args.world_size,
+        "engine": _engine(trainer),
+        "reselection_steps": [h["step"] for h in trainer.state.log_history if "spiel/replaced" in h],
     }
     with open(Path(recipe.training_args.output_dir) / "summary.json", "w") as f:
         json.dump(summary, f, indent=2)

@@ -272,6 +272,13 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, MixedBatchLayer
                 "init='external', i.e. indices that only a saved adapter file provides). Load the adapter "
                 "weights with PeftModel.from_pretrained or peft_sparse.load_sparse_adapter."
             )
+        weight = getattr(self.get_base_layer(), "weight", None)
+        if getattr(weight, "ds_id", None) is not None:  # (DeepSpeed ZeRO-3 marks the parameters it partitions)
+            raise NotImplementedError(
+                f"{self.module_name}: the base weight is partitioned by DeepSpeed ZeRO stage 3, and a sparse layer reads "
+                "it in its own forward pass without gathering it; use ZeRO stage 1 or 2, or FSDP2 to shard the base "
+                "(integrations/README.md)"
+            )
         values = self.sparse_values[adapter_name]
         if sparse_owner(values) is None:  # replaced since creation (e.g. an assign-load)
             self._register_values(adapter_name)

@@ -33,8 +33,8 @@ def unwrap_optimizer(optimizer):
         if type(optimizer).__module__.split(".")[0] == "deepspeed":
             raise NotImplementedError(
                 f"{type(optimizer).__name__} is a DeepSpeed optimizer: ZeRO keeps the optimizer state in flattened "
-                "partitions that a reselection cannot edit slot by slot, so sparse methods do not run under DeepSpeed "
-                "yet; use DDP or FSDP2 (integrations/README.md)"
+                "partitions that this method cannot edit slot by slot; under DeepSpeed run SpIEL-AG (SpIELScheduler "
+                "gathers the state it edits: peft_sparse.optim.zero) or fixed masks, or use DDP / FSDP2 (integrations/README.md)"
             )
         inner = getattr(optimizer, "optimizer", None)
         if inner is None or inner is optimizer:

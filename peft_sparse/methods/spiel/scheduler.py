@@ -18,6 +18,7 @@ from ...core.selection import BlockGrid
 from ...core.tuner import SparseTuner
 from ...optim.sm3 import SM3
 from ...optim.surgery import check_supported
+from ...optim.zero import find_zero_optimizer, zero_bridge
 from ...schedules.reselection import in_estimation_window, is_reselection_step, replacement_count
 from .adaptive import reselect_adaptive, uniform_quotas
 from .batched import AllReselections, TensorReselection, _starts, reselect_all
@@ -85,13 +86,23 @@ class SpIELScheduler(SchedulerState):
         self.model, tuner, self.adapter_name, self.config = _find_spiel_adapter(model, adapter_name)
         self.total_steps = total_steps
         self.S, self.gamma = self.config.steps_for(total_steps)  # (fractions of total_steps resolved)
-        self.optimizer = check_supported(optimizer)
+        self.layers = [m for m in self.model.modules() if isinstance(m, SparseLayer) and self.adapter_name in m.sparse_values]
+        # DeepSpeed ZeRO 1/2: reselections edit a shadow AdamW holding the values' gathered state (optim.zero)
+        if find_zero_optimizer(optimizer) is not None and (self.config.growth == "ma" or self.config.budget_split == "adaptive"):
+            field_name = "growth='ma'" if self.config.growth == "ma" else "budget_split='adaptive'"
+            raise ValueError(
+                f"SpIEL with {field_name} does not run under DeepSpeed ZeRO: "
+                + ("SM3's row and column accumulators are not kept in ZeRO's flat partitions" if self.config.growth == "ma"
+                   else "resized values cannot follow ZeRO's flat buffers")
+                + "; use growth='ag' with budget_split 'uniform' or 'lora', or DDP / FSDP2"
+            )
+        self._zero = zero_bridge(optimizer, self.layers, self.adapter_name, what="SpIEL-AG")
+        self.optimizer = self._zero.shadow if self._zero is not None else check_supported(optimizer)
         if self.config.growth == "ma" and not isinstance(self.optimizer, SM3):
             raise TypeError(
                 f"SpIEL-MA (growth='ma') ranks growth by SM3's accumulators and needs peft_sparse.SM3, "
                 f"got optimizer {type(self.optimizer).__name__}"
             )
-        self.layers = [m for m in self.model.modules() if isinstance(m, SparseLayer) and self.adapter_name in m.sparse_values]
         self._check_optimizer_holds_values(created=True)
         self.t = 0
         self.steps_in_window = 0
@@ -254,6 +265,16 @@ class SpIELScheduler(SchedulerState):
 
     @torch.no_grad()
     def _reselect(self, t: int) -> dict:
+        if self._zero is None:
+            return self._reselect_here(t)
+        with self._zero.editing():  # (gathers the values' optimizer state, writes it back after the edit)
+            report = self._reselect_here(t)
+            if self.seeding is not None:
+                self.seeding.apply_now()  # (ZeRO frees gradients as it reduces them: seeds at scale 1, now)
+        return report
+
+    @torch.no_grad()
+    def _reselect_here(self, t: int) -> dict:
         """Drop/grow every tensor, then edit values, ages, indices and optimizer state in place.
 
         All tensors of a device are reselected together (:func:`reselect_all`: a handful of launches

@@ -83,6 +83,12 @@ class DeferredSeeding:
                               [e[2] for e in entries], scale=c, first=self.first_moment)  # fmt: skip
         self.pending, self.raw, self.last_factor = {}, {}, c
 
+    def apply_now(self) -> None:
+        """Seed the pending slots at once, at scale 1 (under DeepSpeed ZeRO, whose step runs no torch optimizer
+        hooks and frees the gradients as it reduces them, so the next step's clip factor cannot be observed)."""
+        self.raw = {}
+        self._before_step(self.optimizer, (), {})
+
     def rehook(self) -> None:
         """Register the post-accumulate hooks again (after the values were resized: hooks stay with the old tensors)."""
         for handle in self._handles[:-1]:

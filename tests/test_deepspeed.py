@@ -1,0 +1,189 @@
+"""SpIEL-AG under DeepSpeed ZeRO stage 2 (two CPU processes, gloo): the optimizer state a reselection edits is
+partitioned over the ranks; 2 processes × batch 2 must choose the same indices as 1 process × batch 4 without
+DeepSpeed, with the same values up to the order of the gradient sums."""
+
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+deepspeed = pytest.importorskip("deepspeed")
+
+STEPS, BATCH, LENGTH = 10, 2, 12  # reselections at t = 2 and 6 (S = 4, γ = 2; none in the last S steps)
+VALUES_TOLERANCE = 1e-6  # the averaged gradient is summed in another order (reduce-scatter vs one backward)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(**fields):
+    from peft_sparse import SpIELConfig
+
+    base = dict(target_modules="all-linear", density=0.1, reselection_steps=4, gradient_estimation_steps=2)
+    base.update(fields)
+    return SpIELConfig(**base)
+
+
+def _batch(step: int, rows: slice):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, 97, (2 * BATCH, LENGTH), generator=g)[rows]
+
+
+def _snapshot(model) -> dict:
+    from peft_sparse import SparseLayer
+
+    layers = [m for m in model.modules() if isinstance(m, SparseLayer)]
+    return {
+        "indices": [m.sparse_indices["default"].clone() for m in layers],
+        "values": [m.sparse_values["default"].detach().clone() for m in layers],
+    }
+
+
+def _ds_config(stage: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+    }
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+
+
+def _zero_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    from peft import get_peft_model
+
+    from peft_sparse import SpIELScheduler
+    from tests.models import tiny_llama
+
+    _init(rank, world, port)
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_llama(), _config())
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(params, lr=1e-2), config=_ds_config(2))
+    scheduler = SpIELScheduler(model, optimizer, total_steps=STEPS)
+    engine.train()
+    reports = []
+    for step in range(1, STEPS + 1):
+        x = _batch(step, slice(rank * BATCH, (rank + 1) * BATCH))  # this rank's half of the global batch
+        engine.backward(engine(x, labels=x).loss)
+        engine.step()
+        reports.append(scheduler.step())
+    torch.save({**_snapshot(model), "reports": reports}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.barrier()
+    os._exit(0)
+
+
+def _one_process_reference() -> dict:
+    from peft import get_peft_model
+
+    from peft_sparse import SpIELScheduler
+    from tests.models import tiny_llama
+
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_llama(), _config())
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    scheduler = SpIELScheduler(model, optimizer, total_steps=STEPS)
+    model.train()
+    reports = []
+    for step in range(1, STEPS + 1):
+        x = _batch(step, slice(0, 2 * BATCH))
+        model(x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reports.append(scheduler.step())
+    return {**_snapshot(model), "reports": reports}
+
+
+def test_zero2_two_processes_select_the_indices_of_one_process_at_twice_the_batch():
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_zero_worker, args=(2, _free_port(), out_dir), nprocs=2, join=True)
+        r0 = torch.load(os.path.join(out_dir, "rank0.pt"))
+        r1 = torch.load(os.path.join(out_dir, "rank1.pt"))
+    ref = _one_process_reference()
+    assert [t for t, r in enumerate(ref["reports"], 1) if r] == [2, 6]  # the first a full replacement
+    assert [bool(r) for r in r0["reports"]] == [bool(r) for r in ref["reports"]]
+    for a, b, c in zip(r0["indices"], r1["indices"], ref["indices"]):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    for a, b, c in zip(r0["values"], r1["values"], ref["values"]):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, atol=VALUES_TOLERANCE, rtol=0)
+    assert any(bool((v != 0).any()) for v in ref["values"])
+
+
+def _refusal_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    from peft import get_peft_model
+
+    from peft_sparse import SM3, SpIELScheduler
+    from tests.models import tiny_llama
+
+    _init(rank, world, port)
+    outcomes = {}
+    for name, fields, stage in (("ma", dict(growth="ma"), 2), ("adaptive", dict(budget_split="adaptive"), 2), ("zero3", {}, 3)):
+        torch.manual_seed(0)
+        model = get_peft_model(tiny_llama(), _config(**fields))
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = SM3(params, lr=0.05) if name == "ma" else torch.optim.AdamW(params, lr=1e-2)
+        _, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=_ds_config(stage))
+        try:
+            SpIELScheduler(model, optimizer, total_steps=STEPS)
+            outcomes[name] = "created"
+        except (ValueError, NotImplementedError, TypeError) as error:
+            outcomes[name] = f"{type(error).__name__}: {error}"
+    from peft_sparse import SparseFTConfig  # a fixed mask under ZeRO-3: its first forward pass refuses, naming the layer
+
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules="all-linear", density=0.1))
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(params, lr=1e-2), config=_ds_config(3))
+    try:
+        x = _batch(1, slice(0, BATCH))
+        engine(x, labels=x)
+        outcomes["zero3-forward"] = "ran"
+    except NotImplementedError as error:
+        outcomes["zero3-forward"] = str(error)
+    torch.save(outcomes, os.path.join(out_dir, "refusals.pt"))
+    os._exit(0)
+
+
+def test_what_zero_cannot_follow_is_refused_by_name():
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_refusal_worker, args=(1, _free_port(), out_dir), nprocs=1, join=True)
+        outcomes = torch.load(os.path.join(out_dir, "refusals.pt"))
+    assert "growth='ma'" in outcomes["ma"] and "SM3" in outcomes["ma"]
+    assert "budget_split='adaptive'" in outcomes["adaptive"]
+    assert outcomes["zero3"].startswith("NotImplementedError") and "stage 3" in outcomes["zero3"]
+    assert "partitioned by DeepSpeed ZeRO stage 3" in outcomes["zero3-forward"] and "self_attn" in outcomes["zero3-forward"]
+
+
+def test_peft_sparse_train_runs_under_zero2_with_two_processes(tmp_path):
+    """`peft-sparse train` with `training.deepspeed` (ZeRO-2) under torchrun: SFTTrainer + SpIELCallback reselect
+    on schedule, the first process evaluates and writes the adapter, and it loads on the base model."""
+    import json
+
+    from peft import PeftModel
+
+    from tests.models import tiny_llama
+    from tests.test_distributed import _tiny_recipe, _train_cli
+
+    ds = ("deepspeed: {zero_optimization: {stage: 2}, train_micro_batch_size_per_gpu: auto, gradient_accumulation_steps: auto, "
+          "zero_allow_untested_optimizer: true, gradient_clipping: auto}")  # fmt: skip
+    recipe = _tiny_recipe(tmp_path, "out", f"max_steps: 8, per_device_train_batch_size: 4, save_strategy: 'no', {ds}")
+    run = _train_cli(recipe, processes=2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["engine"] == "deepspeed-zero2" and summary["world_size"] == 2
+    assert summary["reselection_steps"] == [2, 6] and summary["after"] is not None
+    loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path / "out" / "adapter")
+    assert loaded.peft_config["default"].peft_type == "SPIEL"
