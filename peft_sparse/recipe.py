@@ -329,7 +329,9 @@ def run_recipe(recipe: Recipe) -> dict:
     )
     # scored before training on the model as the Trainer placed it (its device: a GPU run evaluates on the GPU);
     # the adapter's delta starts at zero, so these are the base model's answers
-    before = exact_match(trainer.model, tokenizer, eval_rows, **eval_kwargs) if eval_rows and main_process else None
+    # a sharded model (FSDP, DeepSpeed ZeRO-3) generates only with every rank taking part: scored from the saved adapter instead
+    sharded = getattr(trainer, "is_fsdp_enabled", False) or _engine(trainer) == "deepspeed-zero3"
+    before = exact_match(trainer.model, tokenizer, eval_rows, **eval_kwargs) if eval_rows and main_process and not sharded else None
     if before:
         print(f"before training: {before['accuracy']:.1%} exact match on {before['total']} held-out items")
     if hasattr(trainer.model, "print_trainable_parameters"):
@@ -343,9 +345,8 @@ def run_recipe(recipe: Recipe) -> dict:
     trainer.save_model(str(adapter_dir))
     if not trainer.is_world_process_zero():
         return {"adapter_dir": str(adapter_dir), "world_size": trainer.args.world_size}
-    sharded = getattr(trainer, "is_fsdp_enabled", False)
     if sharded and eval_rows:
-        print(f"the model is sharded (FSDP), so no exact match after training here: load {adapter_dir} on the base model to score it")
+        print(f"the model is sharded ({_engine(trainer)}), so no exact match here: load {adapter_dir} on the base model to score it")
     after = exact_match(trainer.model, tokenizer, eval_rows, **eval_kwargs) if eval_rows and not sharded else None
     if after:
         print_comparison(before, after, ev.get("show", 6))

@@ -120,3 +120,17 @@ def innermost_base_layer(base: nn.Module) -> nn.Module:
                 return base
             inner = base.base_layer
         base = inner
+
+
+def gather_partitioned_base(layer: nn.Module, base: nn.Module) -> None:
+    """DeepSpeed ZeRO-3 partitions every parameter and gathers a module's own parameters around its forward and
+    backward passes. A sparse layer reads its base layer's weight (and bias) in its own forward pass without calling
+    the base layer, so they are registered as the sparse layer's external parameters — ZeRO-3 gathers them with the
+    sparse layer's from then on, in the backward pass too — and gathered now for the pass that found them
+    partitioned (as ZeRO-3 itself treats a parameter it finds used outside its module)."""
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    for param in (base.weight, getattr(base, "bias", None)):
+        if isinstance(param, nn.Parameter) and hasattr(param, "ds_id"):
+            register_external_parameter(layer, param)
+            param.all_gather()

@@ -51,6 +51,7 @@ from .functional import (
     sparse_delta_product,
 )
 from .base import (  # noqa: F401 (the base-layer helpers, also importable from here)
+    gather_partitioned_base,
     add_delta_to_base,
     index_dtype,
     innermost_base_layer,
@@ -272,13 +273,6 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, MixedBatchLayer
                 "init='external', i.e. indices that only a saved adapter file provides). Load the adapter "
                 "weights with PeftModel.from_pretrained or peft_sparse.load_sparse_adapter."
             )
-        weight = getattr(self.get_base_layer(), "weight", None)
-        if getattr(weight, "ds_id", None) is not None:  # (DeepSpeed ZeRO-3 marks the parameters it partitions)
-            raise NotImplementedError(
-                f"{self.module_name}: the base weight is partitioned by DeepSpeed ZeRO stage 3, and a sparse layer reads "
-                "it in its own forward pass without gathering it; use ZeRO stage 1 or 2, or FSDP2 to shard the base "
-                "(integrations/README.md)"
-            )
         values = self.sparse_values[adapter_name]
         if sparse_owner(values) is None:  # replaced since creation (e.g. an assign-load)
             self._register_values(adapter_name)
@@ -339,6 +333,8 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, MixedBatchLayer
         if self.training_observer is not None and self.training and torch.is_grad_enabled() and not observed:
             self.training_observer(self)
         base = self.get_base_layer()
+        if not base.weight.numel() and hasattr(base.weight, "ds_id"):  # partitioned by DeepSpeed ZeRO-3, not gathered
+            gather_partitioned_base(self, base)
         indices_of = self.sparse_indices
         indices = [indices_of[a] for a in active]
         if self.quantization_backend is None and base.weight.requires_grad:

@@ -1,28 +1,28 @@
-"""DeepSpeed ZeRO (stages 1 and 2): a reselection's optimizer-state surgery on partitioned state.
+"""DeepSpeed ZeRO (stages 1–3): a reselection's optimizer-state surgery on partitioned state.
 
 ZeRO keeps each trainable parameter's Adam moments and fp32 master copy in flat partitions spread over the
-ranks, so the slot-by-slot surgery of :mod:`peft_sparse.optim.surgery` cannot reach them. :class:`ZeroStateBridge`
-gives a reselection a plain ``torch.optim.AdamW`` over the sparse values (the *shadow*) that holds their full
-state for the duration of the edit:
+ranks (stage 3 the parameters too), so the slot-by-slot surgery of :mod:`peft_sparse.optim.surgery` cannot reach
+them. :class:`ZeroStateBridge` gives a reselection a plain ``torch.optim.AdamW`` over the sparse values (the
+*shadow*) that holds their full state for the duration of the edit:
 
 * :meth:`ZeroStateBridge.editing` gathers every values tensor's ``exp_avg`` and ``exp_avg_sq`` (and its fp32
   master) through DeepSpeed's public tensor-fragment API (``deepspeed.utils.safe_get_full_*``: one collective per
-  tensor and kind, so every rank must reselect at the same step, as SpIEL's ranks do), lets the reselection edit
-  the shadow and the model's values in place as in one process, then writes each rank's partition back
-  (``safe_set_full_*``) — the moments from the shadow, the master from the edited values (values of lower precision
-  than the master: a weight that kept its slot keeps its master's full precision).
+  tensor and kind, so every rank must reselect at the same step, as SpIEL's ranks do) — under stage 3 also the
+  values themselves (``deepspeed.zero.GatheredParameters``) — lets the reselection edit the shadow and the
+  model's values in place as in one process, then writes each rank's partition back (``safe_set_full_*``) — the
+  moments from the shadow, the master from the edited values (values of lower precision than the master: a weight
+  that kept its slot keeps its master's full precision).
 * The gathered state is d_φ-sized (the values, not the weights): 3 × 4 bytes per active weight while a
   reselection runs, then released.
 
-Stage 3 also partitions the parameters themselves (the base weights that a sparse layer reads in its own
-forward pass), which the layers do not gather: refused with an error naming it. Only Adam-family base optimizers
-(``exp_avg`` / ``exp_avg_sq``) are supported; SpIEL-MA's SM3 ranks growth by accumulators over the weight's rows
-and columns, which flat partitions do not keep, and is refused.
+Only Adam-family base optimizers (``exp_avg`` / ``exp_avg_sq``) are supported; SpIEL-MA's SM3 ranks growth by
+accumulators over the weight's rows and columns, which flat partitions do not keep, and is refused. Under stage 3
+the sparse layers gather their partitioned base weights themselves (:func:`peft_sparse.core.base.gather_partitioned_base`).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Optional
 
 import torch
@@ -46,22 +46,17 @@ def find_zero_optimizer(optimizer):
 
 
 class ZeroStateBridge:
-    """Full per-tensor optimizer state of sparse values under DeepSpeed ZeRO 1/2, for one reselection at a time."""
+    """Full per-tensor optimizer state of sparse values under DeepSpeed ZeRO, for one reselection at a time."""
 
     def __init__(self, zero_optimizer, layers: list, adapter_name: str, what: str = "SpIEL"):
-        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-        if not isinstance(zero_optimizer, DeepSpeedZeroOptimizer):
-            raise NotImplementedError(
-                f"{what} under DeepSpeed: {type(zero_optimizer).__name__} (ZeRO stage 3) partitions the base weights, "
-                "which sparse layers read in their own forward pass without gathering them; use ZeRO stage 1 or 2, "
-                "or FSDP2 to shard the base (integrations/README.md)"
-            )
         self.zero = zero_optimizer
         self.layers, self.adapter_name = layers, adapter_name
         self.params = [m.sparse_values[adapter_name] for m in layers]
         group_of = {}
-        for at, group in enumerate(zero_optimizer.bit16_groups):
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+        self.stage3 = isinstance(zero_optimizer, DeepSpeedZeroOptimizer_Stage3)
+        for at, group in enumerate(zero_optimizer.fp16_groups if self.stage3 else zero_optimizer.bit16_groups):
             for p in group:
                 group_of[id(p)] = at
         missing = [m.module_name for m, p in zip(layers, self.params) if id(p) not in group_of]
@@ -92,11 +87,18 @@ class ZeroStateBridge:
         group = base.param_groups[at]
         if "step" in group:  # (DeepSpeed's FusedAdam counts per group)
             return float(group["step"])
-        for p in group["params"]:
+        flat = getattr(self.zero, "fp32_partitioned_groups_flat" if self.stage3 else "single_partition_of_fp32_groups", [])
+        # (stage 3 hands its base optimizer each flat partition only while it steps: the state is keyed by it)
+        for p in list(group["params"]) + ([flat[at]] if at < len(flat) else []):
             step = base.state.get(p, {}).get("step")
             if step is not None:
                 return float(step)
-        return 0.0
+        if not base.state:
+            return 0.0  # (no step taken yet: no state to edit)
+        raise RuntimeError(
+            f"DeepSpeed {type(self.zero).__name__}: no step count found for parameter group {at} in its "
+            f"{type(base).__name__}'s state, so the moments a reselection edits cannot be located"
+        )
 
     def _gather(self) -> dict:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
@@ -118,7 +120,7 @@ class ZeroStateBridge:
                     state[key] = full.reshape(p.shape).to(p.device)
                 state["step"] = torch.tensor(steps[self._group_of[id(p)]], dtype=torch.float32)
             self.shadow.state[p] = state
-            master = safe_get_full_fp32_param(p)
+            master = safe_get_full_fp32_param(p)  # (stage 3: a collective too)
             masters[id(p)] = (m.sparse_indices[self.adapter_name].clone(), None if master is None else master.reshape(-1).to(p.device))
         return masters
 
@@ -129,7 +131,7 @@ class ZeroStateBridge:
             state = self.shadow.state.get(p, {})
             for key in MOMENTS:
                 if key in state:
-                    safe_set_full_optimizer_state(p, state[key].reshape(p.shape), key)
+                    self._set_full(p, state[key].reshape(p.shape), key, safe_set_full_optimizer_state)
             old_indices, old_master = masters[id(p)]
             master = p.detach().float().reshape(-1).clone()
             if p.dtype not in (torch.float32, torch.float64) and old_master is not None and old_indices.numel():
@@ -141,18 +143,43 @@ class ZeroStateBridge:
                 at = torch.searchsorted(old_indices, new_indices).clamp(max=old_indices.numel() - 1)
                 kept = (old_indices[at] == new_indices) & (old_master[at].to(p.dtype) == p.detach().reshape(-1))
                 master = torch.where(kept, old_master[at], master)
-            safe_set_full_fp32_param(p, master.reshape(p.shape))
+            self._set_full(p, master.reshape(p.shape), None, lambda p, v, _: safe_set_full_fp32_param(p, v))
+
+    def _set_full(self, p, value, key, public) -> None:
+        """Write this rank's partition of ``p``'s state ``key`` (None: the fp32 master) from its full ``value``.
+        Stage 3 pads each parameter to a multiple of the ranks, and DeepSpeed's own setter (0.19) reads the last
+        rank's partition past the end of an unpadded value: where the size does not divide, the partition is
+        written here from the padded value (DeepSpeed's stage-3 partition accessors, in this one place)."""
+        if not self.stage3:
+            public(p, value, key)
+            return
+        partition, _ = self.zero._get_fp32_opt_state_partition(p, release_swap_buffers=False, optim_state_key=key)
+        size, rank = partition.numel(), self.zero._get_param_partition_rank(p)
+        if size * torch.distributed.get_world_size(self.zero.dp_process_group) == value.numel():
+            public(p, value, key)
+            return
+        padded = torch.zeros(size * (rank + 1), dtype=value.dtype, device=value.device)
+        flat = value.reshape(-1)[: padded.numel()]
+        padded[: flat.numel()] = flat
+        partition.data.copy_(padded[size * rank :])
 
     @contextmanager
     def editing(self):
         """Yield the shadow optimizer holding the values' full state; write it (and the masters) back if the body
         finishes. Collective: every rank enters it at the same step."""
-        masters = self._gather()
-        try:
-            yield self.shadow
-            self._scatter(masters)
-        finally:
-            self.shadow.state.clear()
+        if self.stage3:  # the values themselves are partitioned: whole on every rank while edited, then
+            from deepspeed.runtime.zero.partition_parameters import GatheredParameters  # partitioned again from rank 0's (all ranks edit alike)
+
+            gathered = GatheredParameters(self.params, modifier_rank=0)
+        else:
+            gathered = nullcontext()
+        with gathered:
+            masters = self._gather()
+            try:
+                yield self.shadow
+                self._scatter(masters)
+            finally:
+                self.shadow.state.clear()
 
 
 def zero_bridge(optimizer, layers: list, adapter_name: str, what: str = "SpIEL") -> Optional[ZeroStateBridge]:

@@ -192,7 +192,7 @@ class SpIELScheduler(SchedulerState):
                 values = layer.sparse_values[self.adapter_name]
                 dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
                 grid = SparseTuner.grid(self.config, layer)
-                d = quotas[layer.module_name] if quotas else values.numel()  # (adaptive: the uniform quota)
+                d = quotas[layer.module_name] if quotas else layer.sparse_indices[self.adapter_name].numel()  # (adaptive: the uniform quota; indices: never partitioned)
                 num_units = math.ceil(self.config.candidate_ratio * (d // grid.unit))  # K = ⌈ratio·d_φ⌉ (in units)
                 stats = _WindowStatistics(min(grid.numel, num_units), grid, dtype, self.config.score_normalization)
                 self.statistics[layer.module_name] = stats
