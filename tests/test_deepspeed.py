@@ -60,7 +60,7 @@ def _init(rank: int, world: int, port: int) -> None:
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
 
-def _zero_worker(rank: int, world: int, port: int, out_dir: str, stage: int) -> None:
+def _zero_worker(rank: int, world: int, port: int, out_dir: str, stage: int, merge: bool) -> None:
     from peft import get_peft_model
 
     from peft_sparse import SpIELScheduler
@@ -68,7 +68,7 @@ def _zero_worker(rank: int, world: int, port: int, out_dir: str, stage: int) -> 
 
     _init(rank, world, port)
     torch.manual_seed(0)
-    model = get_peft_model(tiny_llama(), _config())
+    model = get_peft_model(tiny_llama(), _config(training_merge=merge))
     params = [p for p in model.parameters() if p.requires_grad]
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(params, lr=1e-2), config=_ds_config(stage))
     scheduler = SpIELScheduler(model, optimizer, total_steps=STEPS)
@@ -111,10 +111,13 @@ def _one_process_reference() -> dict:
     return {**_snapshot(model), "reports": reports}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zero_two_processes_select_the_indices_of_one_process_at_twice_the_batch(stage):
+@pytest.mark.parametrize("stage, merge", [(2, False), (3, False), (2, True), (3, True)],
+                         ids=["zero2", "zero3", "zero2-training-merge", "zero3-training-merge"])  # fmt: skip
+def test_zero_two_processes_select_the_indices_of_one_process_at_twice_the_batch(stage, merge):
+    """(training_merge=True: off under ZeRO — it writes the values by collectives that leave their version counter
+    unchanged, and under stage 3 shards the base — so the results are those of the default path.)"""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_zero_worker, args=(2, _free_port(), out_dir, stage), nprocs=2, join=True)
+        mp.spawn(_zero_worker, args=(2, _free_port(), out_dir, stage, merge), nprocs=2, join=True)
         r0 = torch.load(os.path.join(out_dir, "rank0.pt"))
         r1 = torch.load(os.path.join(out_dir, "rank1.pt"))
     ref = _one_process_reference()
@@ -147,6 +150,20 @@ def _refusal_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             outcomes[name] = "created"
         except (ValueError, NotImplementedError, TypeError) as error:
             outcomes[name] = f"{type(error).__name__}: {error}"
+    torch.manual_seed(0)  # a scheduler made before deepspeed.initialize holds the optimizer's old parameters
+    model = get_peft_model(tiny_llama(), _config())
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    early = SpIELScheduler(model, opt, total_steps=STEPS)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=_ds_config(2))
+    try:
+        for step in (1, 2):
+            x = _batch(step, slice(0, BATCH))
+            engine.backward(engine(x, labels=x).loss)
+            engine.step()
+            early.step()
+        outcomes["early"] = "ran"
+    except ValueError as error:
+        outcomes["early"] = str(error)
     torch.save(outcomes, os.path.join(out_dir, "refusals.pt"))
     os._exit(0)
 
@@ -157,6 +174,7 @@ def test_what_zero_cannot_follow_is_refused_by_name():
         outcomes = torch.load(os.path.join(out_dir, "refusals.pt"))
     assert "growth='ma'" in outcomes["ma"] and "SM3" in outcomes["ma"]
     assert "budget_split='adaptive'" in outcomes["adaptive"]
+    assert "at step 2 the optimizer no longer holds" in outcomes["early"] and "after accelerator.prepare" in outcomes["early"]
 
 
 

@@ -336,6 +336,13 @@ def _managed_by_sharding(weight: torch.Tensor) -> bool:
     return isinstance(weight, DTensor)
 
 
+def _written_by_zero(values: torch.Tensor) -> bool:
+    """Values whose updates DeepSpeed ZeRO writes (stage 1/2 link them to their partitions, stage 3 partitions
+    them): it copies the stepped masters back by collectives that leave the values' version counter as it was,
+    so a merge could not tell that they changed. The merge stays off; each pass composes W + δ itself."""
+    return hasattr(values, "_hp_mapping") or hasattr(values, "ds_id")
+
+
 class TrainingMergeLayer:
     """The training merge's part of :class:`~peft_sparse.core.layer.SparseLayer` (a mixin: the layer's
     attributes ``_training_merge``, ``merge_for_training``, ``_model_ref``, ``_shared_check``)."""
@@ -395,6 +402,7 @@ class TrainingMergeLayer:
             and weight.device == values.device
             and weight.device.type != "meta"
             and not _managed_by_sharding(weight)
+            and not _written_by_zero(values)
             and not self._weight_is_shared(weight)
         )
 
