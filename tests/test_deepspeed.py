@@ -213,3 +213,35 @@ def test_peft_sparse_train_under_zero_writes_the_adapter_of_one_process(stage, t
             assert torch.equal(zero[key], ref[key]), key
     loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path / "zero" / "adapter")
     assert loaded.peft_config["default"].peft_type == "SPIEL"
+
+
+@pytest.mark.parametrize("stage", [2])  # (ZeRO-3: resuming fails in DeepSpeed's fetch tracing; integrations/README.md)
+def test_a_zero_checkpoint_resumes_the_scheduler_exactly(stage, tmp_path):
+    """`peft-sparse train` under ZeRO with 2 processes saves a sharded checkpoint at step 4 (DeepSpeed's partitions
+    plus the scheduler's state); a second run resumes from it and reselects at step 6 as scheduled, ending with the
+    adapter of an uninterrupted run."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from tests.test_distributed import _tiny_recipe, _train_cli
+
+    ds = (f"deepspeed: {{zero_optimization: {{stage: {stage}, stage3_gather_16bit_weights_on_model_save: true}}, "
+          "train_micro_batch_size_per_gpu: auto, gradient_accumulation_steps: auto, zero_allow_untested_optimizer: true, "
+          "gradient_clipping: auto}")  # fmt: skip
+    whole = _tiny_recipe(tmp_path, "whole", f"max_steps: 8, per_device_train_batch_size: 4, save_strategy: steps, save_steps: 4, {ds}")
+    run = _train_cli(whole, processes=2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    checkpoint = tmp_path / "whole" / "checkpoint-4"
+    assert any(p.name.startswith("global_step") for p in checkpoint.iterdir())  # (DeepSpeed's sharded state)
+    resumed = _tiny_recipe(tmp_path, "resumed", f"max_steps: 8, per_device_train_batch_size: 4, save_strategy: 'no', resume_from_checkpoint: {checkpoint}, {ds}")
+    run = _train_cli(resumed, processes=2)
+    assert run.returncode == 0, "\n".join(l for l in run.stderr.splitlines() if "rror" in l)[-3000:]
+    assert json.loads((tmp_path / "resumed" / "summary.json").read_text())["reselection_steps"] == [2, 6]  # (2: from the checkpoint)
+    a, b = (load_file(tmp_path / name / "adapter" / "adapter_model.safetensors") for name in ("whole", "resumed"))
+    assert a.keys() == b.keys()
+    for key in a:
+        if key.endswith("sparse_values"):
+            torch.testing.assert_close(a[key], b[key], atol=VALUES_TOLERANCE, rtol=0)
+        else:
+            assert torch.equal(a[key], b[key]), key

@@ -128,9 +128,20 @@ def gather_partitioned_base(layer: nn.Module, base: nn.Module) -> None:
     the base layer, so they are registered as the sparse layer's external parameters — ZeRO-3 gathers them with the
     sparse layer's from then on, in the backward pass too — and gathered now for the pass that found them
     partitioned (as ZeRO-3 itself treats a parameter it finds used outside its module)."""
+    for param in register_partitioned_base(layer, base):
+        param.all_gather()
+
+
+def register_partitioned_base(layer: nn.Module, base: nn.Module) -> list:
+    """Register ``base``'s ZeRO-3-partitioned weight and bias as ``layer``'s external parameters (see
+    :func:`gather_partitioned_base`); returns those newly registered. Done before the first training step (SpIEL's
+    scheduler does it for its layers), ZeRO-3 records the same order of fetches in every step."""
     from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
+    registered = getattr(layer, "_external_params", {})
+    new = []
     for param in (base.weight, getattr(base, "bias", None)):
-        if isinstance(param, nn.Parameter) and hasattr(param, "ds_id"):
+        if isinstance(param, nn.Parameter) and hasattr(param, "ds_id") and id(param) not in registered:
             register_external_parameter(layer, param)
-            param.all_gather()
+            new.append(param)
+    return new

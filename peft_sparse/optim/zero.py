@@ -74,6 +74,11 @@ class ZeroStateBridge:
                     f"{type(base).__name__} with param group keys {sorted(k for k in group if k != 'params')}"
                 )
         self._group_of = group_of
+        if self.stage3:  # the layers' partitioned base weights, gathered with them from the first step on
+            from ..core.base import register_partitioned_base
+
+            for m in layers:
+                register_partitioned_base(m, m.get_base_layer())
         # the shadow: a torch AdamW over the values, with each ZeRO group's hyperparameters (refreshed per edit)
         groups = {}
         for p in self.params:
