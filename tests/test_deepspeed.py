@@ -178,6 +178,26 @@ def test_what_zero_cannot_follow_is_refused_by_name():
 
 
 
+def _recipe_deepspeed(stage: int) -> str:
+    """A recipe's `training.deepspeed` entry (TRL's SFTConfig field) for ZeRO ``stage``."""
+    return (f"deepspeed: {{zero_optimization: {{stage: {stage}, stage3_gather_16bit_weights_on_model_save: true}}, "
+            "train_micro_batch_size_per_gpu: auto, gradient_accumulation_steps: auto, zero_allow_untested_optimizer: true, "
+            "gradient_clipping: auto}")  # fmt: skip
+
+
+def _assert_same_adapter(a_dir, b_dir) -> None:
+    """Two runs' adapter files: the same keys and indices, values within VALUES_TOLERANCE."""
+    from safetensors.torch import load_file
+
+    a, b = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (a_dir, b_dir))
+    assert a.keys() == b.keys() and any(k.endswith("sparse_values") for k in a)
+    for key in a:
+        if key.endswith("sparse_values"):
+            torch.testing.assert_close(a[key], b[key], atol=VALUES_TOLERANCE, rtol=0)
+        else:
+            assert torch.equal(a[key], b[key]), key
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_peft_sparse_train_under_zero_writes_the_adapter_of_one_process(stage, tmp_path):
     """`peft-sparse train` with `training.deepspeed` (ZeRO-2 or -3) under torchrun: SFTTrainer + SpIELCallback
@@ -186,14 +206,11 @@ def test_peft_sparse_train_under_zero_writes_the_adapter_of_one_process(stage, t
     import json
 
     from peft import PeftModel
-    from safetensors.torch import load_file
 
     from tests.models import tiny_llama
     from tests.test_distributed import _tiny_recipe, _train_cli
 
-    ds = (f"deepspeed: {{zero_optimization: {{stage: {stage}, stage3_gather_16bit_weights_on_model_save: true}}, "
-          "train_micro_batch_size_per_gpu: auto, gradient_accumulation_steps: auto, zero_allow_untested_optimizer: true, "
-          "gradient_clipping: auto}")  # fmt: skip
+    ds = _recipe_deepspeed(stage)
     recipe = _tiny_recipe(tmp_path, "zero", f"max_steps: 8, per_device_train_batch_size: 4, save_strategy: 'no', {ds}")
     run = _train_cli(recipe, processes=2)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -204,13 +221,7 @@ def test_peft_sparse_train_under_zero_writes_the_adapter_of_one_process(stage, t
     one = _tiny_recipe(tmp_path, "one", "max_steps: 8, per_device_train_batch_size: 8, save_strategy: 'no'")
     run = _train_cli(one)
     assert run.returncode == 0, run.stderr[-3000:]
-    zero, ref = (load_file(tmp_path / name / "adapter" / "adapter_model.safetensors") for name in ("zero", "one"))
-    assert zero.keys() == ref.keys() and any(k.endswith("sparse_values") for k in zero)
-    for key in zero:
-        if key.endswith("sparse_values"):
-            torch.testing.assert_close(zero[key], ref[key], atol=VALUES_TOLERANCE, rtol=0)
-        else:
-            assert torch.equal(zero[key], ref[key]), key
+    _assert_same_adapter(tmp_path / "zero", tmp_path / "one")
     loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path / "zero" / "adapter")
     assert loaded.peft_config["default"].peft_type == "SPIEL"
 
@@ -222,13 +233,9 @@ def test_a_zero_checkpoint_resumes_the_scheduler_exactly(stage, tmp_path):
     adapter of an uninterrupted run."""
     import json
 
-    from safetensors.torch import load_file
-
     from tests.test_distributed import _tiny_recipe, _train_cli
 
-    ds = (f"deepspeed: {{zero_optimization: {{stage: {stage}, stage3_gather_16bit_weights_on_model_save: true}}, "
-          "train_micro_batch_size_per_gpu: auto, gradient_accumulation_steps: auto, zero_allow_untested_optimizer: true, "
-          "gradient_clipping: auto}")  # fmt: skip
+    ds = _recipe_deepspeed(stage)
     whole = _tiny_recipe(tmp_path, "whole", f"max_steps: 8, per_device_train_batch_size: 4, save_strategy: steps, save_steps: 4, {ds}")
     run = _train_cli(whole, processes=2)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -238,10 +245,4 @@ def test_a_zero_checkpoint_resumes_the_scheduler_exactly(stage, tmp_path):
     run = _train_cli(resumed, processes=2)
     assert run.returncode == 0, "\n".join(l for l in run.stderr.splitlines() if "rror" in l)[-3000:]
     assert json.loads((tmp_path / "resumed" / "summary.json").read_text())["reselection_steps"] == [2, 6]  # (2: from the checkpoint)
-    a, b = (load_file(tmp_path / name / "adapter" / "adapter_model.safetensors") for name in ("whole", "resumed"))
-    assert a.keys() == b.keys()
-    for key in a:
-        if key.endswith("sparse_values"):
-            torch.testing.assert_close(a[key], b[key], atol=VALUES_TOLERANCE, rtol=0)
-        else:
-            assert torch.equal(a[key], b[key]), key
+    _assert_same_adapter(tmp_path / "whole", tmp_path / "resumed")
