@@ -226,7 +226,7 @@ def test_peft_sparse_train_under_zero_writes_the_adapter_of_one_process(stage, t
     assert loaded.peft_config["default"].peft_type == "SPIEL"
 
 
-@pytest.mark.parametrize("stage", [2])  # (ZeRO-3: resuming fails in DeepSpeed's fetch tracing; integrations/README.md)
+@pytest.mark.parametrize("stage", [2, 3])
 def test_a_zero_checkpoint_resumes_the_scheduler_exactly(stage, tmp_path):
     """`peft-sparse train` under ZeRO with 2 processes saves a sharded checkpoint at step 4 (DeepSpeed's partitions
     plus the scheduler's state); a second run resumes from it and reselects at step 6 as scheduled, ending with the

@@ -172,10 +172,14 @@ class ZeroStateBridge:
     def editing(self):
         """Yield the shadow optimizer holding the values' full state; write it (and the masters) back if the body
         finishes. Collective: every rank enters it at the same step."""
+        available = []
         if self.stage3:  # the values themselves are partitioned: whole on every rank while edited, then
-            from deepspeed.runtime.zero.partition_parameters import GatheredParameters  # partitioned again from rank 0's (all ranks edit alike)
+            from deepspeed.runtime.zero.partition_parameters import GatheredParameters, ZeroParamStatus  # partitioned again from rank 0's (all ranks edit alike)
 
             gathered = GatheredParameters(self.params, modifier_rank=0)
+            # values ZeRO-3 keeps whole between passes (below its persistence threshold) must be whole again after
+            # the edit: its record of the fetch order treats them as never fetched
+            available = [p for p in self.params if p.ds_status == ZeroParamStatus.AVAILABLE]
         else:
             gathered = nullcontext()
         with gathered:
@@ -185,6 +189,8 @@ class ZeroStateBridge:
                 self._scatter(masters)
             finally:
                 self.shadow.state.clear()
+        if available:
+            available[0].all_gather(param_list=available)
 
 
 def zero_bridge(optimizer, layers: list, adapter_name: str, what: str = "SpIEL") -> Optional[ZeroStateBridge]:
