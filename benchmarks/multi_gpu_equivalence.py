@@ -1,14 +1,14 @@
 """SpIEL on 2 GPUs × batch b against 1 GPU × batch 2b, same data order: identical indices, close values.
 
     torchrun --nproc_per_node 1 benchmarks/multi_gpu_equivalence.py run --out /tmp/eq/one
-    torchrun --nproc_per_node 2 benchmarks/multi_gpu_equivalence.py run --out /tmp/eq/two
+    torchrun --nproc_per_node 2 benchmarks/multi_gpu_equivalence.py run --out /tmp/eq/two   # --engine fsdp2|zero2|zero3
     python benchmarks/multi_gpu_equivalence.py compare /tmp/eq/one /tmp/eq/two
 
 A random Llama-shaped model (4 blocks, hidden 256) in float32, all 7 projections, 50 optimizer steps with
 reselections every 20 (γ = 5), so the run spans two reselections after the first. Every step draws a global
 batch of ``2b`` sequences from a generator seeded by the step; rank r of n takes its contiguous share, and DDP
 averages the gradients, so both runs see the same global gradient. AG (AdamW) and MA (SM3) run one after the
-other. ``compare`` prints, per growth rule, the share of identical indices and the largest value difference,
+other (under DeepSpeed ZeRO AG alone: ``--growth ag``). ``compare`` prints, per growth rule, the share of identical indices and the largest value difference,
 and checks that every rank of the 2-GPU run holds the same indices.
 """
 
@@ -35,9 +35,18 @@ def run(args) -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl")
-    device = torch.device("cuda", rank)
+    if args.cpu:  # (a smoke run of the script itself: gloo on CPU processes)
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl")
+        device = torch.device("cuda", rank)
+    zero = int(args.engine[-1]) if args.engine.startswith("zero") else 0
+    if zero:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo" if args.cpu else "nccl", verbose=False)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -53,15 +62,21 @@ def run(args) -> None:
             target_modules="all-linear", density=0.02, growth=growth, reselection_steps=20, gradient_estimation_steps=5
         )
         model = get_peft_model(base, spiel)
-        if args.engine == "fsdp2" and world > 1:
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-3) if growth == "ag" else SM3(params, lr=1e-2)
+        engine = None
+        if zero and world > 1:  # DeepSpeed ZeRO: its engine averages the gradients and partitions the state
+            engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config={
+                "train_micro_batch_size_per_gpu": args.global_batch // world, "gradient_accumulation_steps": 1,
+                "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0})  # fmt: skip
+            wrapped = engine
+        elif args.engine == "fsdp2" and world > 1:
             from peft_sparse.distributed import shard
 
             wrapped = shard(model)
         else:
-            wrapped = DDP(model, device_ids=[rank], broadcast_buffers=False) if world > 1 else model
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=1e-3) if growth == "ag" else SM3(params, lr=1e-2)
-        scheduler = SpIELScheduler(wrapped, optimizer, total_steps=args.steps)
+            wrapped = DDP(model, device_ids=None if args.cpu else [rank], broadcast_buffers=False) if world > 1 else model
+        scheduler = SpIELScheduler(model if engine is not None else wrapped, optimizer, total_steps=args.steps)
         share = args.global_batch // world
         losses = []
         wrapped.train()
@@ -71,12 +86,19 @@ def run(args) -> None:
                 device
             )
             loss = wrapped(input_ids=x, labels=x).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            if engine is not None:
+                engine.backward(loss)
+                engine.step()
+            else:
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
             scheduler.step()
             losses.append(loss.item())
         layers = [m for m in model.modules() if isinstance(m, SparseLayer)]
+        if zero == 3 and world > 1:  # (partitioned values: whole on every rank for the record)
+            gathered = deepspeed.zero.GatheredParameters([m.sparse_values["default"] for m in layers])
+            gathered.__enter__()
         torch.save(
             {
                 "indices": [l.sparse_indices["default"].cpu() for l in layers],
@@ -84,14 +106,18 @@ def run(args) -> None:
             },
             out / f"{growth}-rank{rank}.pt",
         )
+        if zero == 3 and world > 1:
+            gathered.__exit__(None, None, None)
         report[growth] = {"steps": scheduler.t, "first_loss": losses[0], "last_loss": losses[-1],
-                          "peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20}  # fmt: skip
-        torch.cuda.reset_peak_memory_stats(device)
-        del wrapped, model, base, optimizer, scheduler
-        torch.cuda.empty_cache()
+                          "peak_memory_mib": None if args.cpu else torch.cuda.max_memory_allocated(device) / 2**20}  # fmt: skip
+        del wrapped, model, base, optimizer, scheduler, engine
+        if not args.cpu:
+            torch.cuda.reset_peak_memory_stats(device)
+            torch.cuda.empty_cache()
     if rank == 0:
         (out / "run.json").write_text(
-            json.dumps({"world": world, "device": torch.cuda.get_device_name(0), "report": report}, default=str)
+            json.dumps({"world": world, "engine": args.engine, "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
+                        "report": report}, default=str)  # fmt: skip
         )
     dist.barrier()
     dist.destroy_process_group()
@@ -101,6 +127,8 @@ def compare(args) -> None:
     one, two = Path(args.one), Path(args.two)
     result = {}
     for growth in ("ag", "ma"):
+        if not (one / f"{growth}-rank0.pt").exists():  # (a run of one growth rule: --growth ag)
+            continue
         a = torch.load(one / f"{growth}-rank0.pt")
         ranks = sorted(two.glob(f"{growth}-rank*.pt"))
         b = [torch.load(p) for p in ranks]
@@ -133,7 +161,9 @@ if __name__ == "__main__":
     r.add_argument("--intermediate", type=int, default=688)
     r.add_argument("--layers", type=int, default=4)
     r.add_argument("--growth", nargs="+", default=["ag", "ma"])
-    r.add_argument("--engine", choices=["ddp", "fsdp2"], default="ddp", help="how 2 or more GPUs share the work")
+    r.add_argument("--engine", choices=["ddp", "fsdp2", "zero2", "zero3"], default="ddp",
+                   help="how 2 or more GPUs share the work (DeepSpeed ZeRO: AG only)")
+    r.add_argument("--cpu", action="store_true", help="gloo on CPU processes: a smoke run of this script")
     c = sub.add_parser("compare")
     c.add_argument("one")
     c.add_argument("two")
