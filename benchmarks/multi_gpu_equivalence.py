@@ -25,6 +25,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def backward_and_step(loss, engine, optimizer) -> None:
+    """One optimizer step from ``loss``: through DeepSpeed's engine (which averages, steps and clears the gradients
+    itself) when there is one, else backward, step and cleared gradients."""
+    if engine is not None:
+        engine.backward(loss)
+        engine.step()
+        return
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def run(args) -> None:
     import torch.distributed as dist
     from peft import get_peft_model
@@ -86,13 +98,7 @@ def run(args) -> None:
                 device
             )
             loss = wrapped(input_ids=x, labels=x).loss
-            if engine is not None:
-                engine.backward(loss)
-                engine.step()
-            else:
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
+            backward_and_step(loss, engine, optimizer)
             scheduler.step()
             losses.append(loss.item())
         layers = [m for m in model.modules() if isinstance(m, SparseLayer)]

@@ -35,16 +35,10 @@ sys.path.insert(0, str(HERE.parent))
 
 from benchmarks.bench_step import SIZES as STEP_SIZES  # noqa: E402
 from benchmarks.bench_step import TARGETS, lora_budget  # noqa: E402
+from benchmarks.multi_gpu_equivalence import backward_and_step  # noqa: E402
 
-SIZES = {
-    **STEP_SIZES,
-    "llama2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
-                       num_key_value_heads=40, vocab_size=32000),
-    "codellama-34b": dict(hidden_size=8192, intermediate_size=22016, num_hidden_layers=48, num_attention_heads=64,
-                          num_key_value_heads=8, vocab_size=32000),
-    "tiny": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=97),
-}  # fmt: skip
+SIZES = {**STEP_SIZES, "tiny": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=97)}  # fmt: skip
 
 
 def run(args) -> None:
@@ -121,13 +115,7 @@ def run(args) -> None:
             x = torch.randint(0, shape["vocab_size"], (args.batch, args.length), generator=g).to(device)
             start = time.perf_counter()
             loss = wrapped(input_ids=x, labels=x).loss
-            if engine is not None:
-                engine.backward(loss)
-                engine.step()
-            else:
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+            backward_and_step(loss, engine, optimizer)
             if scheduler is not None:
                 scheduler.step()
             if not args.cpu:
