@@ -24,7 +24,19 @@ def cmd_train(args) -> int:
         overrides["model.source"] = args.model_file
     recipe = load_recipe(args.recipe, overrides=overrides)
     run_recipe(recipe)
+    _finish_processes()
     return 0
+
+
+def _finish_processes() -> None:
+    """Under torchrun / accelerate launch: every process waits until the first one has written the adapter and
+    summary, then the process group is taken down in order (a process leaving while its peers' communication
+    threads still run can abort at exit: seen with DeepSpeed on CPU processes)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def cmd_merge(args) -> int:
