@@ -330,7 +330,7 @@ def run_recipe(recipe: Recipe) -> dict:
     # scored before training on the model as the Trainer placed it (its device: a GPU run evaluates on the GPU);
     # the adapter's delta starts at zero, so these are the base model's answers
     # a sharded model (FSDP, DeepSpeed ZeRO-3) generates only with every rank taking part: scored from the saved adapter instead
-    sharded = getattr(trainer, "is_fsdp_enabled", False) or _engine(trainer) == "deepspeed-zero3"
+    sharded = _engine(trainer) in ("fsdp", "deepspeed-zero3")
     before = exact_match(trainer.model, tokenizer, eval_rows, **eval_kwargs) if eval_rows and main_process and not sharded else None
     if before:
         print(f"before training: {before['accuracy']:.1%} exact match on {before['total']} held-out items")

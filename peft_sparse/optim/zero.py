@@ -23,7 +23,6 @@ the sparse layers gather their partitioned base weights themselves (:func:`peft_
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Optional
 
 import torch
 
@@ -192,8 +191,3 @@ class ZeroStateBridge:
         if available:
             available[0].all_gather(param_list=available)
 
-
-def zero_bridge(optimizer, layers: list, adapter_name: str, what: str = "SpIEL") -> Optional[ZeroStateBridge]:
-    """A :class:`ZeroStateBridge` when ``optimizer`` is (or wraps) a DeepSpeed ZeRO optimizer, else None."""
-    zero = find_zero_optimizer(optimizer)
-    return None if zero is None else ZeroStateBridge(zero, layers, adapter_name, what)

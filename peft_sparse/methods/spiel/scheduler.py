@@ -18,7 +18,7 @@ from ...core.selection import BlockGrid
 from ...core.tuner import SparseTuner
 from ...optim.sm3 import SM3
 from ...optim.surgery import check_supported
-from ...optim.zero import find_zero_optimizer, zero_bridge
+from ...optim.zero import ZeroStateBridge, find_zero_optimizer
 from ...schedules.reselection import in_estimation_window, is_reselection_step, replacement_count
 from .adaptive import reselect_adaptive, uniform_quotas
 from .batched import AllReselections, TensorReselection, _starts, reselect_all
@@ -87,8 +87,9 @@ class SpIELScheduler(SchedulerState):
         self.total_steps = total_steps
         self.S, self.gamma = self.config.steps_for(total_steps)  # (fractions of total_steps resolved)
         self.layers = [m for m in self.model.modules() if isinstance(m, SparseLayer) and self.adapter_name in m.sparse_values]
-        # DeepSpeed ZeRO 1/2: reselections edit a shadow AdamW holding the values' gathered state (optim.zero)
-        if find_zero_optimizer(optimizer) is not None and (self.config.growth == "ma" or self.config.budget_split == "adaptive"):
+        # DeepSpeed ZeRO: reselections edit a shadow AdamW holding the values' gathered state (optim.zero)
+        zero = find_zero_optimizer(optimizer)
+        if zero is not None and (self.config.growth == "ma" or self.config.budget_split == "adaptive"):
             field_name = "growth='ma'" if self.config.growth == "ma" else "budget_split='adaptive'"
             raise ValueError(
                 f"SpIEL with {field_name} does not run under DeepSpeed ZeRO: "
@@ -96,7 +97,7 @@ class SpIELScheduler(SchedulerState):
                    else "resized values cannot follow ZeRO's flat buffers")
                 + "; use growth='ag' with budget_split 'uniform' or 'lora', or DDP / FSDP2"
             )
-        self._zero = zero_bridge(optimizer, self.layers, self.adapter_name, what="SpIEL-AG")
+        self._zero = ZeroStateBridge(zero, self.layers, self.adapter_name, what="SpIEL-AG") if zero is not None else None
         self.optimizer = self._zero.shadow if self._zero is not None else check_supported(optimizer)
         if self.config.growth == "ma" and not isinstance(self.optimizer, SM3):
             raise TypeError(
