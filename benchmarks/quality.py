@@ -165,7 +165,7 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
     budget = lora_budget(model, args.budget_rank)
     overrides = dict(args.set or {})
     wrapped, params, uses_sm3 = build(method, model, budget, args.budget_rank, seed, overrides)
-    uses_sm3 = uses_sm3 or args.optimizer == "sm3"
+    uses_sm3 = args.optimizer == "sm3" if args.optimizer else uses_sm3  # (default: SM3 for SpIEL-MA, AdamW otherwise)
     n_trainable = sum(p.numel() for p in params)
     decay = args.weight_decay
     if uses_sm3:
@@ -255,8 +255,8 @@ def summarize(rows: list[dict]) -> list[dict]:
         settings = dict(r.get("set", {}))
         if r.get("weight_decay"):
             settings["weight_decay"] = r["weight_decay"]
-        if r.get("optimizer") == "sm3" and "-ma" not in r["method"]:
-            settings["optimizer"] = "sm3"
+        if r.get("optimizer") and (r["optimizer"] == "sm3") != ("-ma" in r["method"]):  # (an optimizer other than the method's default)
+            settings["optimizer"] = r.get("optimizer")
         if r.get("sm3_momentum"):
             settings["sm3_momentum"] = r["sm3_momentum"]
         if r.get("no_reselection"):
@@ -301,7 +301,8 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--budget-rank", type=int, default=16, help="trainable weights equal to LoRA at this rank")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay λ of the optimizer")
-    parser.add_argument("--optimizer", choices=("adamw", "sm3"), default="adamw", help="SpIEL-MA always uses SM3")
+    parser.add_argument("--optimizer", choices=("adamw", "sm3"), default=None,
+                        help="default: SM3 for SpIEL-MA (the paper's pairing), AdamW for every other method")
     parser.add_argument("--sm3-momentum", type=float, default=0.0, help="SM3's momentum (heavy-ball β over the preconditioned step)")
     parser.add_argument("--no-reselection", action="store_true", help="SpIEL without a scheduler: the initial mask kept")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)

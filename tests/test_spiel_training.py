@@ -91,8 +91,121 @@ def test_amsgrad_and_unknown_optimizers_are_refused():
         SpIELScheduler(model, torch.optim.AdamW(params, amsgrad=True), total_steps=10)
     with pytest.raises(TypeError, match="optimizer Adagrad cannot follow a reselection"):
         SpIELScheduler(model, torch.optim.Adagrad(params), total_steps=10)
-    with pytest.raises(TypeError, match="needs peft_sparse.SM3, got optimizer AdamW"):
-        SpIELScheduler(_spiel("ma"), torch.optim.AdamW([p for p in _spiel("ma").parameters() if p.requires_grad]), 10)
+    with pytest.raises(TypeError, match="optimizer Adagrad cannot follow a reselection"):
+        SpIELScheduler(_spiel("ma"), torch.optim.Adagrad([p for p in _spiel("ma").parameters() if p.requires_grad]), 10)
+
+
+# ------------------------------------------------------------------------------------------- SpIEL-MA beside any optimizer
+def _dense_sm3_accumulators(layers, rows, cols):
+    """SM3-II's accumulators written densely (the test's reference): ν = min(R_i, C_j) + G_ij² over the whole
+    matrix, G the values' gradient scattered into it (zero off the active set, where ν ≤ R_i, C_j changes nothing)."""
+    for layer in layers:
+        name = layer.module_name
+        values, idx = layer.sparse_values["default"], layer.sparse_indices["default"].long()
+        G = torch.zeros(layer.out_features * layer.in_features)
+        if values.grad is not None:
+            G[idx] = values.grad
+        nu = torch.minimum(rows[name][:, None], cols[name][None, :]) + G.view(layer.out_features, layer.in_features) ** 2
+        rows[name] = torch.maximum(rows[name], nu.amax(dim=1))
+        cols[name] = torch.maximum(cols[name], nu.amax(dim=0))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_spiel_ma_beside_another_optimizer_keeps_sm3_accumulators_and_grows_by_them(optimizer):
+    """Under AdamW (or SGD) the scheduler keeps SM3's row and column accumulators itself from each optimizer step's
+    gradients: equal to a dense SM3 reference at every step (across reselections that move the indices), and each
+    reselection chooses the indices Algorithm 3 chooses from them."""
+    from peft_sparse.methods.spiel.selection import reselect_ma
+    from peft_sparse.schedules.reselection import replacement_count
+
+    torch.manual_seed(0)
+    model = _spiel("ma", reselection_steps=4)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2) if optimizer == "adamw" else torch.optim.SGD(params, lr=0.5)
+    scheduler = SpIELScheduler(model, opt, total_steps=12)
+    layers = sparse_layers(model)
+    rows = {m.module_name: torch.zeros(m.out_features) for m in layers}
+    cols = {m.module_name: torch.zeros(m.in_features) for m in layers}
+    reselections = 0
+    model.train()
+    for step in range(1, 13):
+        _loss(model, _batch(step)).backward()
+        _dense_sm3_accumulators(layers, rows, cols)
+        opt.step()
+        before = {m.module_name: (m.sparse_values["default"].detach().clone(), m.sparse_indices["default"].clone()) for m in layers}
+        opt.zero_grad()
+        report = scheduler.step()
+        for m in layers:
+            r, c = scheduler.ma_accumulators.views[m.module_name]
+            assert torch.equal(r, rows[m.module_name]) and torch.equal(c, cols[m.module_name]), (step, m.module_name)
+        if report:
+            reselections += 1
+            changed = 0
+            for m in layers:
+                values, indices = before[m.module_name]
+                k = replacement_count(step, 12, values.numel(), scheduler.config.initial_reselection_rate,
+                                      scheduler.config.schedule, scheduler.gamma, scheduler.config.first_full_replacement)
+                expected = reselect_ma(values, indices, k, rows[m.module_name], cols[m.module_name]).indices
+                assert torch.equal(m.sparse_indices["default"], expected.to(indices.dtype)), (step, m.module_name)
+                changed += int((m.sparse_indices["default"] != indices).any())
+            assert changed > 0
+    assert reselections >= 2
+
+
+def test_scheduler_kept_ma_accumulators_equal_sm3s_own():
+    """The accumulators the scheduler keeps beside another optimizer are SM3's: kept beside SM3 itself, they equal
+    SM3's state bit for bit through training with reselections."""
+    from peft_sparse.methods.spiel.statistics import RowColumnAccumulators
+
+    torch.manual_seed(0)
+    model = _spiel("ma", reselection_steps=4)
+    opt = _optimizer(model, "ma")
+    scheduler = SpIELScheduler(model, opt, total_steps=12)
+    assert scheduler.ma_accumulators is None  # (SM3's own state ranks the growth)
+    kept = RowColumnAccumulators(scheduler.layers, "default")
+    opt.register_step_pre_hook(kept.update)
+    model.train()
+    for step in range(1, 13):
+        _loss(model, _batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+        if scheduler.step():
+            kept.invalidate()
+        for m in scheduler.layers:
+            state = opt.state[m.sparse_values["default"]]
+            r, c = kept.views[m.module_name]
+            assert torch.equal(r, state["row_accumulator"]) and torch.equal(c, state["col_accumulator"]), (step, m.module_name)
+
+
+def test_spiel_ma_beside_adamw_resumes_exactly(tmp_path):
+    """The kept accumulators travel with the scheduler's state: save at step 5, close that scheduler (its hook
+    goes), load the state into a new one, and the adapter after 12 steps equals the uninterrupted run's."""
+
+    def fresh():
+        torch.manual_seed(0)
+        model = _spiel("ma", reselection_steps=4)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        return model, opt, SpIELScheduler(model, opt, total_steps=12)
+
+    model, opt, scheduler = fresh()
+    _run(model, opt, scheduler, 12)
+    expected = {k: v.clone() for k, v in model.state_dict().items() if "sparse_" in k}
+
+    model, opt, scheduler = fresh()
+    _run(model, opt, scheduler, 5)
+    scheduler.save(tmp_path / "sched")
+    scheduler.close()
+    scheduler = SpIELScheduler(model, opt, total_steps=12)
+    scheduler.load(tmp_path / "sched")
+    _run(model, opt, scheduler, 7, first_seed=5)
+    got = {k: v for k, v in model.state_dict().items() if "sparse_" in k}
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
+    # a state saved beside AdamW does not load into a scheduler whose optimizer is SM3 (its accumulators would be dropped)
+    model, _, _ = fresh()
+    with pytest.raises(ValueError, match="resume with the optimizer the run was saved with"):
+        SpIELScheduler(model, _optimizer(model, "ma"), total_steps=12).load(tmp_path / "sched")
 
 
 def test_sm3_equals_dense_sm3_restricted_to_the_active_set():

@@ -27,7 +27,7 @@ from .model import SpIELModel
 from .seeding import DeferredSeeding
 from .selection import reselect_ag, reselect_ma
 from .state import SchedulerState
-from .statistics import _WindowStatistics, _end_steps, distributed
+from .statistics import RowColumnAccumulators, _WindowStatistics, _end_steps, distributed
 
 
 
@@ -77,7 +77,8 @@ class SpIELScheduler(SchedulerState):
     gradient seam of the adapted layers for the backward passes of estimation-window steps (AG),
     reselects at t = γ, γ+S, … and edits values, indices, ages and optimizer state in place. The
     optimizer must hold the adapter's values: ``torch.optim.AdamW``/``Adam`` (not amsgrad) or
-    :class:`peft_sparse.SM3` for AG, :class:`peft_sparse.SM3` for MA.
+    :class:`peft_sparse.SM3` for AG and MA (MA ranks growth by SM3's row and column accumulators: SM3's own,
+    or under any other of these optimizers the same accumulators, kept by the scheduler from each step's gradients).
     """
 
     def __init__(self, model, optimizer, total_steps: int, adapter_name: Optional[str] = None):
@@ -99,12 +100,14 @@ class SpIELScheduler(SchedulerState):
             )
         self._zero = ZeroStateBridge(zero, self.layers, self.adapter_name, what="SpIEL-AG") if zero is not None else None
         self.optimizer = self._zero.shadow if self._zero is not None else check_supported(optimizer)
-        if self.config.growth == "ma" and not isinstance(self.optimizer, SM3):
-            raise TypeError(
-                f"SpIEL-MA (growth='ma') ranks growth by SM3's accumulators and needs peft_sparse.SM3, "
-                f"got optimizer {type(self.optimizer).__name__}"
-            )
         self._check_optimizer_holds_values(created=True)
+        # SpIEL-MA ranks growth by SM3's row and column accumulators: SM3's own, or (any other optimizer) the
+        # same accumulators kept here from the gradients each optimizer step sees
+        self.ma_accumulators: Optional[RowColumnAccumulators] = None
+        self._ma_hook = None
+        if self.config.growth == "ma" and not isinstance(self.optimizer, SM3):
+            self.ma_accumulators = RowColumnAccumulators(self.layers, self.adapter_name)
+            self._ma_hook = self.optimizer.register_step_pre_hook(self.ma_accumulators.update)
         self.t = 0
         self.steps_in_window = 0
         self.statistics: dict[str, _WindowStatistics] = {}
@@ -219,6 +222,9 @@ class SpIELScheduler(SchedulerState):
             self.seeding.remove()
         if self._guard is not None:
             self._guard.detach(self)
+        if self._ma_hook is not None:
+            self._ma_hook.remove()
+            self._ma_hook = None
 
     # -- the loop
     def step(self) -> dict:
@@ -236,6 +242,8 @@ class SpIELScheduler(SchedulerState):
         if is_reselection_step(t, self.S, self.gamma, self.total_steps):
             self.last_statistics = self._reselect(t)
             self._disarm()
+            if self.ma_accumulators is not None:
+                self.ma_accumulators.invalidate()
             if self.config.drop_criterion == "change":
                 self._snapshot_drop_reference()
         self._arm_if_window(t + 1)
@@ -312,6 +320,8 @@ class SpIELScheduler(SchedulerState):
                     continue
                 item.candidates, item.score = stats.candidates, stats.growth_score()  # ĝ up to 1/γ (|·| ranks)
                 item.candidate_units = stats.candidate_units if grid.unit > 1 else None
+            elif self.ma_accumulators is not None:
+                item.row_acc, item.col_acc = self.ma_accumulators.views[layer.module_name]
             else:
                 state = self.optimizer.state.get(values)
                 if not state:

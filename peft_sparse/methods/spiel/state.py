@@ -34,6 +34,7 @@ class SchedulerState:
                 by_layer[key]: {"slots": slots, "grad_mean": g, "grad_sq_mean": s2} for key, (slots, g, s2) in pending.items()
             },
             "drop_reference": {name: {"values": v} for name, v in self.drop_reference.items()},
+            "ma_accumulators": self.ma_accumulators.tensors() if self.ma_accumulators is not None else {},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -83,6 +84,14 @@ class SchedulerState:
             if set(reference) != set(layers):
                 raise ValueError("scheduler state holds no φ₀ of every tensor (drop_criterion='change'); it was saved with another drop criterion")
             self.drop_reference = {name: t["values"].to(device_of(name), copy=True) for name, t in reference.items()}
+        saved_accumulators = state.get("ma_accumulators") or {}
+        if self.ma_accumulators is not None:
+            self.ma_accumulators.load(saved_accumulators)
+        elif saved_accumulators:
+            raise ValueError(
+                "scheduler state holds SpIEL-MA accumulators kept beside a non-SM3 optimizer, but this scheduler's "
+                "optimizer is SM3 (its own accumulators rank the growth): resume with the optimizer the run was saved with"
+            )
         if self.seeding is not None:
             self.seeding.pending = {
                 id(layers[name].sparse_values[self.adapter_name]): tuple(
@@ -91,7 +100,7 @@ class SchedulerState:
                 for name, t in state.get("pending_seeds", {}).items()
             }
 
-    _TENSOR_GROUPS = ("statistics", "pending_seeds", "drop_reference")
+    _TENSOR_GROUPS = ("statistics", "pending_seeds", "drop_reference", "ma_accumulators")
 
     def save(self, directory: str) -> None:
         """Write the state as ``spiel_scheduler.json`` + ``spiel_scheduler.safetensors`` (no pickle)."""

@@ -145,3 +145,83 @@ def _end_steps(statistics: list) -> None:
         torch._foreach_add_([m.grad_sum for m in members], step)
         torch._foreach_add_([m.grad_sq_sum for m in members], torch._foreach_mul(step, step))
         torch._foreach_zero_(step)
+
+
+class RowColumnAccumulators:
+    """SpIEL-MA's growth statistics when the optimizer is not :class:`peft_sparse.SM3`: SM3-II's row and
+    column accumulators of every tensor, kept from the values' gradients just before each optimizer step
+    (``optimizer.register_step_pre_hook``: after clipping and accumulation, as SM3 sees them) —
+
+        ν_j = min(R_{r_j}, C_{c_j}) + g_j²,   R_i ← max(R_i, max_{j: r_j = i} ν_j),   C_k likewise,
+
+    the same operations as SM3's own step (so the same bits as its accumulators for the same gradients). Memory
+    is Σ(out + in) floats, nothing per weight. All tensors of a device share one R and one C buffer (each tensor
+    a slice), and one step is a handful of launches for all of them: the rows and columns of the values, offset
+    into those buffers, are rebuilt when the scheduler edits indices (:meth:`invalidate`).
+    """
+
+    def __init__(self, layers: list, adapter_name: str):
+        self.adapter_name = adapter_name
+        self.groups: dict = {}  # device → {"layers", "row", "col", "rows": None | global rows, "cols"}
+        for layer in layers:
+            values = layer.sparse_values[adapter_name]
+            self.groups.setdefault(values.device, {"layers": []})["layers"].append(layer)
+        self.views: dict = {}  # module name → (its R, its C): views of the group's buffers
+        for device, group in self.groups.items():
+            members = group["layers"]
+            dtype = torch.float64 if any(m.sparse_values[adapter_name].dtype == torch.float64 for m in members) else torch.float32
+            group["row"] = torch.zeros(sum(m.out_features for m in members), dtype=dtype, device=device)
+            group["col"] = torch.zeros(sum(m.in_features for m in members), dtype=dtype, device=device)
+            rows = group["row"].split([m.out_features for m in members])
+            cols = group["col"].split([m.in_features for m in members])
+            for layer, r, c in zip(members, rows, cols):
+                self.views[layer.module_name] = (r, c)
+            group["rows"] = group["cols"] = None
+
+    def invalidate(self) -> None:
+        """The indices changed (a reselection, a load): rebuild the rows and columns at the next update."""
+        for group in self.groups.values():
+            group["rows"] = group["cols"] = None
+
+    def _positions(self, group: dict) -> None:
+        rows, cols, row_at, col_at = [], [], 0, 0
+        for layer in group["layers"]:
+            r, c = kernels.rows_cols(layer.sparse_indices[self.adapter_name], layer.in_features)
+            rows.append(r + row_at)
+            cols.append(c + col_at)
+            row_at += layer.out_features
+            col_at += layer.in_features
+        group["rows"], group["cols"] = torch.cat(rows), torch.cat(cols)
+
+    @torch.no_grad()
+    def update(self, *_unused) -> None:
+        """One optimizer step's gradients into R and C (a step pre-hook; a values tensor without a gradient
+        this step counts as zero gradients, as SM3 skips it)."""
+        for group in self.groups.values():
+            if group["rows"] is None or group["rows"].numel() != sum(m.sparse_values[self.adapter_name].numel() for m in group["layers"]):
+                self._positions(group)
+            row, col = group["row"], group["col"]
+            grads = []
+            for layer in group["layers"]:
+                values = layer.sparse_values[self.adapter_name]
+                g = values.grad
+                grads.append(torch.zeros(values.numel(), dtype=row.dtype, device=row.device) if g is None else g.reshape(-1).to(row.dtype))
+            if not grads:
+                continue
+            g = torch.cat(grads)
+            nu = torch.minimum(row[group["rows"]], col[group["cols"]]).add_(g * g)
+            row.scatter_reduce_(0, group["rows"], nu, reduce="amax", include_self=True)
+            col.scatter_reduce_(0, group["cols"], nu, reduce="amax", include_self=True)
+
+    def tensors(self) -> dict:
+        """{module name: {"row_accumulator", "col_accumulator"}} (views of the shared buffers)."""
+        return {name: {"row_accumulator": r, "col_accumulator": c} for name, (r, c) in self.views.items()}
+
+    def load(self, saved: dict) -> None:
+        if set(saved) != set(self.views):
+            missing = sorted(set(self.views) - set(saved))[:3]
+            raise ValueError(f"scheduler state holds no SpIEL-MA accumulators of {missing} (it was saved with another optimizer or adapter)")
+        for name, (r, c) in self.views.items():
+            r.copy_(saved[name]["row_accumulator"])
+            c.copy_(saved[name]["col_accumulator"])
+        self.invalidate()
