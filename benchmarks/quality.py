@@ -255,7 +255,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         settings = dict(r.get("set", {}))
         if r.get("weight_decay"):
             settings["weight_decay"] = r["weight_decay"]
-        if r.get("optimizer") and (r["optimizer"] == "sm3") != ("-ma" in r["method"]):  # (an optimizer other than the method's default)
+        if r.get("optimizer") and (r["optimizer"] == "sm3") != r["method"].startswith("spiel-ma"):  # (an optimizer other than the method's default)
             settings["optimizer"] = r.get("optimizer")
         if r.get("sm3_momentum"):
             settings["sm3_momentum"] = r["sm3_momentum"]

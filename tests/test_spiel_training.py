@@ -152,6 +152,44 @@ def test_spiel_ma_beside_another_optimizer_keeps_sm3_accumulators_and_grows_by_t
     assert reselections >= 2
 
 
+@pytest.mark.parametrize("seed_moments", ["second", "none"])
+def test_spiel_ma_beside_adamw_seeds_the_second_moment_of_grown_weights(seed_moments):
+    """At a reselection beside AdamW, a grown slot's exp_avg_sq is SM3's estimate of its mean squared gradient,
+    min(R_i, C_j)/t, in Adam's units (× (1 − β₂^s)); kept slots keep theirs; with seed_moments='none' it stays 0."""
+    torch.manual_seed(0)
+    model = _spiel("ma", reselection_steps=4, seed_moments=seed_moments)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.99))
+    scheduler = SpIELScheduler(model, opt, total_steps=12)
+    model.train()
+    for step in range(1, 5):
+        _loss(model, _batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+        layers = sparse_layers(model)
+        before = {m.module_name: (m.sparse_indices["default"].clone(), opt.state[m.sparse_values["default"]]["exp_avg_sq"].clone()) for m in layers}
+        if scheduler.step():
+            break
+    assert step == scheduler.gamma
+    seeded = 0
+    for m in layers:
+        state = opt.state[m.sparse_values["default"]]
+        indices, ages = m.sparse_indices["default"], m.sparse_ages["default"]
+        grown = ages == step
+        old_indices, old_v = before[m.module_name]
+        kept_old = torch.isin(old_indices, indices) & torch.isin(old_indices, indices[~grown])
+        assert torch.equal(state["exp_avg_sq"][~grown], old_v[kept_old])  # (kept slots: their own, re-gathered)
+        if seed_moments == "none":
+            assert bool((state["exp_avg_sq"][grown] == 0).all())
+            continue
+        r, c = scheduler.ma_accumulators.views[m.module_name]
+        rows, cols = indices.long() // m.in_features, indices.long() % m.in_features
+        expected = (torch.minimum(r[rows], c[cols]).double() / step * (1 - 0.99 ** float(state["step"]))).float()
+        torch.testing.assert_close(state["exp_avg_sq"][grown], expected[grown], rtol=1e-6, atol=0)
+        seeded += int((expected[grown] > 0).sum())
+    assert seeded > 0 or seed_moments == "none"
+
+
 def test_scheduler_kept_ma_accumulators_equal_sm3s_own():
     """The accumulators the scheduler keeps beside another optimizer are SM3's: kept beside SM3 itself, they equal
     SM3's state bit for bit through training with reselections."""

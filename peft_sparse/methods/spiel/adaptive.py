@@ -26,6 +26,7 @@ import torch
 
 from ...core import edit
 from ...core.budget import split_budget
+from ...core.selection import isin_sorted
 from ...schedules.reselection import replacement_count
 
 
@@ -64,7 +65,15 @@ def reselect_adaptive(scheduler, t: int) -> dict:
     all_drop = torch.cat(drop_scores)
     # GROW scores: |ĝ|/√ŝ at each tensor's candidates, −∞ where the candidate is active now
     n = max(1, scheduler.steps_in_window)
-    owner_of, cands, raw, active, g_means, s_means = [], [], [], [], [], []
+    owner_of, cands, raw, g_means, s_means = [], [], [], [], []
+    # which candidates are active now: one binary search over every tensor at once, each tensor's indices and
+    # candidates offset by the elements of the tensors before it (the active indices stay ascending)
+    offsets, active_sets, offset_cands = [], [], []
+    at_element = 0
+    for layer in layers:
+        offsets.append(at_element)
+        active_sets.append(layer.sparse_indices[name].to(device).long() + at_element)
+        at_element += layer.numel
     for at, layer in enumerate(layers):
         stats = scheduler.statistics.get(layer.module_name)
         if stats is None or stats.candidates is None:
@@ -75,7 +84,7 @@ def reselect_adaptive(scheduler, t: int) -> dict:
         owner_of.append(at)
         cands.append(cand.to(device))
         raw.append((g.abs() / (s2.sqrt() + 1e-30)).float().to(device))
-        active.append(torch.isin(cand, layer.sparse_indices[name].long()).to(device))
+        offset_cands.append(cand.to(device) + offsets[at])
         g_means.append(g.float().to(device))
         s_means.append(s2.float().to(device))
     if not cands:
@@ -83,7 +92,8 @@ def reselect_adaptive(scheduler, t: int) -> dict:
     counts = [x.numel() for x in cands]
     # (fills, not tensors from host lists: a copy from pageable host memory waits for the device's queue)
     owners = torch.cat([torch.full((n,), at, dtype=torch.long, device=device) for at, n in zip(owner_of, counts)])
-    cands, raw, active = torch.cat(cands), torch.cat(raw), torch.cat(active)
+    active = isin_sorted(torch.cat(offset_cands), torch.cat(active_sets))
+    cands, raw = torch.cat(cands), torch.cat(raw)
     g_means, s_means = torch.cat(g_means), torch.cat(s_means)
     finite, eligible, droppable = torch.stack(
         [torch.isfinite(raw).all().long(), (~active).sum(), torch.isfinite(all_drop).sum()]

@@ -65,7 +65,9 @@ class SpIELConfig(SparseConfig):
                 "only exp_avg_sq, from the mean squared gradient ŝ, so the first steps ramp up as a fresh weight's at a "
                 "well-scaled step size), 'both' (also exp_avg from the mean gradient ĝ, the thesis) or 'none' (both start "
                 "at zero). Seeding exp_avg made the loss jump after each reselection in BENCHMARKS.md's quality runs. "
-                "Leave unset for MA, which has no window."
+                "MA beside Adam/AdamW: 'second' (the default) seeds exp_avg_sq of a grown weight from SM3's estimate of its "
+                "mean squared gradient, min(R_i, C_j)/t; 'none' leaves it at zero; 'both' is refused (SM3 keeps no mean "
+                "gradient). Under SM3 there are no moments to seed."
             )
         },
     )
@@ -133,11 +135,12 @@ class SpIELConfig(SparseConfig):
             raise ValueError(f"schedule must be 'linear' or 'cosine', got schedule={self.schedule!r}")
         if not isinstance(self.first_full_replacement, bool):
             raise ValueError(f"first_full_replacement must be True or False, got first_full_replacement={self.first_full_replacement!r}")
-        if self.seed_moments is None and self.growth == "ag":
+        if self.seed_moments is None and self.growth in ("ag", "ma"):
             self.seed_moments = "second"
-        if self.growth == "ma" and self.seed_moments is not None:
+        if self.growth == "ma" and self.seed_moments not in ("second", "none"):
             raise ValueError(
-                f"seed_moments={self.seed_moments!r} is a setting of AG's estimation window; SpIEL-MA (growth='ma') has none: leave it unset"
+                f"seed_moments={self.seed_moments!r}: SpIEL-MA (growth='ma') can seed only the second moment of grown weights "
+                "(SM3's accumulators estimate squared gradients, not the mean gradient of AG's window): use 'second' or 'none'"
             )
         if self.growth == "ag" and self.seed_moments not in ("both", "second", "none"):
             raise ValueError(f"seed_moments must be 'both', 'second' or 'none', got seed_moments={self.seed_moments!r}")

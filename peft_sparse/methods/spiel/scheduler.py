@@ -243,6 +243,8 @@ class SpIELScheduler(SchedulerState):
             self.last_statistics = self._reselect(t)
             self._disarm()
             if self.ma_accumulators is not None:
+                if self.last_statistics and self.config.seed_moments == "second":
+                    self.ma_accumulators.seed_second_moments(self.optimizer, t)
                 self.ma_accumulators.invalidate()
             if self.config.drop_criterion == "change":
                 self._snapshot_drop_reference()

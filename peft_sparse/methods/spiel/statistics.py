@@ -213,6 +213,32 @@ class RowColumnAccumulators:
             row.scatter_reduce_(0, group["rows"], nu, reduce="amax", include_self=True)
             col.scatter_reduce_(0, group["cols"], nu, reduce="amax", include_self=True)
 
+    @torch.no_grad()
+    def seed_second_moments(self, optimizer, t: int) -> None:
+        """Adam's second moment of every slot grown at step ``t`` (age t), from SM3's estimate of its squared
+        gradient: min(R_i, C_j) bounds the squared gradients accumulated over the t steps the accumulators saw, so
+        exp_avg_sq = min(R_i, C_j)/t · (1 − β₂^s) (s: the tensor's Adam step count), which Adam's bias correction
+        reads back as that mean. Unseeded, a grown weight's first steps under the tensor's high step count are
+        (1 − β₁)/√(1 − β₂) ≈ 3× lr. No read of the device."""
+        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or t <= 0:
+            return
+        beta2 = {id(p): g["betas"][1] for g in optimizer.param_groups for p in g["params"]}
+        name = self.adapter_name
+        for group in self.groups.values():
+            for layer in group["layers"]:
+                values = layer.sparse_values[name]
+                state = optimizer.state.get(values)
+                if not state or name not in layer.sparse_ages or id(values) not in beta2:
+                    continue
+                r, c = self.views[layer.module_name]
+                rows, cols = kernels.rows_cols(layer.sparse_indices[name], layer.in_features)
+                step = state["step"]
+                step = step.to(device=r.device, dtype=torch.float64) if isinstance(step, torch.Tensor) else float(step)
+                bias2 = 1 - beta2[id(values)] ** step
+                moment = state["exp_avg_sq"]
+                estimate = (torch.minimum(r[rows], c[cols]).double() / t * bias2).to(moment.dtype)
+                moment.copy_(torch.where(layer.sparse_ages[name].to(moment.device) == t, estimate, moment))
+
     def tensors(self) -> dict:
         """{module name: {"row_accumulator", "col_accumulator"}} (views of the shared buffers)."""
         return {name: {"row_accumulator": r, "col_accumulator": c} for name, (r, c) in self.views.items()}
