@@ -200,7 +200,7 @@ def test_ma_refuses_window_settings(field, value):
 def test_seed_moments_defaults_to_second_for_ag_and_round_trips():
     config = SpIELConfig(target_modules="all-linear", density=0.1)
     assert config.seed_moments == "second"
-    assert SpIELConfig(target_modules="all-linear", density=0.1, growth="ma").seed_moments == "second"  # (beside Adam)
+    assert SpIELConfig(target_modules="all-linear", density=0.1, growth="ma").seed_moments == "none"  # (beside Adam: 'second' on request)
     again = SpIELConfig(**{k: v for k, v in config.to_dict().items() if k in SpIELConfig.__dataclass_fields__})
     assert again.seed_moments == "second"
 

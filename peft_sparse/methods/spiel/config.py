@@ -27,7 +27,8 @@ class SpIELConfig(SparseConfig):
             "help": (
                 "S: optimizer steps between reselections; a float in (0, 1) is a fraction of total_steps, S = max(2, round(S·T)). "
                 "The paper's S=20, γ=5 were set for runs of thousands of steps; S=1/3, γ=1/12 keeps reselections at "
-                "t = T/12, 5T/12, 9T/12 for any run length T (README, SpIEL)."
+                "t = T/12, 5T/12, 9T/12 for any run length T; for runs above ~150 steps S=0.133, γ=0.033 (20 and 5 at T=150) "
+                "scored better than S=20 at 600 steps in BENCHMARKS.md's quality runs (README, SpIEL)."
             )
         },
     )
@@ -65,9 +66,10 @@ class SpIELConfig(SparseConfig):
                 "only exp_avg_sq, from the mean squared gradient ŝ, so the first steps ramp up as a fresh weight's at a "
                 "well-scaled step size), 'both' (also exp_avg from the mean gradient ĝ, the thesis) or 'none' (both start "
                 "at zero). Seeding exp_avg made the loss jump after each reselection in BENCHMARKS.md's quality runs. "
-                "MA beside Adam/AdamW: 'second' (the default) seeds exp_avg_sq of a grown weight from SM3's estimate of its "
-                "mean squared gradient, min(R_i, C_j)/t; 'none' leaves it at zero; 'both' is refused (SM3 keeps no mean "
-                "gradient). Under SM3 there are no moments to seed."
+                "MA beside Adam/AdamW: 'none' (the default for MA: grown weights start with zero moments) or 'second' "
+                "(exp_avg_sq from SM3's estimate of the mean squared gradient, min(R_i, C_j)/t: no better on average in "
+                "BENCHMARKS.md's quality runs); 'both' is refused (SM3 keeps no mean gradient). Under SM3 there are no "
+                "moments to seed."
             )
         },
     )
@@ -136,7 +138,7 @@ class SpIELConfig(SparseConfig):
         if not isinstance(self.first_full_replacement, bool):
             raise ValueError(f"first_full_replacement must be True or False, got first_full_replacement={self.first_full_replacement!r}")
         if self.seed_moments is None and self.growth in ("ag", "ma"):
-            self.seed_moments = "second"
+            self.seed_moments = "second" if self.growth == "ag" else "none"
         if self.growth == "ma" and self.seed_moments not in ("second", "none"):
             raise ValueError(
                 f"seed_moments={self.seed_moments!r}: SpIEL-MA (growth='ma') can seed only the second moment of grown weights "
