@@ -313,3 +313,42 @@ def test_the_step_after_an_adaptive_reselection_reads_the_device_no_more_than_a_
     assert reports[1] and reports[7] and reports[1]["spiel/budget_moved"] > 0
     steady = per_step[4]  # (t = 5: no window, no reselection)
     assert per_step[2] == steady and per_step[8] == steady, per_step
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_slot_maps_of_all_tensors_at_once_equal_each_tensors_own(seed):
+    """The adaptive reselection maps every tensor's slots over the concatenation; each tensor's part must be
+    exactly :func:`edit.slot_map`'s for that tensor (sources, new indices, where each grown index went)."""
+    from peft_sparse.methods.spiel.adaptive import _slot_maps
+
+    g = torch.Generator().manual_seed(seed)
+    model = _model(seed=seed)
+    layers = sparse_layers(model)
+    offsets, olds, drops, grows, owners = [], [], [], [], []
+    at_element = at_slot = 0
+    for at, layer in enumerate(layers):
+        old = layer.sparse_indices["default"].long()
+        n = old.numel()
+        drop = torch.randperm(n, generator=g)[: int(torch.randint(0, n + 1, (1,), generator=g))]
+        free = torch.ones(layer.numel, dtype=torch.bool)
+        free[old[torch.isin(torch.arange(n), drop, invert=True)]] = False  # (grown: anything not kept, dropped ones too)
+        pool = free.nonzero().squeeze(1)
+        grow = pool[torch.randperm(pool.numel(), generator=g)[: int(torch.randint(0, min(pool.numel(), 2 * n) + 1, (1,), generator=g))]]
+        offsets.append(at_element)
+        olds.append(old + at_element)
+        drops.append(drop.sort().values + at_slot)
+        grows.append(grow + at_element)
+        owners.append(torch.full((grow.numel(),), at))
+        at_element += layer.numel
+        at_slot += n
+    sizes = [o.numel() for o in olds]
+    new_sizes = [s - d.numel() + gr.numel() for s, d, gr in zip(sizes, drops, grows)]
+    sources, news, new_slots = _slot_maps(torch.cat(olds), torch.cat(drops), torch.cat(grows), sizes, new_sizes, offsets,
+                                          torch.cat(owners), torch.device("cpu"))  # fmt: skip
+    sources, news = sources.split(new_sizes), news.split(new_sizes)
+    new_slots = new_slots.split([gr.numel() for gr in grows])
+    for at, layer in enumerate(layers):
+        expected = edit.slot_map(layer, "default", drops[at] - sum(sizes[:at]), grows[at] - offsets[at], same_count=False)
+        assert torch.equal(sources[at], expected[0]), layer.module_name
+        assert torch.equal(news[at], expected[1]), layer.module_name
+        assert torch.equal(new_slots[at], expected[2]), layer.module_name
