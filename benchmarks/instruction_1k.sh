@@ -5,7 +5,8 @@
 #   RESULTS=benchmarks/results/instruction-1k.jsonl PARALLEL=8 DEADLINE=300 bash benchmarks/instruction_1k.sh
 # (peft_sparse importable: installed, or PYTHONPATH=$PWD; the model converted once into PEFT_SPARSE_CACHE)
 # Both recipes run at the same trainable count, batch 8, linear decay after 3% warmup, float32; SpIEL at the
-# paper's S = 20, γ = 5 (the recipe's fractions of T are for its 60-step CPU length). Runs share the GPU
+# paper's S = 20, γ = 5 (the recipe's fractions of T are for its 60-step CPU length; SPIEL_S=0.133 SPIEL_GAMMA=0.033
+# scales them to the run: README, SpIEL). Runs share the GPU
 # PARALLEL at a time, so compare the two methods' times within one call, not across calls.
 set -u
 STEPS=${STEPS:-1000}
@@ -17,6 +18,8 @@ DEADLINE=${DEADLINE:-100000}   # seconds from the start: launch no run after thi
 WORK=${WORK:-/tmp/instruction-1k}
 RESULTS=${RESULTS:-$WORK/results.jsonl}
 DEVICE_FLAGS=${DEVICE_FLAGS:-"--set training.use_cpu=false"}
+SPIEL_S=${SPIEL_S:-20}
+SPIEL_GAMMA=${SPIEL_GAMMA:-5}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}   # parallel runs: a few threads each, not every core each
 mkdir -p "$WORK"
 # convert the GGUF file into the cache once, before parallel runs race to write it
@@ -25,7 +28,7 @@ run_one() {
   local method=$1 task=$2 seed=$3 dir="$WORK/$1-$2-$3"
   (( $(date +%s) - START > DEADLINE )) && { echo "skipped $method $task $seed (deadline)"; return 0; }
   local extra=""
-  [[ $method == spiel ]] && extra="--set method.reselection_steps=20 --set method.gradient_estimation_steps=5 --set method.seed=$seed"
+  [[ $method == spiel ]] && extra="--set method.reselection_steps=$SPIEL_S --set method.gradient_estimation_steps=$SPIEL_GAMMA --set method.seed=$seed"
   # shellcheck disable=SC2086
   python3 -m peft_sparse.cli train "recipes/smollm2_$method.yaml" $DEVICE_FLAGS $extra \
     --set training.max_steps="$STEPS" --set training.warmup_steps="$(( (STEPS * 3 + 99) / 100 ))" \
