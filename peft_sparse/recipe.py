@@ -43,6 +43,7 @@ class Recipe:
     training_args: Any
     evaluation: dict = field(default_factory=dict)
     slow_fast: Optional[dict] = None  # slow-fast settings for LoRA / full fine-tuning (sparse configs record their own)
+    optim_given: bool = False  # training.optim set in the recipe (SpIEL-MA then trains with it, not SM3)
 
 
 def _check_keys(section: str, got: dict, allowed: set[str]) -> None:
@@ -207,6 +208,7 @@ def load_recipe(path_or_mapping, overrides: Optional[dict] = None) -> Recipe:
         training_args=training_args,
         evaluation=raw["evaluation"],
         slow_fast=slow_fast,
+        optim_given=raw["training"].get("optim") is not None,
     )
 
 
@@ -240,8 +242,10 @@ def method_callbacks(peft_config) -> list:
 
 
 def _optimizer(recipe: Recipe):
-    """SpIEL-MA trains with SM3 (its accumulators rank the growth); every other method with the Trainer's optimizer."""
-    if getattr(recipe.peft_config, "growth", None) != "ma":
+    """SpIEL-MA trains with SM3 (the paper's pairing: its accumulators rank the growth) unless the recipe names
+    ``training.optim`` (e.g. ``adamw_torch``: the scheduler then keeps SM3's accumulators itself); every other method
+    with the Trainer's optimizer."""
+    if getattr(recipe.peft_config, "growth", None) != "ma" or recipe.optim_given:
         return None
     from .optim import SM3
 

@@ -198,3 +198,49 @@ def test_a_recipe_evaluates_before_training_on_the_model_as_the_trainer_placed_i
     scored = reached.value.args[0]
     assert isinstance(scored, PeftModel) and scored.get_base_model() is model
     assert all(float(v.abs().max()) == 0 for n, v in scored.named_parameters() if "sparse_values" in n)
+
+
+@pytest.mark.parametrize("optim", [None, "adamw_torch"])
+def test_a_spiel_ma_recipe_trains_with_sm3_unless_it_names_an_optimizer(tmp_path, optim):
+    """SpIEL-MA's recipe default is SM3 (the paper's pairing); `training.optim` picks the Trainer's optimizer
+    instead, and the scheduler then keeps SM3's accumulators itself and reselects by them."""
+    from peft_sparse import SM3
+    from peft_sparse.callbacks import SpIELCallback
+    from peft_sparse.recipe import load_recipe, run_recipe
+
+    from .models import tiny_llama
+
+    model_dir = tmp_path / "model"
+    tiny_llama().save_pretrained(model_dir)
+    _tok().save_pretrained(model_dir)
+    chats = [{"messages": [{"role": "user", "content": "t5 t6"}, {"role": "assistant", "content": f"t{7 + i % 3}"}]} for i in range(16)]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(json.dumps(c) for c in chats))
+    training = {"output_dir": str(tmp_path / "out"), "max_steps": 6, "per_device_train_batch_size": 4, "max_length": 16,
+                "use_cpu": True, "bf16": False, "report_to": "none", "save_strategy": "no", "gradient_checkpointing": False}  # fmt: skip
+    if optim:
+        training["optim"] = optim
+    recipe = load_recipe({
+        "model": {"source": str(model_dir)},
+        "method": {"peft_type": "SPIEL", "growth": "ma", "target_modules": "all-linear", "density": 0.1,
+                   "reselection_steps": 3, "gradient_estimation_steps": 1},
+        "data": {"train": str(data)},
+        "training": training,
+    })  # fmt: skip
+    seen = {}
+    original = SpIELCallback.on_train_begin
+
+    def spy(self, args, state, control, **kwargs):
+        out = original(self, args, state, control, **kwargs)
+        seen["scheduler"] = self.scheduler
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SpIELCallback, "on_train_begin", spy)
+        run_recipe(recipe)
+    scheduler = seen["scheduler"]
+    assert isinstance(scheduler.optimizer, SM3) == (optim is None)
+    assert (scheduler.ma_accumulators is not None) == (optim is not None)
+    assert scheduler.t == 6
+    if optim:
+        assert any(bool((r > 0).any()) for r, _ in scheduler.ma_accumulators.views.values())
