@@ -25,12 +25,12 @@ def _worker(rank: int, world: int, port: int, growth: str, out_dir: str) -> None
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
-    config = SpIELConfig(target_modules="all-linear", density=0.1, growth=growth, reselection_steps=4, gradient_estimation_steps=2)
+    config = SpIELConfig(target_modules="all-linear", density=0.1, growth=growth[:2], reselection_steps=4, gradient_estimation_steps=2)
     model = get_peft_model(tiny_llama(), config)
     # no buffer broadcast: identical indices must come from identical selections, not from rank 0
     ddp = DDP(model, broadcast_buffers=False)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-2) if growth == "ag" else SM3(params, lr=0.05)
+    opt = torch.optim.AdamW(params, lr=1e-2) if growth in ("ag", "ma-adamw") else SM3(params, lr=0.05)
     scheduler = SpIELScheduler(ddp, opt, total_steps=11)
     g = torch.Generator().manual_seed(100 + rank)  # different data on each rank
     ddp.train()
@@ -52,7 +52,7 @@ def _worker(rank: int, world: int, port: int, growth: str, out_dir: str) -> None
     os._exit(0)
 
 
-@pytest.mark.parametrize("growth", ["ag", "ma"])
+@pytest.mark.parametrize("growth", ["ag", "ma", "ma-adamw"])  # (ma-adamw: MA's accumulators kept by the scheduler)
 def test_indices_identical_on_every_rank(growth):
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_worker, args=(2, _free_port(), growth, out_dir), nprocs=2, join=True)
@@ -73,7 +73,7 @@ def _fsdp_worker(rank: int, world: int, port: int, growth: str, out_dir: str) ->
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
-    config = SpIELConfig(target_modules="all-linear", density=0.1, growth=growth, reselection_steps=4, gradient_estimation_steps=2)
+    config = SpIELConfig(target_modules="all-linear", density=0.1, growth=growth[:2], reselection_steps=4, gradient_estimation_steps=2)
     model = get_peft_model(tiny_llama(), config)
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -84,7 +84,7 @@ def _fsdp_worker(rank: int, world: int, port: int, growth: str, out_dir: str) ->
         q = model.get_base_model().model.layers[0].self_attn.q_proj
         assert isinstance(q.base_layer.weight, DTensor) and not isinstance(q.sparse_values["default"], DTensor)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-2) if growth == "ag" else SM3(params, lr=0.05)
+    opt = torch.optim.AdamW(params, lr=1e-2) if growth in ("ag", "ma-adamw") else SM3(params, lr=0.05)
     scheduler = SpIELScheduler(model, opt, total_steps=11)
     model.train()
     share = 4 // world
@@ -107,7 +107,7 @@ def _fsdp_worker(rank: int, world: int, port: int, growth: str, out_dir: str) ->
     os._exit(0)
 
 
-@pytest.mark.parametrize("growth", ["ag", "ma"])
+@pytest.mark.parametrize("growth", ["ag", "ma", "ma-adamw"])
 def test_fsdp2_shards_the_base_and_matches_one_process(growth):
     """FSDP2 (peft_sparse.distributed.shard) over two CPU processes against one process with the whole batch:
     the same indices on every rank and as the single process, values equal up to float32 reduction order."""
