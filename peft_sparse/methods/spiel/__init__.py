@@ -14,7 +14,8 @@ k(i, t) new ones. The first reselection, at t = γ, replaces all of them (Eq. 7.
   Grow the k eligible candidates (not active after the drop — a just-dropped index may regrow)
   with the largest |ĝ| = |Σg|/γ. If fewer than k are eligible, drop only as many as can be grown.
 * **GROW, MA** (momentum approximation, Alg. 3) — the k inactive positions with the largest
-  √⁴(R_i·C_j) (Eq. 7.7) from SM3's row/column accumulators. The scores form a rank-one matrix, so
+  √⁴(R_i·C_j) (Eq. 7.7) from SM3's row/column accumulators (SM3's own; beside another optimizer the
+  scheduler keeps the same accumulators from each step's gradients). The scores form a rank-one matrix, so
   a threshold that leaves about d_φ positions above it is found by counting, and only those
   positions are listed and ranked: no (out, in) score matrix exists.
 
@@ -28,10 +29,12 @@ state is re-gathered and seeded by :mod:`peft_sparse.optim.surgery`. Persistent 
 candidate statistics exist only during windows, the dense gradient only inside a backward pass.
 
 The package reads top to bottom: :mod:`.config` (the fields), :mod:`.scheduler` (when a reselection
-happens and what it edits), :mod:`.statistics` (the AG estimation window), :mod:`.selection` (DROP and
+happens and what it edits), :mod:`.statistics` (the AG estimation window; MA's accumulators beside a
+non-SM3 optimizer), :mod:`.selection` (DROP and
 GROW for one tensor, Algorithms 2–3), :mod:`.batched` (the same for all tensors at once, the path the
-scheduler takes), :mod:`.rank_one` (MA's top-k of R_i·C_j without the score matrix), :mod:`.seeding`
-(Adam moments of grown slots) and :mod:`.model` (the PEFT tuner).
+scheduler takes), :mod:`.adaptive` (``budget_split="adaptive"``: one drop/grow over all tensors),
+:mod:`.rank_one` (MA's top-k of R_i·C_j without the score matrix), :mod:`.seeding` (Adam moments of grown
+slots), :mod:`.state` (save and resume) and :mod:`.model` (the PEFT tuner).
 """
 
 from .config import SpIELConfig

@@ -1,4 +1,5 @@
-"""SpIEL-AG's gradient-estimation window: growth candidates and their gradient sums (Eq. 7.5)."""
+"""SpIEL-AG's gradient-estimation window: growth candidates and their gradient sums (Eq. 7.5); SpIEL-MA's row and
+column accumulators when the optimizer is not SM3 (:class:`RowColumnAccumulators`)."""
 
 from __future__ import annotations
 
