@@ -317,10 +317,9 @@ def test_the_step_after_an_adaptive_reselection_reads_the_device_no_more_than_a_
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_slot_maps_of_all_tensors_at_once_equal_each_tensors_own(seed):
-    """The adaptive reselection maps every tensor's slots over the concatenation; each tensor's part must be
-    exactly :func:`edit.slot_map`'s for that tensor (sources, new indices, where each grown index went)."""
-    from peft_sparse.methods.spiel.adaptive import _slot_maps
-
+    """The adaptive reselection maps every tensor's slots over the concatenation (:func:`edit.slot_maps`); each
+    tensor's part must be exactly :func:`edit.slot_map`'s for that tensor (sources, new indices, where each grown
+    index went)."""
     g = torch.Generator().manual_seed(seed)
     model = _model(seed=seed)
     layers = sparse_layers(model)
@@ -343,8 +342,8 @@ def test_the_slot_maps_of_all_tensors_at_once_equal_each_tensors_own(seed):
         at_slot += n
     sizes = [o.numel() for o in olds]
     new_sizes = [s - d.numel() + gr.numel() for s, d, gr in zip(sizes, drops, grows)]
-    sources, news, new_slots = _slot_maps(torch.cat(olds), torch.cat(drops), torch.cat(grows), sizes, new_sizes, offsets,
-                                          torch.cat(owners), torch.device("cpu"))  # fmt: skip
+    sources, news, new_slots = edit.slot_maps(torch.cat(olds), torch.cat(drops), torch.cat(grows), sizes, new_sizes, offsets,
+                                              torch.cat(owners))  # fmt: skip
     sources, news = sources.split(new_sizes), news.split(new_sizes)
     new_slots = new_slots.split([gr.numel() for gr in grows])
     for at, layer in enumerate(layers):

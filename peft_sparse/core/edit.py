@@ -298,21 +298,55 @@ def _merged_slots(old: torch.Tensor, keep: torch.Tensor, grow: torch.Tensor, kep
     """:func:`slot_map`'s result from the kept slots' mask and the grown indices (disjoint from the kept ones).
     With ``kept_count`` (the mask's count, known to the caller) no step reads the device: the positions where a
     mask holds come from a stable sort instead of ``nonzero`` (the same positions, in the same order)."""
+    if kept_count is None:
+        kept_at = torch.nonzero(keep).squeeze(1)
+    else:
+        kept_at = torch.sort((~keep).to(torch.uint8), stable=True).indices[:kept_count]
+    return _merge_by_rank(old[kept_at], kept_at, grow)
 
-    def where(mask: torch.Tensor, count: Optional[int]) -> torch.Tensor:
-        if count is None:
-            return torch.nonzero(mask).squeeze(1)
-        return torch.sort((~mask).to(torch.uint8), stable=True).indices[:count]
 
-    kept_at = where(keep, kept_count)
-    kept = old[kept_at]
+def _merge_by_rank(kept: torch.Tensor, kept_at: torch.Tensor, grow: torch.Tensor):
+    """The union of ``kept`` (ascending indices, from slots ``kept_at``) and ``grow`` (indices disjoint from them,
+    any order) as (source of each new slot: its old slot or −1, the merged ascending indices, the new slot of each
+    grown index in ``grow``'s order). Each element's new slot is its rank in its own list plus the count of the
+    other list's elements below it: two binary searches, not a sort of the union; no read of the device."""
+    device = kept.device
     grow_sorted, order = torch.sort(grow)
-    merged, at = torch.sort(torch.cat([kept, grow_sorted]))
-    source = torch.cat([kept_at, torch.full_like(grow_sorted, -1)])[at]
+    kept_to = torch.searchsorted(grow_sorted, kept) + torch.arange(kept.numel(), device=device)
+    grown_to = torch.searchsorted(kept, grow_sorted) + torch.arange(grow.numel(), device=device)
+    merged = torch.empty(kept.numel() + grow.numel(), dtype=kept.dtype, device=device)
+    merged[kept_to], merged[grown_to] = kept, grow_sorted
+    source = torch.empty_like(merged)
+    source[kept_to], source[grown_to] = kept_at, -1
     position_of_grown = torch.empty_like(order)
-    grown_at = where(at >= kept.numel(), None if kept_count is None else grow.numel())
-    position_of_grown[order] = grown_at  # grown index i (caller's order) → new slot
+    position_of_grown[order] = grown_to
     return source, merged, position_of_grown
+
+
+def slot_maps(old: torch.Tensor, dropped: torch.Tensor, grown: torch.Tensor, sizes: list, new_sizes: list,
+              offsets: list, grown_owner: torch.Tensor):  # fmt: skip
+    """:func:`slot_map` of many tensors at once, for a caller that resizes them together (:func:`resize_slots`).
+    Inputs are concatenations over the tensors: ``old`` their indices each offset by ``offsets[i]`` (the elements
+    of the tensors before it, so ``old`` stays ascending), ``dropped`` ascending slots of ``old``, ``grown`` offset
+    indices disjoint from the kept ones with ``grown_owner`` their tensor; ``sizes``/``new_sizes`` the counts
+    before and after. Returns, concatenated in tensor order, each new slot's source (an old slot of its own tensor,
+    or −1) and index, and each grown index's new slot within its tensor in ``grown``'s order: the same integers as
+    each tensor's :func:`slot_map`, from a few dozen launches whatever the number of tensors, with no read of the
+    device (the caller vouches for the inputs, as with ``checked=False``)."""
+    device = old.device
+    keep = torch.ones(old.numel(), dtype=torch.bool, device=device)
+    keep[dropped] = False
+    source, merged, new_slot = _merged_slots(old, keep, grown, kept_count=old.numel() - dropped.numel())
+    old_starts, new_starts = [0], [0]
+    for size, new_size in zip(sizes[:-1], new_sizes[:-1]):
+        old_starts.append(old_starts[-1] + size)
+        new_starts.append(new_starts[-1] + new_size)
+    tensor_of_slot = torch.repeat_interleave(
+        torch.arange(len(sizes), device=device), kernels.table(new_sizes, device), output_size=merged.numel()
+    )
+    merged = merged - kernels.table(offsets, device)[tensor_of_slot]
+    source = torch.where(source >= 0, source - kernels.table(old_starts, device)[tensor_of_slot], -1)
+    return source, merged, new_slot - kernels.table(new_starts, device)[grown_owner]
 
 
 def replace(

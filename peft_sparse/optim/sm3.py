@@ -64,6 +64,16 @@ def _block_kernel_takes(block_shape) -> bool:
 _PLANS_KEPT = 4  # launch plans kept per group: the accumulators alternate between two sets of buffers
 
 
+
+def accumulate_sparse(row_acc: torch.Tensor, col_acc: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """SM3-II's accumulator update for sparse values at (rows, cols): ν = min(R_rows, C_cols) + g², then R and C
+    take the maximum ν of each row and column, in place; returns ν. (Also SpIEL-MA's statistics beside other
+    optimizers: :class:`peft_sparse.methods.spiel.statistics.RowColumnAccumulators`.)"""
+    nu = torch.minimum(row_acc[rows], col_acc[cols]).add_(grad * grad)
+    row_acc.scatter_reduce_(0, rows, nu, reduce="amax", include_self=True)
+    col_acc.scatter_reduce_(0, cols, nu, reduce="amax", include_self=True)
+    return nu
+
 class SM3(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, eps: float = 1e-30, weight_decay: float = 0.0):
         if not lr > 0.0:
@@ -268,10 +278,7 @@ class SM3(torch.optim.Optimizer):
         if layout is not None:
             indices, in_features = layout[0], layout[2]
             rows, cols = rows_cols(indices, in_features)
-            row_acc, col_acc = state["row_accumulator"], state["col_accumulator"]
-            nu = torch.minimum(row_acc[rows], col_acc[cols]).add_(grad * grad)  # (d_φ,)
-            row_acc.scatter_reduce_(0, rows, nu, reduce="amax", include_self=True)
-            col_acc.scatter_reduce_(0, cols, nu, reduce="amax", include_self=True)
+            nu = accumulate_sparse(state["row_accumulator"], state["col_accumulator"], rows, cols, grad)  # (d_φ,)
         elif "accumulator" in state:
             nu = state["accumulator"].add_(grad * grad)
         else:

@@ -24,7 +24,7 @@ import warnings
 
 import torch
 
-from ...core import edit, kernels
+from ...core import edit
 from ...core.budget import split_budget
 from ...core.selection import isin_sorted
 from ...schedules.reselection import replacement_count
@@ -122,7 +122,7 @@ def reselect_adaptive(scheduler, t: int) -> dict:
     ]).tolist()  # (read 2)
     drop_counts, grow_counts, dropped_age = shares[: len(layers)], shares[len(layers) : 2 * len(layers)], shares[-1]
     new_sizes = [size - dropped_here + grown_here for size, dropped_here, grown_here in zip(sizes, drop_counts, grow_counts)]
-    sources, news, new_slots = _slot_maps(old_global, dropped, cands_global[grown], sizes, new_sizes, offsets, owners[grown], device)
+    sources, news, new_slots = edit.slot_maps(old_global, dropped, cands_global[grown], sizes, new_sizes, offsets, owners[grown])
     grow_parts = grown.split(grow_counts)
     sources, news, new_slots = sources.split(new_sizes), news.split(new_sizes), new_slots.split(grow_counts)
     fresh_values, seeds = [], []
@@ -160,38 +160,3 @@ def reselect_adaptive(scheduler, t: int) -> dict:
         "spiel/density_max": max(s / m.numel for s, m in zip(new_sizes, layers)),
     }
 
-
-def _slot_maps(old_global, dropped, grown_global, sizes, new_sizes, offsets, grown_owner, device):
-    """:func:`peft_sparse.core.edit.slot_map` of every tensor at once, over the concatenations (each tensor's
-    indices offset by the elements of the tensors before it, so one sort keeps them grouped by tensor): the new
-    slots' sources (old slot of the same tensor, or −1) and indices, concatenated in tensor order, and each grown
-    index's new slot within its tensor, in the order of ``grown_global``. A few dozen launches for all tensors, no
-    read of the device; the same integers as the per-tensor maps (every index is distinct: ranks are exact)."""
-    total_old, k = old_global.numel(), grown_global.numel()
-    keep = torch.ones(total_old, dtype=torch.bool, device=device)
-    keep[dropped] = False
-    # (the kept positions without reading the device: a stable sort of the mask, the count known)
-    kept_at = torch.sort((~keep).to(torch.uint8), stable=True).indices[: total_old - dropped.numel()]
-    kept = old_global[kept_at]  # ascending
-    grow_sorted, order = torch.sort(grown_global)
-    # merge two ascending lists of distinct indices: each element's new slot is its rank in its own list plus the
-    # count of the other list's elements below it (binary searches, not a sort of the union)
-    kept_to = torch.searchsorted(grow_sorted, kept) + torch.arange(kept.numel(), device=device)
-    grown_to = torch.searchsorted(kept, grow_sorted) + torch.arange(k, device=device)
-    merged = torch.empty(kept.numel() + k, dtype=kept.dtype, device=device)
-    merged[kept_to], merged[grown_to] = kept, grow_sorted
-    source = torch.empty_like(merged)
-    source[kept_to], source[grown_to] = kept_at, -1
-    new_slot_global = torch.empty_like(order)
-    new_slot_global[order] = grown_to
-    old_starts, new_starts = [0], [0]
-    for size, new_size in zip(sizes[:-1], new_sizes[:-1]):
-        old_starts.append(old_starts[-1] + size)
-        new_starts.append(new_starts[-1] + new_size)
-    tensor_of_slot = torch.repeat_interleave(
-        torch.arange(len(sizes), device=device), kernels.table(new_sizes, device), output_size=merged.numel()
-    )
-    merged = merged - kernels.table(offsets, device)[tensor_of_slot]
-    source = torch.where(source >= 0, source - kernels.table(old_starts, device)[tensor_of_slot], -1)
-    new_slots = new_slot_global - kernels.table(new_starts, device)[grown_owner]
-    return source, merged, new_slots

@@ -242,10 +242,8 @@ class SpIELScheduler(SchedulerState):
         if is_reselection_step(t, self.S, self.gamma, self.total_steps):
             self.last_statistics = self._reselect(t)
             self._disarm()
-            if self.ma_accumulators is not None:
-                if self.last_statistics and self.config.seed_moments == "second":
-                    self.ma_accumulators.seed_second_moments(self.optimizer, t)
-                self.ma_accumulators.invalidate()
+            if self.ma_accumulators is not None and self.last_statistics and self.config.seed_moments == "second":
+                self.ma_accumulators.seed_second_moments(self.optimizer, t)
             if self.config.drop_criterion == "change":
                 self._snapshot_drop_reference()
         self._arm_if_window(t + 1)

@@ -8,10 +8,12 @@ from typing import ClassVar, Optional
 import torch
 import torch.distributed as dist
 
+from ...accel import internals
 from ...core import kernels
 from ...core.base import index_dtype
 from ...core.layer import SparseLayer
 from ...core.selection import BlockGrid
+from ...optim.sm3 import accumulate_sparse
 
 
 # ------------------------------------------------------------------------------------------- scheduler
@@ -155,10 +157,11 @@ class RowColumnAccumulators:
 
         ν_j = min(R_{r_j}, C_{c_j}) + g_j²,   R_i ← max(R_i, max_{j: r_j = i} ν_j),   C_k likewise,
 
-    the same operations as SM3's own step (so the same bits as its accumulators for the same gradients). Memory
-    is Σ(out + in) floats, nothing per weight. All tensors of a device share one R and one C buffer (each tensor
-    a slice), and one step is a handful of launches for all of them: the rows and columns of the values, offset
-    into those buffers, are rebuilt when the scheduler edits indices (:meth:`invalidate`).
+    SM3's own update (:func:`peft_sparse.optim.sm3.accumulate_sparse`: the same bits as its accumulators for the
+    same gradients). Memory is Σ(out + in) floats, nothing per weight. All tensors of a device share one R and one
+    C buffer (each tensor a slice), and one step is a handful of launches for all of them: the rows and columns of
+    the values, offset into those buffers, are rebuilt whenever an indices tensor is another object or was edited
+    in place (its version counter) since they were built.
     """
 
     def __init__(self, layers: list, adapter_name: str):
@@ -177,42 +180,37 @@ class RowColumnAccumulators:
             cols = group["col"].split([m.in_features for m in members])
             for layer, r, c in zip(members, rows, cols):
                 self.views[layer.module_name] = (r, c)
+            group["built_from"] = None  # [(indices tensor, its version)] the positions below were built from
             group["rows"] = group["cols"] = None
 
-    def invalidate(self) -> None:
-        """The indices changed (a reselection, a load): rebuild the rows and columns at the next update."""
-        for group in self.groups.values():
-            group["rows"] = group["cols"] = None
-
-    def _positions(self, group: dict) -> None:
+    def _positions(self, group: dict, indices: list) -> None:
         rows, cols, row_at, col_at = [], [], 0, 0
-        for layer in group["layers"]:
-            r, c = kernels.rows_cols(layer.sparse_indices[self.adapter_name], layer.in_features)
+        for layer, idx in zip(group["layers"], indices):
+            r, c = kernels.rows_cols(idx, layer.in_features)
             rows.append(r + row_at)
             cols.append(c + col_at)
             row_at += layer.out_features
             col_at += layer.in_features
         group["rows"], group["cols"] = torch.cat(rows), torch.cat(cols)
+        group["built_from"] = [(idx, internals.version(idx)) for idx in indices]
 
     @torch.no_grad()
     def update(self, *_unused) -> None:
         """One optimizer step's gradients into R and C (a step pre-hook; a values tensor without a gradient
         this step counts as zero gradients, as SM3 skips it)."""
+        name = self.adapter_name
         for group in self.groups.values():
-            if group["rows"] is None or group["rows"].numel() != sum(m.sparse_values[self.adapter_name].numel() for m in group["layers"]):
-                self._positions(group)
+            indices = [m.sparse_indices[name] for m in group["layers"]]
+            built = group["built_from"]
+            if built is None or any(i is not b or internals.version(i) != v for i, (b, v) in zip(indices, built)):
+                self._positions(group, indices)
             row, col = group["row"], group["col"]
             grads = []
             for layer in group["layers"]:
-                values = layer.sparse_values[self.adapter_name]
+                values = layer.sparse_values[name]
                 g = values.grad
                 grads.append(torch.zeros(values.numel(), dtype=row.dtype, device=row.device) if g is None else g.reshape(-1).to(row.dtype))
-            if not grads:
-                continue
-            g = torch.cat(grads)
-            nu = torch.minimum(row[group["rows"]], col[group["cols"]]).add_(g * g)
-            row.scatter_reduce_(0, group["rows"], nu, reduce="amax", include_self=True)
-            col.scatter_reduce_(0, group["cols"], nu, reduce="amax", include_self=True)
+            accumulate_sparse(row, col, group["rows"], group["cols"], torch.cat(grads))
 
     @torch.no_grad()
     def seed_second_moments(self, optimizer, t: int) -> None:
@@ -251,4 +249,3 @@ class RowColumnAccumulators:
         for name, (r, c) in self.views.items():
             r.copy_(saved[name]["row_accumulator"])
             c.copy_(saved[name]["col_accumulator"])
-        self.invalidate()
