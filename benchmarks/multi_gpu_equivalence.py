@@ -133,7 +133,7 @@ def compare(args) -> None:
     one, two = Path(args.one), Path(args.two)
     result = {}
     for growth in ("ag", "ma"):
-        if not (one / f"{growth}-rank0.pt").exists():  # (a run of one growth rule: --growth ag)
+        if not (one / f"{growth}-rank0.pt").exists() or not (two / f"{growth}-rank0.pt").exists():  # (--growth ag)
             continue
         a = torch.load(one / f"{growth}-rank0.pt")
         ranks = sorted(two.glob(f"{growth}-rank*.pt"))

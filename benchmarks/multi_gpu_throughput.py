@@ -20,6 +20,7 @@ that trains. ``table`` prints tokens/s beside the one-GPU run of the same method
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -66,12 +67,18 @@ def run(args) -> None:
     record = {"engine": args.engine if world > 1 else "single", "world": world, "method": args.method, "size": args.size, "rank": args.rank,
               "batch_per_gpu": args.batch, "length": args.length, "steps": args.steps,
               "device": "cpu" if args.cpu else torch.cuda.get_device_name(device)}  # fmt: skip
-    try:
+
+    def train() -> None:  # (its locals — the model, the optimizer — go when it returns or runs out of memory)
         cfg = LlamaConfig(**shape, max_position_embeddings=max(4096, args.length), tie_word_embeddings=False)
         torch.manual_seed(0)
         build = deepspeed.zero.Init(dtype=dtype) if zero == 3 else (torch.device(device) if not args.cpu else nullcontext())
-        with build:
-            model = LlamaForCausalLM(cfg)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # (built in its dtype: 34B dimensions in float32 would not fit one GPU)
+        try:
+            with build:
+                model = LlamaForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(previous)
         model = model.to(dtype) if zero != 3 else model
         model = model.to(device) if zero != 3 else model
         model.config.use_cache = False
@@ -125,8 +132,14 @@ def run(args) -> None:
         mean = sum(times) / len(times)
         record.update(oom=False, tokens_per_s=args.batch * args.length * world / mean, mean_step_ms=1000 * mean,
                       median_step_ms=1000 * statistics.median(times), last_loss=float(loss))  # fmt: skip
+
+    try:
+        train()
     except torch.OutOfMemoryError:
         record.update(oom=True)
+    if not args.cpu:  # (what a run out of memory held is freed before the collectives below need memory)
+        gc.collect()
+        torch.cuda.empty_cache()
     peak = torch.tensor([0.0 if args.cpu else torch.cuda.max_memory_allocated(device) / 2**30], device=device)
     oom = torch.tensor([1.0 if record["oom"] else 0.0], device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)

@@ -2,6 +2,7 @@
 is partitioned over the ranks (stage 3: the values and the base weights too); 2 processes × batch 2 must choose the
 same indices as 1 process × batch 4 without DeepSpeed, with the same values up to the order of the gradient sums."""
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -129,6 +130,57 @@ def test_zero_two_processes_select_the_indices_of_one_process_at_twice_the_batch
         assert torch.equal(a, b)
         torch.testing.assert_close(a, c, atol=VALUES_TOLERANCE, rtol=0)
     assert any(bool((v != 0).any()) for v in ref["values"])
+
+
+
+def _bf16_worker(rank: int, world: int, port: int, out_dir: str, stage: int) -> None:
+    from deepspeed.utils import safe_get_full_fp32_param
+    from peft import get_peft_model
+
+    from peft_sparse import SpIELScheduler
+    from tests.models import tiny_llama
+
+    _init(rank, world, port)
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_llama(), _config())  # (values_dtype float32: the engine casts them to bfloat16)
+    params = [p for p in model.parameters() if p.requires_grad]
+    config = {**_ds_config(stage), "bf16": {"enabled": True}}
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(params, lr=1e-2), config=config)
+    scheduler = SpIELScheduler(model, optimizer, total_steps=STEPS)
+    reports = []
+    for step in range(1, STEPS + 1):
+        x = _batch(step, slice(rank * BATCH, (rank + 1) * BATCH))
+        engine.backward(engine(x, labels=x).loss)
+        engine.step()
+        reports.append(scheduler.step())
+    values = [m.sparse_values["default"] for m in scheduler.layers]
+    masters = [safe_get_full_fp32_param(v).detach().cpu() for v in values]  # (a collective: every rank)
+    gathered = deepspeed.zero.GatheredParameters(values) if stage == 3 else contextlib.nullcontext()
+    with gathered:
+        snapshot = _snapshot(model)
+    torch.save({**snapshot, "masters": masters, "reports": reports}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.barrier()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_bf16_casts_the_values_and_keeps_their_float32_masters(stage):
+    """DeepSpeed's bf16 mode casts every trainable parameter, values included, and keeps their float32 masters in
+    its optimizer: training runs (the cast loses nothing, so it is not refused), reselects on schedule, both ranks
+    hold the same indices and values, each value is its master rounded to bfloat16 after the reselections, and the
+    masters of kept weights keep their full precision (the reselection writes masters only where slots changed)."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_bf16_worker, args=(2, _free_port(), out_dir, stage), nprocs=2, join=True)
+        r0 = torch.load(os.path.join(out_dir, "rank0.pt"))
+        r1 = torch.load(os.path.join(out_dir, "rank1.pt"))
+    assert [t for t, r in enumerate(r0["reports"], 1) if r] == [2, 6]
+    for a, b in zip(r0["indices"], r1["indices"]):
+        assert torch.equal(a, b)
+    for a, b, master in zip(r0["values"], r1["values"], r0["masters"]):
+        assert a.dtype == torch.bfloat16 and master.dtype == torch.float32
+        assert torch.equal(a, b) and torch.equal(a, master.to(torch.bfloat16))
+    masters = torch.cat(r0["masters"])
+    assert bool((masters != masters.to(torch.bfloat16).float()).any())  # (finer than bfloat16: not overwritten by it)
 
 
 def _refusal_worker(rank: int, world: int, port: int, out_dir: str) -> None:

@@ -51,6 +51,7 @@ from .functional import (
     sparse_delta_product,
 )
 from .base import (  # noqa: F401 (the base-layer helpers, also importable from here)
+    engine_keeps_master,
     gather_partitioned_base,
     add_delta_to_base,
     index_dtype,
@@ -284,7 +285,8 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, MixedBatchLayer
             check_sparse_tensors(self.module_name, indices, values, self.numel, index_dtype=index_dtype(self.numel))
             self._checked_indices[adapter_name] = indices
         wanted = self.values_dtype[adapter_name]
-        if values.dtype != wanted and values.device.type != "meta":
+        if values.dtype != wanted and values.device.type != "meta" and not engine_keeps_master(values):
+            # (DeepSpeed's bf16/fp16 engines cast every trainable parameter and keep its float32 master: nothing lost)
             # Something outside PEFT's adapter API re-cast the values (TRL casts the trainable parameters of
             # quantized models to bfloat16). Restore the configured dtype when that loses nothing, else refuse.
             if torch.count_nonzero(values) == 0:
