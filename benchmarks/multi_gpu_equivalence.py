@@ -8,7 +8,8 @@ A random Llama-shaped model (4 blocks, hidden 256) in float32, all 7 projections
 reselections every 20 (γ = 5), so the run spans two reselections after the first. Every step draws a global
 batch of ``2b`` sequences from a generator seeded by the step; rank r of n takes its contiguous share, and DDP
 averages the gradients, so both runs see the same global gradient. AG (AdamW) and MA (SM3) run one after the
-other (under DeepSpeed ZeRO AG alone: ``--growth ag``). ``compare`` prints, per growth rule, the share of identical indices and the largest value difference,
+other; ``ma-adamw`` is MA beside AdamW (the scheduler's accumulators), the one MA that runs under DeepSpeed ZeRO
+(``--engine zero2 --growth ag ma-adamw``). ``compare`` prints, per growth rule, the share of identical indices and the largest value difference,
 and checks that every rank of the 2-GPU run holds the same indices.
 """
 
@@ -71,11 +72,11 @@ def run(args) -> None:
                              max_position_embeddings=128, tie_word_embeddings=False)  # fmt: skip
         base = LlamaForCausalLM(config).to(device)
         spiel = SpIELConfig(
-            target_modules="all-linear", density=0.02, growth=growth, reselection_steps=20, gradient_estimation_steps=5
+            target_modules="all-linear", density=0.02, growth=growth.split("-")[0], reselection_steps=20, gradient_estimation_steps=5
         )
         model = get_peft_model(base, spiel)
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=1e-3) if growth == "ag" else SM3(params, lr=1e-2)
+        optimizer = SM3(params, lr=1e-2) if growth == "ma" else torch.optim.AdamW(params, lr=1e-3)
         engine = None
         if zero and world > 1:  # DeepSpeed ZeRO: its engine averages the gradients and partitions the state
             engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config={
@@ -132,7 +133,7 @@ def run(args) -> None:
 def compare(args) -> None:
     one, two = Path(args.one), Path(args.two)
     result = {}
-    for growth in ("ag", "ma"):
+    for growth in ("ag", "ma", "ma-adamw"):
         if not (one / f"{growth}-rank0.pt").exists() or not (two / f"{growth}-rank0.pt").exists():  # (--growth ag)
             continue
         a = torch.load(one / f"{growth}-rank0.pt")
@@ -166,9 +167,9 @@ if __name__ == "__main__":
     r.add_argument("--hidden", type=int, default=256)
     r.add_argument("--intermediate", type=int, default=688)
     r.add_argument("--layers", type=int, default=4)
-    r.add_argument("--growth", nargs="+", default=["ag", "ma"])
+    r.add_argument("--growth", nargs="+", choices=["ag", "ma", "ma-adamw"], default=["ag", "ma"])
     r.add_argument("--engine", choices=["ddp", "fsdp2", "zero2", "zero3"], default="ddp",
-                   help="how 2 or more GPUs share the work (DeepSpeed ZeRO: AG only)")
+                   help="how 2 or more GPUs share the work (DeepSpeed ZeRO: ag, ma-adamw)")
     r.add_argument("--cpu", action="store_true", help="gloo on CPU processes: a smoke run of this script")
     c = sub.add_parser("compare")
     c.add_argument("one")

@@ -61,7 +61,7 @@ def _init(rank: int, world: int, port: int) -> None:
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
 
-def _zero_worker(rank: int, world: int, port: int, out_dir: str, stage: int, merge: bool) -> None:
+def _zero_worker(rank: int, world: int, port: int, out_dir: str, stage: int, merge: bool, growth: str = "ag") -> None:
     from peft import get_peft_model
 
     from peft_sparse import SpIELScheduler
@@ -69,7 +69,7 @@ def _zero_worker(rank: int, world: int, port: int, out_dir: str, stage: int, mer
 
     _init(rank, world, port)
     torch.manual_seed(0)
-    model = get_peft_model(tiny_llama(), _config(training_merge=merge))
+    model = get_peft_model(tiny_llama(), _config(training_merge=merge, growth=growth))
     params = [p for p in model.parameters() if p.requires_grad]
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(params, lr=1e-2), config=_ds_config(stage))
     scheduler = SpIELScheduler(model, optimizer, total_steps=STEPS)
@@ -90,14 +90,14 @@ def _zero_worker(rank: int, world: int, port: int, out_dir: str, stage: int, mer
     os._exit(0)
 
 
-def _one_process_reference() -> dict:
+def _one_process_reference(growth: str = "ag") -> dict:
     from peft import get_peft_model
 
     from peft_sparse import SpIELScheduler
     from tests.models import tiny_llama
 
     torch.manual_seed(0)
-    model = get_peft_model(tiny_llama(), _config())
+    model = get_peft_model(tiny_llama(), _config(growth=growth))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     scheduler = SpIELScheduler(model, optimizer, total_steps=STEPS)
@@ -112,16 +112,18 @@ def _one_process_reference() -> dict:
     return {**_snapshot(model), "reports": reports}
 
 
-@pytest.mark.parametrize("stage, merge", [(2, False), (3, False), (2, True), (3, True)],
-                         ids=["zero2", "zero3", "zero2-training-merge", "zero3-training-merge"])  # fmt: skip
-def test_zero_two_processes_select_the_indices_of_one_process_at_twice_the_batch(stage, merge):
+@pytest.mark.parametrize("stage, merge, growth", [(2, False, "ag"), (3, False, "ag"), (2, True, "ag"), (3, True, "ag"),
+                                                  (2, False, "ma"), (3, False, "ma")],
+                         ids=["zero2", "zero3", "zero2-training-merge", "zero3-training-merge", "zero2-ma-adamw", "zero3-ma-adamw"])  # fmt: skip
+def test_zero_two_processes_select_the_indices_of_one_process_at_twice_the_batch(stage, merge, growth):
     """(training_merge=True: off under ZeRO — it writes the values by collectives that leave their version counter
-    unchanged, and under stage 3 shards the base — so the results are those of the default path.)"""
+    unchanged, and under stage 3 shards the base — so the results are those of the default path. growth='ma' beside
+    AdamW: the scheduler's row and column accumulators from the gradients ZeRO reduced, at the start of its step.)"""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_zero_worker, args=(2, _free_port(), out_dir, stage, merge), nprocs=2, join=True)
+        mp.spawn(_zero_worker, args=(2, _free_port(), out_dir, stage, merge, growth), nprocs=2, join=True)
         r0 = torch.load(os.path.join(out_dir, "rank0.pt"))
         r1 = torch.load(os.path.join(out_dir, "rank1.pt"))
-    ref = _one_process_reference()
+    ref = _one_process_reference(growth)
     assert [t for t, r in enumerate(ref["reports"], 1) if r] == [2, 6]  # the first a full replacement
     assert [bool(r) for r in r0["reports"]] == [bool(r) for r in ref["reports"]]
     for a, b, c in zip(r0["indices"], r1["indices"], ref["indices"]):
@@ -250,11 +252,13 @@ def _assert_same_adapter(a_dir, b_dir) -> None:
             assert torch.equal(a[key], b[key]), key
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_peft_sparse_train_under_zero_writes_the_adapter_of_one_process(stage, tmp_path):
+@pytest.mark.parametrize("stage, growth", [(2, "ag"), (3, "ag"), (2, "ma")], ids=["zero2", "zero3", "zero2-ma-adamw"])
+def test_peft_sparse_train_under_zero_writes_the_adapter_of_one_process(stage, growth, tmp_path):
     """`peft-sparse train` with `training.deepspeed` (ZeRO-2 or -3) under torchrun: SFTTrainer + SpIELCallback
     reselect on schedule, and the first process writes the adapter of a one-process run at the same global batch
-    (indices equal, values within VALUES_TOLERANCE) — under ZeRO-3 from the partitioned values."""
+    (indices equal, values within VALUES_TOLERANCE) — under ZeRO-3 from the partitioned values. SpIEL-MA beside
+    AdamW with gradient clipping that binds (max_grad_norm 0.05, which ZeRO applies inside its step): the
+    accumulators see the clipped gradients, as in one process."""
     import json
 
     from peft import PeftModel
@@ -263,14 +267,16 @@ def test_peft_sparse_train_under_zero_writes_the_adapter_of_one_process(stage, t
     from tests.test_distributed import _tiny_recipe, _train_cli
 
     ds = _recipe_deepspeed(stage)
-    recipe = _tiny_recipe(tmp_path, "zero", f"max_steps: 8, per_device_train_batch_size: 4, save_strategy: 'no', {ds}")
+    method = ", growth: ma" if growth == "ma" else ""
+    optim = ", optim: adamw_torch, max_grad_norm: 0.05" if growth == "ma" else ""
+    recipe = _tiny_recipe(tmp_path, "zero", f"max_steps: 8, per_device_train_batch_size: 4, save_strategy: 'no'{optim}, {ds}", method)
     run = _train_cli(recipe, processes=2)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((tmp_path / "zero" / "summary.json").read_text())
     assert summary["engine"] == f"deepspeed-zero{stage}" and summary["world_size"] == 2
     assert summary["reselection_steps"] == [2, 6]
     assert (summary["after"] is None) == (stage == 3)  # (a ZeRO-3 model generates only with every rank: scored from the file)
-    one = _tiny_recipe(tmp_path, "one", "max_steps: 8, per_device_train_batch_size: 8, save_strategy: 'no'")
+    one = _tiny_recipe(tmp_path, "one", f"max_steps: 8, per_device_train_batch_size: 8, save_strategy: 'no'{optim}", method)
     run = _train_cli(one)
     assert run.returncode == 0, run.stderr[-3000:]
     _assert_same_adapter(tmp_path / "zero", tmp_path / "one")

@@ -323,7 +323,7 @@ def _train_cli(recipe, processes: int = 1):
     return subprocess.run([sys.executable, *launch, "-m", "peft_sparse.cli", "train", str(recipe)], capture_output=True, text=True, env=env, timeout=600)
 
 
-def _tiny_recipe(tmp_path, name: str, training: str) -> "os.PathLike":
+def _tiny_recipe(tmp_path, name: str, training: str, method: str = "") -> "os.PathLike":
     """A tiny Llama, its tokenizer, successor data and a SpIEL recipe over them (S = 4, γ = 2) with ``training`` added."""
     import json
     import random
@@ -345,7 +345,7 @@ def _tiny_recipe(tmp_path, name: str, training: str) -> "os.PathLike":
     path = tmp_path / f"{name}.yaml"
     path.write_text(f"""
 model: {{source: {tmp_path / "model"}, dtype: float32}}
-method: {{peft_type: SPIEL, target_modules: all-linear, density: 0.1, reselection_steps: 4, gradient_estimation_steps: 2}}
+method: {{peft_type: SPIEL, target_modules: all-linear, density: 0.1, reselection_steps: 4, gradient_estimation_steps: 2{method}}}
 data: {{train: {tmp_path / "train.jsonl"}, eval: {tmp_path / "test.jsonl"}}}
 training: {{output_dir: {tmp_path / name}, learning_rate: 0.01, max_length: 32, report_to: none, seed: 0, use_cpu: true,
            bf16: false, dataloader_num_workers: 0, logging_steps: 1, {training}}}

@@ -18,11 +18,11 @@ EQ=benchmarks/multi_gpu_equivalence.py
 TP="benchmarks/multi_gpu_throughput.py --out $STATE/throughput.jsonl"
 queue() {
   cat <<EOF
-eq-one|$RUN --nproc_per_node 1 $EQ run --out $STATE/eq/one
+eq-one|$RUN --nproc_per_node 1 $EQ run --growth ag ma ma-adamw --out $STATE/eq/one
 eq-ddp|$RUN --nproc_per_node 2 $EQ run --out $STATE/eq/ddp
 eq-fsdp2|$RUN --nproc_per_node 2 $EQ run --engine fsdp2 --out $STATE/eq/fsdp2
-eq-zero2|$RUN --nproc_per_node 2 $EQ run --engine zero2 --growth ag --out $STATE/eq/zero2
-eq-zero3|$RUN --nproc_per_node 2 $EQ run --engine zero3 --growth ag --out $STATE/eq/zero3
+eq-zero2|$RUN --nproc_per_node 2 $EQ run --engine zero2 --growth ag ma-adamw --out $STATE/eq/zero2
+eq-zero3|$RUN --nproc_per_node 2 $EQ run --engine zero3 --growth ag ma-adamw --out $STATE/eq/zero3
 tr-ddp|$ACC --config_file integrations/accelerate_ddp.yaml benchmarks/dev/trainer_engines.py --out $STATE/tr/ddp
 tr-fsdp2|$ACC --config_file integrations/accelerate_fsdp2.yaml benchmarks/dev/trainer_engines.py --out $STATE/tr/fsdp2
 tr-zero2|$ACC --config_file integrations/accelerate_zero2.yaml benchmarks/dev/trainer_engines.py --out $STATE/tr/zero2

@@ -15,14 +15,17 @@ them. :class:`ZeroStateBridge` gives a reselection a plain ``torch.optim.AdamW``
 * The gathered state is d_φ-sized (the values, not the weights): 3 × 4 bytes per active weight while a
   reselection runs, then released.
 
-Only Adam-family base optimizers (``exp_avg`` / ``exp_avg_sq``) are supported; SpIEL-MA's SM3 ranks growth by
-accumulators over the weight's rows and columns, which flat partitions do not keep, and is refused. Under stage 3
+Only Adam-family base optimizers (``exp_avg`` / ``exp_avg_sq``) are supported: SM3's accumulators over a weight's
+rows and columns have no place in flat partitions. SpIEL-MA beside Adam keeps its own row and column accumulators
+from the averaged gradients that :meth:`ZeroStateBridge.full_gradients` assembles at the start of each ZeRO step
+(:meth:`ZeroStateBridge.before_step`). Under stage 3
 the sparse layers gather their partitioned base weights themselves (:func:`peft_sparse.core.base.gather_partitioned_base`).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
+from typing import Callable, Optional
 
 import torch
 
@@ -73,6 +76,9 @@ class ZeroStateBridge:
                     f"{type(base).__name__} with param group keys {sorted(k for k in group if k != 'params')}"
                 )
         self._group_of = group_of
+        # whether ZeRO trains the values alone (then the gradient norm it clips by is theirs: full_gradients)
+        held = sum(p.numel() for group in (zero_optimizer.fp16_groups if self.stage3 else zero_optimizer.bit16_groups) for p in group)
+        self.values_alone = held == sum(getattr(p, "ds_numel", p.numel()) for p in self.params)
         if self.stage3:  # the layers' partitioned base weights, gathered with them from the first step on
             from ..core.base import register_partitioned_base
 
@@ -166,6 +172,55 @@ class ZeroStateBridge:
         flat = value.reshape(-1)[: padded.numel()]
         padded[: flat.numel()] = flat
         partition.data.copy_(padded[size * rank :])
+
+    def full_gradients(self) -> Optional[dict]:
+        """{id(values): flat gradient} of every values tensor, whole and averaged over the ranks, as ZeRO holds them
+        between the backward pass and its step (DeepSpeed's public ``safe_get_full_grad``: collectives, every rank
+        asks for the same tensors in the same order), divided by the loss scale (fp16) and clipped as ZeRO's step
+        will clip them (``gradient_clipping``: by their global norm, where ZeRO trains the values alone; otherwise
+        unclipped, since the norm over the other parameters is not at hand); None when one is not finite (ZeRO
+        skips that step). A values tensor ZeRO holds no gradient for is left out."""
+        from deepspeed.utils import safe_get_full_grad
+
+        scale = float(getattr(self.zero, "loss_scale", 1.0) or 1.0)
+        grads, finite = {}, []
+        for p in self.params:
+            if p.grad is not None:  # (ZeRO frees each gradient it reduces: one still here was never averaged)
+                raise RuntimeError("a sparse values tensor still holds a local gradient at DeepSpeed's optimizer step; "
+                                   "expected ZeRO to have reduced it into its partitions")  # fmt: skip
+            grad = safe_get_full_grad(p)
+            if grad is not None:
+                grad = grad.reshape(-1).float()
+                grads[id(p)] = grad / scale if scale != 1.0 else grad
+                finite.append(torch.isfinite(grad).all())
+        if finite and not bool(torch.stack(finite).all()):
+            return None
+        max_norm = float(getattr(self.zero, "clip_grad", 0.0) or 0.0)
+        if grads and max_norm > 0 and self.values_alone:  # (torch's clip_grad_norm_ and ZeRO's: max_norm / (norm + 1e-6))
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+            factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            grads = {k: g * factor for k, g in grads.items()}
+        return grads
+
+    def before_step(self, hook: Callable[[], None]):
+        """Run ``hook`` at the start of every step of the ZeRO optimizer (while it still holds the reduced
+        gradients), whoever calls that step: DeepSpeed's engine, or accelerate's inside ``backward``. Returns a
+        handle whose ``remove()`` restores the optimizer's own ``step``."""
+        zero, own = self.zero, self.zero.step
+
+        def step(*args, **kwargs):
+            hook()
+            return own(*args, **kwargs)
+
+        zero.step = step
+
+        class _Handle:
+            @staticmethod
+            def remove() -> None:
+                if zero.__dict__.get("step") is step:
+                    del zero.step
+
+        return _Handle()
 
     @contextmanager
     def editing(self):

@@ -90,24 +90,23 @@ class SpIELScheduler(SchedulerState):
         self.layers = [m for m in self.model.modules() if isinstance(m, SparseLayer) and self.adapter_name in m.sparse_values]
         # DeepSpeed ZeRO: reselections edit a shadow AdamW holding the values' gathered state (optim.zero)
         zero = find_zero_optimizer(optimizer)
-        if zero is not None and (self.config.growth == "ma" or self.config.budget_split == "adaptive"):
-            field_name = "growth='ma'" if self.config.growth == "ma" else "budget_split='adaptive'"
-            raise ValueError(
-                f"SpIEL with {field_name} does not run under DeepSpeed ZeRO: "
-                + ("SM3's row and column accumulators are not kept in ZeRO's flat partitions" if self.config.growth == "ma"
-                   else "resized values cannot follow ZeRO's flat buffers")
-                + "; use growth='ag' with budget_split 'uniform' or 'lora', or DDP / FSDP2"
-            )
-        self._zero = ZeroStateBridge(zero, self.layers, self.adapter_name, what="SpIEL-AG") if zero is not None else None
+        if zero is not None:
+            self._refuse_under_zero(zero)
+        what = "SpIEL-MA" if self.config.growth == "ma" else "SpIEL-AG"
+        self._zero = ZeroStateBridge(zero, self.layers, self.adapter_name, what=what) if zero is not None else None
         self.optimizer = self._zero.shadow if self._zero is not None else check_supported(optimizer)
         self._check_optimizer_holds_values(created=True)
         # SpIEL-MA ranks growth by SM3's row and column accumulators: SM3's own, or (any other optimizer) the
-        # same accumulators kept here from the gradients each optimizer step sees
+        # same accumulators kept here from the gradients each optimizer step sees (under ZeRO: the reduced
+        # gradients it holds when its step starts)
         self.ma_accumulators: Optional[RowColumnAccumulators] = None
         self._ma_hook = None
         if self.config.growth == "ma" and not isinstance(self.optimizer, SM3):
             self.ma_accumulators = RowColumnAccumulators(self.layers, self.adapter_name)
-            self._ma_hook = self.optimizer.register_step_pre_hook(self.ma_accumulators.update)
+            if self._zero is not None:
+                self._ma_hook = self._zero.before_step(self._accumulate_under_zero)
+            else:
+                self._ma_hook = self.optimizer.register_step_pre_hook(self.ma_accumulators.update)
         self.t = 0
         self.steps_in_window = 0
         self.statistics: dict[str, _WindowStatistics] = {}
@@ -126,6 +125,27 @@ class SpIELScheduler(SchedulerState):
             self._check_ranks_agree()
         self._attach_guard(tuner)
         self._arm_if_window(1)
+
+    def _accumulate_under_zero(self) -> None:
+        """SpIEL-MA beside Adam under ZeRO: the accumulators from the gradients ZeRO reduced, at the start of its
+        step, clipped as that step will clip them (as a step pre-hook sees them without ZeRO); a step it skips (fp16
+        overflow) adds nothing."""
+        grads = self._zero.full_gradients()
+        if grads is not None:
+            self.ma_accumulators.update(gradient=lambda values: grads.get(id(values)))
+
+    def _refuse_under_zero(self, zero) -> None:
+        """What DeepSpeed ZeRO's flat partitions cannot follow, refused by name."""
+        if self.config.budget_split == "adaptive":
+            raise ValueError("SpIEL with budget_split='adaptive' does not run under DeepSpeed ZeRO: resized values cannot "
+                             "follow ZeRO's flat buffers; use budget_split 'uniform' or 'lora', or DDP / FSDP2")  # fmt: skip
+        if self.config.growth == "ma" and isinstance(zero.optimizer, SM3):
+            raise ValueError("SpIEL with growth='ma' and the SM3 optimizer does not run under DeepSpeed ZeRO: SM3's row and "
+                             "column accumulators are not kept in ZeRO's flat partitions; train MA beside AdamW there "
+                             "(the scheduler keeps the accumulators), or use DDP / FSDP2")  # fmt: skip
+        if self.config.growth == "ma" and self.config.seed_moments == "second":
+            raise ValueError("seed_moments='second' for SpIEL-MA does not run under DeepSpeed ZeRO (the moments are "
+                             "partitioned between reselections); leave seed_moments at 'none'")  # fmt: skip
 
     def _check_optimizer_holds_values(self, created: bool = False) -> None:
         """At creation the optimizer must hold every layer's values Parameter itself: its state is what a

@@ -3,7 +3,7 @@ column accumulators when the optimizer is not SM3 (:class:`RowColumnAccumulators
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional
+from typing import Callable, ClassVar, Optional
 
 import torch
 import torch.distributed as dist
@@ -195,10 +195,12 @@ class RowColumnAccumulators:
         group["built_from"] = [(idx, internals.version(idx)) for idx in indices]
 
     @torch.no_grad()
-    def update(self, *_unused) -> None:
+    def update(self, *_unused, gradient: Optional[Callable] = None) -> None:
         """One optimizer step's gradients into R and C (a step pre-hook; a values tensor without a gradient
-        this step counts as zero gradients, as SM3 skips it)."""
+        this step counts as zero gradients, as SM3 skips it). ``gradient``: values → its gradient, where it is not
+        ``values.grad`` (under DeepSpeed ZeRO: the reduced gradients it holds)."""
         name = self.adapter_name
+        gradient = gradient if gradient is not None else (lambda values: values.grad)
         for group in self.groups.values():
             indices = [m.sparse_indices[name] for m in group["layers"]]
             built = group["built_from"]
@@ -208,7 +210,7 @@ class RowColumnAccumulators:
             grads = []
             for layer in group["layers"]:
                 values = layer.sparse_values[name]
-                g = values.grad
+                g = gradient(values)
                 grads.append(torch.zeros(values.numel(), dtype=row.dtype, device=row.device) if g is None else g.reshape(-1).to(row.dtype))
             accumulate_sparse(row, col, group["rows"], group["cols"], torch.cat(grads))
 
