@@ -304,3 +304,26 @@ def test_a_zero_checkpoint_resumes_the_scheduler_exactly(stage, tmp_path):
     assert run.returncode == 0, "\n".join(l for l in run.stderr.splitlines() if "rror" in l)[-3000:]
     assert json.loads((tmp_path / "resumed" / "summary.json").read_text())["reselection_steps"] == [2, 6]  # (2: from the checkpoint)
     _assert_same_adapter(tmp_path / "whole", tmp_path / "resumed")
+
+
+def test_peft_sparse_train_under_zero_bf16_accepts_deepspeeds_cast(tmp_path):
+    """`peft-sparse train` with `bf16: true` under ZeRO-2: DeepSpeed's bf16 engine casts the float32 values to
+    bfloat16 and keeps their float32 masters; training runs and reselects on schedule (this once failed on two GPUs:
+    the layers refused the cast), and the adapter file it writes loads."""
+    import json
+
+    from peft import PeftModel
+
+    from tests.models import tiny_llama
+    from tests.test_distributed import _tiny_recipe, _train_cli
+
+    recipe = _tiny_recipe(tmp_path, "zero", f"max_steps: 8, per_device_train_batch_size: 4, save_strategy: 'no', {_recipe_deepspeed(2)}")
+    text = recipe.read_text()
+    assert "bf16: false" in text
+    recipe.write_text(text.replace("bf16: false", "bf16: true"))
+    run = _train_cli(recipe, processes=2)
+    assert run.returncode == 0, "\n".join(l for l in run.stderr.splitlines() if "rror" in l)[-3000:]
+    summary = json.loads((tmp_path / "zero" / "summary.json").read_text())
+    assert summary["engine"] == "deepspeed-zero2" and summary["reselection_steps"] == [2, 6]
+    loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path / "zero" / "adapter")
+    assert any(bool((p != 0).any()) for n, p in loaded.named_parameters() if n.endswith("sparse_values.default"))
