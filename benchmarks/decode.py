@@ -4,7 +4,8 @@
     python benchmarks/decode.py --device cuda --size tinyllama   # GPU: TinyLlama shapes, random weights, bf16
 
 Variants: ``base`` (no adapter), ``sparse`` (a SparseFTConfig adapter with random non-zero values,
-unmerged), ``sparse-merged`` (the same, merged), ``lora`` (PEFT LoRA, unmerged). Every variant generates
+unmerged), ``sparse-merged`` (the same, merged), ``sparse-in-block`` (the same unmerged adapter, each generate call
+inside ``peft_sparse.merged_for_inference``, its merge and restore timed with it), ``lora`` (PEFT LoRA, unmerged). Every variant generates
 the same number of new tokens from the same prompt; tokens per second is the median over rounds, rounds
 interleaved across variants. Prints speed relative to ``base`` and checks that the unmerged sparse
 adapter's greedy tokens equal the merged model's.
@@ -67,9 +68,14 @@ def variant(name: str, base, args):
 
 
 @torch.no_grad()
-def decode(model, prompt, new_tokens: int):
+def decode(model, prompt, new_tokens: int, in_block: bool = False):
+    from contextlib import nullcontext
+
+    from peft_sparse import merged_for_inference
+
     start = time.perf_counter()
-    out = model.generate(input_ids=prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with merged_for_inference(model) if in_block else nullcontext():
+        out = model.generate(input_ids=prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     if prompt.is_cuda:
         torch.cuda.synchronize()
     return new_tokens / (time.perf_counter() - start), out
@@ -83,7 +89,7 @@ def main():
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--variants", default="base,sparse,sparse-merged,lora")
+    parser.add_argument("--variants", default="base,sparse,sparse-merged,sparse-in-block,lora")
     args = parser.parse_args()
     base = build(args).eval()
     names = args.variants.split(",")
@@ -92,10 +98,10 @@ def main():
     speeds = {n: [] for n in names}
     outputs = {}
     for n in names:  # warm-up
-        decode(models[n], prompt, 4)
+        decode(models[n], prompt, 4, n == "sparse-in-block")
     for _ in range(args.rounds):
         for n in names:
-            tps, out = decode(models[n], prompt, args.new_tokens)
+            tps, out = decode(models[n], prompt, args.new_tokens, n == "sparse-in-block")
             speeds[n].append(tps)
             outputs[n] = out
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
@@ -107,6 +113,8 @@ def main():
         print(f"| {n} | {tps:.1f} | {tps / statistics.median(speeds['base']):.3f} |" if "base" in speeds else f"| {n} | {tps:.1f} | |")
     if "sparse" in outputs and "sparse-merged" in outputs:
         print("unmerged sparse tokens equal the merged model's:", torch.equal(outputs["sparse"], outputs["sparse-merged"]))
+    if "sparse-in-block" in outputs and "sparse-merged" in outputs:
+        print("in-block tokens equal the merged model's:", torch.equal(outputs["sparse-in-block"], outputs["sparse-merged"]))
 
 
 if __name__ == "__main__":

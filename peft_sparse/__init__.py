@@ -9,6 +9,7 @@ from .accel import fast_paths, gpu  # noqa: F401  (gpu: hands the core its Trito
 from .core.compose import convert_config, load_sparse_adapter, merge_sparse_adapters
 from .core.config import SparseConfig
 from .core.layer import SparseLayer
+from .core.merging import merged_for_inference
 from .methods.madg import BottleneckConfig, BottleneckModel, MADGConfig, MADGModel, generate_language_adapter
 from .methods.lt_sft import LTSFTConfig, LTSFTModel, LTSFTScheduler
 from .methods.s4 import S4Config, S4Model, S4Router, build_s4_model, detect_language_masks
@@ -60,4 +61,5 @@ __all__ = [
     "fast_paths",
     "load_sparse_adapter",
     "merge_sparse_adapters",
+    "merged_for_inference",
 ]

@@ -162,3 +162,84 @@ def test_one_token_passes_equal_the_merged_model_and_base_layer_hooks_still_fire
     with torch.no_grad():
         want = output(merged(x))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_merged_for_inference_equals_the_merged_model_and_restores_the_base_bit_for_bit(name):
+    """Inside ``merged_for_inference`` every pass is the base layer's own over W + δ (the merged model's outputs
+    exactly, no product from δ's entries) and no gradient is recorded; on leaving, every base weight is θ₀ bit for
+    bit and the adapter is unmerged — after an error inside too."""
+    build, targets, output = MODELS[name]
+    torch.manual_seed(0)
+    model = get_peft_model(build(), SparseFTConfig(target_modules=targets, density=0.1))
+    randomize_values(model, scale=0.1)
+    model.eval()
+    layers = sparse_layers(model)
+    theta0 = {l.module_name: l.get_base_layer().weight.detach().clone() for l in layers}
+    x = inputs(seed=4, batch=1, length=5)
+    with torch.no_grad():
+        before = output(model(x))
+    with peft_sparse.merged_for_inference(model) as merged:
+        assert len(merged) == len(layers) and all(l.merged for l in layers)
+        inside = output(model(x))
+        assert not inside.requires_grad
+    assert not any(l.merged for l in layers)
+    for l in layers:
+        assert torch.equal(l.get_base_layer().weight, theta0[l.module_name])
+    with pytest.raises(RuntimeError, match="inside"):
+        with peft_sparse.merged_for_inference(model):
+            assert all(l.merged for l in layers)
+            raise RuntimeError("inside")
+    assert not any(l.merged for l in layers)
+    for l in layers:
+        assert torch.equal(l.get_base_layer().weight, theta0[l.module_name])
+    with torch.no_grad():
+        assert torch.equal(output(model(x)), before)
+        want = output(model.merge_and_unload()(x))  # (merge_and_unload: the same W + δ, written the same way)
+    assert torch.equal(inside, want)
+
+
+def test_merged_for_inference_leaves_tied_and_disabled_layers_unmerged_and_evaluation_uses_it(monkeypatch):
+    """A base weight another module shares (a tied lm_head) is not merged (its embedding rows would change); with
+    the adapters disabled nothing is merged; ``exact_match``'s generation runs with every other layer merged, and
+    its replies equal those outside the block."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from peft_sparse import evaluation
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))  # fmt: skip
+    model = get_peft_model(base, SparseFTConfig(target_modules=["lm_head", "q_proj", "down_proj"], density=0.2))
+    randomize_values(model, scale=0.1)
+    embeddings = model.get_input_embeddings().weight.detach().clone()
+    with peft_sparse.merged_for_inference(model) as merged:
+        names = sorted(l.module_name.split(".")[-1] for l in merged)
+        assert names == ["down_proj", "q_proj"]
+        assert torch.equal(model.get_input_embeddings().weight, embeddings)
+    with model.disable_adapter(), peft_sparse.merged_for_inference(model) as merged:
+        assert merged == []
+    seen = []
+    layer = next(l for l in sparse_layers(model) if l.module_name.endswith("q_proj"))
+    layer.register_forward_pre_hook(lambda m, a: seen.append(m.merged))
+
+    class Tok:  # (the smallest tokenizer generate_answers needs)
+        padding_side, pad_token_id = "right", 0
+
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+            return messages[-1]["content"]
+
+        def __call__(self, texts, **kw):
+            ids = torch.tensor([[int(t) for t in s.split()] for s in texts])
+            return type("Enc", (dict,), {"to": lambda self, d: self})(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+        def batch_decode(self, rows, skip_special_tokens=True):
+            return [" ".join(str(int(t)) for t in r) for r in rows]
+
+    prompts = [[{"role": "user", "content": "5 7 9"}], [{"role": "user", "content": "11 3 2"}]]
+    replies = evaluation.generate_answers(model, Tok(), prompts, max_new_tokens=3)
+    assert seen and all(seen)
+    assert not layer.merged
+    with torch.no_grad():
+        monkeypatch.setattr(evaluation, "merged_for_inference", lambda m: __import__("contextlib").nullcontext())
+        assert evaluation.generate_answers(model, Tok(), prompts, max_new_tokens=3) == replies

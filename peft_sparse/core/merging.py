@@ -3,6 +3,7 @@ views of its deltas: a mixin of :class:`peft_sparse.core.layer.SparseLayer`."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Optional
 
@@ -69,3 +70,42 @@ class MergeLayer:
             weight.dtype,
             owned=self.quantization_backend is not None,
         )
+
+
+@contextlib.contextmanager
+def merged_for_inference(model):
+    """Generate (or evaluate) at the base model's speed with adapters that stay unmerged outside the block::
+
+        with peft_sparse.merged_for_inference(model):
+            out = model.generate(**inputs)
+
+    Every sparse layer's active adapters are merged into its float base weight in place — the d_φ entries they
+    overwrite are kept — and written back bit for bit when the block ends, also on an error: O(d_φ) memory, not a
+    weight-sized copy, and each pass inside is the base layer's own (outputs equal the merged model's). The block runs
+    under ``torch.no_grad()`` (a merged adapter gets no gradient). Left unmerged, and computed from δ's entries as
+    outside the block: 4-bit layers (requantizing would not restore them bit for bit), base weights a sharding
+    wrapper manages (FSDP, DeepSpeed ZeRO-3), layers already merged, and layers whose weight another module shares.
+    Not for ``adapter_names`` mixed batches (they need unmerged adapters). Yields the layers it merged."""
+    from .layer import SparseLayer
+    from ..accel.training_merge import _managed_by_sharding
+
+    merged = []
+    try:
+        with torch.no_grad():
+            for layer in model.modules():
+                if not isinstance(layer, SparseLayer) or layer.merged or layer.quantization_backend is not None:
+                    continue
+                active = [a for a in layer.active_adapters if a in layer.sparse_values]
+                if not active or layer.disable_adapters:
+                    continue
+                weight = layer.get_base_layer().weight
+                if (_managed_by_sharding(weight) or not weight.dtype.is_floating_point or weight.device.type == "meta"
+                        or layer._weight_is_shared(weight)):  # fmt: skip
+                    continue
+                layer.merge(adapter_names=active)
+                merged.append(layer)
+            yield merged
+    finally:
+        for layer in reversed(merged):
+            if layer.merged:
+                layer.unmerge()

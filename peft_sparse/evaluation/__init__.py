@@ -7,6 +7,8 @@ from collections import defaultdict
 
 import torch
 
+from ..core.merging import merged_for_inference
+
 
 def normalize(text: str) -> str:
     """First line of the reply, stripped of surrounding whitespace, quotes and a final period."""
@@ -22,6 +24,8 @@ def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens
     was_training = model.training
     model.eval()
     replies = []
+    merged = merged_for_inference(model)  # (the adapters merged in place while generating, θ₀ restored after)
+    merged.__enter__()
     try:
         from tqdm.auto import tqdm
 
@@ -37,6 +41,7 @@ def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens
             )
             replies += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     finally:
+        merged.__exit__(None, None, None)
         tokenizer.padding_side = side
         model.train(was_training)
     return replies

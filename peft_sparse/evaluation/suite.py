@@ -32,6 +32,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..core.merging import merged_for_inference
+
 # ------------------------------------------------------------------------------------------ data
 HUB = {
     "mmlu": ("cais/mmlu", "all", "test"),
@@ -85,6 +87,8 @@ class HFModel:
         was = self.model.training
         self.model.eval()
         out = []
+        merged = merged_for_inference(self.model)  # (the adapters merged in place while generating, θ₀ restored after)
+        merged.__enter__()
         try:
             if temperature > 0:
                 torch.manual_seed(self.seed)  # (reproducible sampling)
@@ -98,6 +102,7 @@ class HFModel:
                 replies = tok.batch_decode(ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
                 out += [r.split(stop)[0] if stop else r for r in replies]
         finally:
+            merged.__exit__(None, None, None)
             tok.padding_side = side
             self.model.train(was)
         return out
