@@ -46,13 +46,14 @@ def _snapshot(model) -> dict:
     }
 
 
-def _ds_config(stage: int) -> dict:
+def _ds_config(stage: int, clip: float = 0.0) -> dict:
     return {
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage},
+        # (persistence threshold 0: every values tensor partitioned under stage 3, as in a real model)
+        "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if clip else {})},
         "zero_allow_untested_optimizer": True,
-        "gradient_clipping": 0.0,
+        "gradient_clipping": clip,
     }
 
 
@@ -61,7 +62,7 @@ def _init(rank: int, world: int, port: int) -> None:
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
 
-def _zero_worker(rank: int, world: int, port: int, out_dir: str, stage: int, merge: bool, growth: str = "ag") -> None:
+def _zero_worker(rank: int, world: int, port: int, out_dir: str, stage: int, merge: bool, growth: str = "ag", clip: float = 0.0) -> None:
     from peft import get_peft_model
 
     from peft_sparse import SpIELScheduler
@@ -71,7 +72,7 @@ def _zero_worker(rank: int, world: int, port: int, out_dir: str, stage: int, mer
     torch.manual_seed(0)
     model = get_peft_model(tiny_llama(), _config(training_merge=merge, growth=growth))
     params = [p for p in model.parameters() if p.requires_grad]
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(params, lr=1e-2), config=_ds_config(stage))
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(params, lr=1e-2), config=_ds_config(stage, clip))
     scheduler = SpIELScheduler(model, optimizer, total_steps=STEPS)
     engine.train()
     reports = []
@@ -90,7 +91,7 @@ def _zero_worker(rank: int, world: int, port: int, out_dir: str, stage: int, mer
     os._exit(0)
 
 
-def _one_process_reference(growth: str = "ag") -> dict:
+def _one_process_reference(growth: str = "ag", clip: float = 0.0) -> dict:
     from peft import get_peft_model
 
     from peft_sparse import SpIELScheduler
@@ -106,6 +107,8 @@ def _one_process_reference(growth: str = "ag") -> dict:
     for step in range(1, STEPS + 1):
         x = _batch(step, slice(0, 2 * BATCH))
         model(x, labels=x).loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, clip)
         optimizer.step()
         optimizer.zero_grad()
         reports.append(scheduler.step())
@@ -113,17 +116,21 @@ def _one_process_reference(growth: str = "ag") -> dict:
 
 
 @pytest.mark.parametrize("stage, merge, growth", [(2, False, "ag"), (3, False, "ag"), (2, True, "ag"), (3, True, "ag"),
-                                                  (2, False, "ma"), (3, False, "ma")],
-                         ids=["zero2", "zero3", "zero2-training-merge", "zero3-training-merge", "zero2-ma-adamw", "zero3-ma-adamw"])  # fmt: skip
+                                                  (2, False, "ma"), (3, False, "ma"), (3, "clip", "ma")],
+                         ids=["zero2", "zero3", "zero2-training-merge", "zero3-training-merge", "zero2-ma-adamw", "zero3-ma-adamw",
+                              "zero3-ma-adamw-clipped"])  # fmt: skip
 def test_zero_two_processes_select_the_indices_of_one_process_at_twice_the_batch(stage, merge, growth):
     """(training_merge=True: off under ZeRO — it writes the values by collectives that leave their version counter
     unchanged, and under stage 3 shards the base — so the results are those of the default path. growth='ma' beside
-    AdamW: the scheduler's row and column accumulators from the gradients ZeRO reduced, at the start of its step.)"""
+    AdamW: the scheduler's row and column accumulators from the gradients ZeRO reduced, at the start of its step;
+    "clip": with gradient clipping that binds, every values tensor partitioned — clipped as ZeRO's step clips.)"""
+    clip = 0.05 if merge == "clip" else 0.0
+    merge = merge is True
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_zero_worker, args=(2, _free_port(), out_dir, stage, merge, growth), nprocs=2, join=True)
+        mp.spawn(_zero_worker, args=(2, _free_port(), out_dir, stage, merge, growth, clip), nprocs=2, join=True)
         r0 = torch.load(os.path.join(out_dir, "rank0.pt"))
         r1 = torch.load(os.path.join(out_dir, "rank1.pt"))
-    ref = _one_process_reference(growth)
+    ref = _one_process_reference(growth, clip)
     assert [t for t, r in enumerate(ref["reports"], 1) if r] == [2, 6]  # the first a full replacement
     assert [bool(r) for r in r0["reports"]] == [bool(r) for r in ref["reports"]]
     for a, b, c in zip(r0["indices"], r1["indices"], ref["indices"]):
@@ -306,10 +313,12 @@ def test_a_zero_checkpoint_resumes_the_scheduler_exactly(stage, tmp_path):
     _assert_same_adapter(tmp_path / "whole", tmp_path / "resumed")
 
 
-def test_peft_sparse_train_under_zero_bf16_accepts_deepspeeds_cast(tmp_path):
-    """`peft-sparse train` with `bf16: true` under ZeRO-2: DeepSpeed's bf16 engine casts the float32 values to
+@pytest.mark.parametrize("stage", [2, 3])
+def test_peft_sparse_train_under_zero_bf16_accepts_deepspeeds_cast(stage, tmp_path):
+    """`peft-sparse train` with `bf16: true` under ZeRO-2 and -3: DeepSpeed's bf16 engine casts the float32 values to
     bfloat16 and keeps their float32 masters; training runs and reselects on schedule (this once failed on two GPUs:
-    the layers refused the cast), and the adapter file it writes loads."""
+    the layers refused the cast), and the adapter file it writes (ZeRO-3: from its consolidated state dict) is in the
+    config's values_dtype and loads."""
     import json
 
     from peft import PeftModel
@@ -317,13 +326,13 @@ def test_peft_sparse_train_under_zero_bf16_accepts_deepspeeds_cast(tmp_path):
     from tests.models import tiny_llama
     from tests.test_distributed import _tiny_recipe, _train_cli
 
-    recipe = _tiny_recipe(tmp_path, "zero", f"max_steps: 8, per_device_train_batch_size: 4, save_strategy: 'no', {_recipe_deepspeed(2)}")
+    recipe = _tiny_recipe(tmp_path, "zero", f"max_steps: 8, per_device_train_batch_size: 4, save_strategy: 'no', {_recipe_deepspeed(stage)}")
     text = recipe.read_text()
     assert "bf16: false" in text
     recipe.write_text(text.replace("bf16: false", "bf16: true"))
     run = _train_cli(recipe, processes=2)
     assert run.returncode == 0, "\n".join(l for l in run.stderr.splitlines() if "rror" in l)[-3000:]
     summary = json.loads((tmp_path / "zero" / "summary.json").read_text())
-    assert summary["engine"] == "deepspeed-zero2" and summary["reselection_steps"] == [2, 6]
+    assert summary["engine"] == f"deepspeed-zero{stage}" and summary["reselection_steps"] == [2, 6]
     loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path / "zero" / "adapter")
     assert any(bool((p != 0).any()) for n, p in loaded.named_parameters() if n.endswith("sparse_values.default"))

@@ -148,7 +148,7 @@ def register_partitioned_base(layer: nn.Module, base: nn.Module) -> list:
 
 
 def engine_keeps_master(param: torch.Tensor) -> bool:
-    """Whether a DeepSpeed mixed-precision optimizer (bf16 or fp16, ZeRO stages 0–3) holds ``param``'s float32
+    """Whether a DeepSpeed mixed-precision optimizer (bf16 at any ZeRO stage, fp16 under ZeRO 1–3) holds ``param``'s float32
     master copy, so that ``param`` itself is the engine's low-precision working copy and casting it lost nothing:
     DeepSpeed marks such a parameter with ``ds_id`` (stage 3) or ``_hp_mapping`` (the others) — the attributes its
     public ``deepspeed.utils.safe_get_full_fp32_param`` reads. False without DeepSpeed."""

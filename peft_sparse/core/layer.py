@@ -74,18 +74,6 @@ def _release_before_state_dict(module, prefix, keep_vars) -> None:
     module.release_training_merge()
 
 
-def _values_in_their_dtype(module, state_dict, prefix, local_metadata) -> None:
-    """Values that DeepSpeed's bf16/fp16 engine cast (it keeps their float32 masters) are written in the adapter's
-    ``values_dtype``, an exact widening: the file matches its config and loads (:func:`engine_keeps_master`)."""
-    for name, values in module.sparse_values.items():
-        key = f"{prefix}sparse_values.{name}"
-        wanted = module.values_dtype.get(name)
-        saved = state_dict.get(key)
-        if saved is not None and wanted is not None and saved.dtype != wanted and engine_keeps_master(values) \
-                and torch.finfo(wanted).bits > torch.finfo(saved.dtype).bits:
-            state_dict[key] = saved.to(wanted)
-
-
 def _release_before_load(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
     module.release_training_merge()
     take_saved_sizes(module, state_dict, prefix)  # (budget_split='adaptive': a saved adapter holds its own sizes)
@@ -138,7 +126,6 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, MixedBatchLayer
         self._checked_indices: dict[str, torch.Tensor] = {}
         self.resizable_adapters: set[str] = set()  # adapters whose size a reselection or a load may change
         self.register_state_dict_pre_hook(_release_before_state_dict)
-        self.register_state_dict_post_hook(_values_in_their_dtype)
         self.register_load_state_dict_pre_hook(_release_before_load)
 
         base = self.get_base_layer()

@@ -100,10 +100,11 @@ def merged_for_inference(model):
                     continue
                 weight = layer.get_base_layer().weight
                 if (_managed_by_sharding(weight) or not weight.dtype.is_floating_point or weight.device.type == "meta"
+                        or (weight.is_inference() and not torch.is_inference_mode_enabled())
                         or layer._weight_is_shared(weight)):  # fmt: skip
                     continue
+                merged.append(layer)  # (first: a merge that fails half-way is still undone)
                 layer.merge(adapter_names=active)
-                merged.append(layer)
             yield merged
     finally:
         for layer in reversed(merged):

@@ -303,6 +303,14 @@ class SparseTuner(BaseTuner):
     def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
         # each tensor's positions as an index list or a bitmap, whichever is smaller (core/storage.py)
         out = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
+        # values cast to a narrower float than the config's values_dtype (DeepSpeed's bf16/fp16 engines cast them and
+        # keep float32 masters) are written in that dtype — an exact widening — so that the file matches its config
+        # and loads; the same however the state dict was built (ZeRO-3 consolidates its own, without module hooks)
+        wanted = getattr(config, "torch_values_dtype", None)
+        for key, tensor in out.items():
+            if (wanted is not None and key.endswith(f".sparse_values.{adapter_name}") and tensor.is_floating_point()
+                    and torch.finfo(wanted).bits > torch.finfo(tensor.dtype).bits):  # fmt: skip
+                out[key] = tensor.to(wanted)
 
         def numel_of(key: str) -> int:
             module = model.get_submodule(key.split(storage.LIST)[0].removeprefix("_fsdp_wrapped_module."))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 
 import torch
@@ -24,9 +25,9 @@ def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens
     was_training = model.training
     model.eval()
     replies = []
-    merged = merged_for_inference(model)  # (the adapters merged in place while generating, θ₀ restored after)
-    merged.__enter__()
+    merged = contextlib.ExitStack()
     try:
+        merged.enter_context(merged_for_inference(model))  # (the adapters merged in place while generating, θ₀ restored after)
         from tqdm.auto import tqdm
 
         # (a bar on a terminal; none when the output is a file or a test)
@@ -41,7 +42,7 @@ def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens
             )
             replies += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     finally:
-        merged.__exit__(None, None, None)
+        merged.close()
         tokenizer.padding_side = side
         model.train(was_training)
     return replies

@@ -19,6 +19,7 @@ tests pass simple stand-ins).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -87,9 +88,9 @@ class HFModel:
         was = self.model.training
         self.model.eval()
         out = []
-        merged = merged_for_inference(self.model)  # (the adapters merged in place while generating, θ₀ restored after)
-        merged.__enter__()
+        merged = contextlib.ExitStack()
         try:
+            merged.enter_context(merged_for_inference(self.model))  # (the adapters merged in place while generating, θ₀ restored after)
             if temperature > 0:
                 torch.manual_seed(self.seed)  # (reproducible sampling)
             from tqdm.auto import tqdm
@@ -102,7 +103,7 @@ class HFModel:
                 replies = tok.batch_decode(ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
                 out += [r.split(stop)[0] if stop else r for r in replies]
         finally:
-            merged.__exit__(None, None, None)
+            merged.close()
             tok.padding_side = side
             self.model.train(was)
         return out

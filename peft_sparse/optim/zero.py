@@ -77,7 +77,8 @@ class ZeroStateBridge:
                 )
         self._group_of = group_of
         # whether ZeRO trains the values alone (then the gradient norm it clips by is theirs: full_gradients)
-        held = sum(p.numel() for group in (zero_optimizer.fp16_groups if self.stage3 else zero_optimizer.bit16_groups) for p in group)
+        groups = zero_optimizer.fp16_groups if self.stage3 else zero_optimizer.bit16_groups
+        held = sum(getattr(p, "ds_numel", p.numel()) for group in groups for p in group)  # (stage 3: partitioned, numel 0)
         self.values_alone = held == sum(getattr(p, "ds_numel", p.numel()) for p in self.params)
         if self.stage3:  # the layers' partitioned base weights, gathered with them from the first step on
             from ..core.base import register_partitioned_base

@@ -211,7 +211,7 @@ class RowColumnAccumulators:
             for layer in group["layers"]:
                 values = layer.sparse_values[name]
                 g = gradient(values)
-                grads.append(torch.zeros(values.numel(), dtype=row.dtype, device=row.device) if g is None else g.reshape(-1).to(row.dtype))
+                grads.append(torch.zeros(getattr(values, "ds_numel", values.numel()), dtype=row.dtype, device=row.device) if g is None else g.reshape(-1).to(row.dtype))
             accumulate_sparse(row, col, group["rows"], group["cols"], torch.cat(grads))
 
     @torch.no_grad()
