@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..core import kernels
+from ..core.base import managed_by_sharding
 from .. import accel
 from ..core.functional import _compute_dtype
 from . import internals
@@ -325,17 +326,6 @@ def _register_step_hook() -> None:
         _STEP_HOOK = register_optimizer_step_post_hook(_refresh_after_step)
 
 
-def _managed_by_sharding(weight: torch.Tensor) -> bool:
-    """A weight managed by a sharding wrapper (FSDP, DeepSpeed ZeRO-3, DTensor): never written in place."""
-    if getattr(weight, "_fsdp_flattened", False) or hasattr(weight, "ds_id"):
-        return True
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return isinstance(weight, DTensor)
-
-
 def _written_by_zero(values: torch.Tensor) -> bool:
     """Values whose updates DeepSpeed ZeRO writes (stage 1/2 link them to their partitions, stage 3 partitions
     them): it copies the stepped masters back by collectives that leave the values' version counter as it was,
@@ -401,7 +391,7 @@ class TrainingMergeLayer:
             and weight.is_contiguous()
             and weight.device == values.device
             and weight.device.type != "meta"
-            and not _managed_by_sharding(weight)
+            and not managed_by_sharding(weight)
             and not _written_by_zero(values)
             and not self._weight_is_shared(weight)
         )

@@ -153,3 +153,14 @@ def engine_keeps_master(param: torch.Tensor) -> bool:
     DeepSpeed marks such a parameter with ``ds_id`` (stage 3) or ``_hp_mapping`` (the others) — the attributes its
     public ``deepspeed.utils.safe_get_full_fp32_param`` reads. False without DeepSpeed."""
     return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
+
+
+def managed_by_sharding(weight: torch.Tensor) -> bool:
+    """A weight managed by a sharding wrapper (FSDP, DeepSpeed ZeRO-3, DTensor): never written in place."""
+    if getattr(weight, "_fsdp_flattened", False) or hasattr(weight, "ds_id"):
+        return True
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(weight, DTensor)

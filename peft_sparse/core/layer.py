@@ -285,11 +285,15 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, MixedBatchLayer
             check_sparse_tensors(self.module_name, indices, values, self.numel, index_dtype=index_dtype(self.numel))
             self._checked_indices[adapter_name] = indices
         wanted = self.values_dtype[adapter_name]
-        if values.dtype != wanted and values.device.type != "meta" and not engine_keeps_master(values):
-            # (DeepSpeed's bf16/fp16 engines cast every trainable parameter and keep its float32 master: nothing lost)
-            # Something outside PEFT's adapter API re-cast the values (TRL casts the trainable parameters of
-            # quantized models to bfloat16). Restore the configured dtype when that loses nothing, else refuse.
-            if torch.count_nonzero(values) == 0:
+        if values.dtype != wanted and values.device.type != "meta":
+            # Something outside PEFT's adapter API re-cast the values. DeepSpeed's bf16/fp16 engines cast every
+            # trainable parameter and keep its float32 master: nothing was lost, and the layer follows the cast (as
+            # ``_apply`` follows one asked for through the module; the adapter file keeps the config's dtype). Else
+            # (TRL casts the trainable parameters of quantized models to bfloat16) restore the configured dtype
+            # when that loses nothing, and refuse otherwise.
+            if engine_keeps_master(values):
+                self.values_dtype[adapter_name] = values.dtype
+            elif torch.count_nonzero(values) == 0:
                 warnings.warn(
                     f"{self.module_name}: values of adapter {adapter_name!r} were cast to {values.dtype} outside "
                     f"peft_sparse; restored the configured values_dtype {wanted} (they were all zero, nothing lost)."

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from peft.tuners.tuners_utils import check_adapters_to_merge
 
-from .base import add_delta_to_base, storage_positions
+from .base import add_delta_to_base, managed_by_sharding, storage_positions
 from .functional import compose_weight
 
 
@@ -87,7 +87,6 @@ def merged_for_inference(model):
     wrapper manages (FSDP, DeepSpeed ZeRO-3), layers already merged, and layers whose weight another module shares.
     Not for ``adapter_names`` mixed batches (they need unmerged adapters). Yields the layers it merged."""
     from .layer import SparseLayer
-    from ..accel.training_merge import _managed_by_sharding
 
     merged = []
     try:
@@ -99,7 +98,7 @@ def merged_for_inference(model):
                 if not active or layer.disable_adapters:
                     continue
                 weight = layer.get_base_layer().weight
-                if (_managed_by_sharding(weight) or not weight.dtype.is_floating_point or weight.device.type == "meta"
+                if (managed_by_sharding(weight) or not weight.dtype.is_floating_point or weight.device.type == "meta"
                         or (weight.is_inference() and not torch.is_inference_mode_enabled())
                         or layer._weight_is_shared(weight)):  # fmt: skip
                     continue

@@ -64,7 +64,6 @@ def _block_kernel_takes(block_shape) -> bool:
 _PLANS_KEPT = 4  # launch plans kept per group: the accumulators alternate between two sets of buffers
 
 
-
 def accumulate_sparse(row_acc: torch.Tensor, col_acc: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """SM3-II's accumulator update for sparse values at (rows, cols): ν = min(R_rows, C_cols) + g², then R and C
     take the maximum ν of each row and column, in place; returns ν. (Also SpIEL-MA's statistics beside other
@@ -73,6 +72,7 @@ def accumulate_sparse(row_acc: torch.Tensor, col_acc: torch.Tensor, rows: torch.
     row_acc.scatter_reduce_(0, rows, nu, reduce="amax", include_self=True)
     col_acc.scatter_reduce_(0, cols, nu, reduce="amax", include_self=True)
     return nu
+
 
 class SM3(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, eps: float = 1e-30, weight_decay: float = 0.0):

@@ -179,11 +179,12 @@ class ZeroStateBridge:
         between the backward pass and its step (DeepSpeed's public ``safe_get_full_grad``: collectives, every rank
         asks for the same tensors in the same order), divided by the loss scale (fp16) and clipped as ZeRO's step
         will clip them (``gradient_clipping``: by their global norm, where ZeRO trains the values alone; otherwise
-        unclipped, since the norm over the other parameters is not at hand); None when one is not finite (ZeRO
-        skips that step). A values tensor ZeRO holds no gradient for is left out."""
+        unclipped, since the norm over the other parameters is not at hand); None under fp16 loss scaling when one
+        is not finite (ZeRO skips that step). A values tensor ZeRO holds no gradient for is left out."""
         from deepspeed.utils import safe_get_full_grad
 
         scale = float(getattr(self.zero, "loss_scale", 1.0) or 1.0)
+        scaled = scale != 1.0 or bool(getattr(self.zero, "dynamic_loss_scale", False))  # (fp16: ZeRO skips overflows)
         grads, finite = {}, []
         for p in self.params:
             if p.grad is not None:  # (ZeRO frees each gradient it reduces: one still here was never averaged)
@@ -193,8 +194,9 @@ class ZeroStateBridge:
             if grad is not None:
                 grad = grad.reshape(-1).float()
                 grads[id(p)] = grad / scale if scale != 1.0 else grad
-                finite.append(torch.isfinite(grad).all())
-        if finite and not bool(torch.stack(finite).all()):
+                if scaled:
+                    finite.append(torch.isfinite(grad).all())
+        if finite and not bool(torch.stack(finite).all()):  # (a read of the device, under fp16 loss scaling only)
             return None
         max_norm = float(getattr(self.zero, "clip_grad", 0.0) or 0.0)
         if grads and max_norm > 0 and self.values_alone:  # (torch's clip_grad_norm_ and ZeRO's: max_norm / (norm + 1e-6))

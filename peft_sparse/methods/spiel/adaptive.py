@@ -159,4 +159,3 @@ def reselect_adaptive(scheduler, t: int) -> dict:
         "spiel/density_min": min(s / m.numel for s, m in zip(new_sizes, layers)),
         "spiel/density_max": max(s / m.numel for s, m in zip(new_sizes, layers)),
     }
-
