@@ -38,7 +38,9 @@ from benchmarks.bench_step import SIZES as STEP_SIZES  # noqa: E402
 from benchmarks.bench_step import TARGETS, lora_budget  # noqa: E402
 from benchmarks.multi_gpu_equivalence import backward_and_step  # noqa: E402
 
-SIZES = {**STEP_SIZES, "tiny": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+SIZES = {**STEP_SIZES, "llama2-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                          num_attention_heads=64, num_key_value_heads=8, vocab_size=32000),
+         "tiny": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                                     num_key_value_heads=2, vocab_size=97)}  # fmt: skip
 
 

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Run the two-GPU proofs on a machine with 2 GPUs, from a queue of "name|command" lines, resuming where a
+# Run the multi-GPU proofs on a machine with 2 GPUs (or 4: the queue file benchmarks/dev/multi_gpu_queue_x4.txt), from a queue of "name|command" lines, resuming where a
 # previous call stopped (finished names in $STATE/done; logs and results under $STATE):
 #   STATE=/tmp/mg DEADLINE=480 bash benchmarks/dev/multi_gpu_round.sh [queue-file]
 # The default queue: equivalence of 2 GPUs × 4 against 1 GPU × 8 under DDP, FSDP2, ZeRO-2 and ZeRO-3, Trainer +
@@ -16,6 +16,7 @@ RUN="python3 -m torch.distributed.run --standalone"
 ACC="python3 -m accelerate.commands.launch"
 EQ=benchmarks/multi_gpu_equivalence.py
 TP="benchmarks/multi_gpu_throughput.py --out $STATE/throughput.jsonl"
+export RUN ACC EQ TP  # (a queue file's lines may use them: benchmarks/dev/multi_gpu_queue_x4.txt)
 queue() {
   cat <<EOF
 eq-one|$RUN --nproc_per_node 1 $EQ run --growth ag ma ma-adamw --out $STATE/eq/one
