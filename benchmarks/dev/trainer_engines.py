@@ -1,5 +1,6 @@
-"""SpIEL through transformers.Trainer + SpIELCallback under an accelerate engine (DDP or FSDP2): every rank ends
-with the same indices and values, and rank 0 saves a loadable adapter.
+"""SpIEL through transformers.Trainer + SpIELCallback under an accelerate engine (DDP, FSDP2, ZeRO-2/3): every rank
+ends with the same indices and values. ``--sft``: TRL's SFTTrainer(peft_config=SpIELConfig(...)) instead, the model
+wrapped by the trainer itself.
 
     accelerate launch --config_file integrations/accelerate_fsdp2.yaml benchmarks/dev/trainer_engines.py --out /tmp/e/fsdp2
     accelerate launch --config_file integrations/accelerate_ddp.yaml benchmarks/dev/trainer_engines.py --out /tmp/e/ddp
@@ -24,19 +25,37 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--sft", action="store_true", help="TRL's SFTTrainer with peft_config= (it wraps the model)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                          num_key_value_heads=4, max_position_embeddings=128, tie_word_embeddings=False)  # fmt: skip
-    model = get_peft_model(LlamaForCausalLM(config), SpIELConfig(target_modules="all-linear", density=0.02, growth="ag",
-                                                                 reselection_steps=10, gradient_estimation_steps=3))  # fmt: skip
+    peft_config = SpIELConfig(target_modules="all-linear", density=0.02, growth="ag", reselection_steps=10, gradient_estimation_steps=3)
     g = torch.Generator().manual_seed(1)
-    rows = [{"input_ids": x, "labels": x} for x in torch.randint(0, 1024, (512, 64), generator=g)]
-    targs = TrainingArguments(str(out / "run"), per_device_train_batch_size=4, max_steps=30, learning_rate=1e-3, report_to=[],
-                              save_strategy="no", logging_steps=10, bf16=True)  # fmt: skip
-    trainer = Trainer(model=model, args=targs, train_dataset=rows, callbacks=[SpIELCallback()])
+    ids = torch.randint(0, 1024, (512, 64), generator=g)
+    common = dict(per_device_train_batch_size=4, max_steps=30, learning_rate=1e-3, report_to=[], save_strategy="no",
+                  logging_steps=10, bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available())  # fmt: skip
+    if args.sft:
+        from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
+
+        from tests.models import tiny_tokenizer
+
+        def collate(rows):
+            x = torch.tensor([r["input_ids"] for r in rows])
+            return {"input_ids": x, "labels": x.clone(), "attention_mask": torch.ones_like(x)}
+
+        targs = SFTConfig(str(out / "run"), dataset_kwargs={"skip_prepare_dataset": True}, remove_unused_columns=False, **common)
+        trainer = SFTTrainer(model=LlamaForCausalLM(config), args=targs, train_dataset=Dataset.from_dict({"input_ids": ids.tolist()}),
+                             peft_config=peft_config, callbacks=[SpIELCallback()], data_collator=collate,
+                             processing_class=tiny_tokenizer())  # fmt: skip
+        model = trainer.model
+    else:
+        model = get_peft_model(LlamaForCausalLM(config), peft_config)
+        rows = [{"input_ids": x, "labels": x} for x in ids]
+        trainer = Trainer(model=model, args=TrainingArguments(str(out / "run"), **common), train_dataset=rows, callbacks=[SpIELCallback()])
     result = trainer.train()
     rank = int(os.environ.get("RANK", "0"))
     layers = [m for m in model.modules() if isinstance(m, SparseLayer)]
