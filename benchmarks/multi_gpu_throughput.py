@@ -70,6 +70,12 @@ def run(args) -> None:
               "batch_per_gpu": args.batch, "length": args.length, "steps": args.steps,
               "device": "cpu" if args.cpu else torch.cuda.get_device_name(device)}  # fmt: skip
 
+    began = time.perf_counter()
+
+    def stage(what: str) -> None:  # (progress on rank 0's stderr: where a large shape spends its start)
+        if rank == 0:
+            print(f"[{time.perf_counter() - began:7.1f} s] {what}", file=sys.stderr, flush=True)
+
     def train() -> None:  # (its locals — the model, the optimizer — go when it returns or runs out of memory)
         cfg = LlamaConfig(**shape, max_position_embeddings=max(4096, args.length), tie_word_embeddings=False)
         torch.manual_seed(0)
@@ -84,6 +90,7 @@ def run(args) -> None:
         model = model.to(dtype) if zero != 3 else model
         model = model.to(device) if zero != 3 else model
         model.config.use_cache = False
+        stage(f"{args.size} built")
         if args.method == "lora":
             model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=16, target_modules=TARGETS))
         else:
@@ -115,6 +122,7 @@ def run(args) -> None:
             wrapped = DDP(model, device_ids=None if args.cpu else [device.index], broadcast_buffers=False)
         else:
             wrapped = model
+        stage("adapter added, engine ready")
         total = args.warmup + args.steps
         scheduler = peft_sparse.SpIELScheduler(model, optimizer, total_steps=total) if args.method.startswith("spiel") else None
         wrapped.train()
@@ -131,6 +139,8 @@ def run(args) -> None:
                 torch.cuda.synchronize(device)
             if step >= args.warmup:
                 times.append(time.perf_counter() - start)
+            if step < 3 or step == total - 1:
+                stage(f"step {step} took {time.perf_counter() - start:.2f} s")
         mean = sum(times) / len(times)
         record.update(oom=False, tokens_per_s=args.batch * args.length * world / mean, mean_step_ms=1000 * mean,
                       median_step_ms=1000 * statistics.median(times), last_loss=float(loss))  # fmt: skip
