@@ -11,7 +11,10 @@ generation. Every run appends one JSON line to ``--out``; ``--table`` prints mea
 
 Budget: ``--budget-rank r`` gives every method the trainable-parameter count of LoRA at rank r on the
 same modules (LoRA r=16 on all 7 projections of SmolLM2-135M: 4,884,480). Ablation flags (``--set``)
-pass fields to the SpIEL config, e.g. ``--set drop_criterion=change``.
+pass fields to the SpIEL config, e.g. ``--set drop_criterion=change``. SpIEL's S and γ are the config's default
+('auto': 20 and 5 up to 150 steps, scaled beyond) unless set; each row records the resolved pair (``S_gamma``).
+Rows recorded before 'auto' became the default ran at S = 20, γ = 5: ``--set reselection_steps=20
+gradient_estimation_steps=5`` reproduces those at 600 steps.
 """
 
 from __future__ import annotations
@@ -218,6 +221,7 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
         "task": args.task, "method": method, "lr": lr, "seed": seed, "steps": args.steps, "batch_size": args.batch_size,
         "budget_rank": args.budget_rank, "trainable": n_trainable, "weight_decay": decay, "max_grad_norm": args.max_grad_norm,
         "set": overrides, "optimizer": "sm3" if uses_sm3 else "adamw", "sm3_momentum": args.sm3_momentum if uses_sm3 else None, "no_reselection": args.no_reselection, "tag": args.tag, "exact_match": score["accuracy"], "heldout_loss": loss_heldout, "per_skill": score["per_skill"],
+        "S_gamma": list(wrapped.peft_config["default"].steps_for(args.steps)) if hasattr(wrapped.peft_config["default"], "steps_for") else None,
         "final_loss": sum(losses[-10:]) / min(10, len(losses)), "train_seconds": round(train_seconds, 1),
         "eval_seconds": round(eval_seconds, 1), "scheduler_seconds": round(scheduler_seconds, 2),
         "median_step_ms": round(1000 * statistics.median(b - a for a, b in zip([start] + step_times[:-1], step_times)), 1),

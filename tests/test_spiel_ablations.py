@@ -184,6 +184,26 @@ def test_fractions_of_total_steps_resolve_with_the_run_length():
     assert scheduler.last_statistics  # t = γ = 2 reselected
 
 
+def test_auto_steps_keep_the_papers_20_and_5_up_to_150_steps_and_scale_beyond(tmp_path):
+    """The default S, γ ('auto'): S = max(20, round(2T/15)), γ = max(5, round(T/30)), γ kept below a set S."""
+    config = SpIELConfig(target_modules="all-linear", density=0.1)
+    assert (config.reselection_steps, config.gradient_estimation_steps) == ("auto", "auto")
+    assert [config.steps_for(T) for T in (11, 60, 150, 600, 1000)] == [(20, 5), (20, 5), (20, 5), (80, 20), (133, 33)]
+    small = SpIELConfig(target_modules="all-linear", density=0.1, reselection_steps=4)
+    assert small.steps_for(600) == (4, 3) and small.earliest_first_reselection() == 3
+    assert SpIELConfig(target_modules="all-linear", density=0.1, reselection_steps=0.2).steps_for(600) == (120, 20)
+    with pytest.raises(ValueError, match="reselection_steps='Auto'"):
+        SpIELConfig(target_modules="all-linear", density=0.1, reselection_steps="Auto")
+    model = _model(reselection_steps="auto", gradient_estimation_steps="auto")
+    model.peft_config["default"].save_pretrained(tmp_path)
+    loaded = SpIELConfig.from_pretrained(tmp_path)
+    assert (loaded.reselection_steps, loaded.gradient_estimation_steps) == ("auto", "auto")
+    scheduler, _ = _train(model, 4)
+    assert (scheduler.S, scheduler.gamma) == config.steps_for(T) == (20, 5) and not scheduler.last_statistics
+    scheduler, _ = _train(_model(reselection_steps="auto", gradient_estimation_steps="auto"), 5)
+    assert scheduler.last_statistics  # (the first reselection, at t = γ = 5)
+
+
 @pytest.mark.parametrize("field,value", [("drop_criterion", "abs"), ("grow_init", "random"), ("first_full_replacement", 1),
                                          ("seed_moments", True), ("budget_split", "even"), ("score_normalization", "row")])  # fmt: skip
 def test_bad_settings_are_refused_with_the_field_named(field, value):

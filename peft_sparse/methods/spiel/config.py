@@ -21,24 +21,25 @@ class SpIELConfig(SparseConfig):
     """
 
     growth: str = field(default="ag", metadata={"help": "'ag' (accumulated gradients, Alg. 2) or 'ma' (SM3 momentum approximation, Alg. 3)."})
-    reselection_steps: Union[int, float] = field(
-        default=20,
+    reselection_steps: Union[int, float, str] = field(
+        default="auto",
         metadata={
             "help": (
-                "S: optimizer steps between reselections; a float in (0, 1) is a fraction of total_steps, S = max(2, round(S·T)). "
-                "The paper's S=20, γ=5 were set for runs of thousands of steps; S=1/3, γ=1/12 keeps reselections at "
-                "t = T/12, 5T/12, 9T/12 for any run length T; for runs above ~150 steps S=0.133, γ=0.033 (20 and 5 at T=150) "
-                "scored better than S=20 at 600 steps in BENCHMARKS.md's quality runs (README, SpIEL)."
+                "S: optimizer steps between reselections. 'auto' (default): S = max(20, round(2·T/15)) for a run of "
+                "T = total_steps, the paper's S=20 up to T=150 and scaled with T beyond (80 at T=600), the setting that "
+                "met LoRA at every run length of BENCHMARKS.md's quality runs where S=20 fell behind at 600 steps "
+                "(README, SpIEL). An int is a count; a float in (0, 1) a fraction of T, S = max(2, round(S·T))."
             )
         },
     )
     initial_reselection_rate: float = field(default=0.2, metadata={"help": "ξ in (0, 1]: fraction of d_φ(i) replaced at t=γ+S, decaying to 0 at T."})
-    gradient_estimation_steps: Union[int, float] = field(
-        default=5,
+    gradient_estimation_steps: Union[int, float, str] = field(
+        default="auto",
         metadata={
             "help": (
-                "γ: optimizer steps in an AG gradient-estimation window (0 < γ < S); the first reselection is at t=γ. A float "
-                "in (0, 1) is a fraction of total_steps, γ = max(1, round(γ·T))."
+                "γ: optimizer steps in an AG gradient-estimation window (0 < γ < S); the first reselection is at t=γ. "
+                "'auto' (default): γ = max(5, round(T/30)), the paper's 5 up to T=150 (20 at T=600), kept below S. An int "
+                "is a count; a float in (0, 1) a fraction of total_steps, γ = max(1, round(γ·T))."
             )
         },
     )
@@ -116,11 +117,14 @@ class SpIELConfig(SparseConfig):
             raise ValueError(f"growth must be 'ag' or 'ma', got growth={self.growth!r}")
         for name in ("reselection_steps", "gradient_estimation_steps"):
             value = getattr(self, name)
-            if isinstance(value, float) and 0.0 < value < 1.0:
-                continue  # a fraction of total_steps
+            if value == "auto" or (isinstance(value, float) and 0.0 < value < 1.0):
+                continue  # scaled with total_steps, or a fraction of it
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer or a fraction in (0, 1) of total_steps, got {name}={value!r}")
-        if isinstance(self.reselection_steps, int) == isinstance(self.gradient_estimation_steps, int) and self.gradient_estimation_steps >= self.reselection_steps:
+                raise ValueError(
+                    f"{name} must be 'auto', a positive integer or a fraction in (0, 1) of total_steps, got {name}={value!r}"
+                )
+        S, gamma = self.reselection_steps, self.gradient_estimation_steps
+        if "auto" not in (S, gamma) and isinstance(S, int) == isinstance(gamma, int) and gamma >= S:  # (else: steps_for checks)
             raise ValueError(
                 f"gradient_estimation_steps must be smaller than reselection_steps, got "
                 f"gradient_estimation_steps={self.gradient_estimation_steps} and reselection_steps={self.reselection_steps}"
@@ -179,13 +183,28 @@ class SpIELConfig(SparseConfig):
 
     def steps_for(self, total_steps: int) -> tuple[int, int]:
         """(S, γ) in optimizer steps for a run of ``total_steps``: counts as given, fractions of T rounded
-        (S ≥ 2, γ ≥ 1)."""
+        (S ≥ 2, γ ≥ 1), 'auto' as the fields' help says (S = max(20, round(2T/15)), γ = max(5, round(T/30)) < S)."""
         S, gamma = self.reselection_steps, self.gradient_estimation_steps
-        S = S if isinstance(S, int) else max(2, round(S * total_steps))
-        gamma = gamma if isinstance(gamma, int) else max(1, round(gamma * total_steps))
+        if S == "auto":
+            S = max(20, round(2 * total_steps / 15))
+        elif not isinstance(S, int):
+            S = max(2, round(S * total_steps))
+        if gamma == "auto":
+            gamma = min(max(5, round(total_steps / 30)), S - 1)  # (below S also where S is set and small)
+        elif not isinstance(gamma, int):
+            gamma = max(1, round(gamma * total_steps))
         if gamma >= S:
             raise ValueError(
                 f"gradient_estimation_steps={self.gradient_estimation_steps!r} and reselection_steps={self.reselection_steps!r} give "
                 f"γ={gamma} ≥ S={S} for total_steps={total_steps}; γ must stay below S"
             )
         return S, gamma
+
+    def earliest_first_reselection(self) -> int:
+        """The smallest t = γ at which the first reselection can fall, before ``total_steps`` is known."""
+        gamma, S = self.gradient_estimation_steps, self.reselection_steps
+        if isinstance(gamma, int):
+            return gamma
+        if gamma == "auto":
+            return min(5, S - 1) if isinstance(S, int) else 5 if S == "auto" else 1
+        return 1  # (a fraction of a run length not known yet)

@@ -85,7 +85,6 @@ class SpIELModel(SparseTuner):
         if "_guard" not in self.__dict__:
             self.__dict__["_guard"] = _UnscheduledTrainingGuard()
         guard = self.__dict__["_guard"]
-        first = peft_config.gradient_estimation_steps
-        first = first if isinstance(first, int) else 1  # (a fraction of a run length not known yet: the earliest)
+        first = peft_config.earliest_first_reselection()
         guard.first_reselection = first if guard.first_reselection is None else min(guard.first_reselection, first)
         self.model.get_submodule(current_key).training_observer = guard
