@@ -192,6 +192,8 @@ def test_auto_steps_keep_the_papers_20_and_5_up_to_150_steps_and_scale_beyond(tm
     small = SpIELConfig(target_modules="all-linear", density=0.1, reselection_steps=4)
     assert small.steps_for(600) == (4, 3) and small.earliest_first_reselection() == 3
     assert SpIELConfig(target_modules="all-linear", density=0.1, reselection_steps=0.2).steps_for(600) == (120, 20)
+    with pytest.raises(ValueError, match="reselection_steps=1 leaves no γ"):
+        SpIELConfig(target_modules="all-linear", density=0.1, reselection_steps=1)
     with pytest.raises(ValueError, match="reselection_steps='Auto'"):
         SpIELConfig(target_modules="all-linear", density=0.1, reselection_steps="Auto")
     model = _model(reselection_steps="auto", gradient_estimation_steps="auto")

@@ -124,6 +124,8 @@ class SpIELConfig(SparseConfig):
                     f"{name} must be 'auto', a positive integer or a fraction in (0, 1) of total_steps, got {name}={value!r}"
                 )
         S, gamma = self.reselection_steps, self.gradient_estimation_steps
+        if gamma == "auto" and S == 1:
+            raise ValueError("reselection_steps=1 leaves no γ below it for gradient_estimation_steps='auto'; use reselection_steps ≥ 2")
         if "auto" not in (S, gamma) and isinstance(S, int) == isinstance(gamma, int) and gamma >= S:  # (else: steps_for checks)
             raise ValueError(
                 f"gradient_estimation_steps must be smaller than reselection_steps, got "
