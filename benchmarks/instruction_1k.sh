@@ -47,7 +47,7 @@ PY
   echo "ok $method $task $seed"
 }
 export -f run_one
-export STEPS WORK RESULTS DEVICE_FLAGS DEADLINE
+export STEPS WORK RESULTS DEVICE_FLAGS DEADLINE SPIEL_S SPIEL_GAMMA
 export START=$(date +%s)
 for seed in $SEEDS; do for task in $TASKS; do for method in $METHODS; do echo "$method $task $seed"; done; done; done \
   | xargs -P "$PARALLEL" -L 1 bash -c 'run_one "$@"' _
