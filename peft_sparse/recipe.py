@@ -15,6 +15,7 @@ after, adapter saved to ``<output_dir>/adapter``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -31,7 +32,8 @@ MODEL_KEYS = {"source", "gguf_file", "dtype", "quantization"}
 DATA_KEYS = {"train", "eval", "train_limit", "subset"}
 QUANTIZATIONS = ("nf4",)
 HUB = "hub:"
-EVAL_KEYS = {"max_new_tokens", "batch_size", "show", "reference"}
+EVAL_KEYS = {"max_new_tokens", "batch_size", "show", "reference", "sharded"}
+SHARDED_SCORING = ("reload", "skip")  # evaluation.sharded: how a sharded run (FSDP, ZeRO-3) is scored
 
 
 @dataclass
@@ -90,6 +92,55 @@ def _type_error(value, kind) -> bool:
     if kind is float:
         return isinstance(value, bool) or not isinstance(value, (int, float))
     return False
+
+
+def _scores(result: dict | None) -> dict | None:
+    """The summary's record of one exact-match pass: accuracy, per skill, and every reply."""
+    if result is None:
+        return None
+    return {"accuracy": result["accuracy"], "per_skill": result["per_skill"], "replies": [r["reply"] for r in result["items"]]}
+
+
+@contextlib.contextmanager
+def _zero3_set_aside(training_args):
+    """While the first process alone loads and generates: transformers' ZeRO-3 switch off. Under it from_pretrained
+    partitions the new model across the ranks and generate waits for them (synced_gpus): both need every rank,
+    and the others are already waiting at the end of the run."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled, set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    config = getattr(training_args, "hf_deepspeed_config", None)
+    if config is None or not is_deepspeed_zero3_enabled():
+        yield
+        return
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(config)
+
+
+def _score_saved(model_kwargs: dict, saved_dir, is_adapter: bool, tokenizer, eval_rows, eval_kwargs, device):
+    """Exact match of the base model and of the model saved in ``saved_dir`` (an adapter, or a whole model for full
+    fine-tuning), both loaded again unsharded on ``device``: how the first process scores a run that trained sharded
+    (FSDP, ZeRO-3), whose model generates only with every rank taking part. Memory: one unsharded copy of the
+    model, as when it was loaded for training; ``evaluation.sharded: skip`` leaves it out."""
+    from .assets import load_model_and_tokenizer
+    from .evaluation import exact_match
+
+    def placed(model):
+        return model if getattr(model, "hf_quantizer", None) is not None else model.to(device)  # (4-bit: placed by its loader)
+
+    base = placed(load_model_and_tokenizer(**model_kwargs)[0])
+    before = exact_match(base, tokenizer, eval_rows, **eval_kwargs)
+    if is_adapter:
+        from peft import PeftModel
+
+        trained = PeftModel.from_pretrained(base, str(saved_dir))
+    else:
+        del base  # (the whole fine-tuned model was saved: loaded from its folder with the same dtype)
+        kwargs = {k: v for k, v in model_kwargs.items() if k not in ("source", "gguf_file")}
+        trained = placed(load_model_and_tokenizer(str(saved_dir), **kwargs)[0])
+    return before, exact_match(trained, tokenizer, eval_rows, **eval_kwargs)
 
 
 def _engine(trainer) -> str:
@@ -153,6 +204,8 @@ def load_recipe(path_or_mapping, overrides: Optional[dict] = None) -> Recipe:
     reference = raw["evaluation"].get("reference")
     if reference is not None and (not isinstance(reference, dict) or not all(isinstance(v, str) for v in reference.values())):
         raise ValueError(f"recipe evaluation.reference must map labels to text, got evaluation.reference={reference!r}")
+    if raw["evaluation"].get("sharded", "reload") not in SHARDED_SCORING:
+        raise ValueError(f"recipe evaluation.sharded must be one of {SHARDED_SCORING}, got evaluation.sharded={raw['evaluation']['sharded']!r}")
     if "source" not in raw["model"]:
         raise ValueError("recipe model.source is required (a built-in model name or a local directory)")
     quantization = raw["model"].get("quantization")
@@ -349,9 +402,17 @@ def run_recipe(recipe: Recipe) -> dict:
     trainer.save_model(str(adapter_dir))
     if not trainer.is_world_process_zero():
         return {"adapter_dir": str(adapter_dir), "world_size": trainer.args.world_size}
-    if sharded and eval_rows:
-        print(f"the model is sharded ({_engine(trainer)}), so no exact match here: load {adapter_dir} on the base model to score it")
-    after = exact_match(trainer.model, tokenizer, eval_rows, **eval_kwargs) if eval_rows and not sharded else None
+    if sharded and eval_rows and ev.get("sharded", "reload") == "reload":
+        # the first process loads the base model again, unsharded, and scores it before and with the saved file
+        with _zero3_set_aside(trainer.args):
+            before, after = _score_saved(model_kwargs, adapter_dir, recipe.peft_config is not None, tokenizer, eval_rows,
+                                         eval_kwargs, trainer.args.device)  # fmt: skip
+        print(f"before training (the base model, loaded again unsharded): {before['accuracy']:.1%} exact match on {before['total']} held-out items")
+    elif sharded and eval_rows:
+        print(f"the model is sharded ({_engine(trainer)}) and evaluation.sharded is 'skip': load {adapter_dir} on the base model to score it")
+        after = None
+    else:
+        after = exact_match(trainer.model, tokenizer, eval_rows, **eval_kwargs) if eval_rows else None
     if after:
         print_comparison(before, after, ev.get("show", 6))
         for label, text in (ev.get("reference") or {}).items():  # recorded scores of other methods on the same data
@@ -363,8 +424,8 @@ def run_recipe(recipe: Recipe) -> dict:
         "train_loss_last": losses[-1] if losses else None,
         "train_runtime_s": train_result.metrics.get("train_runtime"),
         "total_runtime_s": time.time() - started,
-        "before": None if before is None else {k: before[k] for k in ("accuracy", "per_skill")},
-        "after": None if after is None else {k: after[k] for k in ("accuracy", "per_skill")},
+        "before": _scores(before),
+        "after": _scores(after),
         "torch_threads": torch.get_num_threads(),
         "world_size": trainer.args.world_size,
         "engine": _engine(trainer),

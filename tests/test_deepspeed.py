@@ -282,7 +282,18 @@ def test_peft_sparse_train_under_zero_writes_the_adapter_of_one_process(stage, g
     summary = json.loads((tmp_path / "zero" / "summary.json").read_text())
     assert summary["engine"] == f"deepspeed-zero{stage}" and summary["world_size"] == 2
     assert summary["reselection_steps"] == [2, 6]
-    assert (summary["after"] is None) == (stage == 3)  # (a ZeRO-3 model generates only with every rank: scored from the file)
+    # (a ZeRO-3 model generates only with every rank taking part: the first process scores the saved adapter on the
+    # base model loaded again; its replies are those of the adapter loaded here)
+    from peft_sparse.assets import load_model_and_tokenizer
+    from peft_sparse.evaluation import exact_match
+    from peft_sparse.recipe import read_rows
+
+    base, tokenizer = load_model_and_tokenizer(str(tmp_path / "model"))
+    rows = read_rows(str(tmp_path / "test.jsonl"))
+    assert summary["before"]["replies"] == [r["reply"] for r in exact_match(base, tokenizer, rows, max_new_tokens=2, batch_size=8)["items"]]
+    reloaded = PeftModel.from_pretrained(base, tmp_path / "zero" / "adapter")
+    assert summary["after"]["replies"] == [r["reply"] for r in exact_match(reloaded, tokenizer, rows, max_new_tokens=2, batch_size=8)["items"]]
+    assert summary["after"]["replies"] != summary["before"]["replies"]
     one = _tiny_recipe(tmp_path, "one", f"max_steps: 8, per_device_train_batch_size: 8, save_strategy: 'no'{optim}", method)
     run = _train_cli(one)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -130,6 +130,71 @@ def test_fsdp2_shards_the_base_and_matches_one_process(growth):
         torch.testing.assert_close(saved[1][key], saved[2][key], rtol=1e-4, atol=1e-6)
 
 
+def _fsdp_resume_worker(rank: int, world: int, port: int, mode: str, out_dir: str) -> None:
+    """FSDP2 over ``world`` CPU processes, 11 steps (reselections at t = 2, 6, 10). ``whole``: uninterrupted, writing a
+    checkpoint at t = 5, inside the window of the reselection at 6 (adapter from rank 0, optimizer and scheduler
+    state); ``resume``: fresh processes load that checkpoint, shard again and run the remaining steps."""
+    from peft import PeftModel, get_peft_model
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from peft_sparse import SparseLayer, SpIELConfig, SpIELScheduler
+    from peft_sparse.distributed import shard
+    from tests.models import tiny_llama
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    checkpoint = os.path.join(out_dir, "checkpoint")
+    if mode == "resume":
+        model = PeftModel.from_pretrained(tiny_llama(), os.path.join(checkpoint, "adapter"), is_trainable=True)
+    else:
+        config = SpIELConfig(target_modules="all-linear", density=0.1, reselection_steps=4, gradient_estimation_steps=2)
+        model = get_peft_model(tiny_llama(), config)
+    shard(model, mesh=init_device_mesh("cpu", (world,)))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    scheduler = SpIELScheduler(model, opt, total_steps=11)
+    if mode == "resume":
+        opt.load_state_dict(torch.load(os.path.join(checkpoint, "optimizer.pt")))
+        scheduler.load(checkpoint)
+    model.train()
+    share = 4 // world
+    for step in range(scheduler.t, 11):
+        g = torch.Generator().manual_seed(100 + step)
+        x = torch.randint(0, 97, (4, 12), generator=g)[rank * share : (rank + 1) * share]
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+        if mode == "whole" and scheduler.t == 5:
+            assert scheduler.statistics  # (the window of the reselection at t = 6 is open)
+            if rank == 0:
+                model.save_pretrained(os.path.join(checkpoint, "adapter"))
+                torch.save(opt.state_dict(), os.path.join(checkpoint, "optimizer.pt"))
+                scheduler.save(checkpoint)
+            dist.barrier()
+    layers = [m for m in model.modules() if isinstance(m, SparseLayer)]
+    torch.save(
+        {"indices": [l.sparse_indices["default"] for l in layers], "values": [l.sparse_values["default"].detach() for l in layers]},
+        os.path.join(out_dir, f"{mode}-rank{rank}.pt"),
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_an_fsdp2_checkpoint_resumes_to_the_uninterrupted_run():
+    """A plain FSDP2 loop (two CPU processes) checkpointed inside an estimation window — the adapter written by rank
+    0, the optimizer's state (the values are replicated, so it is whole on every rank) and the scheduler's — resumes
+    in fresh processes to the uninterrupted run's indices and values, bit for bit, on both ranks."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_fsdp_resume_worker, args=(2, _free_port(), "whole", out_dir), nprocs=2, join=True)
+        mp.spawn(_fsdp_resume_worker, args=(2, _free_port(), "resume", out_dir), nprocs=2, join=True)
+        runs = {(m, r): torch.load(os.path.join(out_dir, f"{m}-rank{r}.pt")) for m in ("whole", "resume") for r in (0, 1)}
+    whole = runs["whole", 0]
+    for key, run in runs.items():
+        assert all(torch.equal(a, b) for a, b in zip(whole["indices"], run["indices"])), key
+        assert all(torch.equal(a, b) for a, b in zip(whole["values"], run["values"])), key
+
+
 def test_peft_sparse_train_runs_under_a_multi_process_launch(tmp_path):
     """`peft-sparse train` under torchrun (what `accelerate launch --multi_gpu` runs): two processes train on
     their shares of the data, the first alone evaluates and writes the adapter and summary, and the adapter loads."""

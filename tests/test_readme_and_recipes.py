@@ -90,6 +90,7 @@ def test_instruction_recipes_are_the_generator_output_at_the_thesis_settings(tmp
         ({"method": 5}, r"section 'method' must be a mapping of keys to values, got method=5"),
         ({"slow_fast": {"c1": -1}, "training": {"use_cpu": True, "bf16": False}}, r"recipe slow_fast: c1 must be a positive number, got c1=-1"),
         ({"evaluation": {"reference": ["a"]}}, r"evaluation.reference must map labels to text, got evaluation.reference=\['a'\]"),
+        ({"evaluation": {"sharded": "gather"}}, r"evaluation.sharded must be one of \('reload', 'skip'\), got evaluation.sharded='gather'"),
         ({"method": {"peft_type": "LT_SFT", "density": 0.01, "dense_steps": 10, "sparse_steps": 10},
           "training": {"max_steps": 60, "use_cpu": True, "bf16": False}},
          r"training.max_steps=60 must equal method.dense_steps \+ method.sparse_steps = 10 \+ 10"),
