@@ -33,6 +33,7 @@ tr-sft-fsdp2|$ACC --config_file integrations/accelerate_fsdp2.yaml benchmarks/de
 tr-sft-zero2|$ACC --config_file integrations/accelerate_zero2.yaml benchmarks/dev/trainer_engines.py --sft --out $STATE/tr/sft-zero2
 tr-sft-zero3|$ACC --config_file integrations/accelerate_zero3.yaml benchmarks/dev/trainer_engines.py --sft --out $STATE/tr/sft-zero3
 cli-fsdp2|python3 -c "from pathlib import Path; from tests.test_distributed import _tiny_recipe; _tiny_recipe(Path('$STATE/cli'), 'r', 'max_steps: 12, per_device_train_batch_size: 4')" && $ACC --config_file integrations/accelerate_fsdp2.yaml -m peft_sparse.cli train $STATE/cli/r.yaml --set training.use_cpu=false --set training.bf16=true
+cli-fsdp2-resume|STATE=$STATE/cr bash benchmarks/dev/cli_resume_check.sh integrations/accelerate_fsdp2.yaml
 tp-tiny-one|CUDA_VISIBLE_DEVICES=0 $RUN --nproc_per_node 1 $TP --method spiel-ag --size tinyllama & CUDA_VISIBLE_DEVICES=1 $RUN --nproc_per_node 1 $TP --method lora --size tinyllama; wait; $RUN --nproc_per_node 1 $TP --method spiel-ma --size tinyllama
 tp-tiny-ddp|for m in spiel-ag spiel-ma lora; do $RUN --nproc_per_node 2 $TP --engine ddp --method \$m --size tinyllama; done
 tp-7b-one|CUDA_VISIBLE_DEVICES=0 $RUN --nproc_per_node 1 $TP --method spiel-ag --size llama2-7b & CUDA_VISIBLE_DEVICES=1 $RUN --nproc_per_node 1 $TP --method lora --size llama2-7b; wait; $RUN --nproc_per_node 1 $TP --method spiel-ma --size llama2-7b
