@@ -16,11 +16,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _save_adapter_and_exit(model, path: str) -> None:
+    """A worker's end: its layers' indices and values to ``path``, then every rank leaves together, without running
+    destructors (tearing down DDP's reducer after the process group is gone occasionally blocked a worker at exit;
+    the results are already on disk)."""
+    from peft_sparse import SparseLayer
+
+    layers = [m for m in model.modules() if isinstance(m, SparseLayer)]
+    torch.save(
+        {"indices": [l.sparse_indices["default"] for l in layers], "values": [l.sparse_values["default"].detach() for l in layers]},
+        path,
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
 def _worker(rank: int, world: int, port: int, growth: str, out_dir: str) -> None:
     from peft import get_peft_model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from peft_sparse import SM3, SpIELConfig, SpIELScheduler, SparseLayer
+    from peft_sparse import SM3, SpIELConfig, SpIELScheduler
     from tests.models import tiny_llama
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -40,16 +56,7 @@ def _worker(rank: int, world: int, port: int, growth: str, out_dir: str) -> None
         opt.step()
         opt.zero_grad()
         scheduler.step()
-    layers = [m for m in model.modules() if isinstance(m, SparseLayer)]
-    torch.save(
-        {"indices": [l.sparse_indices["default"] for l in layers], "values": [l.sparse_values["default"].detach() for l in layers]},
-        os.path.join(out_dir, f"rank{rank}.pt"),
-    )
-    dist.barrier()
-    dist.destroy_process_group()
-    # leave without running destructors: tearing down DDP's reducer after the process group is gone
-    # occasionally blocked a worker at exit (the results are already on disk)
-    os._exit(0)
+    _save_adapter_and_exit(model, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.parametrize("growth", ["ag", "ma", "ma-adamw"])  # (ma-adamw: MA's accumulators kept by the scheduler)
@@ -67,7 +74,7 @@ def test_indices_identical_on_every_rank(growth):
 def _fsdp_worker(rank: int, world: int, port: int, growth: str, out_dir: str) -> None:
     from peft import get_peft_model
 
-    from peft_sparse import SM3, SparseLayer, SpIELConfig, SpIELScheduler
+    from peft_sparse import SM3, SpIELConfig, SpIELScheduler
     from peft_sparse.distributed import shard
     from tests.models import tiny_llama
 
@@ -95,16 +102,9 @@ def _fsdp_worker(rank: int, world: int, port: int, growth: str, out_dir: str) ->
         opt.step()
         opt.zero_grad()
         scheduler.step()
-    layers = [m for m in model.modules() if isinstance(m, SparseLayer)]
-    torch.save(
-        {"indices": [l.sparse_indices["default"] for l in layers], "values": [l.sparse_values["default"].detach() for l in layers]},
-        os.path.join(out_dir, f"w{world}-rank{rank}.pt"),
-    )
     if rank == 0:
         model.save_pretrained(os.path.join(out_dir, f"adapter-w{world}"))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    _save_adapter_and_exit(model, os.path.join(out_dir, f"w{world}-rank{rank}.pt"))
 
 
 @pytest.mark.parametrize("growth", ["ag", "ma", "ma-adamw"])
@@ -137,7 +137,7 @@ def _fsdp_resume_worker(rank: int, world: int, port: int, mode: str, out_dir: st
     from peft import PeftModel, get_peft_model
     from torch.distributed.device_mesh import init_device_mesh
 
-    from peft_sparse import SparseLayer, SpIELConfig, SpIELScheduler
+    from peft_sparse import SpIELConfig, SpIELScheduler
     from peft_sparse.distributed import shard
     from tests.models import tiny_llama
 
@@ -171,14 +171,7 @@ def _fsdp_resume_worker(rank: int, world: int, port: int, mode: str, out_dir: st
                 torch.save(opt.state_dict(), os.path.join(checkpoint, "optimizer.pt"))
                 scheduler.save(checkpoint)
             dist.barrier()
-    layers = [m for m in model.modules() if isinstance(m, SparseLayer)]
-    torch.save(
-        {"indices": [l.sparse_indices["default"] for l in layers], "values": [l.sparse_values["default"].detach() for l in layers]},
-        os.path.join(out_dir, f"{mode}-rank{rank}.pt"),
-    )
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    _save_adapter_and_exit(model, os.path.join(out_dir, f"{mode}-rank{rank}.pt"))
 
 
 def test_an_fsdp2_checkpoint_resumes_to_the_uninterrupted_run():
@@ -220,7 +213,7 @@ def _accelerate_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from accelerate import Accelerator
     from peft import get_peft_model
 
-    from peft_sparse import SparseLayer, SpIELConfig, SpIELScheduler
+    from peft_sparse import SpIELConfig, SpIELScheduler
     from tests.models import tiny_llama
 
     accelerator = Accelerator(cpu=True)
@@ -238,14 +231,7 @@ def _accelerate_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
-    layers = [m for m in accelerator.unwrap_model(model).modules() if isinstance(m, SparseLayer)]
-    torch.save(
-        {"indices": [l.sparse_indices["default"] for l in layers], "values": [l.sparse_values["default"].detach() for l in layers]},
-        os.path.join(out_dir, f"acc-rank{rank}.pt"),
-    )
-    accelerator.wait_for_everyone()
-    dist.destroy_process_group()
-    os._exit(0)
+    _save_adapter_and_exit(accelerator.unwrap_model(model), os.path.join(out_dir, f"acc-rank{rank}.pt"))
 
 
 def test_a_plain_accelerate_loop_selects_the_same_indices_on_every_rank():
