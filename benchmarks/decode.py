@@ -3,12 +3,14 @@
     python benchmarks/decode.py                          # CPU: the real SmolLM2-135M-Instruct
     python benchmarks/decode.py --device cuda --size tinyllama   # GPU: TinyLlama shapes, random weights, bf16
 
-Variants: ``base`` (no adapter), ``sparse`` (a SparseFTConfig adapter with random non-zero values,
-unmerged), ``sparse-merged`` (the same, merged), ``sparse-in-block`` (the same unmerged adapter, each generate call
-inside ``peft_sparse.merged_for_inference``, its merge and restore timed with it), ``lora`` (PEFT LoRA, unmerged). Every variant generates
-the same number of new tokens from the same prompt; tokens per second is the median over rounds, rounds
-interleaved across variants. Prints speed relative to ``base`` and checks that the unmerged sparse
-adapter's greedy tokens equal the merged model's.
+Variants: ``base`` (no adapter); ``sparse`` (a SparseFTConfig adapter with random non-zero values, unmerged, in a
+causal-LM PeftModel: its ``generate`` merges the adapter in place for the call and restores θ₀ after, timed with
+it); ``sparse-untyped`` (the same adapter in a PeftModel without a task type, whose ``generate`` goes to the base
+model directly: every layer adds its delta unmerged); ``sparse-merged`` (the same, merged); ``sparse-in-block``
+(the untyped model, each generate call inside ``peft_sparse.merged_for_inference``); ``lora`` (PEFT LoRA,
+unmerged). Every variant generates the same number of new tokens from the same prompt; tokens per second is the
+median over rounds, rounds interleaved across variants. Prints speed relative to ``base`` and checks that the
+unmerged sparse adapters' greedy tokens equal the merged model's.
 """
 
 from __future__ import annotations
@@ -53,9 +55,10 @@ def variant(name: str, base, args):
         return base
     model = copy.deepcopy(base)
     if name == "lora":
-        peft_model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=targets, init_lora_weights=False))
-        return peft_model.eval()
-    peft_model = get_peft_model(model, SparseFTConfig(target_modules=targets, density=args.density))
+        config = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=targets, init_lora_weights=False, task_type="CAUSAL_LM")
+        return get_peft_model(model, config).eval()
+    task_type = "CAUSAL_LM" if name == "sparse" else None  # (sparse-untyped, -in-block, -merged: a PeftModel)
+    peft_model = get_peft_model(model, SparseFTConfig(target_modules=targets, density=args.density, task_type=task_type))
     g = torch.Generator().manual_seed(0)
     for layer in peft_model.modules():
         if isinstance(layer, SparseLayer):
@@ -89,7 +92,7 @@ def main():
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--variants", default="base,sparse,sparse-merged,sparse-in-block,lora")
+    parser.add_argument("--variants", default="base,sparse,sparse-untyped,sparse-merged,sparse-in-block,lora")
     args = parser.parse_args()
     base = build(args).eval()
     names = args.variants.split(",")
@@ -111,10 +114,9 @@ def main():
     for n in names:
         tps = statistics.median(speeds[n])
         print(f"| {n} | {tps:.1f} | {tps / statistics.median(speeds['base']):.3f} |" if "base" in speeds else f"| {n} | {tps:.1f} | |")
-    if "sparse" in outputs and "sparse-merged" in outputs:
-        print("unmerged sparse tokens equal the merged model's:", torch.equal(outputs["sparse"], outputs["sparse-merged"]))
-    if "sparse-in-block" in outputs and "sparse-merged" in outputs:
-        print("in-block tokens equal the merged model's:", torch.equal(outputs["sparse-in-block"], outputs["sparse-merged"]))
+    for n in ("sparse", "sparse-untyped", "sparse-in-block"):
+        if n in outputs and "sparse-merged" in outputs:
+            print(f"{n} tokens equal the merged model's:", torch.equal(outputs[n], outputs["sparse-merged"]))
 
 
 if __name__ == "__main__":

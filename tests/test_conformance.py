@@ -9,9 +9,9 @@ from peft_sparse import SparseFTConfig, SpIELConfig
 from .models import MODELS, inputs, sparse_layers, tiny_llama
 
 
-def _two_adapters(build, targets):
-    model = get_peft_model(build(), SparseFTConfig(target_modules=targets, density=0.1, init_weights=False, seed=1))
-    model.add_adapter("b", SparseFTConfig(target_modules=targets, density=0.05, init_weights=False, seed=2))
+def _two_adapters(build, targets, task_type=None):
+    model = get_peft_model(build(), SparseFTConfig(target_modules=targets, density=0.1, init_weights=False, seed=1, task_type=task_type))
+    model.add_adapter("b", SparseFTConfig(target_modules=targets, density=0.05, init_weights=False, seed=2, task_type=task_type))
     return model.eval()
 
 
@@ -58,15 +58,21 @@ def test_mixed_adapter_batches_refuse_training_unknown_names_and_wrong_lengths()
         model(x, adapter_names=["b", "b"])
 
 
-def test_mixed_batches_in_generate():
+@pytest.mark.parametrize("task_type", [None, "CAUSAL_LM"])
+def test_mixed_batches_in_generate(task_type):
+    """Each row generates with its own adapter (a causal-LM PeftModel's generate, which otherwise merges the active
+    adapter for the call, keeps them unmerged for a mixed batch), and nothing is left merged."""
     build, targets, _ = MODELS["llama"]
-    model = _two_adapters(build, targets)
+    model = _two_adapters(build, targets, task_type)
     x = inputs(batch=2, seed=2)
     with torch.no_grad():
         mixed = model.generate(input_ids=x, adapter_names=["b", "default"], max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert not any(getattr(m, "merged", False) for m in model.modules())
         model.set_adapter("b")
         first = model.generate(input_ids=x[:1], max_new_tokens=4, do_sample=False, pad_token_id=0)
-    assert torch.equal(mixed[:1], first)
+        model.set_adapter("default")
+        second = model.generate(input_ids=x[1:], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(mixed[:1], first) and torch.equal(mixed[1:], second)
 
 
 @pytest.mark.parametrize("config_cls", [SparseFTConfig, SpIELConfig])

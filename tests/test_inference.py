@@ -243,3 +243,46 @@ def test_merged_for_inference_leaves_tied_and_disabled_layers_unmerged_and_evalu
     with torch.no_grad():
         monkeypatch.setattr(evaluation, "merged_for_inference", lambda m: __import__("contextlib").nullcontext())
         assert evaluation.generate_answers(model, Tok(), prompts, max_new_tokens=3) == replies
+
+
+@pytest.mark.parametrize("task_type, fast", [("CAUSAL_LM", True), ("CAUSAL_LM", False), (None, True)], ids=["fast", "reference", "untyped"])
+def test_generate_merges_the_adapter_for_the_call_on_the_fast_paths(task_type, fast):
+    """``generate`` on a sparse PeftModelForCausalLM: on the fast paths every pass runs with the adapter merged in
+    place (the base model's own decoding speed); with ``fast_paths(False)``, and in a PeftModel without a task type
+    (whose ``generate`` goes to the base model past the tuner), every layer adds its delta unmerged. Either way the
+    tokens are the merged model's, and afterwards — after an error inside too — the base weights are θ₀ bit for bit
+    and nothing is merged."""
+    import copy
+
+    build, targets, _ = MODELS["llama"]
+    torch.manual_seed(0)
+    model = get_peft_model(build(), SparseFTConfig(target_modules=targets, density=0.1, task_type=task_type))
+    assert type(model).__name__ == ("PeftModelForCausalLM" if task_type else "PeftModel")
+    randomize_values(model, scale=0.1)
+    model.eval()
+    layers = sparse_layers(model)
+    theta0 = {l.module_name: l.get_base_layer().weight.detach().clone() for l in layers}
+    merged_during = []
+    hook = layers[0].register_forward_pre_hook(lambda module, args: merged_during.append(module.merged))
+    x = inputs(seed=3, batch=2, length=5)
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with peft_sparse.fast_paths(fast):
+        tokens = model.generate(input_ids=x, **kwargs)
+    assert len(merged_during) == 5 and set(merged_during) == {fast and task_type is not None}
+    assert not any(l.merged for l in layers)
+    assert all(torch.equal(l.get_base_layer().weight, theta0[l.module_name]) for l in layers)
+    hook.remove()
+
+    def fail(module, args):
+        raise RuntimeError("inside generate")
+
+    hook = layers[-1].register_forward_pre_hook(fail)
+    with peft_sparse.fast_paths(fast), pytest.raises(RuntimeError, match="inside generate"):
+        model.generate(input_ids=x, **kwargs)
+    hook.remove()
+    assert not any(l.merged for l in layers)
+    assert all(torch.equal(l.get_base_layer().weight, theta0[l.module_name]) for l in layers)
+    want = copy.deepcopy(model).merge_and_unload().generate(input_ids=x, **kwargs)
+    assert torch.equal(tokens, want)
+    with model.disable_adapter():
+        assert not torch.equal(model.generate(input_ids=x, **kwargs), want)  # (the adapter changes the tokens)

@@ -9,6 +9,8 @@ is what the fast paths must reproduce. The fast paths are
 * **steady-pass memos**: a layer's, and SM3's, decisions of the last pass reused after cheap checks;
 * **input rebuilds**: layer inputs rebuilt in backward from what autograd keeps anyway;
 * **inference memos**: a layer's CSR delta kept between passes without gradients (matrix-vector at one token);
+* **generation merges**: a causal-LM PeftModel's ``generate`` runs inside ``merged_for_inference`` (the adapters
+  merged in place for the call, θ₀ written back bit for bit after; ``SparseTuner.generate``);
 * the **Triton kernels** (SDDMM, block products, the fused NF4 dequantize + delta, the fused SM3 step)
   and their **kept launches**;
 * SpIEL's **batched reselection** (all tensors in a handful of launches).

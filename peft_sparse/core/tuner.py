@@ -20,6 +20,7 @@ from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, check_target_mod
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from torch import nn
 
+from .. import accel
 from ..registry import ExcludedModule, include_all_linear_layers
 
 from .budget import split_budget, split_weights, total_budget
@@ -28,6 +29,7 @@ from .config import SparseConfig, dtype_name
 from .embedding import SparseEmbedding
 from .base import index_dtype, logical_shape, supported_base_layer, unsupported_embedding_reason
 from .layer import SparseLayer, SparseLinear
+from .merging import merged_for_inference
 from .selection import BlockGrid, check_sparse_tensors, module_generator
 
 
@@ -264,6 +266,20 @@ class SparseTuner(BaseTuner):
                 layer.release_training_merge()
         return super()._unload_and_optionally_merge(*args, **kwargs)
 
+    # ------------------------------------------------------------------------------- generation
+    _mixed_batch = False  # (True while a mixed-batch call's hooks are in place: see below)
+
+    def generate(self, *args, **kwargs):
+        """The base model's ``generate``. On the fast paths the active adapters are merged in place for the call
+        (:func:`~peft_sparse.merged_for_inference`: the d_φ entries they overwrite are kept and written back bit
+        for bit afterwards, also on an error), so each decoding step is the base model's own and the tokens are
+        the merged model's. A mixed batch (``adapter_names``) and ``peft_sparse.fast_paths(False)`` generate
+        with the adapters unmerged, every layer adding its delta in each pass."""
+        if accel.enabled() and not self._mixed_batch:
+            with merged_for_inference(self.model):
+                return self.model.generate(*args, **kwargs)
+        return self.model.generate(*args, **kwargs)
+
     # ------------------------------------------------------------------------------- mixed batches
     @contextlib.contextmanager
     def _enable_peft_forward_hooks(self, *args, **kwargs):
@@ -292,9 +308,11 @@ class SparseTuner(BaseTuner):
             return args, kw
 
         handles = [layer.register_forward_pre_hook(inject, with_kwargs=True) for layer in layers]
+        self._mixed_batch = True  # (generate keeps the adapters unmerged: each row adds its own delta)
         try:
             yield
         finally:
+            self._mixed_batch = False
             for handle in handles:
                 handle.remove()
 
