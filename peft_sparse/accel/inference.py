@@ -34,10 +34,10 @@ def inference_forward(layer, x: torch.Tensor) -> Optional[torch.Tensor]:
             return None
     if x.device != memo.csr.device or not _serves(layer, x, tokens, memo.nnz):
         return None  # (the full path: W + δ rebuilt, where that is cheaper)
-    return add_delta(memo.csr, x, _base_output(layer._modules["base_layer"], x), tokens, layer.in_features)
+    return add_delta(memo.csr, x, base_output(layer._modules["base_layer"], x), tokens, layer.in_features)
 
 
-def _base_output(base, x: torch.Tensor) -> torch.Tensor:
+def base_output(base, x: torch.Tensor) -> torch.Tensor:
     """The base layer's output: ``F.linear`` itself for a plain ``nn.Linear`` that no hook watches (the module
     call's own host time is a share of a one-token pass), else the module call."""
     if type(base) is torch.nn.Linear and not internals.module_hooks_anywhere(base):

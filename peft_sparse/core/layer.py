@@ -37,7 +37,7 @@ from transformers.pytorch_utils import Conv1D
 from .. import accel
 from ..accel import internals
 from ..accel.nf4 import FusedNF4Layer, _NF4Rebuild
-from ..accel.inference import inference_forward, kept_delta_matrices
+from ..accel.inference import base_output, inference_forward, kept_delta_matrices
 from ..accel.steady import steady_forward
 from ..accel.training_merge import (
     TrainingMergeLayer,
@@ -310,6 +310,10 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, MixedBatchLayer
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if "adapter_names" in kwargs:
             return self._mixed_batch_forward(x, kwargs.pop("adapter_names"), *args, **kwargs)
+        if self.merged_adapters and not self.disable_adapters:  # merged (merge, merged_for_inference): the base's pass
+            if accel.ON and not args and not kwargs:
+                return base_output(self._modules["base_layer"], x)  # (a fast path: F.linear itself where nothing hooks it)
+            return self.base_layer(x, *args, **kwargs)
         observed = False
         if not args and not kwargs and accel.ON and not torch.is_grad_enabled():
             y = inference_forward(self, x)  # (a fast path: accel/inference.py)
