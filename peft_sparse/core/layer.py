@@ -328,8 +328,6 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, MixedBatchLayer
             if self.merged:
                 self.unmerge()
             return self._base_forward(x, *args, **kwargs)
-        if self.merged:
-            return self.base_layer(x, *args, **kwargs)
         values_of = self.sparse_values
         active = [a for a in self.active_adapters if a in values_of]
         if not active:
