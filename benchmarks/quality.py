@@ -174,7 +174,7 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
     n_trainable = sum(p.numel() for p in params)
     decay = args.weight_decay
     if uses_sm3:
-        optimizer = peft_sparse.SM3(params, lr=lr, weight_decay=decay, momentum=args.sm3_momentum)
+        optimizer = peft_sparse.SM3(params, lr=lr, weight_decay=decay, momentum=args.sm3_momentum, beta2=args.sm3_beta2)
     else:
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=decay, betas=(0.9, 0.999))
     warmup = max(1, round(0.03 * args.steps))
@@ -222,7 +222,7 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
     return {
         "task": args.task, "method": method, "lr": lr, "seed": seed, "steps": args.steps, "batch_size": args.batch_size,
         "budget_rank": args.budget_rank, "trainable": n_trainable, "weight_decay": decay, "max_grad_norm": args.max_grad_norm,
-        "set": overrides, "optimizer": "sm3" if uses_sm3 else "adamw", "sm3_momentum": args.sm3_momentum if uses_sm3 else None, "no_reselection": args.no_reselection, "tag": args.tag, "exact_match": score["accuracy"], "heldout_loss": loss_heldout, "per_skill": score["per_skill"],
+        "set": overrides, "optimizer": "sm3" if uses_sm3 else "adamw", "sm3_momentum": args.sm3_momentum if uses_sm3 else None, "sm3_beta2": args.sm3_beta2 if uses_sm3 else None, "no_reselection": args.no_reselection, "tag": args.tag, "exact_match": score["accuracy"], "heldout_loss": loss_heldout, "per_skill": score["per_skill"],
         "S_gamma": S_gamma,
         "final_loss": sum(losses[-10:]) / min(10, len(losses)), "train_seconds": round(train_seconds, 1),
         "eval_seconds": round(eval_seconds, 1), "scheduler_seconds": round(scheduler_seconds, 2),
@@ -265,6 +265,8 @@ def summarize(rows: list[dict]) -> list[dict]:
             settings["optimizer"] = r.get("optimizer")
         if r.get("sm3_momentum"):
             settings["sm3_momentum"] = r["sm3_momentum"]
+        if r.get("sm3_beta2"):
+            settings["sm3_beta2"] = r["sm3_beta2"]
         if r.get("no_reselection"):
             settings["reselection"] = "off"
         if r.get("device", "cpu") != "cpu":
@@ -310,6 +312,8 @@ def main(argv=None) -> None:
     parser.add_argument("--optimizer", choices=("adamw", "sm3"), default=None,
                         help="default: SM3 for SpIEL-MA (the paper's pairing), AdamW for every other method")
     parser.add_argument("--sm3-momentum", type=float, default=0.0, help="SM3's momentum (heavy-ball β over the preconditioned step)")
+    parser.add_argument("--sm3-beta2", type=float, default=None,
+                        help="SM3's moving-average form with this β₂ (bias-corrected); default: sums of squared gradients (Anil et al.)")
     parser.add_argument("--no-reselection", action="store_true", help="SpIEL without a scheduler: the initial mask kept")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--max-length", type=int, default=128)

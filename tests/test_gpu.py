@@ -473,8 +473,8 @@ def test_repeated_nf4_launch_on_cuda_follows_every_change(tmp_path, monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
 
 
-@pytest.mark.parametrize("block_shape", [(1, 1), (16, 16)])
-def test_sm3_multi_tensor_launch_on_cuda_matches_the_torch_step(monkeypatch, block_shape):
+@pytest.mark.parametrize("block_shape, beta2", [((1, 1), None), ((16, 16), None), ((1, 1), 0.999), ((16, 16), 0.999)])
+def test_sm3_multi_tensor_launch_on_cuda_matches_the_torch_step(monkeypatch, block_shape, beta2):
     """SM3's one launch per parameter group, with momentum, weight decay, two groups of different
     learning rates (changed between steps), accumulators alternating between buffers and a reload of
     the optimizer's own state mid-way, against its torch step: the same values, momenta and accumulators.
@@ -493,7 +493,7 @@ def test_sm3_multi_tensor_launch_on_cuda_matches_the_torch_step(monkeypatch, blo
         model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128), config).cuda()
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         groups = [{"params": [p for n, p in named if "mlp" in n], "lr": 0.05}, {"params": [p for n, p in named if "mlp" not in n]}]
-        opt = SM3(groups, lr=0.02, momentum=0.5, weight_decay=0.1)
+        opt = SM3(groups, lr=0.02, momentum=0.5, weight_decay=0.1, beta2=beta2)
         x = torch.randint(0, 97, (2, 9), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
         for step in range(5):
             model(x, labels=x).loss.backward()

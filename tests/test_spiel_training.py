@@ -248,17 +248,21 @@ def test_spiel_ma_beside_adamw_resumes_exactly(tmp_path):
         SpIELScheduler(model, _optimizer(model, "ma"), total_steps=12).load(tmp_path / "sched")
 
 
-def test_sm3_equals_dense_sm3_restricted_to_the_active_set():
+@pytest.mark.parametrize("beta2", [None, 0.9])
+def test_sm3_equals_dense_sm3_restricted_to_the_active_set(beta2):
+    """SM3 over a layer's sparse values against SM3-II on the whole dense matrix with zero gradients outside the active
+    set: the sums (Anil et al.) and the moving-average form (ν = β₂·min(R, C) + (1 − β₂)·g², R and C decayed by β₂
+    before their maxima, the update from ν / (1 − β₂ᵗ))."""
     torch.manual_seed(0)
     model = _spiel("ma")
     layer = sparse_layers(model)[0]
     values = layer.sparse_values["default"]
-    opt = SM3([values], lr=0.05, momentum=0.5, weight_decay=0.1)
+    opt = SM3([values], lr=0.05, momentum=0.5, weight_decay=0.1, beta2=beta2)
     out, inn = layer.out_features, layer.in_features
     idx = layer.sparse_indices["default"].long()
     dense = torch.zeros(out * inn)
     row, col, mom = torch.zeros(out), torch.zeros(inn), torch.zeros(out * inn)
-    for step in range(4):
+    for step in range(1, 5):
         g = torch.randn(values.numel())
         values.grad = g.clone()
         opt.step()
@@ -266,14 +270,27 @@ def test_sm3_equals_dense_sm3_restricted_to_the_active_set():
         G = torch.zeros(out * inn)
         G[idx] = g
         G = G.view(out, inn)
-        nu = torch.minimum(row[:, None], col[None, :]) + G * G
-        row, col = torch.maximum(row, nu.amax(1)), torch.maximum(col, nu.amax(0))
-        update = (G / (nu + 1e-30).sqrt()).reshape(-1)
+        if beta2 is None:
+            nu = torch.minimum(row[:, None], col[None, :]) + G * G
+            row, col = torch.maximum(row, nu.amax(1)), torch.maximum(col, nu.amax(0))
+            corrected = nu
+        else:
+            nu = beta2 * torch.minimum(row[:, None], col[None, :]) + (1 - beta2) * G * G
+            row, col = torch.maximum(beta2 * row, nu.amax(1)), torch.maximum(beta2 * col, nu.amax(0))
+            corrected = nu / (1 - beta2**step)
+        update = (G / (corrected + 1e-30).sqrt()).reshape(-1)
         mom = 0.5 * mom + 0.5 * update
         dense = dense * (1 - 0.05 * 0.1) - 0.05 * mom
     torch.testing.assert_close(values.detach(), dense[idx], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(opt.state[values]["row_accumulator"], row)
     torch.testing.assert_close(opt.state[values]["col_accumulator"], col)
+
+
+def test_sm3_beta2_refused_by_name():
+    values = torch.nn.Parameter(torch.zeros(3))
+    for bad in (0.0, 1.0, 1.5, True, "0.9"):
+        with pytest.raises(ValueError, match=r"beta2"):
+            SM3([values], beta2=bad)
 
 
 # ------------------------------------------------------------------------------------------- windows

@@ -130,14 +130,14 @@ def test_gather_as_dispatch(monkeypatch):
     assert not calls
 
 
-@pytest.mark.parametrize("momentum, weight_decay, out_f, in_f, nnz, index_dtype", [
-    (0.0, 0.0, 12, 20, 70, torch.int32), (0.5, 0.1, 12, 20, 70, torch.int32), (0.0, 0.0, 40, 100, 3000, torch.int32),
-    (0.0, 0.0, 40, 100, 3000, torch.int64),
+@pytest.mark.parametrize("momentum, weight_decay, out_f, in_f, nnz, index_dtype, beta2", [
+    (0.0, 0.0, 12, 20, 70, torch.int32, None), (0.5, 0.1, 12, 20, 70, torch.int32, None), (0.0, 0.0, 40, 100, 3000, torch.int32, None),
+    (0.0, 0.0, 40, 100, 3000, torch.int64, None), (0.5, 0.1, 12, 20, 70, torch.int32, 0.9), (0.0, 0.0, 40, 100, 3000, torch.int32, 0.999),
 ])  # fmt: skip
-def test_fused_sm3_step_matches_torch_sm3(tk, momentum, weight_decay, out_f, in_f, nnz, index_dtype):
+def test_fused_sm3_step_matches_torch_sm3(tk, momentum, weight_decay, out_f, in_f, nnz, index_dtype, beta2):
     """The fused step against the sequential definition; 3000 of 4000 entries: each column is met by
     tens of entries over several programs (the column maxima skip entries that cannot raise them),
-    with 32-bit and 64-bit index arithmetic."""
+    with 32-bit and 64-bit index arithmetic; the sums and the moving-average form (β₂, at step 3)."""
     from peft_sparse import SM3
 
     g = torch.Generator().manual_seed(3)
@@ -148,15 +148,16 @@ def test_fused_sm3_step_matches_torch_sm3(tk, momentum, weight_decay, out_f, in_
     mom = torch.randn(nnz, generator=g).to(_device()) if momentum else None
     grad = torch.randn(nnz, generator=g).to(_device())
     # the sequential definition
-    nu = torch.minimum(row_acc[rows], col_acc[cols]) + grad * grad
-    want_r = row_acc.scatter_reduce(0, rows, nu, reduce="amax", include_self=True)
-    want_c = col_acc.scatter_reduce(0, cols, nu, reduce="amax", include_self=True)
-    update = grad / (nu + 1e-30).sqrt()
+    keep, scale = (1.0, 1.0) if beta2 is None else (beta2, 1.0 / (1.0 - beta2**3))
+    nu = torch.minimum(row_acc[rows], col_acc[cols]) * keep + (1.0 - (beta2 or 0.0)) * (grad * grad)
+    want_r = (row_acc * keep).scatter_reduce(0, rows, nu, reduce="amax", include_self=True)
+    want_c = (col_acc * keep).scatter_reduce(0, cols, nu, reduce="amax", include_self=True)
+    update = grad / (nu * scale + 1e-30).sqrt()
     if momentum:
         update = momentum * mom + (1 - momentum) * update
     want_v = values * (1 - 0.1 * weight_decay) - 0.1 * update
     v = values.clone()
-    new_r, new_c = tk.sm3_sparse_step(v, grad, idx, in_f, row_acc, col_acc, mom, 0.1, momentum, 1e-30, weight_decay)
+    new_r, new_c = tk.sm3_sparse_step(v, grad, idx, in_f, row_acc, col_acc, mom, 0.1, momentum, 1e-30, weight_decay, beta2=beta2, step=3)
     torch.testing.assert_close(v, want_v, rtol=1e-5, atol=1e-6)
     assert torch.equal(new_r, want_r) and torch.equal(new_c, want_c)  # (maxima: exact)
     assert SM3 is not None

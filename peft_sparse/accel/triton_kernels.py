@@ -1039,20 +1039,23 @@ def _segment_max(row_a, value_a, row_b, value_b):
 
 def sm3_sparse_step(
     values, grad, indices, in_features, row_acc, col_acc, momentum_buffer, lr, momentum, eps, weight_decay,
-    row_new=None, col_new=None,
+    row_new=None, col_new=None, beta2=None, step: int = 1,
 ):  # fmt: skip
     """One fused SM3-II step over sparse values; returns the new (row, col) accumulators.
 
     ν is read from the previous accumulators and the max-updates go to copies (atomic max), so no
     element sees another's update of the same step — the same result as the sequential definition.
-    ``row_new``/``col_new``: buffers already holding copies of the accumulators; by default they are
-    cloned here. (:class:`MultiSM3` with one tensor; the optimizer batches all its tensors.)
+    ``row_new``/``col_new``: buffers already holding copies of the accumulators (β₂ times them with ``beta2``);
+    by default they are made here. (:class:`MultiSM3` with one tensor; the optimizer batches all its tensors.)
     """
     if row_new is None or col_new is None:
         row_new, col_new = row_acc.clone(), col_acc.clone()
+        if beta2 is not None:
+            row_new.mul_(beta2)
+            col_new.mul_(beta2)
     if values.numel():
         plan = MultiSM3([values], [grad], [indices], [in_features], [row_acc], [col_acc], [row_new], [col_new], [momentum_buffer])
-        plan([grad], lr, momentum, eps, weight_decay)
+        plan([grad], lr, momentum, eps, weight_decay, beta2, step)
     return row_new, col_new
 
 
@@ -1087,11 +1090,12 @@ def _sm3_accumulators(ROW_OLD_PTRS, COL_OLD_PTRS, ROW_NEW_PTRS, COL_NEW_PTRS, t,
 
 
 @triton.jit
-def _sm3_apply(VALUES_PTRS, MOM_PTRS, t, offs, m, g, nu, VALUES_T, ACC_T, lr, momentum, eps, decay, HAS_MOMENTUM: tl.constexpr):
-    """The SM3-II update of tensor t's values at ``offs`` (mask ``m``) from their gradients and ν —
-    shared by the per-element and per-block kernels, so both give the same bits."""
+def _sm3_apply(VALUES_PTRS, MOM_PTRS, t, offs, m, g, nu, VALUES_T, ACC_T, lr, momentum, eps, decay, scale, HAS_MOMENTUM: tl.constexpr):
+    """The SM3-II update of tensor t's values at ``offs`` (mask ``m``) from their gradients and ν (times ``scale``:
+    the moving average's bias correction, 1 for the sums) — shared by the per-element and per-block kernels, so
+    both give the same bits."""
     values = tl.load(VALUES_PTRS + t).to(tl.pointer_type(VALUES_T.dtype.element_ty))
-    update = g / tl.sqrt(nu + eps)
+    update = g / tl.sqrt(nu * scale + eps)
     if HAS_MOMENTUM:
         mom = tl.load(MOM_PTRS + t).to(tl.pointer_type(ACC_T.dtype.element_ty))
         buf = tl.load(mom + offs, mask=m, other=0.0) * momentum + (1 - momentum) * update
@@ -1104,7 +1108,7 @@ def _sm3_apply(VALUES_PTRS, MOM_PTRS, t, offs, m, g, nu, VALUES_T, ACC_T, lr, mo
 @triton.jit
 def _multi_sm3_kernel(
     VALUES_PTRS, GRAD_PTRS, IDX_PTRS, ROW_OLD_PTRS, COL_OLD_PTRS, ROW_NEW_PTRS, COL_NEW_PTRS, MOM_PTRS, COUNTS, IN_FEATURES,
-    PROG_TENSOR, PROG_START, VALUES_T, GRAD_T, IDX_T, ACC_T, lr, momentum, eps, decay,
+    PROG_TENSOR, PROG_START, VALUES_T, GRAD_T, IDX_T, ACC_T, lr, momentum, eps, decay, keep, fresh, scale,
     HAS_MOMENTUM: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # one SM3-II step (see :func:`sm3_sparse_step`) for many tensors: program p takes entries
@@ -1133,7 +1137,7 @@ def _multi_sm3_kernel(
     r = idx // in_features
     c = idx - r * in_features
     g = tl.load(grad + offs, mask=m, other=0.0).to(tl.float32)
-    nu = tl.minimum(tl.load(row_old + r, mask=m, other=0.0), tl.load(col_old + c, mask=m, other=0.0)) + g * g
+    nu = tl.minimum(tl.load(row_old + r, mask=m, other=0.0), tl.load(col_old + c, mask=m, other=0.0)) * keep + fresh * (g * g)
     _, run_max = tl.associative_scan((r, nu), 0, _segment_max)
     last_of_run = (next_r != r) | (tl.arange(0, BLOCK) == BLOCK - 1) | (offs + 1 >= n)
     tl.atomic_max(row_new + r, run_max, mask=m & last_of_run, sem="relaxed")  # max commutes: no ordering needed
@@ -1143,13 +1147,13 @@ def _multi_sm3_kernel(
     # the atomic orders by bit pattern; a NaN ν (never below anything) still goes.
     seen = tl.load(col_new + c, mask=m, other=0.0, cache_modifier=".cg")
     tl.atomic_max(col_new + c, nu, mask=m & ~(nu < seen), sem="relaxed")
-    _sm3_apply(VALUES_PTRS, MOM_PTRS, t, offs, m, g, nu, VALUES_T, ACC_T, lr, momentum, eps, decay, HAS_MOMENTUM)
+    _sm3_apply(VALUES_PTRS, MOM_PTRS, t, offs, m, g, nu, VALUES_T, ACC_T, lr, momentum, eps, decay, scale, HAS_MOMENTUM)
 
 
 @triton.jit
 def _multi_sm3_block_kernel(
     VALUES_PTRS, GRAD_PTRS, ROW_OLD_PTRS, COL_OLD_PTRS, ROW_NEW_PTRS, COL_NEW_PTRS, MOM_PTRS, B_TENSOR, B_ROW0, B_COL0,
-    B_BASE, B_STRIDE, VALUES_T, GRAD_T, ACC_T, lr, momentum, eps, decay,
+    B_BASE, B_STRIDE, VALUES_T, GRAD_T, ACC_T, lr, momentum, eps, decay, keep, fresh, scale,
     HAS_MOMENTUM: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
 ):  # fmt: skip
     # _multi_sm3_kernel for block adapters: program b takes block b of the tables (its tensor, first row
@@ -1164,10 +1168,10 @@ def _multi_sm3_block_kernel(
     grad = tl.load(GRAD_PTRS + t).to(tl.pointer_type(GRAD_T.dtype.element_ty))
     row_old, col_old, row_new, col_new = _sm3_accumulators(ROW_OLD_PTRS, COL_OLD_PTRS, ROW_NEW_PTRS, COL_NEW_PTRS, t, ACC_T)
     g = tl.load(grad + offs).to(tl.float32)
-    nu = tl.minimum(tl.load(row_old + r)[:, None], tl.load(col_old + c)[None, :]) + g * g
+    nu = tl.minimum(tl.load(row_old + r)[:, None], tl.load(col_old + c)[None, :]) * keep + fresh * (g * g)
     tl.atomic_max(row_new + r, tl.max(nu, axis=1), sem="relaxed")  # max commutes: no ordering needed
     tl.atomic_max(col_new + c, tl.max(nu, axis=0), sem="relaxed")
-    _sm3_apply(VALUES_PTRS, MOM_PTRS, t, offs, offs >= 0, g, nu, VALUES_T, ACC_T, lr, momentum, eps, decay, HAS_MOMENTUM)
+    _sm3_apply(VALUES_PTRS, MOM_PTRS, t, offs, offs >= 0, g, nu, VALUES_T, ACC_T, lr, momentum, eps, decay, scale, HAS_MOMENTUM)
 
 
 def sm3_block_shape_supported(block_shape) -> bool:
@@ -1225,20 +1229,23 @@ class MultiSM3:
         pointers = tuple(tuple(t.data_ptr() if t is not None else 0 for t in ts) for ts in (values, indices, *accumulators_and_moms))
         return pointers + (tuple(v.numel() for v in values), tuple(in_features))
 
-    def __call__(self, grads, lr: float, momentum: float, eps: float, weight_decay: float) -> None:
+    def __call__(self, grads, lr: float, momentum: float, eps: float, weight_decay: float, beta2=None, step: int = 1) -> None:
+        """One step. ``beta2`` (SM3's moving-average form): ν = β₂·min(R, C) + (1 − β₂)·g², the update from ν / (1 −
+        β₂^step), and the buffers of the updated accumulators must hold β₂ times the previous ones; None: the sums."""
+        keep, fresh, scale = (1.0, 1.0, 1.0) if beta2 is None else (beta2, 1.0 - beta2, 1.0 / (1.0 - beta2**step))
         if self.programs and self.block_shape is not None:
             values, *rest = self.tables
             launch(_multi_sm3_block_kernel, (self.programs,),
                 values, _address_table(grads, self.device), *rest, *self.blocks, self.templates[0], self.templates[1],
-                self.templates[3], lr, momentum, eps, 1.0 - lr * weight_decay, HAS_MOMENTUM=self.has_momentum,
+                self.templates[3], lr, momentum, eps, 1.0 - lr * weight_decay, keep, fresh, scale, HAS_MOMENTUM=self.has_momentum,
                 BH=self.block_shape[0], BW=self.block_shape[1], num_warps=4, enable_fp_fusion=False,
             )  # fmt: skip
         elif self.programs:
             values, indices, *rest = self.tables
             launch(_multi_sm3_kernel, (self.programs,),
                 values, _address_table(grads, self.device), indices, *rest, self.counts, self.in_features,
-                self.prog_tensor, self.prog_start, *self.templates,
-                lr, momentum, eps, 1.0 - lr * weight_decay, HAS_MOMENTUM=self.has_momentum, BLOCK=_MULTI_BLOCK, enable_fp_fusion=False,
+                self.prog_tensor, self.prog_start, *self.templates, lr, momentum, eps, 1.0 - lr * weight_decay,
+                keep, fresh, scale, HAS_MOMENTUM=self.has_momentum, BLOCK=_MULTI_BLOCK, enable_fp_fusion=False,
             )  # fmt: skip
 
 

@@ -64,18 +64,28 @@ def _block_kernel_takes(block_shape) -> bool:
 _PLANS_KEPT = 4  # launch plans kept per group: the accumulators alternate between two sets of buffers
 
 
-def accumulate_sparse(row_acc: torch.Tensor, col_acc: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+def accumulate_sparse(
+    row_acc: torch.Tensor, col_acc: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, grad: torch.Tensor, beta2: Optional[float] = None
+) -> torch.Tensor:
     """SM3-II's accumulator update for sparse values at (rows, cols): ν = min(R_rows, C_cols) + g², then R and C
-    take the maximum ν of each row and column, in place; returns ν. (Also SpIEL-MA's statistics beside other
-    optimizers: :class:`peft_sparse.methods.spiel.statistics.RowColumnAccumulators`.)"""
-    nu = torch.minimum(row_acc[rows], col_acc[cols]).add_(grad * grad)
+    take the maximum ν of each row and column, in place; returns ν. With ``beta2`` (SM3's moving-average form):
+    ν = β₂·min(R_rows, C_cols) + (1 − β₂)·g², and R, C decay by β₂ before taking the maxima. (Also SpIEL-MA's
+    statistics beside other optimizers: :class:`peft_sparse.methods.spiel.statistics.RowColumnAccumulators`.)"""
+    if beta2 is None:
+        nu = torch.minimum(row_acc[rows], col_acc[cols]).add_(grad * grad)
+    else:
+        nu = torch.minimum(row_acc[rows], col_acc[cols]).mul_(beta2).add_((1 - beta2) * (grad * grad))
+        row_acc.mul_(beta2)
+        col_acc.mul_(beta2)
     row_acc.scatter_reduce_(0, rows, nu, reduce="amax", include_self=True)
     col_acc.scatter_reduce_(0, cols, nu, reduce="amax", include_self=True)
     return nu
 
 
 class SM3(torch.optim.Optimizer):
-    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, eps: float = 1e-30, weight_decay: float = 0.0):
+    def __init__(
+        self, params, lr: float = 1e-3, momentum: float = 0.0, eps: float = 1e-30, weight_decay: float = 0.0, beta2: Optional[float] = None
+    ):
         if not lr > 0.0:
             raise ValueError(f"SM3: lr must be positive, got lr={lr}")
         if not 0.0 <= momentum < 1.0:
@@ -84,7 +94,9 @@ class SM3(torch.optim.Optimizer):
             raise ValueError(f"SM3: eps must be non-negative, got eps={eps}")
         if not weight_decay >= 0.0:
             raise ValueError(f"SM3: weight_decay must be non-negative, got weight_decay={weight_decay}")
-        super().__init__(params, dict(lr=lr, momentum=momentum, eps=eps, weight_decay=weight_decay))
+        if beta2 is not None and (isinstance(beta2, bool) or not isinstance(beta2, (int, float)) or not 0.0 < beta2 < 1.0):
+            raise ValueError(f"SM3: beta2 must be None (sums of squared gradients) or in (0, 1), got beta2={beta2!r}")
+        super().__init__(params, dict(lr=lr, momentum=momentum, eps=eps, weight_decay=weight_decay, beta2=beta2))
         # param → (row, col) buffers of the accumulators' shapes that the fused step writes into (swapped
         # with the accumulators afterwards); not state: they hold nothing between steps
         self._scratch: dict = {}
@@ -167,6 +179,7 @@ class SM3(torch.optim.Optimizer):
         every_param_fused = True
         for group in self.param_groups:
             lr, momentum, eps, wd = group["lr"], group["momentum"], group["eps"], group["weight_decay"]
+            beta2 = group.setdefault("beta2", None)  # (groups of a state saved before beta2 existed: the sums)
             for param in group["params"]:
                 if param.grad is None:
                     every_param_fused = False
@@ -183,7 +196,7 @@ class SM3(torch.optim.Optimizer):
                     on_fused.append((param, state, layout, group))
                     continue
                 every_param_fused = False
-                self._torch_step(param, state, layout, lr, momentum, eps, wd)
+                self._torch_step(param, state, layout, lr, momentum, eps, wd, beta2)
         if steps:
             torch._foreach_add_(steps, 1)
         if on_fused:
@@ -207,10 +220,10 @@ class SM3(torch.optim.Optimizer):
     def _fused_steps(self, items) -> list:
         """One multi-tensor Triton launch per group of values with the same hyper-parameters, device
         and element types (usually one for the whole model), after one multi-tensor copy of the
-        accumulators into the buffers the updated ones go to. Returns the launch groups: (key, positions
-        of their members in ``items``) each."""
+        accumulators into the buffers the updated ones go to (scaled by β₂ in the moving-average form). Returns the
+        launch groups: (key, step, positions of their members in ``items``) each."""
         scratch = self._scratch
-        accumulators, buffers = [], []
+        accumulators, buffers, decayed = [], [], {}
         groups: dict = {}
         for position, item in enumerate(items):
             param, state, (indices, _, _, blocks), group = item
@@ -222,24 +235,31 @@ class SM3(torch.optim.Optimizer):
                 pair = scratch[param] = (torch.empty_like(acc[0]), torch.empty_like(acc[1]))
             accumulators.extend(acc)
             buffers.extend(pair)
+            beta2 = group["beta2"]
+            if beta2 is not None:
+                decayed.setdefault(beta2, []).extend(pair)
             mom = state.get("momentum_buffer")
             key = (param.device, param.dtype, param.grad.dtype, indices.dtype, acc[0].dtype, mom.dtype if mom is not None else None,
                    blocks.block_shape if blocks is not None else None,
-                   group["lr"], group["momentum"], group["eps"], group["weight_decay"])  # fmt: skip
-            groups.setdefault(key, []).append(position)
+                   group["lr"], group["momentum"], group["eps"], group["weight_decay"], beta2)  # fmt: skip
+            # (the moving average's bias correction depends on the step: members of one launch share it)
+            step = int(state["step"]) if beta2 is not None else 0
+            groups.setdefault((key, step), []).append(position)
         torch._foreach_copy_(buffers, accumulators)
-        for key, positions in groups.items():
+        for beta2, tensors in decayed.items():
+            torch._foreach_mul_(tensors, beta2)
+        for (key, step), positions in groups.items():
             members = [items[k] for k in positions]
             old = [(s["row_accumulator"], s["col_accumulator"]) for _, s, _, _ in members]
             lists = self._launch_lists(members, old, [scratch[p] for p, *_ in members])
-            self._launch(key, members[0][0], lists, [p.grad for p, *_ in members], [lay[3] for _, _, lay, _ in members])
+            self._launch(key, members[0][0], lists, [p.grad for p, *_ in members], [lay[3] for _, _, lay, _ in members], step)
             for param, state, _, _ in members:
                 torch.autograd.graph.increment_version(param)  # written by the kernel: as an in-place op would mark it
                 # the updated copies become the accumulators; the previous ones are next step's scratch
                 row_new, col_new = scratch[param]
                 scratch[param] = (state["row_accumulator"], state["col_accumulator"])
                 state["row_accumulator"], state["col_accumulator"] = row_new, col_new
-        return list(groups.items())
+        return [(key, positions) for (key, _), positions in groups.items()]
 
     @staticmethod
     def _launch_lists(members, old_pairs, new_pairs) -> tuple:
@@ -252,8 +272,9 @@ class SM3(torch.optim.Optimizer):
             [pair[0] for pair in new_pairs], [pair[1] for pair in new_pairs], [s.get("momentum_buffer") for _, s, _, _ in members],
         )  # fmt: skip
 
-    def _launch(self, key, first, lists, grads, layouts):
-        """One ``MultiSM3`` launch of a group (``key``: see ``_fused_steps``) from its kept plan; returns the plan."""
+    def _launch(self, key, first, lists, grads, layouts, step: int = 0):
+        """One ``MultiSM3`` launch of a group (``key``: see ``_fused_steps``) at optimizer step ``step`` (read with
+        β₂ only) from its kept plan; returns the plan."""
         MultiSM3 = _fused_kernel()
         values, indices, in_features, *accumulators_and_moms = lists
         if key[6] is None:
@@ -268,26 +289,34 @@ class SM3(torch.optim.Optimizer):
                 while len(plans) >= _PLANS_KEPT:
                     plans.pop(next(iter(plans)))
                 plan = plans[ptrs] = MultiSM3(values, grads, indices, in_features, *accumulators_and_moms, layouts=layouts)
-            plan(grads, *key[7:])
+            plan(grads, *key[7:], step)
         return plan
 
     @staticmethod
-    def _torch_step(param, state, layout, lr, momentum, eps, wd) -> None:
+    def _torch_step(param, state, layout, lr, momentum, eps, wd, beta2=None) -> None:
         acc_dtype = (state.get("accumulator") if "accumulator" in state else state["row_accumulator"]).dtype
         grad = param.grad.to(acc_dtype)
         if layout is not None:
             indices, in_features = layout[0], layout[2]
             rows, cols = rows_cols(indices, in_features)
-            nu = accumulate_sparse(state["row_accumulator"], state["col_accumulator"], rows, cols, grad)  # (d_φ,)
+            nu = accumulate_sparse(state["row_accumulator"], state["col_accumulator"], rows, cols, grad, beta2)  # (d_φ,)
         elif "accumulator" in state:
-            nu = state["accumulator"].add_(grad * grad)
+            acc = state["accumulator"]
+            nu = acc.add_(grad * grad) if beta2 is None else acc.mul_(beta2).add_((1 - beta2) * (grad * grad))
         else:
             row_acc, col_acc = state["row_accumulator"], state["col_accumulator"]
             g2 = grad.reshape(row_acc.numel(), col_acc.numel())
-            nu = torch.minimum(row_acc[:, None], col_acc[None, :]).add_(g2 * g2)  # (rows, cols)
+            if beta2 is None:
+                nu = torch.minimum(row_acc[:, None], col_acc[None, :]).add_(g2 * g2)  # (rows, cols)
+            else:
+                nu = torch.minimum(row_acc[:, None], col_acc[None, :]).mul_(beta2).add_((1 - beta2) * (g2 * g2))
+                row_acc.mul_(beta2)
+                col_acc.mul_(beta2)
             torch.maximum(row_acc, nu.amax(dim=1), out=row_acc)
             torch.maximum(col_acc, nu.amax(dim=0), out=col_acc)
             nu = nu.view_as(grad)
+        if beta2 is not None:  # the moving average's bias correction, 1 / (1 − β₂ᵗ) at this step t (counted after it)
+            nu = nu * (1.0 / (1.0 - beta2 ** (float(state["step"]) + 1)))
         update = grad / nu.add(eps).sqrt()
         if momentum > 0:
             buf = state["momentum_buffer"]
@@ -315,7 +344,7 @@ class _SteadyStep:
     alternate, as in the full step, and each set keeps its launch plan. Holds the layers by weak
     reference only."""
 
-    __slots__ = ("state", "groups", "entries", "params", "states", "steps", "launches", "sets", "addresses", "copies", "plans", "parity")
+    __slots__ = ("state", "groups", "entries", "params", "states", "steps", "launches", "sets", "addresses", "copies", "decays", "plans", "parity")
 
     @classmethod
     def after(cls, opt: SM3, items: list, launches: list, steps: list) -> "_SteadyStep":
@@ -324,7 +353,7 @@ class _SteadyStep:
         self = cls()
         self.state = opt.state
         self.steps = steps = cls._joined_counters(items, steps)
-        self.groups = [(g, g["params"], len(g["params"]), g["momentum"], g["eps"], g["weight_decay"]) for g in opt.param_groups]
+        self.groups = [(g, g["params"], len(g["params"]), g["momentum"], g["eps"], g["weight_decay"], g["beta2"]) for g in opt.param_groups]
         self.entries = []
         for param, state, (indices, _, _, _), _ in items:
             layer, adapter = sparse_owner(param)
@@ -338,6 +367,12 @@ class _SteadyStep:
         # the kept plans point at these buffers (and the momentum buffers): their addresses are checked too
         self.addresses = [[(r.data_ptr(), c.data_ptr()) for r, c in self.sets[k]] for k in (0, 1)]
         self.copies = [([b for pair in self.sets[1 - k] for b in pair], [a for pair in self.sets[k] for a in pair]) for k in (0, 1)]
+        # parity k: the buffers of set 1 − k that the moving-average form scales by β₂ after the copy, per β₂
+        self.decays = [{}, {}]
+        for key, positions in launches:
+            if key[11] is not None:
+                for k in (0, 1):
+                    self.decays[k].setdefault(key[11], []).extend(b for j in positions for b in self.sets[1 - k][j])
         self.launches = []
         for key, positions in launches:
             members = [items[k] for k in positions]
@@ -377,9 +412,9 @@ class _SteadyStep:
         """The step, when every decision still holds (True); else nothing is done (False)."""
         if opt.state is not self.state or len(opt.param_groups) != len(self.groups):
             return False
-        for group, (g, params, n, momentum, eps, wd) in zip(opt.param_groups, self.groups):
+        for group, (g, params, n, momentum, eps, wd, beta2) in zip(opt.param_groups, self.groups):
             if (group is not g or group["params"] is not params or len(params) != n or group["momentum"] != momentum
-                    or group["eps"] != eps or group["weight_decay"] != wd):  # fmt: skip
+                    or group["eps"] != eps or group["weight_decay"] != wd or group.get("beta2") != beta2):  # fmt: skip
                 return False
         old = self.sets[self.parity]
         state_of = opt.state.get
@@ -415,15 +450,18 @@ class _SteadyStep:
         else:
             self.steps.add_(1)
         torch._foreach_copy_(*self.copies[self.parity])
+        for beta2, tensors in self.decays[self.parity].items():
+            torch._foreach_mul_(tensors, beta2)
         for (key, positions, groups, lists, layouts), plans in zip(self.launches, self.plans):
             group_grads = grads if len(positions) == len(grads) else [grads[k] for k in positions]
             hyper = (groups[0]["lr"], *key[8:])
+            step = int(self.states[positions[0]]["step"]) if key[11] is not None else 0  # (bias correction: after the count)
             plan = plans[self.parity]
             if plan is None:
-                plan = plans[self.parity] = opt._launch(key[:7] + hyper, self.params[positions[0]], lists[self.parity], group_grads, layouts)
+                plan = plans[self.parity] = opt._launch(key[:7] + hyper, self.params[positions[0]], lists[self.parity], group_grads, layouts, step)
             else:
                 with on_device(self.params[positions[0]]):
-                    plan(group_grads, *hyper)
+                    plan(group_grads, *hyper, step)
         increment_versions(self.params)  # written by the kernel: as an in-place op would mark them
         for state, (row, col) in zip(self.states, self.sets[1 - self.parity]):
             state["row_accumulator"], state["col_accumulator"] = row, col
