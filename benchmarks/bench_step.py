@@ -141,7 +141,9 @@ def prepare(variant: str, size: str, total_steps: int, block: int = BLOCK, train
     params = [p for p in model.parameters() if p.requires_grad]
     trainable = sum(p.numel() for p in params)
     if variant.endswith("-ma") or variant.endswith("-ma-block"):
-        optimizer = peft_sparse.SM3(params, lr=1e-3)
+        # --sm3-ema: the moving-average form with momentum, the recipe runner's default for SpIEL-MA
+        sm3_form = {"momentum": 0.9, "beta2": 0.999} if os.environ.get("BENCH_SM3_EMA") == "1" else {}
+        optimizer = peft_sparse.SM3(params, lr=1e-3, **sm3_form)
     else:
         optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
     hook = None
@@ -343,6 +345,7 @@ def run_one(args) -> dict:
         "gpu": torch.cuda.get_device_name(),
         "size": args.size,
         "training_merge": args.training_merge,
+        "sm3_ema": os.environ.get("BENCH_SM3_EMA") == "1",
         "seq": args.seq,
         "bs": args.bs,
         "trainable": trainable,
@@ -389,6 +392,8 @@ def main():
     parser.add_argument("--block", type=int, default=BLOCK, help="square block side of the -block variants")
     parser.add_argument("--warmup", type=int, default=6)
     parser.add_argument("--training-merge", action="store_true", help="SpIEL variants: the opt-in training merge (training_merge=True)")
+    parser.add_argument("--sm3-ema", action="store_true",
+                        help="SpIEL-MA variants: SM3 with momentum 0.9 and beta2 0.999 (the recipe runner's default) instead of the sums")
     parser.add_argument("--batch-id", default=None)
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after warm-up (diagnosis of collector pauses)")
     parser.add_argument("--out", default=None, help="JSONL file (default benchmarks/results/<date>-<gpu>.jsonl)")
@@ -398,6 +403,8 @@ def main():
                         help="before the batch, run the floor untimed for at least this many seconds (a fresh machine's host "
                              "speeds up over its first minutes: docs/perf-log.md, round s18)")  # fmt: skip
     args = parser.parse_args()
+    if args.sm3_ema:  # (read by every variant process it starts: they inherit the environment)
+        os.environ["BENCH_SM3_EMA"] = "1"
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.variant:

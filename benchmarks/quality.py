@@ -173,6 +173,10 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
     uses_sm3 = args.optimizer == "sm3" if args.optimizer else uses_sm3  # (default: SM3 for SpIEL-MA, AdamW otherwise)
     n_trainable = sum(p.numel() for p in params)
     decay = args.weight_decay
+    if decay == "auto":  # λ = min(3, 1/(lr·T)), as a recipe's weight_decay: auto
+        from peft_sparse.schedules.weight_decay import auto_weight_decay
+
+        decay = auto_weight_decay(lr, args.steps)
     if uses_sm3:
         optimizer = peft_sparse.SM3(params, lr=lr, weight_decay=decay, momentum=args.sm3_momentum, beta2=args.sm3_beta2)
     else:
@@ -308,12 +312,15 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--budget-rank", type=int, default=16, help="trainable weights equal to LoRA at this rank")
-    parser.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay λ of the optimizer")
+    parser.add_argument("--weight-decay", type=lambda t: t if t == "auto" else float(t), default=0.0,
+                        help="decoupled weight decay λ of the optimizer, or auto: λ = min(3, 1/(lr·T)) (the main recipe's)")
     parser.add_argument("--optimizer", choices=("adamw", "sm3"), default=None,
                         help="default: SM3 for SpIEL-MA (the paper's pairing), AdamW for every other method")
-    parser.add_argument("--sm3-momentum", type=float, default=0.0, help="SM3's momentum (heavy-ball β over the preconditioned step)")
-    parser.add_argument("--sm3-beta2", type=float, default=None,
-                        help="SM3's moving-average form with this β₂ (bias-corrected); default: sums of squared gradients (Anil et al.)")
+    parser.add_argument("--sm3-momentum", type=float, default=0.9,
+                        help="SM3's momentum (heavy-ball β over the preconditioned step; 0.9 as the recipe runner's SpIEL-MA; rows before 2026-12 ran at 0)")
+    parser.add_argument("--sm3-beta2", type=lambda t: None if t.lower() == "none" else float(t), default=0.999,
+                        help="SM3's moving-average form with this β₂ (bias-corrected; 0.999 as the recipe runner's SpIEL-MA), "
+                             "or none: the sums of squared gradients (Anil et al.; every row before 2026-12)")
     parser.add_argument("--no-reselection", action="store_true", help="SpIEL without a scheduler: the initial mask kept")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--max-length", type=int, default=128)

@@ -160,6 +160,22 @@ def build_training_args(training: dict):
     unknown = sorted(set(training) - set(fields))
     if unknown:
         raise ValueError(f"recipe training has fields {unknown} that trl.SFTConfig does not have")
+    training = dict(training)
+    if training.get("weight_decay") == "auto":  # λ = min(3, 1/(lr·T)): peft_sparse.schedules.weight_decay
+        from .schedules.weight_decay import auto_weight_decay
+
+        steps, lr = training.get("max_steps", -1), training.get("learning_rate", fields["learning_rate"].default)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
+            raise ValueError(
+                f"recipe training.weight_decay='auto' sets λ = min(3, 1/(learning_rate·max_steps)) and needs "
+                f"training.max_steps > 0, got training.max_steps={steps!r} (or give training.weight_decay a number)"
+            )
+        try:
+            training["weight_decay"] = auto_weight_decay(lr, steps)
+        except ValueError as exc:
+            raise ValueError(f"recipe training.learning_rate={lr!r}: {exc}") from None
+    elif isinstance(training.get("weight_decay"), str):
+        raise ValueError(f"recipe training.weight_decay must be a number or 'auto', got training.weight_decay={training['weight_decay']!r}")
     for key, value in training.items():  # (SFTConfig checks few types itself: a wrong one fails deep in training)
         kind = fields[key].type
         if _type_error(value, kind):
@@ -247,6 +263,15 @@ def load_recipe(path_or_mapping, overrides: Optional[dict] = None) -> Recipe:
             raise ValueError(f"recipe slow_fast: {exc}") from None
         if isinstance(peft_config, SparseConfig):
             peft_config.slow_fast, slow_fast = slow_fast, None
+    if getattr(peft_config, "growth", None) == "ma" and raw["training"].get("optim") is None:
+        import torch
+
+        from .optim import SM3
+
+        try:  # (SM3's own checks of momentum, beta2 and eps, before anything runs)
+            SM3([torch.zeros(1, requires_grad=True)], lr=training_args.learning_rate, **ma_sm3_kwargs(training_args.optim_args))
+        except ValueError as exc:
+            raise ValueError(f"recipe training.optim_args={training_args.optim_args!r} for SpIEL-MA's SM3: {exc}") from None
     phases = getattr(peft_config, "dense_steps", None), getattr(peft_config, "sparse_steps", None)
     if None not in phases and training_args.max_steps != sum(phases):
         raise ValueError(
@@ -294,15 +319,42 @@ def method_callbacks(peft_config) -> list:
     return callbacks_for(peft_config)
 
 
+# SM3's settings for SpIEL-MA in a recipe unless training.optim_args names others: the moving-average form with
+# momentum, which kept MA within 2 points of AG where SM3's sums fell 2.5-3 behind (BENCHMARKS.md, Quality)
+MA_SM3_DEFAULTS = {"momentum": 0.9, "beta2": 0.999}
+
+
+def ma_sm3_kwargs(optim_args: Optional[str]) -> dict:
+    """SM3's keyword arguments for SpIEL-MA from a recipe's ``training.optim_args`` ("momentum=0.9,beta2=0.999";
+    ``beta2=none`` for the sums of Anil et al.), over :data:`MA_SM3_DEFAULTS`; unknown names and bad values are
+    refused by name."""
+    kwargs = dict(MA_SM3_DEFAULTS)
+    for item in (optim_args or "").replace(" ", "").split(","):
+        if not item:
+            continue
+        name, sep, text = item.partition("=")
+        if not sep or name not in ("momentum", "beta2", "eps"):
+            raise ValueError(f"recipe training.optim_args={optim_args!r}: SpIEL-MA's SM3 takes momentum=, beta2= and eps=, got {item!r}")
+        if name == "beta2" and text.lower() == "none":
+            kwargs[name] = None
+            continue
+        try:
+            kwargs[name] = float(text)
+        except ValueError:
+            raise ValueError(f"recipe training.optim_args={optim_args!r}: {name} must be a number{' or none' if name == 'beta2' else ''}, got {text!r}") from None
+    return kwargs
+
+
 def _optimizer(recipe: Recipe):
     """SpIEL-MA trains with SM3 (the paper's pairing: its accumulators rank the growth) unless the recipe names
     ``training.optim`` (e.g. ``adamw_torch``: the scheduler then keeps SM3's accumulators itself); every other method
-    with the Trainer's optimizer."""
+    with the Trainer's optimizer. SM3's momentum, β₂ and eps: :func:`ma_sm3_kwargs`."""
     if getattr(recipe.peft_config, "growth", None) != "ma" or recipe.optim_given:
         return None
     from .optim import SM3
 
-    return SM3, {"lr": recipe.training_args.learning_rate, "weight_decay": recipe.training_args.weight_decay}
+    kwargs = {"lr": recipe.training_args.learning_rate, "weight_decay": recipe.training_args.weight_decay}
+    return SM3, {**kwargs, **ma_sm3_kwargs(recipe.training_args.optim_args)}
 
 
 def _slow_fast_callbacks(recipe: Recipe) -> list:

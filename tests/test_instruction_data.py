@@ -200,10 +200,11 @@ def test_a_recipe_evaluates_before_training_on_the_model_as_the_trainer_placed_i
     assert all(float(v.abs().max()) == 0 for n, v in scored.named_parameters() if "sparse_values" in n)
 
 
-@pytest.mark.parametrize("optim", [None, "adamw_torch"])
-def test_a_spiel_ma_recipe_trains_with_sm3_unless_it_names_an_optimizer(tmp_path, optim):
-    """SpIEL-MA's recipe default is SM3 (the paper's pairing); `training.optim` picks the Trainer's optimizer
-    instead, and the scheduler then keeps SM3's accumulators itself and reselects by them."""
+@pytest.mark.parametrize("optim, optim_args", [(None, None), (None, "momentum=0, beta2=none"), ("adamw_torch", None)])
+def test_a_spiel_ma_recipe_trains_with_sm3_unless_it_names_an_optimizer(tmp_path, optim, optim_args):
+    """SpIEL-MA's recipe default is SM3 (the paper's pairing) in its moving-average form with momentum (0.9, β₂ 0.999);
+    `training.optim_args` sets SM3's momentum and β₂ (beta2=none: the sums); `training.optim` picks the Trainer's
+    optimizer instead, and the scheduler then keeps SM3's accumulators itself and reselects by them."""
     from peft_sparse import SM3
     from peft_sparse.callbacks import SpIELCallback
     from peft_sparse.recipe import load_recipe, run_recipe
@@ -220,6 +221,8 @@ def test_a_spiel_ma_recipe_trains_with_sm3_unless_it_names_an_optimizer(tmp_path
                 "use_cpu": True, "bf16": False, "report_to": "none", "save_strategy": "no", "gradient_checkpointing": False}  # fmt: skip
     if optim:
         training["optim"] = optim
+    if optim_args:
+        training["optim_args"] = optim_args
     recipe = load_recipe({
         "model": {"source": str(model_dir)},
         "method": {"peft_type": "SPIEL", "growth": "ma", "target_modules": "all-linear", "density": 0.1,
@@ -240,6 +243,10 @@ def test_a_spiel_ma_recipe_trains_with_sm3_unless_it_names_an_optimizer(tmp_path
         run_recipe(recipe)
     scheduler = seen["scheduler"]
     assert isinstance(scheduler.optimizer, SM3) == (optim is None)
+    if optim is None:
+        group = scheduler.optimizer.param_groups[0]
+        assert (group["momentum"], group["beta2"]) == ((0.0, None) if optim_args else (0.9, 0.999))
+        assert all(s["row_accumulator"].max() > 0 for s in scheduler.optimizer.state.values())
     assert (scheduler.ma_accumulators is not None) == (optim is not None)
     assert scheduler.t == 6
     if optim:

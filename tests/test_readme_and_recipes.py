@@ -91,6 +91,15 @@ def test_instruction_recipes_are_the_generator_output_at_the_thesis_settings(tmp
         ({"slow_fast": {"c1": -1}, "training": {"use_cpu": True, "bf16": False}}, r"recipe slow_fast: c1 must be a positive number, got c1=-1"),
         ({"evaluation": {"reference": ["a"]}}, r"evaluation.reference must map labels to text, got evaluation.reference=\['a'\]"),
         ({"evaluation": {"sharded": "gather"}}, r"evaluation.sharded must be one of \('reload', 'skip'\), got evaluation.sharded='gather'"),
+        ({"training": {"weight_decay": "auto"}}, r"training.weight_decay='auto' .* needs training.max_steps > 0, got training.max_steps=-1"),
+        ({"training": {"weight_decay": "auto", "max_steps": 10, "learning_rate": 0.0}}, r"training.learning_rate=0.0: .*positive finite"),
+        ({"training": {"weight_decay": "lots"}}, r"training.weight_decay must be a number or 'auto', got training.weight_decay='lots'"),
+        ({"method": {"peft_type": "SPIEL", "growth": "ma", "density": 0.1, "target_modules": "all-linear"},
+          "training": {"optim_args": "momentum=0.9,betas=0.99", "use_cpu": True, "bf16": False}}, r"optim_args='momentum=0.9,betas=0.99'.*takes momentum=, beta2= and eps=, got 'betas=0.99'"),
+        ({"method": {"peft_type": "SPIEL", "growth": "ma", "density": 0.1, "target_modules": "all-linear"},
+          "training": {"optim_args": "beta2=1.0", "use_cpu": True, "bf16": False}}, r"optim_args='beta2=1.0' for SpIEL-MA's SM3: SM3: beta2 must be None .* got beta2=1.0"),
+        ({"method": {"peft_type": "SPIEL", "growth": "ma", "density": 0.1, "target_modules": "all-linear"},
+          "training": {"optim_args": "momentum=fast", "use_cpu": True, "bf16": False}}, r"momentum must be a number, got 'fast'"),
         ({"method": {"peft_type": "LT_SFT", "density": 0.01, "dense_steps": 10, "sparse_steps": 10},
           "training": {"max_steps": 60, "use_cpu": True, "bf16": False}},
          r"training.max_steps=60 must equal method.dense_steps \+ method.sparse_steps = 10 \+ 10"),
@@ -107,6 +116,25 @@ def test_bad_recipes_name_the_field(bad, message, tmp_path):
         base[section] = {**base.get(section, {}), **value} if section in base and section != "method" else value
     with pytest.raises(ValueError, match=message):
         load_recipe(base)
+
+
+def test_weight_decay_auto_follows_the_run_length():
+    """training.weight_decay: auto is λ = min(3, 1/(lr·T)): 3 at the main recipe's 60 steps, 1/(lr·T) past
+    T = 1/(3·lr) (333 steps at lr 1e-3); a CLI override of max_steps moves it; a number stays as given."""
+    from peft_sparse.schedules.weight_decay import auto_weight_decay
+
+    assert auto_weight_decay(1e-3, 60) == 3.0 and auto_weight_decay(1e-3, 150) == 3.0
+    assert auto_weight_decay(1e-3, 600) == pytest.approx(1 / 0.6) and auto_weight_decay(1e-3, 1000) == pytest.approx(1.0)
+    assert auto_weight_decay(2e-4, 1000) == 3.0 and auto_weight_decay(1e-3, 334) < 3.0 <= auto_weight_decay(1e-3, 333)
+    for bad in ((1e-3, 0), (1e-3, 10.0), (-1e-3, 10), (float("nan"), 10), (True, 10)):
+        with pytest.raises(ValueError, match="weight_decay='auto'"):
+            auto_weight_decay(*bad)
+    main = ROOT / "recipes/smollm2_spiel.yaml"
+    assert load_recipe(main).training_args.weight_decay == 3.0
+    assert load_recipe(main, overrides={"training.max_steps": 1000}).training_args.weight_decay == pytest.approx(1.0)
+    long = load_recipe(main, overrides={"training.max_steps": 600, "training.learning_rate": 5e-4})
+    assert long.training_args.weight_decay == 3.0  # (1/(5e-4·600) = 3.33, capped)
+    assert load_recipe(main, overrides={"training.max_steps": 1000, "training.weight_decay": 0.5}).training_args.weight_decay == 0.5
 
 
 def test_recipe_file_that_is_not_yaml(tmp_path):
