@@ -17,6 +17,7 @@ from .methods.sft import SparseFTConfig, SparseFTModel
 from .methods.spiel import SpIELConfig, SpIELModel, SpIELScheduler
 from .optim import SM3
 from .schedules.slow_fast import SlowFastConfig, SlowFastScheduler
+from .schedules.weight_decay import auto_weight_decay
 
 registry.register("sft", SparseFTConfig, SparseFTModel)
 registry.register("spiel", SpIELConfig, SpIELModel)
@@ -48,6 +49,7 @@ __all__ = [
     "S4Model",
     "S4Router",
     "SM3",
+    "auto_weight_decay",
     "SlowFastCallback",
     "SlowFastConfig",
     "SlowFastScheduler",

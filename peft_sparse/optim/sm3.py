@@ -11,6 +11,11 @@ The accumulators R (out) and C (in) cover the *whole* matrix, not only the activ
 survive SpIEL reselections unchanged and give SpIEL-MA its growth score √⁴(R_i·C_k) (thesis Eq. 7.7).
 Memory: out + in floats per matrix (plus d_φ with momentum), against Adam's 2·d_φ.
 
+``beta2=None`` (the default) is the definition above: sums, so the steps shrink as 1/√t. ``beta2`` in (0, 1) is
+SM3's moving-average form: ν_j = β₂·min(R_{r_j}, C_{c_j}) + (1 − β₂)·g_j², R and C decay by β₂ before taking their
+maxima (the inactive entries of a row, with g = 0, would have ν = β₂·min(R, C)), and the step is
+lr·g_j/√(ν_j/(1 − β₂ᵗ)), bias-corrected as Adam's. Same memory.
+
 On CUDA the sparse step is one fused Triton kernel for all sparse values tensors of a parameter group
 (accumulators updated with atomic max into copies of the previous ones, so the result equals the
 sequential definition); elsewhere it runs as torch operations. When every parameter took that launch,
