@@ -225,8 +225,8 @@ class SM3(torch.optim.Optimizer):
     def _fused_steps(self, items) -> list:
         """One multi-tensor Triton launch per group of values with the same hyper-parameters, device
         and element types (usually one for the whole model), after one multi-tensor copy of the
-        accumulators into the buffers the updated ones go to (scaled by β₂ in the moving-average form). Returns the
-        launch groups: (key, step, positions of their members in ``items``) each."""
+        accumulators into the buffers the updated ones go to (scaled by β₂ in the moving-average form, whose launches
+        also hold one step count each). Returns the launch groups: (key, positions of their members in ``items``) each."""
         scratch = self._scratch
         accumulators, buffers, decayed = [], [], {}
         groups: dict = {}
