@@ -223,6 +223,7 @@ def test_a_spiel_ma_recipe_trains_with_sm3_unless_it_names_an_optimizer(tmp_path
         training["optim"] = optim
     if optim_args:
         training["optim_args"] = optim_args
+    training["weight_decay"] = "auto"  # (6 steps: λ = 3, which reaches SM3 and the summary)
     recipe = load_recipe({
         "model": {"source": str(model_dir)},
         "method": {"peft_type": "SPIEL", "growth": "ma", "target_modules": "all-linear", "density": 0.1,
@@ -240,12 +241,13 @@ def test_a_spiel_ma_recipe_trains_with_sm3_unless_it_names_an_optimizer(tmp_path
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(SpIELCallback, "on_train_begin", spy)
-        run_recipe(recipe)
+        summary = run_recipe(recipe)
+    assert recipe.training_args.weight_decay == 3.0 and summary["weight_decay"] == 3.0
     scheduler = seen["scheduler"]
     assert isinstance(scheduler.optimizer, SM3) == (optim is None)
     if optim is None:
         group = scheduler.optimizer.param_groups[0]
-        assert (group["momentum"], group["beta2"]) == ((0.0, None) if optim_args else (0.9, 0.999))
+        assert (group["momentum"], group["beta2"], group["weight_decay"]) == ((0.0, None, 3.0) if optim_args else (0.9, 0.999, 3.0))
         assert all(s["row_accumulator"].max() > 0 for s in scheduler.optimizer.state.values())
     assert (scheduler.ma_accumulators is not None) == (optim is not None)
     assert scheduler.t == 6
