@@ -69,6 +69,14 @@ def _block_kernel_takes(block_shape) -> bool:
 _PLANS_KEPT = 4  # launch plans kept per group: the accumulators alternate between two sets of buffers
 
 
+def _accumulated(previous: torch.Tensor, grad_sq: torch.Tensor, beta2: Optional[float]) -> torch.Tensor:
+    """ν from the covering accumulator value(s) ``previous`` (a fresh tensor, written in place) and g²: the sum
+    previous + g², or with ``beta2`` the moving average β₂·previous + (1 − β₂)·g²."""
+    if beta2 is None:
+        return previous.add_(grad_sq)
+    return previous.mul_(beta2).add_((1 - beta2) * grad_sq)
+
+
 def accumulate_sparse(
     row_acc: torch.Tensor, col_acc: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, grad: torch.Tensor, beta2: Optional[float] = None
 ) -> torch.Tensor:
@@ -76,10 +84,8 @@ def accumulate_sparse(
     take the maximum ν of each row and column, in place; returns ν. With ``beta2`` (SM3's moving-average form):
     ν = β₂·min(R_rows, C_cols) + (1 − β₂)·g², and R, C decay by β₂ before taking the maxima. (Also SpIEL-MA's
     statistics beside other optimizers: :class:`peft_sparse.methods.spiel.statistics.RowColumnAccumulators`.)"""
-    if beta2 is None:
-        nu = torch.minimum(row_acc[rows], col_acc[cols]).add_(grad * grad)
-    else:
-        nu = torch.minimum(row_acc[rows], col_acc[cols]).mul_(beta2).add_((1 - beta2) * (grad * grad))
+    nu = _accumulated(torch.minimum(row_acc[rows], col_acc[cols]), grad * grad, beta2)
+    if beta2 is not None:
         row_acc.mul_(beta2)
         col_acc.mul_(beta2)
     row_acc.scatter_reduce_(0, rows, nu, reduce="amax", include_self=True)
@@ -306,15 +312,12 @@ class SM3(torch.optim.Optimizer):
             rows, cols = rows_cols(indices, in_features)
             nu = accumulate_sparse(state["row_accumulator"], state["col_accumulator"], rows, cols, grad, beta2)  # (d_φ,)
         elif "accumulator" in state:
-            acc = state["accumulator"]
-            nu = acc.add_(grad * grad) if beta2 is None else acc.mul_(beta2).add_((1 - beta2) * (grad * grad))
+            nu = _accumulated(state["accumulator"], grad * grad, beta2)
         else:
             row_acc, col_acc = state["row_accumulator"], state["col_accumulator"]
             g2 = grad.reshape(row_acc.numel(), col_acc.numel())
-            if beta2 is None:
-                nu = torch.minimum(row_acc[:, None], col_acc[None, :]).add_(g2 * g2)  # (rows, cols)
-            else:
-                nu = torch.minimum(row_acc[:, None], col_acc[None, :]).mul_(beta2).add_((1 - beta2) * (g2 * g2))
+            nu = _accumulated(torch.minimum(row_acc[:, None], col_acc[None, :]), g2 * g2, beta2)  # (rows, cols)
+            if beta2 is not None:
                 row_acc.mul_(beta2)
                 col_acc.mul_(beta2)
             torch.maximum(row_acc, nu.amax(dim=1), out=row_acc)
