@@ -9,8 +9,10 @@ it); ``sparse-untyped`` (the same adapter in a PeftModel without a task type, wh
 model directly: every layer adds its delta unmerged); ``sparse-merged`` (the same, merged); ``sparse-in-block``
 (the untyped model, each generate call inside ``peft_sparse.merged_for_inference``); ``lora`` (PEFT LoRA,
 unmerged). Every variant generates the same number of new tokens from the same prompt; tokens per second is the
-median over rounds, rounds interleaved across variants. Prints speed relative to ``base`` and checks that the
-unmerged sparse adapters' greedy tokens equal the merged model's.
+median over rounds, rounds interleaved across variants, the order rotated by one each round (``--order fixed``
+keeps it) so that every variant runs in every position: on a host-bound GPU the position in a round has moved
+rows doing equal work by 25%. Prints speed relative to ``base`` with each row's spread over the rounds, and
+checks that the unmerged sparse adapters' greedy tokens equal the merged model's.
 """
 
 from __future__ import annotations
@@ -93,7 +95,14 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--variants", default="base,sparse,sparse-untyped,sparse-merged,sparse-in-block,lora")
+    parser.add_argument("--order", choices=("rotate", "fixed"), default="rotate",
+                        help="rotate: round r starts at variant r (mod the count); fixed: the --variants order every round")
+    parser.add_argument("--profile", default="",
+                        help="comma-separated variants: after the rounds, one generate of each under torch.profiler, "
+                             "host time per token and the operators taking the most of it")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     base = build(args).eval()
     names = args.variants.split(",")
     models = {n: variant(n, base, args) for n in names}
@@ -102,21 +111,44 @@ def main():
     outputs = {}
     for n in names:  # warm-up
         decode(models[n], prompt, 4, n == "sparse-in-block")
-    for _ in range(args.rounds):
-        for n in names:
+    for r in range(args.rounds):
+        shift = r % len(names) if args.order == "rotate" else 0
+        for n in names[shift:] + names[:shift]:
             tps, out = decode(models[n], prompt, args.new_tokens, n == "sparse-in-block")
             speeds[n].append(tps)
             outputs[n] = out
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"{device}; {args.size}; batch 1, greedy, {args.new_tokens} new tokens, median of {args.rounds} rounds")
-    print("| variant | tokens/s | × base |")
-    print("|---|---|---|")
+    print(f"{device}; {args.size}; batch 1, greedy, {args.new_tokens} new tokens, median of {args.rounds} rounds, order {args.order}")
+    print("| variant | tokens/s | × base | min–max tokens/s |")
+    print("|---|---|---|---|")
     for n in names:
         tps = statistics.median(speeds[n])
-        print(f"| {n} | {tps:.1f} | {tps / statistics.median(speeds['base']):.3f} |" if "base" in speeds else f"| {n} | {tps:.1f} | |")
+        rel = f"{tps / statistics.median(speeds['base']):.3f}" if "base" in speeds else ""
+        print(f"| {n} | {tps:.1f} | {rel} | {min(speeds[n]):.1f}–{max(speeds[n]):.1f} |")
     for n in ("sparse", "sparse-untyped", "sparse-in-block"):
         if n in outputs and "sparse-merged" in outputs:
             print(f"{n} tokens equal the merged model's:", torch.equal(outputs[n], outputs["sparse-merged"]))
+    for n in filter(None, args.profile.split(",")):
+        if n not in models:
+            parser.error(f"--profile names {n!r}, which is not among --variants {args.variants!r}")
+        profile(models[n], n, prompt, args)
+
+
+def profile(model, name, prompt, args):
+    """One generate under torch.profiler: host (self CPU) time per new token, and the operators taking most of it."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        decode(model, prompt, args.new_tokens, name == "sparse-in-block")
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    host_us = sum(e.self_cpu_time_total for e in events)
+    print(f"profile {name}: {wall / args.new_tokens * 1e3:.2f} ms per token (profiled), operators' host time "
+          f"{host_us / args.new_tokens / 1e3:.2f} ms per token, {sum(e.count for e in events) / args.new_tokens:.0f} operator calls per token")
+    for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]:
+        print(f"  {e.key[:60]:60s} {e.count / args.new_tokens:7.1f} calls/token {e.self_cpu_time_total / args.new_tokens:9.1f} us/token")
 
 
 if __name__ == "__main__":
