@@ -177,8 +177,13 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
         from peft_sparse.schedules.weight_decay import auto_weight_decay
 
         decay = auto_weight_decay(lr, args.steps)
-    if uses_sm3:
-        optimizer = peft_sparse.SM3(params, lr=lr, weight_decay=decay, momentum=args.sm3_momentum, beta2=args.sm3_beta2)
+    if uses_sm3:  # ('auto': the recipe runner's SpIEL-MA form for this run length, peft_sparse.recipe.ma_sm3_defaults)
+        from peft_sparse.recipe import ma_sm3_defaults
+
+        form = ma_sm3_defaults(args.steps)
+        momentum = form["momentum"] if args.sm3_momentum == "auto" else args.sm3_momentum
+        beta2 = form["beta2"] if args.sm3_beta2 == "auto" else args.sm3_beta2
+        optimizer = peft_sparse.SM3(params, lr=lr, weight_decay=decay, momentum=momentum, beta2=beta2)
     else:
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=decay, betas=(0.9, 0.999))
     warmup = max(1, round(0.03 * args.steps))
@@ -226,7 +231,7 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
     return {
         "task": args.task, "method": method, "lr": lr, "seed": seed, "steps": args.steps, "batch_size": args.batch_size,
         "budget_rank": args.budget_rank, "trainable": n_trainable, "weight_decay": decay, "max_grad_norm": args.max_grad_norm,
-        "set": overrides, "optimizer": "sm3" if uses_sm3 else "adamw", "sm3_momentum": args.sm3_momentum if uses_sm3 else None, "sm3_beta2": args.sm3_beta2 if uses_sm3 else None, "no_reselection": args.no_reselection, "tag": args.tag, "exact_match": score["accuracy"], "heldout_loss": loss_heldout, "per_skill": score["per_skill"],
+        "set": overrides, "optimizer": "sm3" if uses_sm3 else "adamw", "sm3_momentum": momentum if uses_sm3 else None, "sm3_beta2": beta2 if uses_sm3 else None, "no_reselection": args.no_reselection, "tag": args.tag, "exact_match": score["accuracy"], "heldout_loss": loss_heldout, "per_skill": score["per_skill"],
         "S_gamma": S_gamma,
         "final_loss": sum(losses[-10:]) / min(10, len(losses)), "train_seconds": round(train_seconds, 1),
         "eval_seconds": round(eval_seconds, 1), "scheduler_seconds": round(scheduler_seconds, 2),
@@ -316,11 +321,13 @@ def main(argv=None) -> None:
                         help="decoupled weight decay λ of the optimizer, or auto: λ = min(3, 1/(lr·T)) (the main recipe's)")
     parser.add_argument("--optimizer", choices=("adamw", "sm3"), default=None,
                         help="default: SM3 for SpIEL-MA (the paper's pairing), AdamW for every other method")
-    parser.add_argument("--sm3-momentum", type=float, default=0.9,
-                        help="SM3's momentum (heavy-ball β over the preconditioned step; 0.9 as the recipe runner's SpIEL-MA; rows before 2026-12 ran at 0)")
-    parser.add_argument("--sm3-beta2", type=lambda t: None if t.lower() == "none" else float(t), default=0.999,
-                        help="SM3's moving-average form with this β₂ (bias-corrected; 0.999 as the recipe runner's SpIEL-MA), "
-                             "or none: the sums of squared gradients (Anil et al.; every row before 2026-12)")
+    parser.add_argument("--sm3-momentum", type=lambda t: t if t == "auto" else float(t), default="auto",
+                        help="SM3's momentum (heavy-ball β over the preconditioned step), or auto: the recipe runner's for SpIEL-MA "
+                             "at this run length (0 up to 100 steps, 0.9 beyond; rows before 2026-12 ran at 0)")
+    parser.add_argument("--sm3-beta2", type=lambda t: t if t == "auto" else None if t.lower() == "none" else float(t), default="auto",
+                        help="SM3's moving-average form with this β₂ (bias-corrected), none: the sums of squared gradients "
+                             "(Anil et al.; every row before 2026-12), or auto: the recipe runner's for SpIEL-MA at this run "
+                             "length (the sums up to 100 steps, 0.999 beyond)")
     parser.add_argument("--no-reselection", action="store_true", help="SpIEL without a scheduler: the initial mask kept")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--max-length", type=int, default=128)

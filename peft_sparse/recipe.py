@@ -269,7 +269,8 @@ def load_recipe(path_or_mapping, overrides: Optional[dict] = None) -> Recipe:
         from .optim import SM3
 
         try:  # (SM3's own checks of momentum, beta2 and eps, before anything runs)
-            SM3([torch.zeros(1, requires_grad=True)], lr=training_args.learning_rate, **ma_sm3_kwargs(training_args.optim_args))
+            SM3([torch.zeros(1, requires_grad=True)], lr=training_args.learning_rate,
+                **ma_sm3_kwargs(training_args.optim_args, training_args.max_steps))
         except ValueError as exc:
             raise ValueError(f"recipe training.optim_args={training_args.optim_args!r} for SpIEL-MA's SM3: {exc}") from None
     phases = getattr(peft_config, "dense_steps", None), getattr(peft_config, "sparse_steps", None)
@@ -319,17 +320,30 @@ def method_callbacks(peft_config) -> list:
     return callbacks_for(peft_config)
 
 
-# SM3's settings for SpIEL-MA in a recipe unless training.optim_args names others: the moving-average form with
-# momentum (over SM3's sums in BENCHMARKS.md's quality runs: +1.6 and +3.3 points on skills2 at 150 and 600 steps,
-# −1.7 on skills at 150)
+# SM3's settings for SpIEL-MA in a recipe unless training.optim_args names others, by the run's length T =
+# training.max_steps (BENCHMARKS.md, Quality; 5 seeds each on skills / skills2):
+# * up to MA_SUMS_MAX_STEPS steps, SM3's sums without momentum, whose steps shrink as 1/√t: at 60 steps and lr 3e-3
+#   71.0 / 65.0 (AG 71.5 / 64.4), where the moving average with momentum reached at most 69.0 / 61.2 at lr 5e-4 to 4e-3;
+# * beyond, or with no max_steps (epochs), the moving-average form with momentum: at 150 steps 75.5 / 71.9 (lr 5e-4;
+#   AG 77.0 / 73.1) where the sums were 3 under AG on skills2, at 600 steps 78.8 / 77.0 (lr 1e-3).
+# The switch lies between the 60 and 150 steps measured.
+MA_SUMS_MAX_STEPS = 100
+MA_SM3_SHORT_RUN = {"momentum": 0.0, "beta2": None}
 MA_SM3_DEFAULTS = {"momentum": 0.9, "beta2": 0.999}
 
 
-def ma_sm3_kwargs(optim_args: Optional[str]) -> dict:
+def ma_sm3_defaults(max_steps: Optional[int]) -> dict:
+    """SM3's momentum and β₂ for SpIEL-MA over a run of ``max_steps`` steps (None or ≤ 0: not known beforehand):
+    :data:`MA_SM3_SHORT_RUN` up to :data:`MA_SUMS_MAX_STEPS` steps, :data:`MA_SM3_DEFAULTS` otherwise."""
+    short = max_steps is not None and 0 < max_steps <= MA_SUMS_MAX_STEPS
+    return dict(MA_SM3_SHORT_RUN if short else MA_SM3_DEFAULTS)
+
+
+def ma_sm3_kwargs(optim_args: Optional[str], max_steps: Optional[int] = None) -> dict:
     """SM3's keyword arguments for SpIEL-MA from a recipe's ``training.optim_args`` ("momentum=0.9,beta2=0.999";
-    ``beta2=none`` for the sums of Anil et al.), over :data:`MA_SM3_DEFAULTS`; unknown names and bad values are
-    refused by name."""
-    kwargs = dict(MA_SM3_DEFAULTS)
+    ``beta2=none`` for the sums of Anil et al.), over :func:`ma_sm3_defaults` for a run of ``max_steps``; unknown
+    names and bad values are refused by name."""
+    kwargs = ma_sm3_defaults(max_steps)
     for item in (optim_args or "").replace(" ", "").split(","):
         if not item:
             continue
@@ -349,13 +363,24 @@ def ma_sm3_kwargs(optim_args: Optional[str]) -> dict:
 def _optimizer(recipe: Recipe):
     """SpIEL-MA trains with SM3 (the paper's pairing: its accumulators rank the growth) unless the recipe names
     ``training.optim`` (e.g. ``adamw_torch``: the scheduler then keeps SM3's accumulators itself); every other method
-    with the Trainer's optimizer. SM3's momentum, β₂ and eps: :func:`ma_sm3_kwargs`."""
+    with the Trainer's optimizer. SM3's momentum, β₂ and eps: :func:`ma_sm3_kwargs` (by the run's length)."""
     if getattr(recipe.peft_config, "growth", None) != "ma" or recipe.optim_given:
         return None
     from .optim import SM3
 
     kwargs = {"lr": recipe.training_args.learning_rate, "weight_decay": recipe.training_args.weight_decay}
-    return SM3, {**kwargs, **ma_sm3_kwargs(recipe.training_args.optim_args)}
+    return SM3, {**kwargs, **ma_sm3_kwargs(recipe.training_args.optim_args, recipe.training_args.max_steps)}
+
+
+def _sm3_settings(optimizer) -> Optional[dict]:
+    """SM3's momentum and β₂ (None: the sums) as the run used them, or None when the optimizer is not SM3."""
+    from .optim import SM3
+
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # (accelerate's wrapper)
+    if not isinstance(optimizer, SM3):
+        return None
+    group = optimizer.param_groups[0]
+    return {"momentum": group["momentum"], "beta2": group["beta2"]}
 
 
 def _slow_fast_callbacks(recipe: Recipe) -> list:
@@ -484,6 +509,7 @@ def run_recipe(recipe: Recipe) -> dict:
         "engine": _engine(trainer),
         "reselection_steps": [h["step"] for h in trainer.state.log_history if "spiel/replaced" in h],
         "weight_decay": trainer.args.weight_decay,  # (resolved: training.weight_decay 'auto' is λ = min(3, 1/(lr·T)))
+        "sm3": _sm3_settings(trainer.optimizer),  # (SpIEL-MA's SM3 form as it ran: by run length unless optim_args set it)
     }
     with open(Path(recipe.training_args.output_dir) / "summary.json", "w") as f:
         json.dump(summary, f, indent=2)

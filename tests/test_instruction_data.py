@@ -200,11 +200,12 @@ def test_a_recipe_evaluates_before_training_on_the_model_as_the_trainer_placed_i
     assert all(float(v.abs().max()) == 0 for n, v in scored.named_parameters() if "sparse_values" in n)
 
 
-@pytest.mark.parametrize("optim, optim_args", [(None, None), (None, "momentum=0, beta2=none"), ("adamw_torch", None)])
+@pytest.mark.parametrize("optim, optim_args", [(None, None), (None, "momentum=0.5, beta2=0.99"), ("adamw_torch", None)])
 def test_a_spiel_ma_recipe_trains_with_sm3_unless_it_names_an_optimizer(tmp_path, optim, optim_args):
-    """SpIEL-MA's recipe default is SM3 (the paper's pairing) in its moving-average form with momentum (0.9, β₂ 0.999);
-    `training.optim_args` sets SM3's momentum and β₂ (beta2=none: the sums); `training.optim` picks the Trainer's
-    optimizer instead, and the scheduler then keeps SM3's accumulators itself and reselects by them."""
+    """SpIEL-MA's recipe default is SM3 (the paper's pairing), over this 6-step run in its sums form without momentum
+    (ma_sm3_defaults: runs up to 100 steps); `training.optim_args` sets SM3's momentum and β₂ (here the moving
+    average); `training.optim` picks the Trainer's optimizer instead, and the scheduler then keeps SM3's accumulators
+    itself and reselects by them. The summary records the SM3 form that ran."""
     from peft_sparse import SM3
     from peft_sparse.callbacks import SpIELCallback
     from peft_sparse.recipe import load_recipe, run_recipe
@@ -247,9 +248,30 @@ def test_a_spiel_ma_recipe_trains_with_sm3_unless_it_names_an_optimizer(tmp_path
     assert isinstance(scheduler.optimizer, SM3) == (optim is None)
     if optim is None:
         group = scheduler.optimizer.param_groups[0]
-        assert (group["momentum"], group["beta2"], group["weight_decay"]) == ((0.0, None, 3.0) if optim_args else (0.9, 0.999, 3.0))
+        assert (group["momentum"], group["beta2"], group["weight_decay"]) == ((0.5, 0.99, 3.0) if optim_args else (0.0, None, 3.0))
+        assert summary["sm3"] == {"momentum": group["momentum"], "beta2": group["beta2"]}
         assert all(s["row_accumulator"].max() > 0 for s in scheduler.optimizer.state.values())
+    else:
+        assert summary["sm3"] is None
     assert (scheduler.ma_accumulators is not None) == (optim is not None)
     assert scheduler.t == 6
     if optim:
         assert any(bool((r > 0).any()) for r, _ in scheduler.ma_accumulators.views.values())
+
+
+@pytest.mark.parametrize("max_steps, expected", [(1, (0.0, None)), (100, (0.0, None)), (101, (0.9, 0.999)), (600, (0.9, 0.999)), (-1, (0.9, 0.999))])
+def test_spiel_ma_recipe_sm3_form_follows_the_run_length(tmp_path, max_steps, expected):
+    """The recipe runner's SM3 for SpIEL-MA: the sums without momentum up to MA_SUMS_MAX_STEPS = 100 steps, the moving
+    average (β₂ 0.999) with momentum 0.9 beyond and when the length is not given in steps (max_steps -1: epochs);
+    optim_args overrides either, one field at a time."""
+    from peft_sparse.recipe import MA_SUMS_MAX_STEPS, _optimizer, load_recipe, ma_sm3_kwargs
+
+    assert MA_SUMS_MAX_STEPS == 100
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}))
+    raw = {"model": {"source": "unused"}, "method": {"peft_type": "SPIEL", "growth": "ma", "target_modules": "all-linear", "density": 0.1},
+           "data": {"train": str(data)},
+           "training": {"output_dir": str(tmp_path), "max_steps": max_steps, "use_cpu": True, "bf16": False, "learning_rate": 3e-3}}  # fmt: skip
+    cls, kwargs = _optimizer(load_recipe(raw))
+    assert (kwargs["momentum"], kwargs["beta2"], kwargs["lr"]) == (*expected, 3e-3)
+    assert ma_sm3_kwargs("beta2=0.99", max_steps) == {"momentum": expected[0], "beta2": 0.99}
