@@ -103,8 +103,11 @@ def main():
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    base = build(args).eval()
     names = args.variants.split(",")
+    for n in filter(None, args.profile.split(",")):  # (checked before any model is built)
+        if n not in names:
+            parser.error(f"--profile names {n!r}, which is not among --variants {args.variants!r}")
+    base = build(args).eval()
     models = {n: variant(n, base, args) for n in names}
     prompt = torch.randint(10, 1000, (1, 16), generator=torch.Generator().manual_seed(0)).to(args.device)
     speeds = {n: [] for n in names}
@@ -129,8 +132,6 @@ def main():
         if n in outputs and "sparse-merged" in outputs:
             print(f"{n} tokens equal the merged model's:", torch.equal(outputs[n], outputs["sparse-merged"]))
     for n in filter(None, args.profile.split(",")):
-        if n not in models:
-            parser.error(f"--profile names {n!r}, which is not among --variants {args.variants!r}")
         profile(models[n], n, prompt, args)
 
 

@@ -272,6 +272,6 @@ def test_spiel_ma_recipe_sm3_form_follows_the_run_length(tmp_path, max_steps, ex
     raw = {"model": {"source": "unused"}, "method": {"peft_type": "SPIEL", "growth": "ma", "target_modules": "all-linear", "density": 0.1},
            "data": {"train": str(data)},
            "training": {"output_dir": str(tmp_path), "max_steps": max_steps, "use_cpu": True, "bf16": False, "learning_rate": 3e-3}}  # fmt: skip
-    cls, kwargs = _optimizer(load_recipe(raw))
+    _, kwargs = _optimizer(load_recipe(raw))
     assert (kwargs["momentum"], kwargs["beta2"], kwargs["lr"]) == (*expected, 3e-3)
     assert ma_sm3_kwargs("beta2=0.99", max_steps) == {"momentum": expected[0], "beta2": 0.99}
