@@ -56,10 +56,65 @@ def test_block_ma_scores_are_block_sums_of_fourth_roots():
     r = reselect_ma(values, indices, 1, row_acc, col_acc, grid)
     # outside kept {1}: block 0 = 4·2 = 8, block 2 = 4, block 3 = 2·3 = 6 → grow block 0
     assert r.indices.tolist() == grid.expand(torch.tensor([0, 1])).tolist()
+    # 'mean' gives column 3 (accumulator 0: unseen) the mean factor of the seen columns, (1 + 1 + 3) / 3:
+    # block col 1 = 3 + 5/3, so block 3 = 2·(14/3) = 9.33 now beats block 0 = 8
+    r = reselect_ma(values, indices, 1, row_acc, col_acc, grid, unseen="mean")
+    assert r.indices.tolist() == grid.expand(torch.tensor([1, 3])).tolist()
+
+
+def test_ma_factor_gives_unseen_rows_the_mean_of_the_seen():
+    from peft_sparse.methods.spiel.selection import ma_factor
+
+    acc = torch.tensor([16.0, 0.0, 1.0, 0.0, 81.0])  # √⁴: 2, -, 1, -, 3
+    assert ma_factor(acc, "mean").tolist() == [2.0, 2.0, 1.0, 2.0, 3.0]
+    assert ma_factor(acc).tolist() == ma_factor(acc, "zero").tolist() == [2.0, 0.0, 1.0, 0.0, 3.0]
+    assert ma_factor(torch.zeros(3), "mean").tolist() == [0.0, 0.0, 0.0]  # nothing seen: nothing to fill with
+    assert ma_factor(acc, "mean").dtype == torch.float64
 
 
 def _block_targets():
     return ["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # dims divisible by 16
+
+
+def test_block_ma_growth_leaves_the_seen_cross_only_with_the_unseen_rows_mean():
+    """SM3 sees only the rows and columns of active blocks. With ma_unseen='zero' every block ever active lies in
+    the cross of the block rows and block columns the initial mask covered (the rest score 0); with 'mean',
+    growth reaches blocks outside it. The reference path (fast paths off) chooses the same blocks."""
+    import peft_sparse
+
+    def run(unseen):
+        config = SpIELConfig(target_modules=_block_targets(), density=0.125, block_shape=(16, 16), growth="ma",
+                             ma_unseen=unseen, reselection_steps=4, gradient_estimation_steps=2)  # fmt: skip
+        model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128), config)
+        opt = SM3([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        scheduler = SpIELScheduler(model, opt, total_steps=16)
+        layers = sparse_layers(model)
+        grids = [BlockGrid(l.out_features, l.in_features, (16, 16)) for l in layers]
+
+        def blocks():
+            return [set(torch.unique(g.block_of(l.sparse_indices["default"])).tolist()) for l, g in zip(layers, grids)]
+
+        ever = blocks()
+        cross = [{r * g.cols + c for r in {b // g.cols for b in bs} for c in {b % g.cols for b in bs}} for bs, g in zip(ever, grids)]
+        model.train()
+        for step in range(1, 17):
+            x = inputs(seed=step, batch=4, length=9)
+            model(x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            scheduler.step()
+            ever = [e | b for e, b in zip(ever, blocks())]
+        assert any(len(c) < g.numel for c, g in zip(cross, grids))  # (the cross leaves blocks out)
+        return ever, cross, [l.sparse_indices["default"].clone() for l in layers]
+
+    ever, cross, _ = run("zero")
+    assert all(e <= c for e, c in zip(ever, cross))
+    ever, cross, fast = run("mean")
+    outside = sum(len(e - c) for e, c in zip(ever, cross))
+    assert outside > 0
+    with peft_sparse.fast_paths(False):
+        _, _, reference = run("mean")
+    assert all(torch.equal(a, b) for a, b in zip(fast, reference))
 
 
 @pytest.mark.parametrize("growth", ["ag", "ma"])

@@ -339,3 +339,11 @@ def test_column_cap_is_for_unstructured_ma():
         SpIELConfig(target_modules="all-linear", density=0.1, growth="ag", column_cap=2.0)
     with pytest.raises(ValueError, match="column_cap must be a number >= 1"):
         SpIELConfig(target_modules="all-linear", density=0.1, growth="ma", column_cap=0.5)
+
+
+def test_ma_unseen_is_checked_and_is_mas():
+    assert SpIELConfig(target_modules="all-linear", density=0.1, growth="ma", ma_unseen="mean").ma_unseen == "mean"
+    with pytest.raises(ValueError, match="ma_unseen must be 'mean' or 'zero', got ma_unseen='max'"):
+        SpIELConfig(target_modules="all-linear", density=0.1, growth="ma", ma_unseen="max")
+    with pytest.raises(ValueError, match="ma_unseen='mean' is a setting of SpIEL-MA's growth; got growth='ag'"):
+        SpIELConfig(target_modules="all-linear", density=0.1, growth="ag", ma_unseen="mean")

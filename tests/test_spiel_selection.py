@@ -224,10 +224,15 @@ def _random_tensor_reselection(g, out_f, in_f, block, density, growth, ties):
 @pytest.mark.parametrize("growth", ["ag", "ma"])
 @pytest.mark.parametrize("block, density", [((1, 1), 0.3), ((2, 4), 0.3), ((4, 2), 0.6), ((1, 8), 0.15)])
 @pytest.mark.parametrize("ties", [False, True])
-def test_reselect_all_equals_reselecting_each_tensor(growth, block, density, ties):
+@pytest.mark.parametrize("unseen", ["mean", "zero"])
+def test_reselect_all_equals_reselecting_each_tensor(growth, block, density, ties, unseen):
     """The batched drop/grow over many tensors gives, tensor by tensor, exactly the per-tensor result:
     indices, sources, candidate rows, dropped counts, new blocks and their layouts (block tensors work
-    on blocks only), and the count of weights not active before (a dropped block grown again is none)."""
+    on blocks only), and the count of weights not active before (a dropped block grown again is none).
+    MA: with SM3's zeros (the default, which send the tensors with zero rows to the exact fallback) and
+    with the unseen rows' mean factor."""
+    if growth == "ag" and unseen == "mean":
+        pytest.skip("ma_unseen is MA's")
     from peft_sparse.core.kernels import BlockLayout
     from peft_sparse.core.selection import isin_sorted as _isin_sorted
     from peft_sparse.methods.spiel.batched import reselect_all
@@ -235,14 +240,14 @@ def test_reselect_all_equals_reselecting_each_tensor(growth, block, density, tie
     g = torch.Generator().manual_seed(7)
     shapes = [(8, 16), (16, 8), (8, 16), (24, 32), (8, 8)]
     items = [_random_tensor_reselection(g, o, i, block, density, growth, ties) for o, i in shapes]
-    batched = reselect_all(items, growth)
+    batched = reselect_all(items, growth, unseen=unseen)
     changed = 0
     d_start, c_start = 0, 0
     for i, it in enumerate(items):
         if growth == "ag":
             want = reselect_ag(it.values, it.indices, it.k, it.candidates, it.score, it.grid, it.units, it.candidate_units)
         else:
-            want = reselect_ma(it.values, it.indices, it.k, it.row_acc, it.col_acc, it.grid, it.units)
+            want = reselect_ma(it.values, it.indices, it.k, it.row_acc, it.col_acc, it.grid, it.units, unseen=unseen)
         d = it.values.numel()
         if growth == "ag":
             assert want.shortfall == 0 and bool(batched.ok)
@@ -317,8 +322,9 @@ def test_rank_one_counts_in_tensor_chunks_give_the_same_growth(monkeypatch):
     import peft_sparse.methods.spiel.rank_one as spiel
 
     monkeypatch.setattr(spiel, "_COUNT_CHUNK", 40)  # one tensor per chunk
-    test_reselect_all_equals_reselecting_each_tensor("ma", (1, 1), 0.3, False)
-    test_reselect_all_equals_reselecting_each_tensor("ma", (2, 4), 0.3, True)
+    test_reselect_all_equals_reselecting_each_tensor("ma", (1, 1), 0.3, False, "mean")
+    test_reselect_all_equals_reselecting_each_tensor("ma", (2, 4), 0.3, True, "mean")
+    test_reselect_all_equals_reselecting_each_tensor("ma", (2, 4), 0.3, True, "zero")
 
 
 def test_window_steps_of_many_tensors_end_as_each_would_alone():

@@ -10,7 +10,7 @@ import torch
 from ...core import kernels
 from ...core.selection import BlockGrid, isin_sorted, segmented_rank
 from .rank_one import _grow_rank_one_all, column_cap_count, top_k_row_col_products_capped
-from .selection import _merge, _merged_units
+from .selection import _merge, _merged_units, ma_factor
 
 
 # ------------------------------------------------------------------------------------------- all tensors at once
@@ -108,7 +108,7 @@ def _segments(sizes: list, dev: torch.device) -> tuple:
     return seg, kernels.table(_starts(sizes), dev)
 
 
-def reselect_all(items: list, growth: str, column_cap: Optional[float] = None) -> AllReselections:
+def reselect_all(items: list, growth: str, column_cap: Optional[float] = None, unseen: str = "zero") -> AllReselections:
     """DROP and GROW for many tensors at once, identical to :func:`reselect_ag` / :func:`reselect_ma`
     per tensor. The per-tensor selections are segmented ranks (one sort for all drops, one for all
     growths; MA's threshold search runs on padded per-tensor tables) and the merge is done once over
@@ -130,7 +130,7 @@ def reselect_all(items: list, growth: str, column_cap: Optional[float] = None) -
         u_off.append(u_off[-1] + it.grid.numel)
     magnitude = torch.cat([(it.values if it.drop_values is None else it.drop_values).detach() for it in items]).abs().float()
     if unit > 1:
-        return _reselect_blocks(items, growth, d, k, u_off, magnitude)
+        return _reselect_blocks(items, growth, d, k, u_off, magnitude, unseen)
     k_t = kernels.table(k, dev)
 
     # unstructured: units are weights
@@ -153,10 +153,10 @@ def reselect_all(items: list, growth: str, column_cap: Optional[float] = None) -
         score = torch.cat([it.score for it in items]).float().abs()  # |ĝ| (Eq. 7.5)
         grown_gid, ok, per_tensor_ok, grown_from_rows = _grow_ag_all(cand_gid, score, score, seg_c, c_start_t, c_start_t, kept_gid, k_t, sum(k))
     elif column_cap is None:  # Alg. 3: the k weights with the largest √⁴(R_i·C_j) (Eq. 7.7)
-        grown_gid = _grow_ma_all(items, kept_gid, d, k, u_off)
+        grown_gid = _grow_ma_all(items, kept_gid, d, k, u_off, unseen)
     else:  # the same, each column filled up to its cap (tensor by tensor: an ablation's path)
         grown_gid = torch.cat([
-            top_k_row_col_products_capped(it.row_acc.double().pow(0.25), it.col_acc.double().pow(0.25),
+            top_k_row_col_products_capped(ma_factor(it.row_acc, unseen), ma_factor(it.col_acc, unseen),
                                           it.indices.long()[~dropped[a : a + d_i]], k_i, column_cap_count(column_cap, d_i, it.grid.in_features)) + e_off[i]
             for i, (it, d_i, k_i, a) in enumerate(zip(items, d, k, _starts(d)))
         ]).sort().values  # fmt: skip
@@ -185,21 +185,23 @@ def _grow_ag_all(cand_gid, cand_score, score, seg_c, c_start_t, ce_start_t, kept
     return cand_gid[grown_at], per_tensor_ok.all(), per_tensor_ok, grown_at
 
 
-def _grow_ma_all(items, kept_gid, n_units, k, u_off):
+def _grow_ma_all(items, kept_gid, n_units, k, u_off, unseen: str = "zero"):
     """MA's growth over all tensors (Alg. 3): per tensor, the k units outside the kept ones with the
     largest Σ√⁴(R_i·C_j) (Eq. 7.7); ascending, in the global unit numbering."""
-    # √⁴ of every accumulator in one pass; summed per block row / column tensor by tensor (the
-    # reductions of the per-tensor selection, shape for shape: the same sums to the last bit)
-    row_all = torch.cat([it.row_acc for it in items]).double().pow(0.25)
-    col_all = torch.cat([it.col_acc for it in items]).double().pow(0.25)
-    rows_each = torch.split(row_all, [it.grid.out_features for it in items])
-    cols_each = torch.split(col_all, [it.grid.in_features for it in items])
+    if unseen == "zero":  # √⁴ of every accumulator in one pass
+        rows_each = torch.split(torch.cat([it.row_acc for it in items]).double().pow(0.25), [it.grid.out_features for it in items])
+        cols_each = torch.split(torch.cat([it.col_acc for it in items]).double().pow(0.25), [it.grid.in_features for it in items])
+    else:  # tensor by tensor: each unseen row's mean is the per-tensor selection's own sum, to the last bit
+        rows_each = [ma_factor(it.row_acc, unseen) for it in items]
+        cols_each = [ma_factor(it.col_acc, unseen) for it in items]
+    # summed per block row / column tensor by tensor (the reductions of the per-tensor selection, shape for
+    # shape: the same sums to the last bit)
     row_scores = [it.grid.reduce_rows(r) for it, r in zip(items, rows_each)]
     col_scores = [it.grid.reduce_cols(c) for it, c in zip(items, cols_each)]
     return _grow_rank_one_all(row_scores, col_scores, kept_gid, [u - k_i for u, k_i in zip(n_units, k)], k, u_off)
 
 
-def _reselect_blocks(items: list, growth: str, d: list, k: list, u_off: list, magnitude: torch.Tensor) -> AllReselections:
+def _reselect_blocks(items: list, growth: str, d: list, k: list, u_off: list, magnitude: torch.Tensor, unseen: str = "zero") -> AllReselections:
     """:func:`reselect_all` for block tensors. A tensor's values hold its blocks' weights in ascending
     weight order, so weight (i, j) of its b-th block sits at ``base[b] + i·stride[b] + j``
     (:meth:`~peft_sparse.core.kernels.BlockLayout.positions`, from the ascending blocks alone); the same
@@ -250,7 +252,7 @@ def _reselect_blocks(items: list, growth: str, d: list, k: list, u_off: list, ma
         cand_score = score[slots(ce_start_t[seg_c] + c_base, c_stride, (bh, bw)).reshape(-1)].view(-1, unit).sum(1)
         grown_gid, ok, per_tensor_ok, grown_at = _grow_ag_all(cand_gid, cand_score, score, seg_c, c_start_t, ce_start_t, kept_gid, k_t, sum(k))
     else:  # Alg. 3: the k blocks with the largest Σ√⁴(R_i·C_j) (Eq. 7.7)
-        grown_gid = _grow_ma_all(items, kept_gid, u_sizes, k, u_off)
+        grown_gid = _grow_ma_all(items, kept_gid, u_sizes, k, u_off, unseen)
 
     # MERGE: the new blocks (kept and grown, ascending) and their weights at their slots
     all_units, at_kept, at_grown = _merged_units(kept_gid, grown_gid)

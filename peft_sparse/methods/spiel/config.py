@@ -107,6 +107,19 @@ class SpIELConfig(SparseConfig):
         },
     )
 
+    ma_unseen: str = field(
+        default="zero",
+        metadata={
+            "help": (
+                "MA: the growth factor √⁴R_i (√⁴C_j) of a row (column) whose SM3 accumulator is still 0, where no active "
+                "weight has had a gradient. 'zero' (the default, the thesis): SM3's zeros as they are, so growth stays "
+                "inside the rows and columns the mask has covered (a block mask covers only a few block rows); 'mean' "
+                "gives such a row the mean factor of the tensor's seen rows (columns), so growth can reach beyond them "
+                "(no better for 64×64 block MA at 60 steps: BENCHMARKS.md, Quality)."
+            )
+        },
+    )
+
     init_choices: ClassVar[tuple[str, ...]] = ("random",)
     moves_budget: ClassVar[bool] = True  # budget_split='adaptive' (AG, unstructured): see the scheduler
 
@@ -178,6 +191,10 @@ class SpIELConfig(SparseConfig):
                     f"column_cap={self.column_cap!r} caps SpIEL-MA's unstructured growth; got growth={self.growth!r}, "
                     f"block_shape={tuple(self.block_shape)!r}"
                 )
+        if self.ma_unseen not in ("mean", "zero"):
+            raise ValueError(f"ma_unseen must be 'mean' or 'zero', got ma_unseen={self.ma_unseen!r}")
+        if self.ma_unseen != "zero" and self.growth != "ma":
+            raise ValueError(f"ma_unseen={self.ma_unseen!r} is a setting of SpIEL-MA's growth; got growth={self.growth!r}")
         if self.growth == "ma" and self.grow_init != "zero":
             raise ValueError(
                 f"grow_init={self.grow_init!r} is a setting of AG's estimation window; SpIEL-MA (growth='ma') has none: leave it at 'zero'"

@@ -138,6 +138,25 @@ def reselect_ag(
 
 
 
+def ma_factor(accumulator: torch.Tensor, unseen: str = "zero") -> torch.Tensor:
+    """One factor of SpIEL-MA's growth score (Eq. 7.7): √⁴ of SM3's row (or column) accumulator, float64.
+
+    SM3 updates a row's accumulator only from the gradients of that row's active weights, so a row no active
+    weight has sat in keeps its 0, and Eq. 7.7 would give every weight in it a score of 0: growth could then
+    only ever reach the rows and columns already seen. Unstructured masks cover nearly every row; a block mask
+    covers few (at 5% density a 576-row matrix of 64×64 blocks holds about 4 of its 9 block rows), and its
+    growth would stay in that cross for good. ``unseen='mean'`` gives such a row the mean factor of the
+    tensor's seen rows (0 if none is seen), so it ranks like an average row; ``'zero'`` (the default) keeps
+    SM3's zeros.
+    The same operations per tensor on every path, without a host synchronisation."""
+    factor = accumulator.double().pow(0.25)
+    if unseen == "zero":
+        return factor
+    seen = factor > 0
+    fill = factor.sum() / seen.sum().clamp(min=1)  # (the unseen rows add exact zeros to the sum)
+    return torch.where(seen, factor, fill)
+
+
 def reselect_ma(
     values: torch.Tensor,
     indices: torch.Tensor,
@@ -147,17 +166,19 @@ def reselect_ma(
     grid: Optional[BlockGrid] = None,
     units: Optional[torch.Tensor] = None,
     column_cap: Optional[float] = None,
+    unseen: str = "zero",
 ) -> Reselection:
     """DROP the k units with the smallest Σ|φ|; GROW the k units outside the kept set with the largest
     Σ√⁴(R_i·C_j) (Eq. 7.7) — for a block, (Σ_i R_i^¼)(Σ_j C_j^¼), so blocks rank like weights. ``column_cap``
-    (unstructured): no column ends above that many times the mean count (:func:`top_k_row_col_products_capped`)."""
+    (unstructured): no column ends above that many times the mean count (:func:`top_k_row_col_products_capped`).
+    ``unseen``: the factor of rows and columns SM3 has not seen (:func:`ma_factor`)."""
     grid = grid or BlockGrid(row_acc.numel(), col_acc.numel())
     units, magnitude, unit_of_element = _drop(values, indices, grid, units)
     k = min(k, units.numel())
     kept, kept_positions = _kept(units, magnitude, k)
     kept_ids = units[kept_positions]  # ascending
-    row_score = grid.reduce_rows(row_acc.double().pow(0.25))
-    col_score = grid.reduce_cols(col_acc.double().pow(0.25))
+    row_score = grid.reduce_rows(ma_factor(row_acc, unseen))
+    col_score = grid.reduce_cols(ma_factor(col_acc, unseen))
     if column_cap is None:
         grown_units = top_k_row_col_products(row_score, col_score, kept_ids, k)
     else:
