@@ -117,6 +117,43 @@ def test_block_ma_growth_leaves_the_seen_cross_only_with_the_unseen_rows_mean():
     assert all(torch.equal(a, b) for a, b in zip(fast, reference))
 
 
+def test_block_ma_with_regrow_dropped_off_replaces_with_new_blocks_only():
+    """Block MA grows back blocks it drops (their rows and columns carry the largest accumulators), so a
+    partial reselection changes fewer blocks than it replaces; with ma_regrow_dropped=False every block
+    grown at a partial reselection is new (changed = replaced). The reference path chooses the same blocks."""
+    import peft_sparse
+
+    def run(regrow):
+        config = SpIELConfig(target_modules=_block_targets(), density=0.25, block_shape=(16, 16), growth="ma",
+                             initial_reselection_rate=0.5, ma_regrow_dropped=regrow, reselection_steps=4,
+                             gradient_estimation_steps=2)  # fmt: skip
+        model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128), config)
+        opt = SM3([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        scheduler = SpIELScheduler(model, opt, total_steps=16)
+        reports = []
+        model.train()
+        for step in range(1, 17):
+            x = inputs(seed=step, batch=4, length=9)
+            model(x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            report = scheduler.step()
+            if report:
+                reports.append(report)
+        d = sum(l.sparse_values["default"].numel() for l in sparse_layers(model))
+        indices = [l.sparse_indices["default"].clone() for l in sparse_layers(model)]
+        # (after the full replacement) weights replaced, and weights not active before (fraction_changed · d_φ)
+        return [(r["spiel/replaced"], round(r["spiel/fraction_changed"] * d)) for r in reports[1:] if r["spiel/replaced"]], indices
+
+    partial, _ = run(True)
+    assert partial and any(changed < replaced for replaced, changed in partial)  # blocks grown back
+    partial, fast = run(False)
+    assert partial and all(changed == replaced for replaced, changed in partial)
+    with peft_sparse.fast_paths(False):
+        _, reference = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(fast, reference))
+
+
 @pytest.mark.parametrize("growth", ["ag", "ma"])
 def test_block_spiel_trains_with_whole_blocks_saves_and_loads(growth, tmp_path):
     config = SpIELConfig(target_modules=_block_targets(), density=0.25, block_shape=(16, 16), growth=growth,

@@ -347,3 +347,13 @@ def test_ma_unseen_is_checked_and_is_mas():
         SpIELConfig(target_modules="all-linear", density=0.1, growth="ma", ma_unseen="max")
     with pytest.raises(ValueError, match="ma_unseen='mean' is a setting of SpIEL-MA's growth; got growth='ag'"):
         SpIELConfig(target_modules="all-linear", density=0.1, growth="ag", ma_unseen="mean")
+
+
+def test_ma_regrow_dropped_is_checked_and_is_mas():
+    assert SpIELConfig(target_modules="all-linear", density=0.1, growth="ma", ma_regrow_dropped=False).ma_regrow_dropped is False
+    with pytest.raises(ValueError, match="ma_regrow_dropped must be True or False, got ma_regrow_dropped=0"):
+        SpIELConfig(target_modules="all-linear", density=0.1, growth="ma", ma_regrow_dropped=0)
+    with pytest.raises(ValueError, match="ma_regrow_dropped=False is a setting of SpIEL-MA's growth; got growth='ag'"):
+        SpIELConfig(target_modules="all-linear", density=0.1, growth="ag", ma_regrow_dropped=False)
+    with pytest.raises(ValueError, match=r"ma_regrow_dropped=False does not combine with column_cap=2.0"):
+        SpIELConfig(target_modules="all-linear", density=0.1, growth="ma", ma_regrow_dropped=False, column_cap=2.0)

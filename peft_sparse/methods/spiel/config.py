@@ -120,6 +120,20 @@ class SpIELConfig(SparseConfig):
         },
     )
 
+    ma_regrow_dropped: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "MA: whether a unit (weight or block) dropped at a reselection may be grown again at the same one. True "
+                "(the default, the thesis): growth ranks every unit outside the kept ones. False: at a partial reselection "
+                "growth ranks only the units that were inactive before it, so each replaced unit is a new one (block MA "
+                "otherwise grows back the blocks it drops: their rows and columns carry the largest SM3 accumulators); a "
+                "full replacement, which keeps nothing, and a tensor with fewer inactive units than k rank every unit as "
+                "with True."
+            )
+        },
+    )
+
     init_choices: ClassVar[tuple[str, ...]] = ("random",)
     moves_budget: ClassVar[bool] = True  # budget_split='adaptive' (AG, unstructured): see the scheduler
 
@@ -195,6 +209,12 @@ class SpIELConfig(SparseConfig):
             raise ValueError(f"ma_unseen must be 'mean' or 'zero', got ma_unseen={self.ma_unseen!r}")
         if self.ma_unseen != "zero" and self.growth != "ma":
             raise ValueError(f"ma_unseen={self.ma_unseen!r} is a setting of SpIEL-MA's growth; got growth={self.growth!r}")
+        if not isinstance(self.ma_regrow_dropped, bool):
+            raise ValueError(f"ma_regrow_dropped must be True or False, got ma_regrow_dropped={self.ma_regrow_dropped!r}")
+        if not self.ma_regrow_dropped and self.growth != "ma":
+            raise ValueError(f"ma_regrow_dropped=False is a setting of SpIEL-MA's growth; got growth={self.growth!r}")
+        if not self.ma_regrow_dropped and self.column_cap is not None:
+            raise ValueError(f"ma_regrow_dropped=False does not combine with column_cap={self.column_cap!r} (the capped growth ranks outside the kept weights)")
         if self.growth == "ma" and self.grow_init != "zero":
             raise ValueError(
                 f"grow_init={self.grow_init!r} is a setting of AG's estimation window; SpIEL-MA (growth='ma') has none: leave it at 'zero'"

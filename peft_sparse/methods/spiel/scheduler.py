@@ -355,7 +355,7 @@ class SpIELScheduler(SchedulerState):
             if not accel.ON:  # the reference: Algorithms 2–3 tensor by tensor (the batched selection is a fast path)
                 results.append((group, self._per_tensor(group), True))
                 continue
-            result = reselect_all(items, c.growth, c.column_cap, c.ma_unseen)
+            result = reselect_all(items, c.growth, c.column_cap, c.ma_unseen, c.ma_regrow_dropped)
             if c.growth == "ma":  # (MA's selection has no flag: it always succeeds)
                 results.append((group, result, True))
             elif len(by_device) == 1 and all(_candidate_units(it) >= it.values.numel() // it.grid.unit for it in items):
@@ -388,7 +388,7 @@ class SpIELScheduler(SchedulerState):
                 per_tensor.append(reselect_ag(ranked, it.indices, it.k, it.candidates, it.score.abs(), it.grid, it.units, it.candidate_units))
             else:
                 per_tensor.append(reselect_ma(ranked, it.indices, it.k, it.row_acc, it.col_acc, it.grid, it.units, self.config.column_cap,
-                                              self.config.ma_unseen))
+                                              self.config.ma_unseen, self.config.ma_regrow_dropped))
         return AllReselections.of_tensors(items, per_tensor)
 
     def _apply_all(self, t: int, group: list, result: AllReselections, condition: Optional[torch.Tensor]) -> "_GroupEdit":

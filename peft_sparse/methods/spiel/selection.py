@@ -157,6 +157,13 @@ def ma_factor(accumulator: torch.Tensor, unseen: str = "zero") -> torch.Tensor:
     return torch.where(seen, factor, fill)
 
 
+def excludes_every_unit(regrow_dropped: bool, k: int, n_units: int, grid_units: int) -> bool:
+    """Whether MA's growth in a tensor of ``n_units`` active units (of ``grid_units``) excludes all of them, not
+    only the kept ones (``SpIELConfig.ma_regrow_dropped=False``): at a partial reselection (0 < k < n_units) with
+    at least k inactive units. A full replacement keeps nothing, so there growth ranks every unit either way."""
+    return not regrow_dropped and 0 < k < n_units and grid_units - n_units >= k
+
+
 def reselect_ma(
     values: torch.Tensor,
     indices: torch.Tensor,
@@ -167,11 +174,13 @@ def reselect_ma(
     units: Optional[torch.Tensor] = None,
     column_cap: Optional[float] = None,
     unseen: str = "zero",
+    regrow_dropped: bool = True,
 ) -> Reselection:
     """DROP the k units with the smallest Σ|φ|; GROW the k units outside the kept set with the largest
     Σ√⁴(R_i·C_j) (Eq. 7.7) — for a block, (Σ_i R_i^¼)(Σ_j C_j^¼), so blocks rank like weights. ``column_cap``
     (unstructured): no column ends above that many times the mean count (:func:`top_k_row_col_products_capped`).
-    ``unseen``: the factor of rows and columns SM3 has not seen (:func:`ma_factor`)."""
+    ``unseen``: the factor of rows and columns SM3 has not seen (:func:`ma_factor`). ``regrow_dropped=False``:
+    growth ranks only the units outside the current ones (:func:`excludes_every_unit` says when)."""
     grid = grid or BlockGrid(row_acc.numel(), col_acc.numel())
     units, magnitude, unit_of_element = _drop(values, indices, grid, units)
     k = min(k, units.numel())
@@ -180,7 +189,8 @@ def reselect_ma(
     row_score = grid.reduce_rows(ma_factor(row_acc, unseen))
     col_score = grid.reduce_cols(ma_factor(col_acc, unseen))
     if column_cap is None:
-        grown_units = top_k_row_col_products(row_score, col_score, kept_ids, k)
+        excluded = units.long() if excludes_every_unit(regrow_dropped, k, units.numel(), grid.numel) else kept_ids
+        grown_units = top_k_row_col_products(row_score, col_score, excluded, k)
     else:
         cap = column_cap_count(column_cap, indices.numel(), col_score.numel())
         grown_units = top_k_row_col_products_capped(row_score, col_score, kept_ids, k, cap)
