@@ -242,6 +242,11 @@ def test_reselect_all_equals_reselecting_each_tensor(growth, block, density, tie
     g = torch.Generator().manual_seed(7)
     shapes = [(8, 16), (16, 8), (8, 16), (24, 32), (8, 8)]
     items = [_random_tensor_reselection(g, o, i, block, density, growth, ties) for o, i in shapes]
+    if growth == "ma":  # and a partial reselection in a tensor with fewer inactive units than k
+        dense = _random_tensor_reselection(g, 8, 8, block, 0.7, growth, ties)
+        dense.k = dense.indices.numel() // dense.grid.unit - 1
+        assert 0 < dense.k and dense.grid.numel - (dense.k + 1) < dense.k
+        items.append(dense)
     batched = reselect_all(items, growth, unseen=unseen, regrow_dropped=regrow)
     changed = 0
     d_start, c_start = 0, 0
@@ -387,3 +392,10 @@ def test_ma_regrow_dropped_off_grows_only_units_inactive_before():
     rows, cols = torch.tensor([4.0, 4.0, 1.0, 1.0]), torch.tensor([4.0, 4.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
     assert reselect_ma(bval, bidx, 1, rows, cols, bgrid).units.tolist() == [0, 1]
     assert reselect_ma(bval, bidx, 1, rows, cols, bgrid, regrow_dropped=False).units.tolist() == [1, 2]  # (0, 2) ties (1, 0): lower unit
+    from peft_sparse.methods.spiel.batched import TensorReselection, reselect_all
+
+    with pytest.raises(ValueError, match="regrow_dropped=False does not combine with column_cap=2.0"):
+        reselect_ma(values, indices, 1, acc, acc, grid, column_cap=2.0, regrow_dropped=False)
+    item = TensorReselection(values, indices, 1, grid, row_acc=acc, col_acc=acc)
+    with pytest.raises(ValueError, match="regrow_dropped=False does not combine with column_cap=2.0"):
+        reselect_all([item], "ma", column_cap=2.0, regrow_dropped=False)

@@ -119,6 +119,8 @@ def reselect_all(items: list, growth: str, column_cap: Optional[float] = None, u
     sits among the values, the candidates and the new values follows from the blocks alone (the
     values are in ascending weight order: :class:`~peft_sparse.core.kernels.BlockLayout`), so no
     weight-sized search or sort runs."""
+    if not regrow_dropped and column_cap is not None:
+        raise ValueError(f"regrow_dropped=False does not combine with column_cap={column_cap!r}")
     dev = items[0].values.device
     n = len(items)
     d = [it.values.numel() for it in items]

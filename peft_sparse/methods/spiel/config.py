@@ -129,7 +129,7 @@ class SpIELConfig(SparseConfig):
                 "growth ranks only the units that were inactive before it, so each replaced unit is a new one (block MA "
                 "otherwise grows back the blocks it drops: their rows and columns carry the largest SM3 accumulators); a "
                 "full replacement, which keeps nothing, and a tensor with fewer inactive units than k rank every unit as "
-                "with True."
+                "with True. Not with column_cap."
             )
         },
     )

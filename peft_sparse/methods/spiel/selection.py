@@ -181,6 +181,8 @@ def reselect_ma(
     (unstructured): no column ends above that many times the mean count (:func:`top_k_row_col_products_capped`).
     ``unseen``: the factor of rows and columns SM3 has not seen (:func:`ma_factor`). ``regrow_dropped=False``:
     growth ranks only the units outside the current ones (:func:`excludes_every_unit` says when)."""
+    if not regrow_dropped and column_cap is not None:
+        raise ValueError(f"regrow_dropped=False does not combine with column_cap={column_cap!r}")
     grid = grid or BlockGrid(row_acc.numel(), col_acc.numel())
     units, magnitude, unit_of_element = _drop(values, indices, grid, units)
     k = min(k, units.numel())
