@@ -76,6 +76,20 @@ def _block_targets():
     return ["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # dims divisible by 16
 
 
+def _train_with_sm3(model, steps: int = 16):
+    """Train ``model``'s SpIEL adapter with SM3 (lr 0.1) and a scheduler over ``steps`` tiny batches; yields each
+    step's reselection report (empty between reselections)."""
+    opt = SM3([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    scheduler = SpIELScheduler(model, opt, total_steps=steps)
+    model.train()
+    for step in range(1, steps + 1):
+        x = inputs(seed=step, batch=4, length=9)
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        yield scheduler.step()
+
+
 def test_block_ma_growth_leaves_the_seen_cross_only_with_the_unseen_rows_mean():
     """SM3 sees only the rows and columns of active blocks. With ma_unseen='zero' every block ever active lies in
     the cross of the block rows and block columns the initial mask covered (the rest score 0); with 'mean',
@@ -86,8 +100,6 @@ def test_block_ma_growth_leaves_the_seen_cross_only_with_the_unseen_rows_mean():
         config = SpIELConfig(target_modules=_block_targets(), density=0.125, block_shape=(16, 16), growth="ma",
                              ma_unseen=unseen, reselection_steps=4, gradient_estimation_steps=2)  # fmt: skip
         model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128), config)
-        opt = SM3([p for p in model.parameters() if p.requires_grad], lr=0.1)
-        scheduler = SpIELScheduler(model, opt, total_steps=16)
         layers = sparse_layers(model)
         grids = [BlockGrid(l.out_features, l.in_features, (16, 16)) for l in layers]
 
@@ -96,13 +108,7 @@ def test_block_ma_growth_leaves_the_seen_cross_only_with_the_unseen_rows_mean():
 
         ever = blocks()
         cross = [{r * g.cols + c for r in {b // g.cols for b in bs} for c in {b % g.cols for b in bs}} for bs, g in zip(ever, grids)]
-        model.train()
-        for step in range(1, 17):
-            x = inputs(seed=step, batch=4, length=9)
-            model(x, labels=x).loss.backward()
-            opt.step()
-            opt.zero_grad()
-            scheduler.step()
+        for _ in _train_with_sm3(model):
             ever = [e | b for e, b in zip(ever, blocks())]
         assert any(len(c) < g.numel for c, g in zip(cross, grids))  # (the cross leaves blocks out)
         return ever, cross, [l.sparse_indices["default"].clone() for l in layers]
@@ -128,18 +134,7 @@ def test_block_ma_with_regrow_dropped_off_replaces_with_new_blocks_only():
                              initial_reselection_rate=0.5, ma_regrow_dropped=regrow, reselection_steps=4,
                              gradient_estimation_steps=2)  # fmt: skip
         model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128), config)
-        opt = SM3([p for p in model.parameters() if p.requires_grad], lr=0.1)
-        scheduler = SpIELScheduler(model, opt, total_steps=16)
-        reports = []
-        model.train()
-        for step in range(1, 17):
-            x = inputs(seed=step, batch=4, length=9)
-            model(x, labels=x).loss.backward()
-            opt.step()
-            opt.zero_grad()
-            report = scheduler.step()
-            if report:
-                reports.append(report)
+        reports = [report for report in _train_with_sm3(model) if report]
         d = sum(l.sparse_values["default"].numel() for l in sparse_layers(model))
         indices = [l.sparse_indices["default"].clone() for l in sparse_layers(model)]
         # (after the full replacement) weights replaced, and weights not active before (fraction_changed · d_φ)
