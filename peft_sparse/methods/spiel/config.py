@@ -127,9 +127,9 @@ class SpIELConfig(SparseConfig):
                 "MA: whether a unit (weight or block) dropped at a reselection may be grown again at the same one. True "
                 "(the default, the thesis): growth ranks every unit outside the kept ones. False: at a partial reselection "
                 "growth ranks only the units that were inactive before it, so each replaced unit is a new one (block MA "
-                "otherwise grows back the blocks it drops: their rows and columns carry the largest SM3 accumulators); a "
-                "full replacement, which keeps nothing, and a tensor with fewer inactive units than k rank every unit as "
-                "with True. Not with column_cap."
+                "otherwise grows back the blocks it drops: their rows and columns carry the largest SM3 accumulators; "
+                "replacing them scores no better at 600 steps: BENCHMARKS.md, Quality); a full replacement, which keeps "
+                "nothing, and a tensor with fewer inactive units than k rank every unit as with True. Not with column_cap."
             )
         },
     )
