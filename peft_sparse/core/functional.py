@@ -15,7 +15,10 @@ through ``weight_fn``, not saved).
 ∂L/∂φ_j = ((∂L/∂Y)ᵀ X)[η_j] (Eq. 7.4 / E.5). It is computed by :func:`kernels.value_gradient`
 (dense GEMM + gather, or SDDMM, chosen per layer) unless a *dense-gradient consumer* is armed on
 the layer: then dW is formed once, handed to the consumer (e.g. SpIEL-AG candidate statistics) and
-the value gradients are gathered from it.
+the value gradients are gathered from it. A consumer whose ``takes_factors`` is True never gets dW: it
+gets dW's factors instead, ``consumer.add_factors(G, X, X_factor)`` (G = ∂L/∂Y as (tokens, out), X as
+(tokens, in), X = X ⊙ X_factor when a factor is given; e.g. SpIEL-MA's input/output statistics, which
+keep Σ G² and Σ X² per row and column), and the value gradients are computed as without a consumer.
 """
 
 from __future__ import annotations
@@ -193,10 +196,11 @@ class SparseDeltaLinear(torch.autograd.Function):
                     wanted = None
             else:
                 wanted = None
+            takes_factors = consumer is not None and getattr(consumer, "takes_factors", False)
             factors = None
             if x is None and ctx.x_rebuild is not None:
                 # X = A ⊙ B read only by block kernels: they form it tile by tile (X's bits as torch's)
-                if (consumer is None or wanted is not None) and n == 1 and blocks[0] is not None and g2.dtype == x_dtype == dtype:
+                if (consumer is None or wanted is not None or takes_factors) and n == 1 and blocks[0] is not None and g2.dtype == x_dtype == dtype:
                     factors = ctx.x_rebuild.factors()
                 if factors is None:
                     x = ctx.x_rebuild.get()  # the same elementwise operations on the same tensors: the same bits
@@ -210,6 +214,9 @@ class SparseDeltaLinear(torch.autograd.Function):
                 consumer.add_candidate_gradients(g2, x2, x2_factor)
                 hooks.dense_grad_count += 1
                 consumer = None  # the values' gradients as outside a window
+            elif takes_factors:  # dW's factors, not dW (no dense gradient formed)
+                consumer.add_factors(g2, x2, x2_factor)
+                consumer = None
             if consumer is not None:
                 dW = kernels.dense_weight_gradient(g2, x2)  # (out, in), freed on return
                 hooks.dense_grad_count += 1

@@ -37,7 +37,7 @@ class SpIELConfig(SparseConfig):
         default="auto",
         metadata={
             "help": (
-                "γ: optimizer steps in an AG gradient-estimation window (0 < γ < S); the first reselection is at t=γ. "
+                "γ: optimizer steps in a gradient-estimation window (AG, and MA with ma_signal='io'; 0 < γ < S); the first reselection is at t=γ. "
                 "'auto' (default): γ = max(5, round(T/30)), the paper's 5 up to T=150 (20 at T=600), kept below S. An int "
                 "is a count; a float in (0, 1) a fraction of total_steps, γ = max(1, round(γ·T))."
             )
@@ -134,6 +134,20 @@ class SpIELConfig(SparseConfig):
         },
     )
 
+    ma_signal: str = field(
+        default="sm3",
+        metadata={
+            "help": (
+                "MA: the row and column statistics R_i, C_j whose product ranks growth (Eq. 7.7). 'sm3' (the default, the "
+                "thesis): SM3's accumulators, which only see the rows and columns of active weights (a block mask's few "
+                "block rows and columns). 'io': over the γ-step estimation window before each reselection (as AG's), "
+                "R_i = Σ (∂L/∂Y_i)² over the tokens of the layer's output gradient and C_j = Σ X_j² over its inputs: every "
+                "row and column, and (∂L/∂W_ij)² ≤ R_i·C_j per micro-batch (Cauchy–Schwarz). Still out + in floats per "
+                "tensor and no dense gradient; the window's steps take the general backward pass."
+            )
+        },
+    )
+
     init_choices: ClassVar[tuple[str, ...]] = ("random",)
     moves_budget: ClassVar[bool] = True  # budget_split='adaptive' (AG, unstructured): see the scheduler
 
@@ -215,6 +229,10 @@ class SpIELConfig(SparseConfig):
             raise ValueError(f"ma_regrow_dropped=False is a setting of SpIEL-MA's growth; got growth={self.growth!r}")
         if not self.ma_regrow_dropped and self.column_cap is not None:
             raise ValueError(f"ma_regrow_dropped=False does not combine with column_cap={self.column_cap!r} (the capped growth ranks outside the kept weights)")
+        if self.ma_signal not in ("sm3", "io"):
+            raise ValueError(f"ma_signal must be 'sm3' or 'io', got ma_signal={self.ma_signal!r}")
+        if self.ma_signal != "sm3" and self.growth != "ma":
+            raise ValueError(f"ma_signal={self.ma_signal!r} is a setting of SpIEL-MA's growth; got growth={self.growth!r}")
         if self.growth == "ma" and self.grow_init != "zero":
             raise ValueError(
                 f"grow_init={self.grow_init!r} is a setting of AG's estimation window; SpIEL-MA (growth='ma') has none: leave it at 'zero'"

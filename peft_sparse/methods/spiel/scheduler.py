@@ -27,7 +27,7 @@ from .model import SpIELModel
 from .seeding import DeferredSeeding
 from .selection import reselect_ag, reselect_ma
 from .state import SchedulerState
-from .statistics import RowColumnAccumulators, _WindowStatistics, _end_steps, distributed
+from .statistics import InputOutputStatistics, RowColumnAccumulators, _WindowStatistics, _end_steps, distributed
 
 
 
@@ -111,7 +111,7 @@ class SpIELScheduler(SchedulerState):
         self.steps_in_window = 0
         self.statistics: dict[str, _WindowStatistics] = {}
         self.seeding = None
-        if self.uses_windows:
+        if self.config.growth == "ag":
             self.seeding = DeferredSeeding(self.optimizer, [m.sparse_values[self.adapter_name] for m in self.layers],
                                            first_moment=self.config.seed_moments == "both")  # fmt: skip
         self.last_statistics: dict = {}
@@ -204,13 +204,23 @@ class SpIELScheduler(SchedulerState):
     # -- windows
     @property
     def uses_windows(self) -> bool:
-        return self.config.growth == "ag"
+        """Whether reselections rank growth by an estimation window's statistics: AG's candidates, or MA's
+        input/output statistics (``ma_signal='io'``)."""
+        return self.config.growth == "ag" or self.config.ma_signal == "io"
 
     def _in_window(self, t: int) -> bool:
         return self.uses_windows and in_estimation_window(t, self.S, self.gamma, self.total_steps)
 
     def _arm_if_window(self, next_t: int) -> None:
         if self._in_window(next_t) and not self.statistics:
+            self.steps_in_window = 0
+            if self.config.growth == "ma":  # ma_signal='io': Σ (∂L/∂Y)² per row and Σ X² per column, per tensor
+                for layer in self.layers:
+                    values = layer.sparse_values[self.adapter_name]
+                    dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
+                    stats = InputOutputStatistics(layer.out_features, layer.in_features, values.device, dtype)
+                    self.statistics[layer.module_name] = layer.dense_grad_consumer = stats
+                return
             quotas = uniform_quotas(self.layers, self.adapter_name) if self.config.budget_split == "adaptive" else None
             for layer in self.layers:
                 values = layer.sparse_values[self.adapter_name]
@@ -221,7 +231,6 @@ class SpIELScheduler(SchedulerState):
                 stats = _WindowStatistics(min(grid.numel, num_units), grid, dtype, self.config.score_normalization)
                 self.statistics[layer.module_name] = stats
                 layer.dense_grad_consumer = stats
-            self.steps_in_window = 0
 
     @torch.no_grad()
     def _snapshot_drop_reference(self) -> None:
@@ -270,6 +279,9 @@ class SpIELScheduler(SchedulerState):
         return self.last_statistics
 
     def _end_window_step(self) -> None:
+        if self.config.growth == "ma":  # (the io statistics add up in the backward passes themselves)
+            self.steps_in_window += 1
+            return
         if distributed():
             live = [s for s in self.statistics.values() if s.candidates is not None]
             if live:
@@ -318,7 +330,15 @@ class SpIELScheduler(SchedulerState):
         self._check_optimizer_holds_values()
         if c.budget_split == "adaptive":  # one drop/grow over all tensors: budget moves between them (.adaptive)
             return reselect_adaptive(self, t)
-        by_device: dict = {}  # device → [(layer, TensorReselection, window statistics)]
+        by_device: dict = {}  # device → [(layer, TensorReselection, AG's window statistics)]
+        io = self.statistics if c.growth == "ma" and c.ma_signal == "io" else None
+        if io and distributed():  # every rank's sums, one reduction for all tensors
+            live = list(io.values())
+            both = torch.cat([torch.cat([s.row_sum, s.col_sum]) for s in live])
+            dist.all_reduce(both)
+            for s, part in zip(live, both.split([s.row_sum.numel() + s.col_sum.numel() for s in live])):
+                s.row_sum.copy_(part[: s.row_sum.numel()])
+                s.col_sum.copy_(part[s.row_sum.numel() :])
         for layer in self.layers:
             values, indices = layer.sparse_values[name], layer.sparse_indices[name]
             d = values.numel()
@@ -340,6 +360,12 @@ class SpIELScheduler(SchedulerState):
                     continue
                 item.candidates, item.score = stats.candidates, stats.growth_score()  # ĝ up to 1/γ (|·| ranks)
                 item.candidate_units = stats.candidate_units if grid.unit > 1 else None
+            elif io is not None:
+                signal = io.get(layer.module_name)
+                if signal is None or signal.seen == 0:
+                    warnings.warn(f"SpIEL: {layer.module_name} got no gradient in the estimation window; not reselected")
+                    continue
+                item.row_acc, item.col_acc = signal.row_sum, signal.col_sum
             elif self.ma_accumulators is not None:
                 item.row_acc, item.col_acc = self.ma_accumulators.views[layer.module_name]
             else:

@@ -1,4 +1,4 @@
-"""Saving and restoring a ``SpIELScheduler`` exactly: step, open window statistics, AG seeds still waiting for
+"""Saving and restoring a ``SpIELScheduler`` exactly: step, open window statistics (AG's, or MA's input/output sums), AG seeds still waiting for
 the next optimizer step, and φ₀ for ``drop_criterion='change'`` — JSON plus safetensors, no pickle."""
 
 from __future__ import annotations
@@ -7,6 +7,8 @@ import json
 import os
 
 from safetensors.torch import load_file, save_file
+
+from .statistics import InputOutputStatistics
 
 
 def _world_size() -> int:
@@ -68,7 +70,13 @@ class SchedulerState:
                 raise ValueError(f"scheduler state says a window is open after step {self.t}, but none is scheduled there")
             for name, tensors in state["statistics"].items():
                 stats = self.statistics[name]
-                if tensors:
+                if isinstance(stats, InputOutputStatistics):  # (MA, ma_signal='io')
+                    if set(tensors) != {"row_sum", "col_sum", "seen"}:
+                        raise ValueError(f"scheduler state holds no input/output statistics of {name!r} (it was saved with another ma_signal)")
+                    stats.load(tensors)
+                elif "row_sum" in tensors:
+                    raise ValueError(f"scheduler state holds SpIEL-MA input/output statistics of {name!r}, which this scheduler's growth does not use")
+                elif tensors:
                     stats.candidates = tensors["candidates"].to(device_of(name), copy=True)
                     if "candidate_units" in tensors:
                         stats.candidate_units = tensors["candidate_units"].to(device_of(name), copy=True)
@@ -79,6 +87,11 @@ class SchedulerState:
                     if "col_scale" in tensors:
                         stats.col_scale = tensors["col_scale"].to(device_of(name), copy=True)
             self.steps_in_window = int(state["steps_in_window"])
+        elif self._in_window(self.t + 1):
+            raise ValueError(
+                f"scheduler state has no estimation window open after step {self.t}, but this scheduler opens one there: "
+                f"the state was saved with another growth or ma_signal than growth={self.config.growth!r}, ma_signal={self.config.ma_signal!r}"
+            )
         if self.config.drop_criterion == "change":
             reference = state.get("drop_reference") or {}
             if set(reference) != set(layers):

@@ -1,5 +1,6 @@
 """SpIEL-AG's gradient-estimation window: growth candidates and their gradient sums (Eq. 7.5); SpIEL-MA's row and
-column accumulators when the optimizer is not SM3 (:class:`RowColumnAccumulators`)."""
+column accumulators when the optimizer is not SM3 (:class:`RowColumnAccumulators`), and its window of input/output
+statistics (:class:`InputOutputStatistics`, ``ma_signal='io'``)."""
 
 from __future__ import annotations
 
@@ -148,6 +149,46 @@ def _end_steps(statistics: list) -> None:
         torch._foreach_add_([m.grad_sum for m in members], step)
         torch._foreach_add_([m.grad_sq_sum for m in members], torch._foreach_mul(step, step))
         torch._foreach_zero_(step)
+
+
+class InputOutputStatistics:
+    """SpIEL-MA's growth signal with ``ma_signal='io'``: over one estimation window, per row i of a tensor
+    A_i = Σ_tokens (∂L/∂Y_i)² and per column j B_j = Σ_tokens X_j² — the factors of every weight's gradient
+    ∂L/∂W_ij = Σ_tokens (∂L/∂Y_i)·X_j, summed over the window's micro-batches. By Cauchy–Schwarz (∂L/∂W_ij)² ≤
+    A_i·B_j for each micro-batch, so R = A, C = B ranks every weight of the tensor, inactive ones included,
+    where SM3's accumulators only see the rows and columns the mask holds. Memory is out + in floats; the
+    backward pass hands over G and X (``takes_factors``, the core's seam), so no dense gradient is formed.
+    An embedding table's backward has no such factors: it hands over the dense ∂L/∂E, and A, B are the row
+    and column sums of its square (for one token, A_i·B_j is then G_ij² times a constant)."""
+
+    takes_factors: ClassVar[bool] = True
+
+    def __init__(self, out_features: int, in_features: int, device, dtype: torch.dtype = torch.float32):
+        self.row_sum = torch.zeros(out_features, dtype=dtype, device=device)  # A: Σ (∂L/∂Y_i)²
+        self.col_sum = torch.zeros(in_features, dtype=dtype, device=device)  # B: Σ X_j²
+        self.seen = 0  # backward passes added
+
+    def add_factors(self, grad_out2d: torch.Tensor, x2d: torch.Tensor, x_factor: Optional[torch.Tensor] = None) -> None:
+        g = grad_out2d.to(self.row_sum.dtype)
+        x = x2d if x_factor is None else x2d * x_factor  # (tokens, in), transient
+        x = x.to(self.col_sum.dtype)
+        self.row_sum += (g * g).sum(0)
+        self.col_sum += (x * x).sum(0)
+        self.seen += 1
+
+    def __call__(self, layer, dense_grad: torch.Tensor) -> None:  # (embedding tables: the dense ∂L/∂E)
+        square = dense_grad.to(self.row_sum.dtype).reshape(self.row_sum.numel(), self.col_sum.numel()).square()
+        self.row_sum += square.sum(1)
+        self.col_sum += square.sum(0)
+        self.seen += 1
+
+    def tensors(self) -> dict:
+        return {"row_sum": self.row_sum, "col_sum": self.col_sum, "seen": torch.tensor(self.seen)}
+
+    def load(self, tensors: dict) -> None:
+        self.row_sum.copy_(tensors["row_sum"])
+        self.col_sum.copy_(tensors["col_sum"])
+        self.seen = int(tensors["seen"])
 
 
 class RowColumnAccumulators:
