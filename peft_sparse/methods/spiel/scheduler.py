@@ -78,7 +78,8 @@ class SpIELScheduler(SchedulerState):
     reselects at t = γ, γ+S, … and edits values, indices, ages and optimizer state in place. The
     optimizer must hold the adapter's values: ``torch.optim.AdamW``/``Adam`` (not amsgrad) or
     :class:`peft_sparse.SM3` for AG and MA (MA ranks growth by SM3's row and column accumulators: SM3's own,
-    or under any other of these optimizers the same accumulators, kept by the scheduler from each step's gradients).
+    or under any other of these optimizers the same accumulators, kept by the scheduler from each step's gradients;
+    with ``ma_signal='io'`` by the estimation window's output-gradient and input sums instead, under any of them).
     """
 
     def __init__(self, model, optimizer, total_steps: int, adapter_name: Optional[str] = None):
