@@ -96,10 +96,11 @@ def build_model(size: str, quantized: bool):
     return AutoModelForCausalLM.from_pretrained(cache, quantization_config=q, dtype=torch.bfloat16, device_map={"": 0})
 
 
-def prepare(variant: str, size: str, total_steps: int, block: int = BLOCK, training_merge: bool = False):
+def prepare(variant: str, size: str, total_steps: int, block: int = BLOCK, training_merge: bool = False,
+            ma_signal: Optional[str] = None):
     """(model, optimizer or None, per-step hook or None, block_shape) for a variant (``block``: the block
     variants' square block side; ``training_merge``: SpIEL keeps θ + δ in the base weights while training,
-    the opt-in fast path)."""
+    the opt-in fast path; ``ma_signal``: SpIEL-MA's growth signal, None for the config's default)."""
     import torch
     from peft import LoraConfig, ShiraConfig, SupertuningConfig, get_peft_model
 
@@ -134,6 +135,7 @@ def prepare(variant: str, size: str, total_steps: int, block: int = BLOCK, train
         config = peft_sparse.SpIELConfig(
             target_modules=TARGETS, num_tunable_weights=budget, growth=growth, reselection_steps=S,
             gradient_estimation_steps=GAMMA, block_shape=block_shape, training_merge=training_merge,
+            **({"ma_signal": ma_signal} if ma_signal and growth == "ma" else {}),
         )  # fmt: skip
         model = get_peft_model(model, config)
     else:
@@ -276,7 +278,7 @@ def run_one(args) -> dict:
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = True
-    model, optimizer, hook, block_shape, trainable = prepare(args.variant, args.size, args.warmup + args.steps, args.block, args.training_merge)
+    model, optimizer, hook, block_shape, trainable = prepare(args.variant, args.size, args.warmup + args.steps, args.block, args.training_merge, args.ma_signal)
     model.train()
     slow: dict = {}  # label → calls in the current step
     slow_steps: list = []  # per timed step: {label: calls}
@@ -345,6 +347,7 @@ def run_one(args) -> dict:
         "gpu": torch.cuda.get_device_name(),
         "size": args.size,
         "training_merge": args.training_merge,
+        "ma_signal": model.peft_config["default"].ma_signal if "spiel-ma" in args.variant else None,
         "sm3_ema": os.environ.get("BENCH_SM3_EMA") == "1",
         "seq": args.seq,
         "bs": args.bs,
@@ -392,6 +395,9 @@ def main():
     parser.add_argument("--block", type=int, default=BLOCK, help="square block side of the -block variants")
     parser.add_argument("--warmup", type=int, default=6)
     parser.add_argument("--training-merge", action="store_true", help="SpIEL variants: the opt-in training merge (training_merge=True)")
+    parser.add_argument("--ma-signal", choices=("sm3", "io"), default=None,
+                        help="SpIEL-MA variants: growth ranked by SM3's accumulators or the windows' input/output sums "
+                             "(default: the config's, 'io' for blocks and 'sm3' otherwise)")  # fmt: skip
     parser.add_argument("--sm3-ema", action="store_true",
                         help="SpIEL-MA variants: SM3 with momentum 0.9 and beta2 0.999 (the recipe runner's default) instead of the sums")
     parser.add_argument("--batch-id", default=None)
@@ -479,6 +485,8 @@ def run_child(args, variant: str, batch_id: str, out: Optional[str]):
         cmd.append("--gc-freeze")
     if args.training_merge:
         cmd.append("--training-merge")
+    if args.ma_signal:
+        cmd += ["--ma-signal", args.ma_signal]
     if out:
         cmd += ["--out", out]
     result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -170,6 +170,9 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
     wrapped, params, uses_sm3 = build(method, model, budget, args.budget_rank, seed, overrides)
     config = getattr(wrapped, "peft_config", {}).get("default")
     S_gamma = list(config.steps_for(args.steps)) if hasattr(config, "steps_for") else None  # (SpIEL: S, γ resolved)
+    # (SpIEL-MA: the growth signal and the first replacement as resolved, which 'auto' and None defaults leave open)
+    ma_setup = {"ma_signal": config.ma_signal, "first_full_replacement": config.full_first_replacement(args.steps)} \
+        if method.startswith("spiel-ma") else None
     uses_sm3 = args.optimizer == "sm3" if args.optimizer else uses_sm3  # (default: SM3 for SpIEL-MA, AdamW otherwise)
     n_trainable = sum(p.numel() for p in params)
     decay = args.weight_decay
@@ -232,7 +235,7 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
         "task": args.task, "method": method, "lr": lr, "seed": seed, "steps": args.steps, "batch_size": args.batch_size,
         "budget_rank": args.budget_rank, "trainable": n_trainable, "weight_decay": decay, "max_grad_norm": args.max_grad_norm,
         "set": overrides, "optimizer": "sm3" if uses_sm3 else "adamw", "sm3_momentum": momentum if uses_sm3 else None, "sm3_beta2": beta2 if uses_sm3 else None, "no_reselection": args.no_reselection, "tag": args.tag, "exact_match": score["accuracy"], "heldout_loss": loss_heldout, "per_skill": score["per_skill"],
-        "S_gamma": S_gamma,
+        "S_gamma": S_gamma, "ma_setup": ma_setup,
         "final_loss": sum(losses[-10:]) / min(10, len(losses)), "train_seconds": round(train_seconds, 1),
         "eval_seconds": round(eval_seconds, 1), "scheduler_seconds": round(scheduler_seconds, 2),
         "median_step_ms": round(1000 * statistics.median(b - a for a, b in zip([start] + step_times[:-1], step_times)), 1),
@@ -268,6 +271,8 @@ def summarize(rows: list[dict]) -> list[dict]:
     groups: dict = {}
     for r in rows:
         settings = dict(r.get("set", {}))
+        if r.get("ma_setup"):  # (as resolved; rows without it ran before block MA's defaults became 'io' and 'auto')
+            settings.update(r["ma_setup"])
         if r.get("weight_decay"):
             settings["weight_decay"] = r["weight_decay"]
         if r.get("optimizer") and (r["optimizer"] == "sm3") != r["method"].startswith("spiel-ma"):  # (an optimizer other than the method's default)

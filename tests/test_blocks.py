@@ -98,7 +98,7 @@ def test_block_ma_growth_leaves_the_seen_cross_only_with_the_unseen_rows_mean():
 
     def run(unseen):
         config = SpIELConfig(target_modules=_block_targets(), density=0.125, block_shape=(16, 16), growth="ma",
-                             ma_unseen=unseen, reselection_steps=4, gradient_estimation_steps=2)  # fmt: skip
+                             ma_signal="sm3", ma_unseen=unseen, reselection_steps=4, gradient_estimation_steps=2)  # fmt: skip
         model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128), config)
         layers = sparse_layers(model)
         grids = [BlockGrid(l.out_features, l.in_features, (16, 16)) for l in layers]
@@ -130,7 +130,7 @@ def test_block_ma_with_regrow_dropped_off_replaces_with_new_blocks_only():
     import peft_sparse
 
     def run(regrow):
-        config = SpIELConfig(target_modules=_block_targets(), density=0.25, block_shape=(16, 16), growth="ma",
+        config = SpIELConfig(target_modules=_block_targets(), density=0.25, block_shape=(16, 16), growth="ma", ma_signal="sm3",
                              initial_reselection_rate=0.5, ma_regrow_dropped=regrow, reselection_steps=4,
                              gradient_estimation_steps=2)  # fmt: skip
         model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128), config)
@@ -151,8 +151,9 @@ def test_block_ma_with_regrow_dropped_off_replaces_with_new_blocks_only():
 
 @pytest.mark.parametrize("growth", ["ag", "ma"])
 def test_block_spiel_trains_with_whole_blocks_saves_and_loads(growth, tmp_path):
+    # (MA: blocks' default signal, 'io'; a full first replacement, which 'auto' leaves off in a run this short)
     config = SpIELConfig(target_modules=_block_targets(), density=0.25, block_shape=(16, 16), growth=growth,
-                         reselection_steps=4, gradient_estimation_steps=2)  # fmt: skip
+                         reselection_steps=4, gradient_estimation_steps=2, first_full_replacement=True)  # fmt: skip
     model = get_peft_model(tiny_llama(), config)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2) if growth == "ag" else SM3(params, lr=0.1)

@@ -193,8 +193,10 @@ def test_block_plans_are_built_for_all_layers_at_once(growth, monkeypatch):
 
     from .models import inputs
 
+    # (MA: SM3's signal, whose steps all take the block kernel and whose first reselection replaces every block)
     config = SpIELConfig(target_modules=["q_proj", "gate_proj", "down_proj"], density=0.1, growth=growth,
-                         block_shape=(16, 16), reselection_steps=3, gradient_estimation_steps=2)  # fmt: skip
+                         ma_signal="sm3" if growth == "ma" else None, block_shape=(16, 16), reselection_steps=3,
+                         gradient_estimation_steps=2)  # fmt: skip
     model = get_peft_model(tiny_llama(hidden_size=128, intermediate_size=256), config).cuda()
     layers = sparse_layers(model)
     for layer in layers:

@@ -13,7 +13,8 @@ from peft_sparse.core.selection import BlockGrid
 from peft_sparse.core.tuner import SparseTuner
 from peft_sparse.methods.spiel.selection import reselect_ma
 from peft_sparse.methods.spiel.statistics import InputOutputStatistics
-from peft_sparse.schedules.reselection import replacement_count
+from peft_sparse.methods.spiel.config import IO_FULL_REPLACEMENT_MIN_FOLLOWING
+from peft_sparse.schedules.reselection import is_reselection_step, replacement_count
 
 from .models import inputs, sparse_layers, tiny_llama
 
@@ -135,7 +136,7 @@ def test_io_sums_match_hooks_and_rank_the_reselections(block_shape):
                 assert (rows > 0).all() and (cols > 0).all()  # (every row and column seen, active or not)
                 values, indices = before[m.module_name]
                 grid = SparseTuner.grid(scheduler.config, m)
-                k = replacement_count(step, total, values.numel() // grid.unit, 0.5, "linear", scheduler.gamma, True)
+                k = replacement_count(step, total, values.numel() // grid.unit, 0.5, "linear", scheduler.gamma, scheduler.first_full)
                 want = reselect_ma(values, indices, k, rows, cols, grid)
                 assert torch.equal(m.sparse_indices["default"].long(), want.indices), (step, m.module_name)
                 checked += 1
@@ -246,6 +247,77 @@ def test_ma_signal_is_checked():
         SpIELConfig(target_modules="all-linear", density=0.1, growth="ma", ma_signal="grad")
     with pytest.raises(ValueError, match="ma_signal='io' is a setting of SpIEL-MA's growth; got growth='ag'"):
         SpIELConfig(target_modules="all-linear", density=0.1, growth="ag", ma_signal="io")
+
+
+def test_block_ma_defaults_to_io_and_unstructured_ma_and_ag_to_sm3():
+    def signal(**kwargs):
+        return SpIELConfig(target_modules="all-linear", density=0.1, **kwargs).ma_signal
+
+    assert signal(growth="ma", block_shape=(64, 64)) == "io"
+    assert signal(growth="ma", block_shape=(64, 8)) == "io"
+    assert signal(growth="ma") == "sm3"
+    assert signal(growth="ag") == "sm3" and signal(growth="ag", block_shape=(64, 64)) == "sm3"
+    assert signal(growth="ma", block_shape=(64, 64), ma_signal="sm3") == "sm3"  # (a choice is kept)
+
+
+def _following_reselections(config, T):
+    """Reselections after the first in a run of T steps, counted off the schedule itself."""
+    S, gamma = config.steps_for(T)
+    return sum(is_reselection_step(t, S, gamma, T) for t in range(1, T + 1)) - 1
+
+
+def test_auto_first_full_replacement_follows_the_reselections_after_it():
+    """'auto': a full first replacement for SM3's signal and AG at any length; with ma_signal='io' only when at least
+    IO_FULL_REPLACEMENT_MIN_FOLLOWING reselections follow the first (the paper's S = 20, γ = 5: from T = 86 on)."""
+    block = SpIELConfig(target_modules="all-linear", density=0.1, growth="ma", block_shape=(64, 64))
+    assert block.first_full_replacement == "auto"
+    assert [block.full_first_replacement(T) for T in (60, 80, 85, 86, 100, 150, 600)] == [False] * 3 + [True] * 4
+    for T in range(6, 700):
+        assert block.full_first_replacement(T) == (_following_reselections(block, T) >= IO_FULL_REPLACEMENT_MIN_FOLLOWING), T
+    counted = SpIELConfig(target_modules="all-linear", density=0.1, growth="ma", ma_signal="io", reselection_steps=4,
+                          gradient_estimation_steps=2)  # fmt: skip
+    for T in range(3, 40):
+        assert counted.full_first_replacement(T) == (_following_reselections(counted, T) >= 4), T
+    for other in (dict(growth="ma"), dict(growth="ag"), dict(growth="ag", block_shape=(64, 64))):
+        config = SpIELConfig(target_modules="all-linear", density=0.1, **other)
+        assert all(config.full_first_replacement(T) for T in (10, 60, 600)), other
+    for given in (True, False):  # (a choice is kept)
+        config = SpIELConfig(target_modules="all-linear", density=0.1, growth="ma", block_shape=(64, 64), first_full_replacement=given)
+        assert all(config.full_first_replacement(T) == given for T in (60, 600))
+    with pytest.raises(ValueError, match="first_full_replacement must be True, False or 'auto', got first_full_replacement='yes'"):
+        SpIELConfig(target_modules="all-linear", density=0.1, first_full_replacement="yes")
+
+
+@pytest.mark.parametrize("total,full", [(12, False), (24, True)])
+def test_block_ma_by_default_replaces_all_at_gamma_only_when_enough_reselections_follow(total, full, tmp_path):
+    """Block MA as configured by default (io, 'auto'): the scheduler's first reselection replaces every block when
+    ≥ 4 reselections follow it (T = 24 with S = 4, γ = 2: five), else only k(γ) of the schedule (T = 12: two); the
+    saved config keeps 'auto' and the resolved signal, so a reload trains the same way."""
+    config = SpIELConfig(target_modules=BLOCK_TARGETS, density=0.25, growth="ma", block_shape=(16, 16), reselection_steps=4,
+                         gradient_estimation_steps=2, initial_reselection_rate=0.5)  # fmt: skip
+    model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128), config)
+    layers = sparse_layers(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = SM3(params, lr=0.1)
+    scheduler = SpIELScheduler(model, opt, total_steps=total)
+    assert scheduler.config.ma_signal == "io" and scheduler.first_full == full
+    units = [m.sparse_indices["default"].numel() // 256 for m in layers]
+    x = inputs(batch=4, length=9)
+    model.train()
+    for step in range(1, scheduler.gamma + 1):
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        report = scheduler.step()
+    expected = sum(replacement_count(2, total, u, 0.5, "linear", 2, full) for u in units) * 256
+    assert report["spiel/replaced"] == expected
+    assert (expected == sum(u * 256 for u in units)) == full and expected > 0
+    model.save_pretrained(tmp_path)
+    from peft import PeftConfig
+
+    loaded = PeftConfig.from_pretrained(tmp_path)
+    assert loaded.ma_signal == "io" and loaded.first_full_replacement == "auto"
+    assert loaded.full_first_replacement(total) == full
 
 
 def test_ma_io_adapter_config_round_trips(tmp_path):

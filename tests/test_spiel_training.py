@@ -144,7 +144,7 @@ def test_spiel_ma_beside_another_optimizer_keeps_sm3_accumulators_and_grows_by_t
             for m in layers:
                 values, indices = before[m.module_name]
                 k = replacement_count(step, 12, values.numel(), scheduler.config.initial_reselection_rate,
-                                      scheduler.config.schedule, scheduler.gamma, scheduler.config.first_full_replacement)
+                                      scheduler.config.schedule, scheduler.gamma, scheduler.first_full)
                 expected = reselect_ma(values, indices, k, rows[m.module_name], cols[m.module_name]).indices
                 assert torch.equal(m.sparse_indices["default"], expected.to(indices.dtype)), (step, m.module_name)
                 changed += int((m.sparse_indices["default"] != indices).any())

@@ -48,7 +48,7 @@ def reselect_adaptive(scheduler, t: int) -> dict:
     values = [m.sparse_values[name] for m in layers]
     sizes = [v.numel() for v in values]
     k = sum(
-        replacement_count(t, scheduler.total_steps, d, c.initial_reselection_rate, c.schedule, scheduler.gamma, c.first_full_replacement)
+        replacement_count(t, scheduler.total_steps, d, c.initial_reselection_rate, c.schedule, scheduler.gamma, scheduler.first_full)
         for d in sizes
     )
     if k == 0:

@@ -11,6 +11,11 @@ from peft.utils import PeftType
 from ...core.config import SparseConfig
 
 
+# first_full_replacement='auto' with ma_signal='io': the full replacement at t = γ pays only with at least this many
+# reselections after it (block MA, BENCHMARKS.md Quality: 60 steps with 2 follow: off is better; 100 with 4: on is)
+IO_FULL_REPLACEMENT_MIN_FOLLOWING = 4
+
+
 @dataclass
 class SpIELConfig(SparseConfig):
     """Configuration of SpIEL (PEFT type ``"SPIEL"``); train it with :class:`SpIELCallback` or :class:`SpIELScheduler`.
@@ -46,9 +51,16 @@ class SpIELConfig(SparseConfig):
     candidate_ratio: float = field(default=1.0, metadata={"help": "K_i = ceil(candidate_ratio·d_φ(i)) growth candidates per tensor (AG), ≥ 1."})
     schedule: str = field(default="linear", metadata={"help": "'linear' (Eq. 7.6) or 'cosine' (Eq. E.1) decay of k(t)."})
     init: str = field(default="random", metadata={"help": "'random' (the paper's initial η) or 'external' (indices from a saved adapter)."})
-    first_full_replacement: bool = field(
-        default=True,
-        metadata={"help": "Replace every index at the first reselection (t=γ, Eq. 7.6's first case); False: k(γ) follows the schedule like later ones."},
+    first_full_replacement: Union[bool, str] = field(
+        default="auto",
+        metadata={
+            "help": (
+                "Replace every index at the first reselection (t=γ, Eq. 7.6's first case); False: k(γ) follows the schedule "
+                "like later ones. 'auto' (default): True (the thesis), except for SpIEL-MA with ma_signal='io' (block MA's "
+                "default) in a run where fewer than 4 reselections follow the first (T ≤ γ + 4S: 60 steps has 2, 100 steps 4): "
+                "a full replacement ranked on γ steps of sums needs later reselections to mend it (BENCHMARKS.md, Quality)."
+            )
+        },
     )
     drop_criterion: str = field(
         default="magnitude",
@@ -134,16 +146,17 @@ class SpIELConfig(SparseConfig):
         },
     )
 
-    ma_signal: str = field(
-        default="sm3",
+    ma_signal: Optional[str] = field(
+        default=None,
         metadata={
             "help": (
-                "MA: the row and column statistics R_i, C_j whose product ranks growth (Eq. 7.7). 'sm3' (the default, the "
-                "thesis): SM3's accumulators, which only see the rows and columns of active weights (a block mask's few "
-                "block rows and columns). 'io': over the γ-step estimation window before each reselection (as AG's), "
-                "R_i = Σ (∂L/∂Y_i)² over the tokens of the layer's output gradient and C_j = Σ X_j² over its inputs: every "
-                "row and column, and (∂L/∂W_ij)² ≤ R_i·C_j per micro-batch (Cauchy–Schwarz). Still out + in floats per "
-                "tensor and no dense gradient; the window's steps take the general backward pass."
+                "MA: the row and column statistics R_i, C_j whose product ranks growth (Eq. 7.7). 'sm3' (the thesis; the "
+                "default for unstructured MA): SM3's accumulators, which only see the rows and columns of active weights. "
+                "'io' (the default for block MA, whose blocks cover a third of the rows and columns): over the γ-step "
+                "estimation window before each reselection (as AG's), R_i = Σ (∂L/∂Y_i)² over the tokens of the layer's "
+                "output gradient and C_j = Σ X_j² over its inputs: every row and column, and (∂L/∂W_ij)² ≤ R_i·C_j per "
+                "micro-batch (Cauchy–Schwarz). Still out + in floats per tensor and no dense gradient; the window's steps "
+                "take the general backward pass. Leave unset for AG."
             )
         },
     )
@@ -182,8 +195,10 @@ class SpIELConfig(SparseConfig):
             raise ValueError(f"candidate_ratio must be >= 1, got candidate_ratio={self.candidate_ratio!r}")
         if self.schedule not in ("linear", "cosine"):
             raise ValueError(f"schedule must be 'linear' or 'cosine', got schedule={self.schedule!r}")
-        if not isinstance(self.first_full_replacement, bool):
-            raise ValueError(f"first_full_replacement must be True or False, got first_full_replacement={self.first_full_replacement!r}")
+        if not (isinstance(self.first_full_replacement, bool) or self.first_full_replacement == "auto"):
+            raise ValueError(
+                f"first_full_replacement must be True, False or 'auto', got first_full_replacement={self.first_full_replacement!r}"
+            )
         if self.seed_moments is None and self.growth in ("ag", "ma"):
             self.seed_moments = "second" if self.growth == "ag" else "none"
         if self.growth == "ma" and self.seed_moments not in ("second", "none"):
@@ -229,6 +244,8 @@ class SpIELConfig(SparseConfig):
             raise ValueError(f"ma_regrow_dropped=False is a setting of SpIEL-MA's growth; got growth={self.growth!r}")
         if not self.ma_regrow_dropped and self.column_cap is not None:
             raise ValueError(f"ma_regrow_dropped=False does not combine with column_cap={self.column_cap!r} (the capped growth ranks outside the kept weights)")
+        if self.ma_signal is None:  # block MA: 'io', whose sums see the rows and columns its blocks do not cover
+            self.ma_signal = "io" if self.growth == "ma" and tuple(self.block_shape) != (1, 1) else "sm3"
         if self.ma_signal not in ("sm3", "io"):
             raise ValueError(f"ma_signal must be 'sm3' or 'io', got ma_signal={self.ma_signal!r}")
         if self.ma_signal != "sm3" and self.growth != "ma":
@@ -256,6 +273,18 @@ class SpIELConfig(SparseConfig):
                 f"γ={gamma} ≥ S={S} for total_steps={total_steps}; γ must stay below S"
             )
         return S, gamma
+
+    def full_first_replacement(self, total_steps: int) -> bool:
+        """Whether the first reselection of a run of ``total_steps`` replaces every index: the field as given, or
+        for 'auto' True unless MA ranks growth by ``ma_signal='io'`` and fewer than
+        :data:`IO_FULL_REPLACEMENT_MIN_FOLLOWING` reselections (at t = γ + kS < T) follow the first."""
+        if self.first_full_replacement != "auto":
+            return bool(self.first_full_replacement)
+        if self.growth != "ma" or self.ma_signal != "io":
+            return True
+        S, gamma = self.steps_for(total_steps)
+        following = max(0, math.ceil((total_steps - gamma) / S) - 1)  # k ≥ 1 with γ + kS < T
+        return following >= IO_FULL_REPLACEMENT_MIN_FOLLOWING
 
     def earliest_first_reselection(self) -> int:
         """The smallest t = γ at which the first reselection can fall, before ``total_steps`` is known."""
