@@ -171,7 +171,7 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
     config = getattr(wrapped, "peft_config", {}).get("default")
     S_gamma = list(config.steps_for(args.steps)) if hasattr(config, "steps_for") else None  # (SpIEL: S, γ resolved)
     # (SpIEL-MA: the growth signal and the first replacement as resolved, which 'auto' and None defaults leave open)
-    ma_setup = {"ma_signal": config.ma_signal, "first_full_replacement": config.full_first_replacement(args.steps)} \
+    ma_setup = {"ma_signal": config.ma_signal, "first_full_replacement": config.first_replacement_is_full(args.steps)} \
         if method.startswith("spiel-ma") else None
     uses_sm3 = args.optimizer == "sm3" if args.optimizer else uses_sm3  # (default: SM3 for SpIEL-MA, AdamW otherwise)
     n_trainable = sum(p.numel() for p in params)

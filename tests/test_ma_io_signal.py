@@ -271,19 +271,19 @@ def test_auto_first_full_replacement_follows_the_reselections_after_it():
     IO_FULL_REPLACEMENT_MIN_FOLLOWING reselections follow the first (the paper's S = 20, γ = 5: from T = 86 on)."""
     block = SpIELConfig(target_modules="all-linear", density=0.1, growth="ma", block_shape=(64, 64))
     assert block.first_full_replacement == "auto"
-    assert [block.full_first_replacement(T) for T in (60, 80, 85, 86, 100, 150, 600)] == [False] * 3 + [True] * 4
+    assert [block.first_replacement_is_full(T) for T in (60, 80, 85, 86, 100, 150, 600)] == [False] * 3 + [True] * 4
     for T in range(6, 700):
-        assert block.full_first_replacement(T) == (_following_reselections(block, T) >= IO_FULL_REPLACEMENT_MIN_FOLLOWING), T
+        assert block.first_replacement_is_full(T) == (_following_reselections(block, T) >= IO_FULL_REPLACEMENT_MIN_FOLLOWING), T
     counted = SpIELConfig(target_modules="all-linear", density=0.1, growth="ma", ma_signal="io", reselection_steps=4,
                           gradient_estimation_steps=2)  # fmt: skip
     for T in range(3, 40):
-        assert counted.full_first_replacement(T) == (_following_reselections(counted, T) >= 4), T
+        assert counted.first_replacement_is_full(T) == (_following_reselections(counted, T) >= 4), T
     for other in (dict(growth="ma"), dict(growth="ag"), dict(growth="ag", block_shape=(64, 64))):
         config = SpIELConfig(target_modules="all-linear", density=0.1, **other)
-        assert all(config.full_first_replacement(T) for T in (10, 60, 600)), other
+        assert all(config.first_replacement_is_full(T) for T in (10, 60, 600)), other
     for given in (True, False):  # (a choice is kept)
         config = SpIELConfig(target_modules="all-linear", density=0.1, growth="ma", block_shape=(64, 64), first_full_replacement=given)
-        assert all(config.full_first_replacement(T) == given for T in (60, 600))
+        assert all(config.first_replacement_is_full(T) == given for T in (60, 600))
     with pytest.raises(ValueError, match="first_full_replacement must be True, False or 'auto', got first_full_replacement='yes'"):
         SpIELConfig(target_modules="all-linear", density=0.1, first_full_replacement="yes")
 
@@ -317,7 +317,7 @@ def test_block_ma_by_default_replaces_all_at_gamma_only_when_enough_reselections
 
     loaded = PeftConfig.from_pretrained(tmp_path)
     assert loaded.ma_signal == "io" and loaded.first_full_replacement == "auto"
-    assert loaded.full_first_replacement(total) == full
+    assert loaded.first_replacement_is_full(total) == full
 
 
 def test_ma_io_adapter_config_round_trips(tmp_path):

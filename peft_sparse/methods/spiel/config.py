@@ -274,7 +274,7 @@ class SpIELConfig(SparseConfig):
             )
         return S, gamma
 
-    def full_first_replacement(self, total_steps: int) -> bool:
+    def first_replacement_is_full(self, total_steps: int) -> bool:
         """Whether the first reselection of a run of ``total_steps`` replaces every index: the field as given, or
         for 'auto' True unless MA ranks growth by ``ma_signal='io'`` and fewer than
         :data:`IO_FULL_REPLACEMENT_MIN_FOLLOWING` reselections (at t = γ + kS < T) follow the first."""

@@ -88,7 +88,7 @@ class SpIELScheduler(SchedulerState):
         self.model, tuner, self.adapter_name, self.config = _find_spiel_adapter(model, adapter_name)
         self.total_steps = total_steps
         self.S, self.gamma = self.config.steps_for(total_steps)  # (fractions of total_steps resolved)
-        self.first_full = self.config.full_first_replacement(total_steps)  # (first_full_replacement='auto' resolved)
+        self.first_full = self.config.first_replacement_is_full(total_steps)  # (first_full_replacement='auto' resolved)
         self.layers = [m for m in self.model.modules() if isinstance(m, SparseLayer) and self.adapter_name in m.sparse_values]
         # DeepSpeed ZeRO: reselections edit a shadow AdamW holding the values' gathered state (optim.zero)
         zero = find_zero_optimizer(optimizer)
