@@ -172,7 +172,7 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
     S_gamma = list(config.steps_for(args.steps)) if hasattr(config, "steps_for") else None  # (SpIEL: S, γ resolved)
     # (SpIEL-MA: the growth signal and the first replacement as resolved, which 'auto' and None defaults leave open)
     ma_setup = {"ma_signal": config.ma_signal, "first_full_replacement": config.first_replacement_is_full(args.steps)} \
-        if method.startswith("spiel-ma") else None
+        if method.startswith("spiel-ma") and not args.no_reselection else None
     uses_sm3 = args.optimizer == "sm3" if args.optimizer else uses_sm3  # (default: SM3 for SpIEL-MA, AdamW otherwise)
     n_trainable = sum(p.numel() for p in params)
     decay = args.weight_decay
@@ -267,12 +267,16 @@ def load_task(task: str, tokenizer, max_length: int):
     return train, read_jsonl(DATA / test_file)
 
 
+PRE_AUTO_MA_SETUP = {"ma_signal": "sm3", "first_full_replacement": True}
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     groups: dict = {}
     for r in rows:
         settings = dict(r.get("set", {}))
-        if r.get("ma_setup"):  # (as resolved; rows without it ran before block MA's defaults became 'io' and 'auto')
-            settings.update(r["ma_setup"])
+        for name, value in (r.get("ma_setup") or {}).items():  # (as resolved, where it differs from what rows without
+            if value != PRE_AUTO_MA_SETUP[name]:  # it ran with: those predate block MA's 'io' and 'auto' defaults)
+                settings[name] = value
         if r.get("weight_decay"):
             settings["weight_decay"] = r["weight_decay"]
         if r.get("optimizer") and (r["optimizer"] == "sm3") != r["method"].startswith("spiel-ma"):  # (an optimizer other than the method's default)
