@@ -207,3 +207,30 @@ def test_trainer_spiel_ma_with_sm3_selected_through_optimizer_cls_and_kwargs(tmp
     assert isinstance(_spiel_callback(trainer).scheduler.optimizer, SM3)
     assert [h["step"] for h in trainer.state.log_history if "spiel/replaced" in h] == [2, 7]
     assert all(l.dense_grad_count == 0 for l in model.modules() if isinstance(l, SparseLayer))
+
+
+@pytest.mark.parametrize("T, full", [(13, False), (23, True)])
+def test_trainer_block_ma_defaults_resolve_for_the_trainers_max_steps(T, full, tmp_path):
+    """Block SpIEL-MA as configured by default through Trainer: the callback's scheduler ranks growth by the windows'
+    input/output sums and resolves first_full_replacement='auto' for max_steps (S = 5, γ = 2: reselections at 2, 7,
+    12, 17, 22; four follow the first at T = 23, two at T = 13), so the first logged reselection replaces every block
+    only at T = 23; no window's consumer is left on a layer."""
+    from peft_sparse import SM3
+
+    config = SpIELConfig(target_modules=["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], density=0.5,
+                         growth="ma", block_shape=(16, 16), initial_reselection_rate=0.5, reselection_steps=S,
+                         gradient_estimation_steps=GAMMA)  # fmt: skip
+    model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128), config)
+    layers = [m for m in model.modules() if isinstance(m, SparseLayer)]
+    d_phi = sum(l.sparse_values["default"].numel() for l in layers)
+    trainer = Trainer(
+        model=model, args=_args(tmp_path, T), train_dataset=_dataset(), callbacks=[SpIELCallback()],
+        optimizer_cls_and_kwargs=(SM3, {"lr": 0.05}),
+    )  # fmt: skip
+    trainer.train()
+    scheduler = _spiel_callback(trainer).scheduler
+    assert scheduler.config.ma_signal == "io" and scheduler.first_full == full
+    logged = [h for h in trainer.state.log_history if "spiel/replaced" in h]
+    assert [h["step"] for h in logged] == [s for s in range(1, T + 1) if is_reselection_step(s, S, GAMMA, T)]
+    assert (logged[0]["spiel/replaced"] == d_phi) == full and 0 < logged[0]["spiel/replaced"]
+    assert all(l.dense_grad_consumer is None and l.dense_grad_count == 0 for l in layers)
