@@ -413,6 +413,9 @@ def main():
         os.environ["BENCH_SM3_EMA"] = "1"
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    chosen = [args.variant] if args.variant else [v.strip() for v in (args.variants or ",".join(VARIANTS)).split(",") if v.strip()]
+    if args.ma_signal and not any("spiel-ma" in v for v in chosen):
+        parser.error(f"--ma-signal={args.ma_signal} sets SpIEL-MA's growth signal, but no SpIEL-MA variant is chosen ({chosen})")
     if args.variant:
         record = run_one(args)
         path = Path(args.out) if args.out else results_path(record["gpu"])
@@ -421,7 +424,7 @@ def main():
             f.write(json.dumps(record) + "\n")
         print(json.dumps(record if args.full_record else {k: v for k, v in record.items() if k != "step_s_all"}))
         return
-    variants = [v.strip() for v in (args.variants or ",".join(VARIANTS)).split(",") if v.strip()]
+    variants = chosen
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")
