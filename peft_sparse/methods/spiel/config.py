@@ -50,6 +50,19 @@ class SpIELConfig(SparseConfig):
     )
     candidate_ratio: float = field(default=1.0, metadata={"help": "K_i = ceil(candidate_ratio·d_φ(i)) growth candidates per tensor (AG), ≥ 1."})
     schedule: str = field(default="linear", metadata={"help": "'linear' (Eq. 7.6) or 'cosine' (Eq. E.1) decay of k(t)."})
+    replacement_rounding: str = field(
+        default="per_tensor",
+        metadata={
+            "help": (
+                "How k(t) becomes whole units (weights, or blocks) per tensor. 'per_tensor' (default; Eq. 7.6 as written): "
+                "⌊ξ(t)·d_φ(i)⌋ for each tensor. With blocks a tensor holds few units (SmolLM2-135M at LoRA r=16's budget in "
+                "64×64 blocks: about 10 per MLP tensor, 1 per k/v), so this floor replaces under half of ξ(t)·d_φ and stops "
+                "reselecting after about 55% of the run. 'apportioned': the step's total ⌊ξ(t)·Σ d_φ(i)⌋ split over the "
+                "tensors by largest remainder, ties taking turns between reselections. Measured in BENCHMARKS.md (Quality). "
+                "Not with budget_split='adaptive', which pools the count itself."
+            )
+        },
+    )
     init: str = field(default="random", metadata={"help": "'random' (the paper's initial η) or 'external' (indices from a saved adapter)."})
     first_full_replacement: Union[bool, str] = field(
         default="auto",
@@ -208,6 +221,15 @@ class SpIELConfig(SparseConfig):
             )
         if self.growth == "ag" and self.seed_moments not in ("both", "second", "none"):
             raise ValueError(f"seed_moments must be 'both', 'second' or 'none', got seed_moments={self.seed_moments!r}")
+        if self.replacement_rounding not in ("per_tensor", "apportioned"):
+            raise ValueError(
+                f"replacement_rounding must be 'per_tensor' or 'apportioned', got replacement_rounding={self.replacement_rounding!r}"
+            )
+        if self.replacement_rounding == "apportioned" and self.budget_split == "adaptive":
+            raise ValueError(
+                "replacement_rounding='apportioned' splits k(t) over tensors by their d_φ; budget_split='adaptive' ranks all "
+                "tensors' weights together and pools the count itself: use replacement_rounding='per_tensor' with it"
+            )
         if self.drop_criterion not in ("magnitude", "change"):
             raise ValueError(f"drop_criterion must be 'magnitude' or 'change', got drop_criterion={self.drop_criterion!r}")
         if self.budget_split == "adaptive" and (self.growth != "ag" or tuple(self.block_shape) != (1, 1)):

@@ -19,7 +19,7 @@ from ...core.tuner import SparseTuner
 from ...optim.sm3 import SM3
 from ...optim.surgery import check_supported
 from ...optim.zero import ZeroStateBridge, find_zero_optimizer
-from ...schedules.reselection import in_estimation_window, is_reselection_step, replacement_count
+from ...schedules.reselection import apportioned_replacement_counts, in_estimation_window, is_reselection_step, replacement_count
 from .adaptive import reselect_adaptive, uniform_quotas
 from .batched import AllReselections, TensorReselection, _starts, reselect_all
 from .config import SpIELConfig
@@ -341,11 +341,18 @@ class SpIELScheduler(SchedulerState):
             for s, part in zip(live, both.split([s.row_sum.numel() + s.col_sum.numel() for s in live])):
                 s.row_sum.copy_(part[: s.row_sum.numel()])
                 s.col_sum.copy_(part[s.row_sum.numel() :])
-        for layer in self.layers:
+        apportioned = c.replacement_rounding == "apportioned"
+        if apportioned:  # the step's total ⌊ξ(t)·Σ d_φ⌋ split over the tensors by largest remainder (.reselection)
+            units = [layer.sparse_values[name].numel() // SparseTuner.grid(c, layer).unit for layer in self.layers]
+            counts = apportioned_replacement_counts(
+                t, self.total_steps, units, c.initial_reselection_rate, c.schedule, self.gamma, self.first_full,
+                turn=(t - self.gamma) // self.S,
+            )
+        for at, layer in enumerate(self.layers):
             values, indices = layer.sparse_values[name], layer.sparse_indices[name]
             d = values.numel()
             grid = SparseTuner.grid(c, layer)
-            k = replacement_count(  # in units: weights, or blocks
+            k = counts[at] if apportioned else replacement_count(  # in units: weights, or blocks
                 t, self.total_steps, d // grid.unit, c.initial_reselection_rate, c.schedule, self.gamma, self.first_full,
             )
             if k == 0 or d == 0:
