@@ -84,9 +84,9 @@ def apportioned_replacement_counts(
     t: int, total_steps: int, d_phis, initial_reselection_rate: float, schedule: str, gradient_estimation_steps: int,
     first_full_replacement: bool = True, turn: int = 0,
 ) -> list[int]:
-    """k(i, t) for every tensor of a block adapter at reselection step t, in blocks: the step's total
-    ⌊ξ(t) · Σ d_φ⌋ split by largest remainder (see the module's help). ``turn`` (the reselection's ordinal)
-    rotates the order in which tensors with equal remainders get a leftover block, so none is always last.
+    """k(i, t) for every tensor of an adapter at reselection step t, in its units (weights, or blocks): the
+    step's total ⌊ξ(t) · Σ d_φ⌋ split by largest remainder (see the module's help). ``turn`` (the reselection's
+    ordinal) rotates the order in which tensors with equal remainders get a leftover unit, so none is always last.
     Each count is at most its d_φ(i); the first reselection replaces everything unless
     ``first_full_replacement`` is off."""
     d_phis = [int(d) for d in d_phis]
