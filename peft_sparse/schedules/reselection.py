@@ -61,22 +61,16 @@ def _replacement_count(
 ) -> int:
     if first_full and t == first_reselection_step(gradient_estimation_steps):
         return d_phi
-    if schedule == "linear":
-        # exact rational arithmetic on ξ as written, so e.g. ξ=0.3 gives ⌊0.3·…⌋ and not ⌊0.2999…·…⌋
-        k = math.floor(Fraction(repr(initial_reselection_rate)) * (total_steps - t) * d_phi / total_steps)
-    elif schedule == "cosine":
-        k = math.floor(initial_reselection_rate / 2 * (1 + math.cos(math.pi * t / total_steps)) * d_phi)
-    else:
-        raise ValueError(f"schedule={schedule!r} is not one of 'linear', 'cosine'")
-    return max(0, min(d_phi, k))
+    return max(0, min(d_phi, math.floor(_quota(t, total_steps, d_phi, initial_reselection_rate, schedule))))
 
 
-def _rate(t: int, total_steps: int, initial_reselection_rate: float, schedule: str):
-    """ξ(t): the fraction of d_φ replaced at a later reselection (exact for the linear schedule)."""
+def _quota(t: int, total_steps: int, d_phi: int, initial_reselection_rate: float, schedule: str) -> Fraction:
+    """ξ(t)·d_φ before rounding, at a later reselection: exact rational arithmetic on ξ as written for the linear
+    schedule (so ξ=0.3 gives ⌊0.3·…⌋ and not ⌊0.2999…·…⌋), the float product for the cosine one."""
     if schedule == "linear":
-        return Fraction(repr(initial_reselection_rate)) * (total_steps - t) / total_steps
+        return Fraction(repr(initial_reselection_rate)) * (total_steps - t) * d_phi / total_steps
     if schedule == "cosine":
-        return Fraction(initial_reselection_rate / 2 * (1 + math.cos(math.pi * t / total_steps)))
+        return Fraction(initial_reselection_rate / 2 * (1 + math.cos(math.pi * t / total_steps)) * d_phi)
     raise ValueError(f"schedule={schedule!r} is not one of 'linear', 'cosine'")
 
 
@@ -85,21 +79,21 @@ def apportioned_replacement_counts(
     first_full_replacement: bool = True, turn: int = 0,
 ) -> list[int]:
     """k(i, t) for every tensor of an adapter at reselection step t, in its units (weights, or blocks): the
-    step's total ⌊ξ(t) · Σ d_φ⌋ split by largest remainder (see the module's help). ``turn`` (the reselection's
-    ordinal) rotates the order in which tensors with equal remainders get a leftover unit, so none is always last.
-    Each count is at most its d_φ(i); the first reselection replaces everything unless
-    ``first_full_replacement`` is off."""
+    step's total ⌊ξ(t) · Σ d_φ⌋ split by largest remainder (see the module's help). Each tensor gets at least
+    its per-tensor :func:`replacement_count` and at most one unit more, and at most its d_φ(i). ``turn`` (the
+    reselection's ordinal) rotates the order in which tensors with equal remainders get a leftover unit, so none
+    is always last. The first reselection replaces everything unless ``first_full_replacement`` is off."""
     d_phis = [int(d) for d in d_phis]
     if any(d < 0 for d in d_phis):
         raise ValueError(f"d_phis must be non-negative counts, got {d_phis!r}")
-    if first_full_replacement and int(t) == first_reselection_step(int(gradient_estimation_steps)):
+    t, total_steps, rate = int(t), int(total_steps), float(initial_reselection_rate)
+    if first_full_replacement and t == first_reselection_step(int(gradient_estimation_steps)):
         return list(d_phis)
-    rate = min(Fraction(1), max(Fraction(0), _rate(int(t), int(total_steps), float(initial_reselection_rate), schedule)))
-    quotas = [rate * d for d in d_phis]
+    quotas = [min(Fraction(d), max(Fraction(0), _quota(t, total_steps, d, rate, schedule))) for d in d_phis]
     counts = [math.floor(q) for q in quotas]
-    leftover = math.floor(rate * sum(d_phis)) - sum(counts)
+    total = min(sum(d_phis), math.floor(_quota(t, total_steps, sum(d_phis), rate, schedule)))
     n = len(d_phis)
-    order = sorted(range(n), key=lambda i: (-(quotas[i] - counts[i]), (i - int(turn)) % n))
-    for i in order[:leftover]:  # (a positive remainder means counts[i] < d_φ(i))
+    order = sorted((i for i in range(n) if quotas[i] > counts[i]), key=lambda i: (counts[i] - quotas[i], (i - int(turn)) % n))
+    for i in order[: max(0, total - sum(counts))]:  # (a positive remainder means counts[i] < d_φ(i))
         counts[i] += 1
     return counts

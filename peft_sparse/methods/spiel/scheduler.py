@@ -341,20 +341,17 @@ class SpIELScheduler(SchedulerState):
             for s, part in zip(live, both.split([s.row_sum.numel() + s.col_sum.numel() for s in live])):
                 s.row_sum.copy_(part[: s.row_sum.numel()])
                 s.col_sum.copy_(part[s.row_sum.numel() :])
-        apportioned = c.replacement_rounding == "apportioned"
-        if apportioned:  # the step's total ⌊ξ(t)·Σ d_φ⌋ split over the tensors by largest remainder (.reselection)
-            units = [layer.sparse_values[name].numel() // SparseTuner.grid(c, layer).unit for layer in self.layers]
-            counts = apportioned_replacement_counts(
-                t, self.total_steps, units, c.initial_reselection_rate, c.schedule, self.gamma, self.first_full,
-                turn=(t - self.gamma) // self.S,
-            )
-        for at, layer in enumerate(self.layers):
+        grids = [SparseTuner.grid(c, layer) for layer in self.layers]
+        units = [layer.sparse_values[name].numel() // grid.unit for layer, grid in zip(self.layers, grids)]
+        if c.replacement_rounding == "apportioned":  # the step's ⌊ξ(t)·Σ d_φ⌋ split by largest remainder (.reselection)
+            counts = apportioned_replacement_counts(t, self.total_steps, units, c.initial_reselection_rate, c.schedule, self.gamma,
+                                                    self.first_full, turn=(t - self.gamma) // self.S)  # fmt: skip
+        else:  # Eq. 7.6 per tensor, in units: weights, or blocks
+            counts = [replacement_count(t, self.total_steps, u, c.initial_reselection_rate, c.schedule, self.gamma, self.first_full)
+                      for u in units]  # fmt: skip
+        for layer, grid, k in zip(self.layers, grids, counts):
             values, indices = layer.sparse_values[name], layer.sparse_indices[name]
             d = values.numel()
-            grid = SparseTuner.grid(c, layer)
-            k = counts[at] if apportioned else replacement_count(  # in units: weights, or blocks
-                t, self.total_steps, d // grid.unit, c.initial_reselection_rate, c.schedule, self.gamma, self.first_full,
-            )
             if k == 0 or d == 0:
                 continue
             item = TensorReselection(values, indices, k, grid, self._active_units(layer, grid))
