@@ -66,6 +66,21 @@ def target_matches(config: SparseConfig, key: str):
     return result
 
 
+def resolve_default_targets(config: SparseConfig, model_type: Optional[str]) -> SparseConfig:
+    """``target_modules=None``: PEFT's default target modules for the architecture, the same as LoRA's
+    (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``); a clear error where PEFT has none."""
+    if config.target_modules is None:
+        defaults = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
+        if defaults is None:
+            raise ValueError(
+                f"{type(config).__name__}: target_modules=None, and PEFT has no default target modules for "
+                f"model_type={model_type!r}. Pass target_modules='all-linear' (recommended: every linear layer "
+                "but the output head) or the names of the modules to adapt, e.g. target_modules=['q_proj', 'v_proj']"
+            )
+        config.target_modules = defaults if isinstance(defaults, str) else set(defaults)
+    return config
+
+
 class SparseTuner(BaseTuner):
     tuner_layer_cls = SparseLayer
     target_module_mapping = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
@@ -110,10 +125,16 @@ class SparseTuner(BaseTuner):
                 matched[key] = module
         return matched
 
+    def _prepare_adapter_config(self, peft_config, model_config: dict):
+        return resolve_default_targets(peft_config, model_config.get("model_type"))
+
     def _check_tied_modules(self, model: nn.Module, peft_config) -> None:
         """A targeted input embedding that shares its weight with an output layer (tied word embeddings) is untied
         first (``untie_output_embeddings``): the output layer keeps θ₀ in a frozen copy of its own, so the delta
-        reaches the input lookup alone, merged or not. Then PEFT's own check runs on the untied model."""
+        reaches the input lookup alone, merged or not. Then PEFT's own check runs on the untied model.
+
+        PEFT calls this before it fills in default target modules, so ``target_modules=None`` is resolved first."""
+        resolve_default_targets(peft_config, self.get_model_config(model).get("model_type"))
         for key, module in model.named_modules():
             result = target_matches(peft_config, key) if key else None
             if not isinstance(module, nn.Embedding) or not result or isinstance(result, ExcludedModule):

@@ -32,7 +32,7 @@ from ..core.config import SparseConfig
 from ..core.base import logical_shape, supported_base_layer
 from ..core.layer import SparseLayer
 from ..core.selection import global_top_k, top_indices
-from ..core.tuner import SparseTuner, target_matches
+from ..core.tuner import SparseTuner, resolve_default_targets, target_matches
 from ..data import check_single_language
 from ..optim.surgery import hold_slots, release_slots, unwrap_optimizer
 from ..registry import ExcludedModule, include_all_linear_layers
@@ -123,6 +123,7 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- detection
 def _targets(model, config: S4Config) -> dict:
+    resolve_default_targets(config, SparseTuner.get_model_config(model).get("model_type"))
     include_all_linear_layers(config, model)
     found = {}
     for key, module in model.named_modules():
