@@ -232,7 +232,8 @@ def host_description() -> dict:
 # whether the code left its steady path (a layer's full forward, a generic backward, a Triton launch through
 # Triton's own path or a new launch plan) or the host was slow. (module, owner attribute path, label)
 SLOW_CALLS = (
-    ("peft_sparse.core.layer", "sparse_delta_linear", "layer forward, full path"),
+    ("peft_sparse.core.passes", "sparse_delta_linear", "layer forward, full path"),  # (the reference pass)
+    ("peft_sparse.accel.training_merge", "sparse_delta_linear", "layer forward, full path"),  # (a merged pass, not steady)
     ("peft_sparse.core.layer", "SparseLayer._check_ready", "adapter checks"),
     ("peft_sparse.core.functional", "SparseDeltaLinear.backward", "generic backward"),
     ("peft_sparse.accel.triton_kernels", "block_sddmm_into", "block launch planned anew"),

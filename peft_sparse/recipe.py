@@ -15,7 +15,6 @@ after, adapter saved to ``<output_dir>/adapter``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -26,6 +25,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
+
+from .recipe_report import _engine, _score_saved, _scores, _zero3_set_aside, print_comparison  # noqa: F401 (print_comparison re-exported)
 
 SECTIONS = {"model", "method", "data", "training", "evaluation", "slow_fast"}
 MODEL_KEYS = {"source", "gguf_file", "dtype", "quantization"}
@@ -92,65 +93,6 @@ def _type_error(value, kind) -> bool:
     if kind is float:
         return isinstance(value, bool) or not isinstance(value, (int, float))
     return False
-
-
-def _scores(result: dict | None) -> dict | None:
-    """The summary's record of one exact-match pass: accuracy, per skill, and every reply."""
-    if result is None:
-        return None
-    return {"accuracy": result["accuracy"], "per_skill": result["per_skill"], "replies": [r["reply"] for r in result["items"]]}
-
-
-@contextlib.contextmanager
-def _zero3_set_aside(training_args):
-    """While the first process alone loads and generates: transformers' ZeRO-3 switch off. Under it from_pretrained
-    partitions the new model across the ranks and generate waits for them (synced_gpus): both need every rank,
-    and the others are already waiting at the end of the run."""
-    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled, set_hf_deepspeed_config, unset_hf_deepspeed_config
-
-    config = getattr(training_args, "hf_deepspeed_config", None)
-    if config is None or not is_deepspeed_zero3_enabled():
-        yield
-        return
-    unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        set_hf_deepspeed_config(config)
-
-
-def _score_saved(model_kwargs: dict, saved_dir, is_adapter: bool, tokenizer, eval_rows, eval_kwargs, device):
-    """Exact match of the base model and of the model saved in ``saved_dir`` (an adapter, or a whole model for full
-    fine-tuning), both loaded again unsharded on ``device``: how the first process scores a run that trained sharded
-    (FSDP, ZeRO-3), whose model generates only with every rank taking part. Memory: one unsharded copy of the
-    model, as when it was loaded for training; ``evaluation.sharded: skip`` leaves it out."""
-    from .assets import load_model_and_tokenizer
-    from .evaluation import exact_match
-
-    def placed(model):
-        return model if getattr(model, "hf_quantizer", None) is not None else model.to(device)  # (4-bit: placed by its loader)
-
-    base = placed(load_model_and_tokenizer(**model_kwargs)[0])
-    before = exact_match(base, tokenizer, eval_rows, **eval_kwargs)
-    if is_adapter:
-        from peft import PeftModel
-
-        trained = PeftModel.from_pretrained(base, str(saved_dir))
-    else:
-        del base  # (the whole fine-tuned model was saved: loaded from its folder with the same dtype)
-        kwargs = {k: v for k, v in model_kwargs.items() if k not in ("source", "gguf_file")}
-        trained = placed(load_model_and_tokenizer(str(saved_dir), **kwargs)[0])
-    return before, exact_match(trained, tokenizer, eval_rows, **eval_kwargs)
-
-
-def _engine(trainer) -> str:
-    """How the Trainer ran the model: "deepspeed-zero<stage>", "fsdp", "ddp" or "single"."""
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        stage = (trainer.accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization") or {}).get("stage", 0)
-        return f"deepspeed-zero{stage}"
-    if getattr(trainer, "is_fsdp_enabled", False):
-        return "fsdp"
-    return "ddp" if trainer.args.world_size > 1 else "single"
 
 
 def build_training_args(training: dict):
@@ -390,28 +332,6 @@ def _slow_fast_callbacks(recipe: Recipe) -> list:
     from .schedules.slow_fast import SlowFastConfig
 
     return [SlowFastCallback(SlowFastConfig.from_value(recipe.slow_fast))]
-
-
-def _first_line(text: str) -> str:
-    return text.strip().split("\n")[0][:40]
-
-
-def print_comparison(before: Optional[dict], after: dict, show: int = 6) -> None:
-    """Per-skill exact match before and after training, and a few held-out replies."""
-    print("\n=== held-out exact match ===")
-    print(f"{'skill':<14}{'before':>8}{'after':>8}")
-    for skill, acc in after["per_skill"].items():
-        old = f"{before['per_skill'][skill]:.0%}" if before else "-"
-        print(f"{skill:<14}{old:>8}{acc:>8.0%}")
-    old = f"{before['accuracy']:.0%}" if before else "-"
-    print(f"{'overall':<14}{old:>8}{after['accuracy']:>8.0%}   ({after['correct']}/{after['total']} items)")
-    items = after["items"]
-    picks = range(0, len(items), max(1, len(items) // max(1, show)))
-    if show:
-        print("\nexamples: prompt / before → after (expected)")
-    for i in list(picks)[:show]:
-        was = _first_line(before["items"][i]["reply"]) if before else ""
-        print(f"  {items[i]['prompt']}\n    {was!r} → {_first_line(items[i]['reply'])!r}  ({items[i]['answer']!r})")
 
 
 def run_recipe(recipe: Recipe) -> dict:

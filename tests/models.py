@@ -68,10 +68,11 @@ def sparse_layers(model):
 
 def record_full_passes(monkeypatch) -> list:
     """The layers whose forward took the full path (not a steady pass), in call order: the list fills
-    as passes run (a full pass with an active adapter asks ``_merged_for_training``; a steady one does not)."""
+    as passes run (a full pass with an active adapter checks its adapters' tensors, ``check_ready``; a pass
+    repeated from a memo does not)."""
     passes = []
-    original = SparseLayer._merged_for_training
-    monkeypatch.setattr(SparseLayer, "_merged_for_training", lambda self, *a: passes.append(self) or original(self, *a))
+    original = SparseLayer.check_ready
+    monkeypatch.setattr(SparseLayer, "check_ready", lambda self, *a: passes.append(self) or original(self, *a))
     return passes
 
 

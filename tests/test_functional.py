@@ -7,7 +7,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from peft_sparse import SparseFTConfig
-from peft_sparse.core import kernels
+from peft_sparse.core import devices, kernels
 from peft_sparse.core.functional import sparse_delta_linear
 from peft_sparse.core.layer import SparseLinear
 from peft_sparse.core.selection import BlockGrid, random_indices
@@ -133,7 +133,7 @@ def test_conv1d_uses_logical_out_in_indices():
 
 
 def test_sddmm_reference_chunks(monkeypatch):
-    monkeypatch.setattr(kernels, "_REFERENCE_CHUNK_BYTES", 64)
+    monkeypatch.setattr(devices, "REFERENCE_CHUNK_BYTES", 64)
     g = torch.Generator().manual_seed(0)
     go, x = torch.randn(9, 5, generator=g), torch.randn(9, 4, generator=g)
     idx = torch.arange(20)
@@ -163,12 +163,12 @@ def _inputs_kept_case(rebuild, monkeypatch, dtype, device: str = "cpu", block_sh
     from peft import get_peft_model
 
     from peft_sparse import SpIELConfig
-    from peft_sparse.core import functional
+    from peft_sparse.core import dispatch
 
     from .models import inputs, randomize_values, sparse_layers, tiny_llama
 
     if rebuild is False:
-        monkeypatch.setattr(functional, "input_rebuild", lambda x, mode="all": None)
+        monkeypatch.setattr(dispatch.STEPS, "input_rebuild", lambda x, mode="all": None)
     targets = ["q_proj", "k_proj", "gate_proj", "up_proj", "down_proj"]
     config = SpIELConfig(target_modules=targets, density=0.3, block_shape=block_shape)
     model = get_peft_model(tiny_llama(dtype=dtype), config).to(device)
@@ -436,7 +436,8 @@ def test_given_weight_linear_equals_sparse_delta_linear(adapters):
     """GivenWeightLinear (the forward multiplies by a merged weight the caller built) gives the outputs and
     the input, bias and value gradients of SparseDeltaLinear bit for bit: a bias, a bfloat16 weight under
     a float32 input, one or two adapters."""
-    from peft_sparse.core.functional import GivenWeightLinear, SparseDeltaLinear, compose_weight
+    from peft_sparse.accel.steady import GivenWeightLinear
+    from peft_sparse.core.functional import SparseDeltaLinear, compose_weight
 
     torch.manual_seed(0)
     w = torch.randn(8, 12, dtype=torch.bfloat16)

@@ -7,7 +7,8 @@ import torch
 from peft import get_peft_model
 
 from peft_sparse import SM3, SpIELConfig, SpIELScheduler
-from peft_sparse.core import kernels
+from peft_sparse.accel import nf4
+from peft_sparse.core import dispatch, kernels
 
 from .models import sparse_layers, tiny_llama, train_on
 
@@ -172,7 +173,7 @@ def test_layer_inputs_rebuilt_on_cuda_are_bit_identical(monkeypatch):
     """The rebuilt inputs (the RMSNorm outputs by the fused Triton pass) give the value gradients of kept inputs."""
     from .test_functional import _inputs_kept_case
 
-    kernels._load_gpu_kernels()
+    kernels.load_gpu_kernels()
     fused, calls = kernels.SCALED_PRODUCT_KERNELS.get("cuda"), []
     assert fused is not None
     monkeypatch.setitem(kernels.SCALED_PRODUCT_KERNELS, "cuda", lambda *a: calls.append(1) or fused(*a))
@@ -294,8 +295,6 @@ def test_fused_nf4_weight_on_cuda_is_bitsandbytes_dequantization_plus_delta(tmp_
     import bitsandbytes.functional as bnb_f
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from peft_sparse.core.layer import SparseLayer
-
     from .models import randomize_values
 
     tiny_llama(hidden_size=64, intermediate_size=256).save_pretrained(tmp_path)
@@ -309,26 +308,26 @@ def test_fused_nf4_weight_on_cuda_is_bitsandbytes_dequantization_plus_delta(tmp_
         weight = layer.get_base_layer().weight
         want = bnb_f.dequantize_4bit(weight.data, weight.quant_state)
         kernels.scatter_add_reference(want, layer.sparse_indices["default"], layer.sparse_values["default"].detach())
-        got = layer.fused_merged_weight([layer.sparse_indices["default"]], [layer.sparse_values["default"]], None)
+        got = nf4.fused_merged_weight(layer, [layer.sparse_indices["default"]], [layer.sparse_values["default"]], None)
         assert got is not None and torch.equal(got, want), layer.module_name
     # the kept per-program slices of the indices follow an in-place rewrite (as a reselection makes)
     layer = max(layers, key=lambda l: l.numel)  # (several programs of the fused launch)
     indices, values = layer.sparse_indices["default"], layer.sparse_values["default"]
-    kept = layer._nf4_starts(indices)
-    assert layer._nf4_starts(indices) is kept  # unchanged indices: kept
+    kept = nf4.nf4_starts(layer, indices)
+    assert nf4.nf4_starts(layer, indices) is kept  # unchanged indices: kept
     weight = layer.get_base_layer().weight
     with torch.no_grad():
         torch._foreach_copy_([indices], [torch.randperm(layer.numel, device="cuda")[: indices.numel()].sort().values.to(indices.dtype)])
     want = bnb_f.dequantize_4bit(weight.data, weight.quant_state)
     kernels.scatter_add_reference(want, indices, values.detach())
-    assert torch.equal(layer.fused_merged_weight([indices], [values], None), want)
-    assert torch.equal(layer._nf4_starts(indices), kernels.nf4_compose_starts(indices, layer.numel))
+    assert torch.equal(nf4.fused_merged_weight(layer, [indices], [values], None), want)
+    assert torch.equal(nf4.nf4_starts(layer, indices), kernels.nf4_compose_starts(indices, layer.numel))
     x = torch.randint(0, 97, (2, 24), device="cuda")
     model.train()
     runs = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(SparseLayer, "fused_merged_weight", lambda self, *a: None)
+            monkeypatch.setattr(dispatch.STEPS, "fused_weight", None)
         loss = model(x, labels=x).loss
         loss.backward()
         runs.append((loss.detach(), [l.sparse_values["default"].grad.clone() for l in layers]))
@@ -382,14 +381,14 @@ def test_repeated_nf4_launch_on_cuda_follows_every_change(tmp_path, monkeypatch)
 
     def check(expect_repeated, dtype=None):
         repeated.clear(), full.clear()
-        got = layer.fused_merged_weight([indices], [values], dtype)
+        got = nf4.fused_merged_weight(layer, [indices], [values], dtype)
         want = bnb_f.dequantize_4bit(weight.data, weight.quant_state)
         kernels.scatter_add_reference(want, indices, values.detach())
         assert got is not None and torch.equal(got, want)
         assert (repeated, full) == (([1], []) if expect_repeated else ([], [1])), (expect_repeated, repeated, full)
 
     for _ in range(3):  # (Triton's launch compiles, then the direct launch plans)
-        layer.fused_merged_weight([indices], [values], None)
+        nf4.fused_merged_weight(layer, [indices], [values], None)
     assert layer._nf4_rebuild is not None
     check(True)
     with torch.no_grad():  # contents only
@@ -398,13 +397,13 @@ def test_repeated_nf4_launch_on_cuda_follows_every_change(tmp_path, monkeypatch)
     values.data = values.data.clone()  # new storage
     check(False)
     check(True)
-    starts = layer._nf4_starts(indices)
+    starts = nf4.nf4_starts(layer, indices)
     assert starts is not None and starts.numel() > 2  # (several programs: their slices matter)
     for _ in range(2):
         with torch.no_grad():  # in place, as a reselection rewrites them: the launch follows, its slices anew in place
             torch._foreach_copy_([indices], [torch.randperm(layer.numel, device="cuda")[: indices.numel()].sort().values.to(indices.dtype)])
         check(True)
-        assert layer._nf4_starts(indices) is starts and torch.equal(starts, kernels.nf4_compose_starts(indices, layer.numel))
+        assert nf4.nf4_starts(layer, indices) is starts and torch.equal(starts, kernels.nf4_compose_starts(indices, layer.numel))
     indices.data = indices.data.clone()  # new storage
     check(False)
     check(True)
@@ -415,12 +414,12 @@ def test_repeated_nf4_launch_on_cuda_follows_every_change(tmp_path, monkeypatch)
     weight.data = weight.data.clone()  # new storage of the 4-bit weight
     check(False)
     check(True)
-    assert layer.fused_merged_weight([indices], [values], torch.float16) is None  # not the dtype bitsandbytes gives
+    assert nf4.fused_merged_weight(layer, [indices], [values], torch.float16) is None  # not the dtype bitsandbytes gives
     assert layer._nf4_rebuild is None  # (dropped: it did not apply)
     check(False)
     base = layer.get_base_layer()
     base.compute_dtype = torch.float16
-    assert layer.fused_merged_weight([indices], [values], None) is None  # bitsandbytes would compute in float16
+    assert nf4.fused_merged_weight(layer, [indices], [values], None) is None  # bitsandbytes would compute in float16
     base.compute_dtype = torch.bfloat16
     check(False)
     check(True)

@@ -14,11 +14,11 @@ from .models import MODELS, inputs, randomize_values, sparse_layers
 def _count_products(monkeypatch) -> list:
     """Every pass that applies a delta from its entries: the plain path's product, or the fast path's kept CSR one."""
     from peft_sparse.accel import inference
-    from peft_sparse.core import layer as layer_module
+    from peft_sparse.core import passes
 
     calls = []
-    original = layer_module.sparse_delta_product
-    monkeypatch.setattr(layer_module, "sparse_delta_product", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = passes.sparse_delta_product
+    monkeypatch.setattr(passes, "sparse_delta_product", lambda *a, **k: calls.append(1) or original(*a, **k))
     kept = inference.add_delta
     monkeypatch.setattr(inference, "add_delta", lambda *a, **k: calls.append(1) or kept(*a, **k))
     return calls

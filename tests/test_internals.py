@@ -97,8 +97,9 @@ def test_saved_tensor_reads_a_products_factors_and_refuses_hooked_ones():
 
 
 def test_no_module_but_internals_touches_a_torch_or_triton_internal():
-    """The claim of accel/internals.py, checked on the sources: version counters, the C++ autograd and
-    CUDA entry points, the engine's callback queue and Triton's caches are read there and nowhere else."""
+    """The claim of accel/internals.py (and core/internals.py, the core's two), checked on the sources: version
+    counters, the C++ autograd and CUDA entry points, the engine's callback queue and Triton's caches are read
+    there and nowhere else."""
     import pathlib
     import re
 

@@ -5,6 +5,7 @@ import torch
 from peft import PeftModel, get_peft_model
 
 from peft_sparse import SparseFTConfig
+from peft_sparse.accel import nf4, steady
 from peft_sparse.core.quant import standard_4bit_layout
 
 from .models import inputs, randomize_values, record_full_passes, sparse_layers, tiny_llama, train_on
@@ -121,10 +122,10 @@ def test_nf4_index_slices_are_not_kept_for_inference_tensors(quantized_dir):
     model = get_peft_model(_quantized(quantized_dir), SparseFTConfig(target_modules=["q_proj"], density=0.1))
     layer = sparse_layers(model)[0]
     indices = layer.sparse_indices["default"]
-    assert layer._nf4_starts(indices) is None  # CPU: no fused launch
+    assert nf4.nf4_starts(layer, indices) is None  # CPU: no fused launch
     with torch.inference_mode():
         frozen = indices.clone()
-    assert frozen.is_inference() and layer._nf4_starts(frozen) is None
+    assert frozen.is_inference() and nf4.nf4_starts(layer, frozen) is None
 
 
 def test_steady_passes_of_quantized_layers_see_every_change(quantized_dir, monkeypatch):
@@ -250,7 +251,7 @@ def test_kept_nf4_launch_is_not_copied_and_is_dropped_once_it_no_longer_applies(
     indices, values = layer.sparse_indices["default"], layer.sparse_values["default"]
     for adapters in (1, 2):  # (with two adapters, no kept single-adapter launch applies)
         layer._nf4_rebuild = Stale()
-        layer.fused_merged_weight([indices] * adapters, [values] * adapters, None)  # (None on CPU: no fused path)
+        nf4.fused_merged_weight(layer, [indices] * adapters, [values] * adapters, None)  # (None on CPU: no fused path)
         assert layer._nf4_rebuild is None
 
 
@@ -298,8 +299,8 @@ def test_steady_training_passes_take_the_kept_launch_and_train_as_full_passes(qu
 
         stand_ins = [Kept(layer) for layer in layers]
         given = []
-        original = functional.GivenWeightLinear.forward
-        monkeypatch.setattr(functional.GivenWeightLinear, "forward", staticmethod(lambda *a: given.append(1) or original(*a)))
+        original = steady.GivenWeightLinear.forward
+        monkeypatch.setattr(steady.GivenWeightLinear, "forward", staticmethod(lambda *a: given.append(1) or original(*a)))
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         model.train()
         embeddings = model.get_input_embeddings()

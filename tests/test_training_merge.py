@@ -795,9 +795,9 @@ def test_the_lean_forward_keeps_or_rebuilds_each_input_as_the_generic_pass_does(
     """Layer by layer, the lean forward (MergedDeltaLinear, its own save) keeps X, registers a rebuild or
     keeps nothing (values not trained) exactly where the generic forward does, in each rebuild mode, with
     the same loss and gradients bit for bit."""
-    from peft_sparse.core import functional
     from peft_sparse.accel import steady as steady_module
 
+    merged_apply, sparse_delta_apply = steady_module.merged_apply, steady_module.sparse_delta_apply
     model, _, x = _steady_after_steps(2, _spiel(torch.bfloat16))
     layers = sparse_layers(model)
     for layer in layers:
@@ -826,9 +826,9 @@ def test_the_lean_forward_keeps_or_rebuilds_each_input_as_the_generic_pass_does(
             layer.sparse_values["default"].grad = None
         return loss.detach(), embeds.grad, grads, saved
 
-    lean = pass_results(functional.merged_apply)
+    lean = pass_results(merged_apply)
     assert len(taken) == len(layers)
-    generic = pass_results(functional.sparse_delta_apply)
+    generic = pass_results(sparse_delta_apply)
     assert lean[3] == generic[3] and len(lean[3]) == len(layers)
     assert (False, False) in lean[3] and any(kept for kept, _ in lean[3]) == (mode != "all")
     assert any(rebuilt for _, rebuilt in lean[3]) == (mode != "none")
@@ -849,6 +849,7 @@ def test_the_lean_backward_gives_the_generic_backwards_gradients(monkeypatch, bl
     the generic backward. During an AG window (a dense-gradient consumer) and after the merge was written
     back it hands over to it. On CUDA the kernels are the compiled Triton ones (the block kernel under
     ``sddmm``, reading the product's factors in bfloat16)."""
+    from peft_sparse.accel import steady as steady_module
     from peft_sparse.core import functional
 
     model, _, x = _steady_after_steps(2, _spiel(dtype, block_shape=block_shape), device)
@@ -881,7 +882,7 @@ def test_the_lean_backward_gives_the_generic_backwards_gradients(monkeypatch, bl
         lean_x, lean_values, lean_generic = pass_results(input_grad)
         assert lean_generic == 0
         with monkeypatch.context() as m:
-            m.setattr(functional.MergedDeltaLinear, "backward", staticmethod(counted))
+            m.setattr(steady_module.MergedDeltaLinear, "backward", staticmethod(counted))
             generic_x, generic_values, generic_generic = pass_results(input_grad)
         assert generic_generic == len(layers)
         assert (lean_x is None) == (generic_x is None) == (not input_grad)
@@ -904,13 +905,13 @@ def test_steady_merged_passes_take_the_lean_forward_with_the_generic_results(mon
     """A steady pass of a layer merged in place, input and bias in the weight's dtype and autocast off,
     multiplies by the stored weight through MergedDeltaLinear; its loss, input gradient and value
     gradients are the generic pass's, bit for bit. Under autocast it takes the generic pass."""
-    from peft_sparse.core import functional
     from peft_sparse.accel import steady as steady_module
 
+    merged_apply, sparse_delta_apply = steady_module.merged_apply, steady_module.sparse_delta_apply
     model, _, x = _steady_after_steps(2)
     layers = sparse_layers(model)
     lean = []
-    monkeypatch.setattr(steady_module, "merged_apply", lambda *a: lean.append(1) or functional.merged_apply(*a))
+    monkeypatch.setattr(steady_module, "merged_apply", lambda *a: lean.append(1) or merged_apply(*a))
 
     def pass_results():
         lean.clear()
@@ -924,7 +925,7 @@ def test_steady_merged_passes_take_the_lean_forward_with_the_generic_results(mon
 
     loss, x_grad, grads, taken = pass_results()
     assert taken == len(layers) and all(layer._steady is not None for layer in layers)
-    monkeypatch.setattr(steady_module, "merged_apply", lambda *a: lean.append(1) or functional.sparse_delta_apply(*a))
+    monkeypatch.setattr(steady_module, "merged_apply", lambda *a: lean.append(1) or sparse_delta_apply(*a))
     loss_b, x_grad_b, grads_b, _ = pass_results()  # (the same decisions, through the generic forward)
     assert torch.equal(loss, loss_b) and torch.equal(x_grad, x_grad_b)
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_b))
@@ -933,7 +934,7 @@ def test_steady_merged_passes_take_the_lean_forward_with_the_generic_results(mon
     randomize_values(model, scale=0.1)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model.train()
-    monkeypatch.setattr(steady_module, "merged_apply", lambda *a: lean.append(1) or functional.merged_apply(*a))
+    monkeypatch.setattr(steady_module, "merged_apply", lambda *a: lean.append(1) or merged_apply(*a))
     for _ in range(2):
         model(x, labels=x).loss.backward()
         opt.step()

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from peft_sparse.core import kernels
+from peft_sparse.core import devices, kernels
 from peft_sparse.core.selection import random_indices
 
 pytest.importorskip("triton", reason="Triton is not installed; the torch reference paths are used instead")
@@ -109,7 +109,7 @@ def test_gather_as_dispatch(monkeypatch):
     2-D source, a float64 target) with the same values; other index types get index_select's error."""
     calls = []
     monkeypatch.setitem(kernels.GATHER_KERNELS, "cpu", lambda flat, idx, dtype: calls.append(1) or flat.index_select(0, idx).to(dtype))
-    monkeypatch.setattr(kernels, "_GPU_KERNELS_TRIED", True)
+    monkeypatch.setattr(devices, "_GPU_KERNELS_TRIED", True)
     idx = torch.tensor([9, 0, 3], dtype=torch.int32)
     for flat, index, dtype, kernel in [
         (torch.arange(10, dtype=torch.bfloat16), idx, torch.float32, True),
@@ -297,7 +297,7 @@ def test_scaled_product_matches_rmsnorm_arithmetic(tk, monkeypatch, dtype, shape
     _assert_16bit_equal(got, want, exact=dev == "cuda")
 
     calls = []
-    kernels._load_gpu_kernels()  # registered first: the patch below must not be the first registration
+    devices.load_gpu_kernels()  # registered first: the patch below must not be the first registration
 
     def kernel(*args):
         calls.append(args)

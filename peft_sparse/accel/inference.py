@@ -1,6 +1,6 @@
-"""Passes without gradients (generation, evaluation) on the fast paths: Y = base(X) + X·δᵀ with δ kept per layer
-as one CSR matrix with 32-bit indices (kept with the full path's, one copy), and the decisions of :meth:`SparseLayer.forward` checked again here without
-its lookups. At decode (one token) the product is a sparse matrix-vector product: host time per layer call is
+"""Passes without gradients (generation, evaluation) on the fast paths (a memo of the ``"linear"`` and ``"quantized"``
+passes): Y = base(X) + X·δᵀ with δ kept per layer as one CSR matrix with 32-bit indices (kept with the full path's,
+one copy: the ``delta_matrices`` step), and the decisions of the reference pass checked again here without its lookups. At decode (one token) the product is a sparse matrix-vector product: host time per layer call is
 what bounds batch-1 generation, so the checks are attribute reads only. The plain path builds the same product
 from the entries on every call (:func:`peft_sparse.core.functional.sparse_delta_product`)."""
 
@@ -10,10 +10,9 @@ from typing import Optional
 
 import torch
 
-from .. import accel
-from . import internals
-from ..core import kernels
+from ..core import dispatch, kernels
 from ..core.functional import delta_matrix
+from . import internals
 
 _SPARSE_DTYPES = {"cpu": (torch.float32, torch.float64)}  # CPU sparse products have no 16-bit kernels
 
@@ -22,10 +21,12 @@ class _Memo:
     __slots__ = ("active", "name", "count", "values", "values_key", "indices", "indices_key", "dtype", "csr", "nnz")
 
 
-def inference_forward(layer, x: torch.Tensor) -> Optional[torch.Tensor]:
-    """The layer's output for a pass without gradients, or None where the full path must decide (several
-    adapters, a training merge in place, a dtype without sparse kernels, or more tokens than the cost model
-    gives the product)."""
+def inference_forward(layer, x: torch.Tensor, active: list) -> Optional[torch.Tensor]:
+    """The layer's output for a pass without gradients, or None where the full path must decide (gradients,
+    several adapters, a training merge in place, a dtype without sparse kernels, or more tokens than the cost
+    model gives the product)."""
+    if len(active) != 1 or torch.is_grad_enabled():
+        return None
     tokens = x.numel() // layer.in_features if x.dim() else 0
     memo = layer._inference_memo
     if memo is None or not _current(layer, memo):
@@ -116,7 +117,7 @@ def kept_delta_matrices(layer, active: list, indices: list, values: list) -> Opt
     their indices and values are unchanged: the one copy both the memo above and the full path's
     :func:`~peft_sparse.core.functional.sparse_delta_product` use. None when the fast paths are off: the product
     then builds them."""
-    if not accel.ON:
+    if not dispatch.ON:
         return None
     cache = layer._delta_csr
     out = []

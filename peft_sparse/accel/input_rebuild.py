@@ -1,4 +1,5 @@
-"""Layer inputs rebuilt in backward from what autograd keeps anyway, instead of kept (a fast path).
+"""Layer inputs rebuilt in backward from what autograd keeps anyway, instead of kept (the ``input_rebuild`` step
+of :mod:`peft_sparse.core.dispatch`).
 
 A gated MLP's activation silu(gate) ⊙ up (``down_proj``'s input) and a 16-bit RMSNorm output (q/k/v's,
 gate/up's) are products whose factors their own autograd nodes save for backward: the sparse layers'
@@ -16,6 +17,7 @@ from typing import Optional
 import torch
 
 from ..core import kernels
+from ..core.functional import REBUILD_MODES  # noqa: F401 (the modes: "all", "products", "none")
 from . import internals
 
 
@@ -109,9 +111,6 @@ def _saved(node, name: str):
     if found is internals.HOOKED:
         raise _Hooked(name)
     return found
-
-
-REBUILD_MODES = ("all", "products", "none")
 
 
 def input_rebuild(x: torch.Tensor, mode: str = "all") -> Optional[InputRebuild]:

@@ -1,7 +1,8 @@
-"""Every use of a torch or Triton internal, in one place, each with a fallback.
+"""Every use of a torch or Triton internal by the fast paths, in one place, each with a fallback.
 
 The fast paths lean on a few things torch and Triton do not promise: a tensor's version counter (what
-tells a kept result that its inputs changed), the tensors an autograd node saved (what the input
+tells a kept result that its inputs changed; the core reads it too, so it is defined in
+:mod:`peft_sparse.core.internals` with the current CUDA device), the tensors an autograd node saved (what the input
 rebuild reads), the C++ ``Function.apply`` behind the Python wrapper, the autograd engine's end-of-backward
 callbacks and the id of the backward pass running, the current raw CUDA stream, and a Triton kernel's compiled-launch cache. Where one of them is
 missing or behaves otherwise, the function here says so (a version that equals nothing, no saved tensor,
@@ -15,16 +16,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import accel as switch_state
-
-
-def version(tensor: torch.Tensor):
-    """``tensor._version``, or an object equal to nothing (never a match for a kept key) where the counter
-    is missing — and for inference tensors, which have none."""
-    try:
-        return tensor._version
-    except (AttributeError, RuntimeError):
-        return object()
+from ..core import dispatch as switch_state
+from ..core.internals import current_cuda_device, version  # noqa: F401 (the core's own two, with their fallbacks)
 
 
 HOOKED = object()  # what saved_tensor returns for a tensor packed by saved-tensor hooks (never unpacked)
@@ -113,11 +106,6 @@ def graph_task_id():
     """The id of the backward pass (autograd graph task) now running, -1 outside one; None where torch does not
     tell (callers then treat every backward pass as one and the same)."""
     return None if _GRAPH_TASK_ID is None else _GRAPH_TASK_ID()
-
-
-# torch.cuda.current_device() without its Python-level initialisation check (a CUDA tensor exists, so CUDA is
-# initialised); the public call where the entry point is missing
-current_cuda_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 _MODULE_GLOBALS = torch.nn.modules.module

@@ -24,11 +24,11 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..core import kernels
+from ..core import dispatch, kernels
 from ..core.base import managed_by_sharding
-from .. import accel
-from ..core.functional import _compute_dtype
+from ..core.functional import compute_dtype, sparse_delta_linear
 from . import internals
+from .steady import remember
 
 
 class _TrainingMerge:
@@ -141,7 +141,7 @@ def _refresh_after_step(optimizer, args, kwargs) -> None:
     The layers' containers are read directly (``_modules``, ``_parameters``, ``_buffers``), and the
     rewrites of this optimizer's last step are repeated without the lookups while they hold
     (:class:`_SteadyRefresh`): this runs for every layer at every step."""
-    if not _MERGED_LAYERS or not accel.ON:
+    if not _MERGED_LAYERS or not dispatch.ON:
         return
     groups = getattr(optimizer, "param_groups", None) or []
     steady = _STEADY_REFRESH.get(optimizer)
@@ -261,7 +261,7 @@ def reseat_training_merges(layers: list, change_indices: Callable[[], None]) -> 
     stay the same objects holding the same tensors, so the optimizer step hook's kept rewrites
     (:class:`_SteadyRefresh`) still apply to them. A merge that a forward pass would not keep — its
     base weight or that weight's storage replaced, its indices or values no longer the layer's, the
-    layer no longer merging in place (``merge_for_training``, :meth:`SparseLayer._can_merge_in_place`)
+    layer no longer merging in place (``merge_for_training``, :func:`can_merge_in_place`)
     or no longer registered for the step hook (e.g. a copy) — is released and set up again as a
     forward pass would. Returns the layers set up again, with their adapters."""
     kept, others = [], []
@@ -275,7 +275,7 @@ def reseat_training_merges(layers: list, change_indices: Callable[[], None]) -> 
         if (
             merge.active and values is not None and merge.stored_in_weight() and merge.weight is base.weight
             and merge.indices is modules["sparse_indices"]._buffers.get(merge.adapter) and layer in _MERGED_LAYERS
-            and layer.merge_for_training and layer._can_merge_in_place(base, values)
+            and layer.merge_for_training and can_merge_in_place(layer, base, values)
         ):  # fmt: skip
             merge.check_indices()
             kept.append((merge, values))
@@ -307,9 +307,9 @@ def merge_for_training_many(layers: list) -> None:
     for layer, adapter in layers:
         base = layer.get_base_layer()
         values = layer.sparse_values[adapter]
-        if layer._training_merge is not None or not layer.merge_for_training or not layer._can_merge_in_place(base, values):
+        if layer._training_merge is not None or not layer.merge_for_training or not can_merge_in_place(layer, base, values):
             continue
-        due.append((layer._start_training_merge(adapter, base.weight), values.detach()))
+        due.append((start_training_merge(layer, adapter, base.weight), values.detach()))
     if not due:
         return
     with torch.no_grad():
@@ -333,91 +333,85 @@ def _written_by_zero(values: torch.Tensor) -> bool:
     return hasattr(values, "_hp_mapping") or hasattr(values, "ds_id")
 
 
-class TrainingMergeLayer:
-    """The training merge's part of :class:`~peft_sparse.core.layer.SparseLayer` (a mixin: the layer's
-    attributes ``_training_merge``, ``merge_for_training``, ``_model_ref``, ``_shared_check``)."""
+def start_training_merge(layer, adapter: str, weight: torch.Tensor) -> _TrainingMerge:
+    """Read θ₀ at the adapter's indices and register the layer for the optimizer step's rewrites (the
+    caller writes θ₀[η] + φ)."""
+    merge = layer._training_merge = _TrainingMerge(adapter, layer.sparse_indices[adapter], weight)
+    _MERGE_EPOCH[0] += 1
+    _MERGED_LAYERS.add(layer)
+    _register_step_hook()
+    return merge
 
-    def release_training_merge(self) -> None:
-        """Write θ₀ back at the positions of the adapter merged for training (no-op when none is); a
-        quantized layer forgets its last training pass (see forward) and fused launch, which hold its tensors."""
-        if self._training_merge is not None:
-            release_training_merges([self])
-        elif self._steady is not None:
-            self._steady = None
-        if self._nf4_rebuild is not None:
-            self._nf4_rebuild = None
 
-    def release_weight_merge(self) -> None:
-        """Write θ₀ back at the positions of the adapter merged for training (no-op when none is): what a
-        backward pass needs before it reads θ₀. Unlike :meth:`release_training_merge`, a quantized layer
-        keeps the decisions of its last pass: a training step's backward leaves its next pass steady."""
-        if self._training_merge is not None:
-            release_training_merges([self])
+def can_merge_in_place(layer, base: nn.Module, values: torch.Tensor) -> bool:
+    """Whether ``layer`` may keep W + δ in ``base``'s weight: a float ``nn.Linear`` weight, frozen, contiguous,
+    beside the values, managed by no sharding wrapper and used by no other parameter of the model."""
+    if layer.quantization_backend is not None or layer.fan_in_fan_out or type(base) is not nn.Linear:
+        return False
+    weight = base.weight
+    return (
+        weight.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and not weight.requires_grad
+        and weight.is_contiguous()
+        and weight.device == values.device
+        and weight.device.type != "meta"
+        and not managed_by_sharding(weight)
+        and not _written_by_zero(values)
+        and not layer._weight_is_shared(weight)
+    )
 
-    def _start_training_merge(self, adapter: str, weight: torch.Tensor) -> _TrainingMerge:
-        """Read θ₀ at the adapter's indices and register the layer for the optimizer step's rewrites (the
-        caller writes θ₀[η] + φ)."""
-        merge = self._training_merge = _TrainingMerge(adapter, self.sparse_indices[adapter], weight)
-        _MERGE_EPOCH[0] += 1
-        _MERGED_LAYERS.add(self)
-        _register_step_hook()
-        return merge
 
-    def _weight_is_shared(self, weight: torch.Tensor) -> bool:
-        """Whether another parameter of the model uses the weight's storage (tied embeddings, views).
-        Scanned once per weight tensor and storage (a tie replaces the tied layer's weight object)."""
-        storage = weight.untyped_storage().data_ptr()
-        cached = self._shared_check
-        if cached is not None and cached[0]() is weight and cached[1] == storage:
-            return cached[2]
-        model = self._model_ref() if self._model_ref is not None else None
-        if model is None:
-            return True  # unknown: never write into it
-        users = 0
-        for _, p in model.named_parameters(remove_duplicate=False):
-            if p.device == weight.device and p.untyped_storage().data_ptr() == storage:
-                users += 1
-        shared = users > 1
-        self._shared_check = (weakref.ref(weight), storage, shared)
-        return shared
-
-    def _can_merge_in_place(self, base: nn.Module, values: torch.Tensor) -> bool:
-        if self.quantization_backend is not None or self.fan_in_fan_out or type(base) is not nn.Linear:
-            return False
-        weight = base.weight
-        return (
-            weight.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and not weight.requires_grad
-            and weight.is_contiguous()
-            and weight.device == values.device
-            and weight.device.type != "meta"
-            and not managed_by_sharding(weight)
-            and not _written_by_zero(values)
-            and not self._weight_is_shared(weight)
-        )
-
-    def _merged_for_training(self, active: list[str], x: torch.Tensor, base: nn.Module) -> Optional[_TrainingMerge]:
-        """Bring W + scatter(η, φ) of the single training adapter into the base weight's storage (None: not
-        applicable; θ₀ is then written back where it was merged — a quantized layer, never merged, keeps
-        its kept NF4 launch, which full training passes and eval and no-grad passes then reuse)."""
-        if getattr(self, "_is_replica", False):  # an nn.DataParallel replica: shares the weight, its state dies with the step
+def merged_for_training(layer, active: list[str], x: torch.Tensor, base: nn.Module) -> Optional[_TrainingMerge]:
+    """Bring W + scatter(η, φ) of the single training adapter into the base weight's storage (None: not
+    applicable; θ₀ is then written back where it was merged)."""
+    if getattr(layer, "_is_replica", False):  # an nn.DataParallel replica: shares the weight, its state dies with the step
+        return None
+    name = active[0]
+    indices = layer.sparse_indices[name]
+    values = layer.sparse_values[name]
+    weight = base.weight
+    merge = layer._training_merge
+    if merge is None or merge.adapter != name or merge.indices is not indices or merge.weight is not weight or not merge.stored_in_weight():
+        release_weight(layer)
+        if not can_merge_in_place(layer, base, values):
             return None
-        if not (self.merge_for_training and accel.ON and self.training and len(active) == 1 and torch.is_grad_enabled()):
-            self.release_weight_merge()
+        merge = start_training_merge(layer, name, weight)
+    if compute_dtype(x, weight.dtype) != weight.dtype:  # autocast to another dtype: the transient copy converts
+        release_weight(layer)
+        return None
+    if not merge.current(values):  # not known to be what the optimizer step hook last wrote
+        merge.write(values)
+    return merge
+
+
+def release_weight(layer) -> None:
+    """θ₀ back in ``layer``'s base weight where an adapter is merged there for training."""
+    if layer._training_merge is not None:
+        release_training_merges([layer])
+
+
+def training_merge_pass(layer, x: torch.Tensor, active: list) -> Optional[torch.Tensor]:
+    """A training pass of a layer that keeps W + δ in its base weight (``layer.merge_for_training``; one adapter,
+    a plain ``nn.Linear``): the reference's output and gradients, bit for bit, with neither pass building a
+    weight-sized copy; remembered for the next pass (:func:`~.steady.remember`). With no adapter active, the
+    base layer's pass through the sparse autograd function, which looks θ₀ up again in backward (a plain
+    ``nn.Linear`` would keep the live weight, which a later pass rewrites in place). None for any other pass."""
+    if not (layer.merge_for_training and layer.training and torch.is_grad_enabled()):
+        return None
+    base = layer.get_base_layer()
+    if not active:
+        if type(base) is not nn.Linear:
             return None
-        name = active[0]
-        indices = self.sparse_indices[name]
-        values = self.sparse_values[name]
-        weight = base.weight
-        merge = self._training_merge
-        if merge is None or merge.adapter != name or merge.indices is not indices or merge.weight is not weight or not merge.stored_in_weight():
-            self.release_weight_merge()
-            if not self._can_merge_in_place(base, values):
-                return None
-            merge = self._start_training_merge(name, weight)
-        if _compute_dtype(x, weight.dtype) != weight.dtype:  # autocast to another dtype: the transient copy converts
-            self.release_weight_merge()
-            return None
-        if not merge.current(values):  # not known to be what the optimizer step hook last wrote
-            merge.write(values)
-        return merge
+        layer.release_training_merge()
+        return sparse_delta_linear(x, layer._stored_weight, base.bias, [], [], hooks=layer)
+    if len(active) != 1:
+        return None
+    merge = merged_for_training(layer, active, x, base)
+    if merge is None:
+        return None
+    name = active[0]
+    indices, values = layer.sparse_indices[name], layer.sparse_values[name]
+    blocks = [layer.block_metadata(name)]
+    y = sparse_delta_linear(x, merge.stored_weight, base.bias, [indices], [values], hooks=layer, blocks=blocks, premerged=merge)
+    remember(layer, active, values, indices, blocks, merge)
+    return y

@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.kernels import _current_cuda_device, table, to_device_async
+from ..core.block_kernels import BlockLayout
+from ..core.devices import current_cuda_device as _current_cuda_device, table, to_device_async
 from . import internals
 
 # (kernel, device, specialization, options) → the kernel Triton compiled for them (see launch)
@@ -907,8 +908,6 @@ def _gather_blocks_kernel(
 
 def gather_blocks(dense: torch.Tensor, units: torch.Tensor, block_shape, index_dtype: torch.dtype):
     """:func:`~peft_sparse.core.kernels.gather_blocks_reference` in one launch (contiguous ``dense``)."""
-    from ..core.kernels import BlockLayout
-
     bh, bw = block_shape
     out_f, in_f = dense.shape
     n = units.numel()

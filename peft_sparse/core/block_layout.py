@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from ..accel import internals
-from . import kernels
+from .block_kernels import BlockLayout
+from .devices import version
+from .selection import BlockGrid
 
 
 class BlockLayoutLayer:
     def block_metadata(self, adapter_name: str):
-        """For a block adapter: its :class:`~peft_sparse.core.kernels.BlockLayout` (block rows and
+        """For a block adapter: its :class:`~peft_sparse.core.block_kernels.BlockLayout` (block rows and
         columns, ascending, and where each block's elements sit in the values); None when unstructured.
 
         Cached until the indices change (their version counter moves on every in-place edit)."""
@@ -22,8 +23,6 @@ class BlockLayoutLayer:
         cached = self._block_metadata.get(adapter_name)
         if cached is not None and cached[0] == self._indices_key(indices):
             return cached[1]
-        from .selection import BlockGrid
-
         blocks = BlockGrid(self.out_features, self.in_features, (bh, bw)).units(indices)
         if blocks.numel() * bh * bw != indices.numel():
             raise ValueError(f"{self.module_name}: indices of adapter {adapter_name!r} are not whole {(bh, bw)} blocks")
@@ -33,7 +32,7 @@ class BlockLayoutLayer:
     def _indices_key(indices: torch.Tensor) -> tuple:
         if indices.is_inference():  # (no version counter follows an edit: a key equal to no other, so never cached)
             return (indices.data_ptr(), object(), indices.numel())
-        return (indices.data_ptr(), internals.version(indices), indices.numel())
+        return (indices.data_ptr(), version(indices), indices.numel())
 
     def cached_block_metadata(self, adapter_name: str):
         """The block layout cached for ``adapter_name`` (None: none), current or not — e.g. to learn which
@@ -43,10 +42,10 @@ class BlockLayoutLayer:
 
     def set_block_metadata(self, adapter_name: str, blocks: torch.Tensor, metadata=None):
         """Cache the block layout of the (ascending) active block numbers ``blocks`` (``metadata``: a
-        :class:`~peft_sparse.core.kernels.BlockLayout` already computed for the current indices, e.g.
+        :class:`~peft_sparse.core.block_kernels.BlockLayout` already computed for the current indices, e.g.
         by a batched reselection)."""
         indices = self.sparse_indices[adapter_name]
         if metadata is None:
-            metadata = kernels.BlockLayout.of_blocks(blocks, self.out_features, self.in_features, self.block_shape[adapter_name])
+            metadata = BlockLayout.of_blocks(blocks, self.out_features, self.in_features, self.block_shape[adapter_name])
         self._block_metadata[adapter_name] = (self._indices_key(indices), metadata)
         return metadata

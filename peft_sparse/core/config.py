@@ -19,6 +19,10 @@ VALUES_DTYPES = {
     "float64": torch.float64,
 }
 
+# fields whose value a part of the package outside the core checks and normalises, registered by that part:
+# ``slow_fast`` → a plain mapping of SlowFastConfig's fields (peft_sparse.schedules.slow_fast)
+FIELD_CHECKS: dict[str, Callable] = {}
+
 
 def dtype_name(dtype: Union[str, torch.dtype]) -> str:
     if isinstance(dtype, torch.dtype):
@@ -270,9 +274,7 @@ class SparseConfig(PeftConfig):
         if not isinstance(self.training_merge, bool):
             raise ValueError(f"training_merge must be True or False, got training_merge={self.training_merge!r}")
         if self.slow_fast is not None:
-            from ..schedules.slow_fast import SlowFastConfig
-
-            self.slow_fast = SlowFastConfig.from_value(self.slow_fast).to_dict()  # (stored as a plain mapping: JSON)
+            self.slow_fast = FIELD_CHECKS["slow_fast"](self.slow_fast)  # (stored as a plain mapping: JSON)
         if not isinstance(self.init_weights, bool):
             raise ValueError(f"init_weights must be True or False, got init_weights={self.init_weights!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

@@ -2,9 +2,11 @@ r"""The mask-editing API: the one way any method changes an adapter's indices η
 
 A method decides *which* indices and values; this module makes the change and keeps everything that
 depends on them consistent: the values' Parameter objects (edited in place, so an optimizer keeps
-holding them), the per-index ages of dynamic methods, the training merge (θ₀ back at old positions,
-θ₀ + φ at new ones), block layouts and the GPU launches kept for them, and the optimizer's per-slot
-state (:mod:`peft_sparse.optim.surgery`: kept slots keep their moments, new slots start at zero).
+holding them), the per-index ages of dynamic methods and the block layouts — and it announces the change
+(:mod:`.dispatch`'s listeners) to whatever else keeps state per slot or per index: the fast paths (a
+training merge moves θ₀ back to the old positions and θ₀ + φ to the new ones; kept launches follow the
+layouts; memos of the last pass are dropped) and the optimizer's per-slot state
+(:mod:`peft_sparse.optim.surgery` listens: kept slots keep their moments, new slots start at zero).
 
 Three calls for users and methods::
 
@@ -34,13 +36,12 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from ..optim.surgery import reindex_optimizer_states, resize_optimizer_state
-from . import kernels
-from ..accel.training_merge import release_training_merges, reseat_training_merges
+from . import dispatch
 from .base import index_dtype
 from .layer import SparseLayer
 from .owners import resize_parameter
-from .selection import BlockGrid, check_sparse_tensors, isin_sorted
+from .selection import BlockGrid, check_sparse_tensors
+from .slots import slot_map, slot_maps  # noqa: F401 (re-exported: edit.slot_map, edit.slot_maps)
 
 
 @dataclass
@@ -139,10 +140,11 @@ def edit_slots(
             for index, fresh in zip(indices, torch.split(new_indices, sizes)):
                 index.copy_(fresh)
 
-    # θ₀ back at the old positions before they change, θ₀[η] + φ at the new ones for the next pass
-    merged_anew = reseat_training_merges(layers, change_indices)
+    # whatever depends on the indices follows them (a training merge: θ₀ back at the old positions before
+    # they change, θ₀[η] + φ at the new ones), and the optimizer's per-slot state follows the values
+    undos = dispatch.reindex(layers, change_indices)
     if optimizer is not None:
-        reindex_optimizer_states(optimizer, values, source)
+        dispatch.slots_changed(optimizer, values, source)
 
     # block adapters: the new layouts, and the plans and kept launches their old layouts used
     olds, layouts, plan_keys = [], [], []
@@ -159,14 +161,14 @@ def edit_slots(
         layouts.append(layer.set_block_metadata(adapter_name, units, meta))
         plan_keys.append(list(old.plans) if old is not None else [])
     if layouts:
-        kernels.prepare_block_plans(layouts, plan_keys)
-        kernels.carry_launches([old for _, old in olds], layouts)
+        dispatch.layouts_changed([old for _, old in olds], layouts, plan_keys)
 
     def undo():
         for layer, old in olds:
             if old is not None:
                 layer.set_block_metadata(adapter_name, old.block_numbers(), old)
-        release_training_merges([layer for layer, _ in merged_anew])
+        for undo_listener in undos:
+            undo_listener()
 
     return SlotEdit(sizes, source, old_ages, undo)
 
@@ -201,12 +203,14 @@ def resize_slots(
     for layer, source, fresh in zip(layers, sources, new_indices):
         if source.numel() != fresh.numel():
             raise ValueError(f"{layer.module_name}: {source.numel()} sources for {fresh.numel()} new indices")
-    if checked:
-        _check_resize(layers, adapter_name, sources, new_indices)
-    release_training_merges(layers)
-    for at, (layer, source, fresh) in enumerate(zip(layers, sources, new_indices)):
+    for layer in layers:
         if layer.block_shape.get(adapter_name, (1, 1)) != (1, 1):
             raise ValueError(f"{layer.module_name}: resize_slots edits unstructured adapters; adapter {adapter_name!r} selects blocks")
+    if checked:
+        _check_resize(layers, adapter_name, sources, new_indices)
+    dispatch.release(layers)  # (θ₀ back in the base weights: nothing kept over the old sizes)
+    resized, moves = [], []
+    for at, (layer, source, fresh) in enumerate(zip(layers, sources, new_indices)):
         values = layer.sparse_values[adapter_name]
         source = source.to(values.device).long()
         new = source < 0
@@ -224,13 +228,11 @@ def resize_slots(
         layer.sparse_indices[adapter_name] = fresh.to(device=values.device, dtype=index_dtype(layer.numel))
         layer._checked_indices[adapter_name] = layer.sparse_indices[adapter_name]  # (checked above, or vouched for)
         layer._ready.pop(adapter_name, None)
-        layer._delta_csr.pop(adapter_name, None)
-        layer._inference_memo = None
-        layer._steady = None
-        if optimizer is not None:
-            resize_optimizer_state(optimizer, values, source)
-    if optimizer is not None and hasattr(optimizer, "forget_layouts"):
-        optimizer.forget_layouts()  # (SM3: launch plans and memos built over the old sizes)
+        dispatch.forget(layer, adapter_name)
+        resized.append(values)
+        moves.append(source)
+    if optimizer is not None:
+        dispatch.slots_resized(optimizer, resized, moves)
 
 
 def _check_resize(layers: list, adapter_name: str, sources: list, new_indices: list) -> None:
@@ -256,97 +258,6 @@ def _check_resize(layers: list, adapter_name: str, sources: list, new_indices: l
                 f"{layer.module_name}: a source slot is outside -1..{layer.sparse_values[adapter_name].numel() - 1} "
                 f"(min {int(source.min())}, max {int(source.max())})"
             )
-
-
-def slot_map(layer: SparseLayer, adapter_name: str, drop: torch.Tensor, grow: torch.Tensor, same_count: bool = True, checked: bool = True):
-    """(source, new indices, where the grown indices went: new slot of grown index i in the caller's order) of one
-    tensor after dropping slots ``drop`` and growing indices ``grow``: for :func:`replace` (``same_count``) and for
-    :func:`resize_slots` (counts may differ). ``checked=False`` skips the checks of positions and indices (each
-    reads the device) for a caller whose selection guarantees them, and builds the result without reading the
-    device at all (the counts are the tensors' lengths)."""
-    where = layer.module_name
-    old = layer.sparse_indices[adapter_name].long()
-    n = old.numel()
-    drop = torch.as_tensor(drop, device=old.device).long().reshape(-1)
-    grow = torch.as_tensor(grow, device=old.device).long().reshape(-1)
-    if same_count and drop.numel() != grow.numel():
-        raise ValueError(f"{where}: {drop.numel()} positions dropped but {grow.numel()} indices grown; the count must stay the same")
-    if not checked:
-        keep = torch.ones(n, dtype=torch.bool, device=old.device)
-        keep[drop] = False
-        return _merged_slots(old, keep, grow, kept_count=n - drop.numel())
-    if drop.numel() and (int(drop.min()) < 0 or int(drop.max()) >= n):
-        raise ValueError(f"{where}: drop position {int(drop.min()) if int(drop.min()) < 0 else int(drop.max())} is outside 0..{n - 1}")
-    if drop.unique().numel() != drop.numel():
-        raise ValueError(f"{where}: drop positions repeat")
-    keep = torch.ones(n, dtype=torch.bool, device=old.device)
-    keep[drop] = False
-    kept = old[keep]
-    grow_sorted, order = torch.sort(grow)
-    if grow.numel() and (int(grow_sorted[0]) < 0 or int(grow_sorted[-1]) >= layer.numel):
-        bad = int(grow_sorted[0]) if int(grow_sorted[0]) < 0 else int(grow_sorted[-1])
-        raise ValueError(f"{where}: grown index {bad} is outside the tensor of {layer.numel} elements")
-    if grow.numel() > 1 and bool((grow_sorted[1:] == grow_sorted[:-1]).any()):
-        raise ValueError(f"{where}: grown indices repeat")
-    clash = isin_sorted(grow_sorted, kept)
-    if bool(clash.any()):
-        raise ValueError(f"{where}: grown index {int(grow_sorted[clash][0])} is already active (and not dropped)")
-    return _merged_slots(old, keep, grow)
-
-
-def _merged_slots(old: torch.Tensor, keep: torch.Tensor, grow: torch.Tensor, kept_count: Optional[int] = None):
-    """:func:`slot_map`'s result from the kept slots' mask and the grown indices (disjoint from the kept ones).
-    With ``kept_count`` (the mask's count, known to the caller) no step reads the device: the positions where a
-    mask holds come from a stable sort instead of ``nonzero`` (the same positions, in the same order)."""
-    if kept_count is None:
-        kept_at = torch.nonzero(keep).squeeze(1)
-    else:
-        kept_at = torch.sort((~keep).to(torch.uint8), stable=True).indices[:kept_count]
-    return _merge_by_rank(old[kept_at], kept_at, grow)
-
-
-def _merge_by_rank(kept: torch.Tensor, kept_at: torch.Tensor, grow: torch.Tensor):
-    """The union of ``kept`` (ascending indices, from slots ``kept_at``) and ``grow`` (indices disjoint from them,
-    any order) as (source of each new slot: its old slot or −1, the merged ascending indices, the new slot of each
-    grown index in ``grow``'s order). Each element's new slot is its rank in its own list plus the count of the
-    other list's elements below it: two binary searches, not a sort of the union; no read of the device."""
-    device = kept.device
-    grow_sorted, order = torch.sort(grow)
-    kept_to = torch.searchsorted(grow_sorted, kept) + torch.arange(kept.numel(), device=device)
-    grown_to = torch.searchsorted(kept, grow_sorted) + torch.arange(grow.numel(), device=device)
-    merged = torch.empty(kept.numel() + grow.numel(), dtype=kept.dtype, device=device)
-    merged[kept_to], merged[grown_to] = kept, grow_sorted
-    source = torch.empty_like(merged)
-    source[kept_to], source[grown_to] = kept_at, -1
-    position_of_grown = torch.empty_like(order)
-    position_of_grown[order] = grown_to
-    return source, merged, position_of_grown
-
-
-def slot_maps(old: torch.Tensor, dropped: torch.Tensor, grown: torch.Tensor, sizes: list, new_sizes: list,
-              offsets: list, grown_owner: torch.Tensor):  # fmt: skip
-    """:func:`slot_map` of many tensors at once, for a caller that resizes them together (:func:`resize_slots`).
-    Inputs are concatenations over the tensors: ``old`` their indices each offset by ``offsets[i]`` (the elements
-    of the tensors before it, so ``old`` stays ascending), ``dropped`` ascending slots of ``old``, ``grown`` offset
-    indices disjoint from the kept ones with ``grown_owner`` their tensor; ``sizes``/``new_sizes`` the counts
-    before and after. Returns, concatenated in tensor order, each new slot's source (an old slot of its own tensor,
-    or −1) and index, and each grown index's new slot within its tensor in ``grown``'s order: the same integers as
-    each tensor's :func:`slot_map`, from a few dozen launches whatever the number of tensors, with no read of the
-    device (the caller vouches for the inputs, as with ``checked=False``)."""
-    device = old.device
-    keep = torch.ones(old.numel(), dtype=torch.bool, device=device)
-    keep[dropped] = False
-    source, merged, new_slot = _merged_slots(old, keep, grown, kept_count=old.numel() - dropped.numel())
-    old_starts, new_starts = [0], [0]
-    for size, new_size in zip(sizes[:-1], new_sizes[:-1]):
-        old_starts.append(old_starts[-1] + size)
-        new_starts.append(new_starts[-1] + new_size)
-    tensor_of_slot = torch.repeat_interleave(
-        torch.arange(len(sizes), device=device), kernels.table(new_sizes, device), output_size=merged.numel()
-    )
-    merged = merged - kernels.table(offsets, device)[tensor_of_slot]
-    source = torch.where(source >= 0, source - kernels.table(old_starts, device)[tensor_of_slot], -1)
-    return source, merged, new_slot - kernels.table(new_starts, device)[grown_owner]
 
 
 def replace(
@@ -451,7 +362,7 @@ def set_indices(
 
 def _resize(layer: SparseLayer, adapter_name: str, indices: torch.Tensor, values: Optional[torch.Tensor], step) -> None:
     """New indices of another count: new values Parameter (and ages), every cache dropped with the old ones."""
-    release_training_merges([layer])
+    dispatch.release([layer])
     old = layer.sparse_values[adapter_name]
     device = old.device
     layer.sparse_indices[adapter_name] = indices.to(device=device, dtype=index_dtype(layer.numel))
@@ -460,6 +371,7 @@ def _resize(layer: SparseLayer, adapter_name: str, indices: torch.Tensor, values
     layer._register_values(adapter_name)
     layer._ready.pop(adapter_name, None)
     layer._block_metadata.pop(adapter_name, None)
+    dispatch.forget(layer, adapter_name)
     if adapter_name in layer.sparse_ages:
         layer.sparse_ages[adapter_name] = torch.full((indices.numel(),), 0 if step is None else step, dtype=torch.int32, device=device)
 

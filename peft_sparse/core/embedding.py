@@ -17,11 +17,12 @@ gets no gradient, as ``nn.Embedding`` gives it none.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
+from . import dispatch
 from .base import supported_embedding, unsupported_embedding_reason  # noqa: F401 (re-exported)
 from .layer import SparseLayer
 
@@ -71,47 +72,37 @@ def sparse_embedding_delta(ids: torch.Tensor, indices: torch.Tensor, values: tor
     return SparseEmbeddingDelta.apply(ids, indices, values, base.num_embeddings, base.embedding_dim, base.padding_idx, hooks)
 
 
+def embedding_pass(layer, x: torch.Tensor, active: list, args: tuple, kwargs: dict) -> torch.Tensor:
+    """The reference pass of a ``SparseEmbedding`` (module docstring): ids (…,) → E[ids] + Σ_a δ_a[ids] (…, H)."""
+    y = layer.base_layer(x, *args, **kwargs)  # E[ids]: (…, H)
+    base = layer.get_base_layer()
+    for name in active:
+        delta = sparse_embedding_delta(x, layer.sparse_indices[name], layer.sparse_values[name], base, hooks=layer)  # (…, H)
+        y = y + delta.to(y.dtype)
+    return y
+
+
 class SparseEmbedding(nn.Module, SparseLayer):
     """Sparse adapter around ``nn.Embedding``: the base lookup plus each active adapter's δ[ids].
 
     Merging, unmerging, saving and composition are the core's (the table is an (out=V, in=H) matrix to them);
     the fast paths of linear layers (training merge, fused kernels) do not apply to lookups."""
 
+    base_kind = "embedding"
     __getstate__ = SparseLayer.__getstate__
 
     def __init__(self, base_layer: nn.Module, module_name: str) -> None:
         super().__init__()
         SparseLayer.__init__(self, base_layer, module_name)
 
+    forward = SparseLayer.forward
     train = SparseLayer.train
     _apply = SparseLayer._apply
     _replicate_for_data_parallel = SparseLayer._replicate_for_data_parallel
     __repr__ = SparseLayer.__repr__
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if "adapter_names" in kwargs:
-            return self._mixed_batch_forward(x, kwargs.pop("adapter_names"), *args, **kwargs)
-        if self.disable_adapters:
-            if self.merged:
-                self.unmerge()
-            return self.base_layer(x, *args, **kwargs)
-        y = self.base_layer(x, *args, **kwargs)  # (…, H)
-        if self.merged:
-            return y
-        active = [a for a in self.active_adapters if a in self.sparse_values]
-        for name in active:
-            if self._ready.get(name) is not self.sparse_values[name]:
-                self._check_ready(name)
-        if active and self.training_observer is not None and self.training and torch.is_grad_enabled():
-            self.training_observer(self)
-        base = self.get_base_layer()
-        for name in active:
-            delta = sparse_embedding_delta(x, self.sparse_indices[name], self.sparse_values[name], base, hooks=self)
-            y = y + delta.to(y.dtype)
-        return y
-
-    def _mixed_base_output(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.base_layer(x, *args, **kwargs)
-
     def _rows_delta(self, x_rows: torch.Tensor, name: str) -> torch.Tensor:
         return sparse_embedding_delta(x_rows, self.sparse_indices[name], self.sparse_values[name], self.get_base_layer())
+
+
+dispatch.register_kind("embedding", embedding_pass)

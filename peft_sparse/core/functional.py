@@ -1,4 +1,4 @@
-r"""Autograd for a linear layer with sparse deltas:
+r"""Autograd for a linear layer with sparse deltas, the reference of every linear pass:
 
 .. math::
     Y = X\,\big(W + \textstyle\sum_a \mathrm{scatter}(\eta_a, \phi_a)\big)^\top + b
@@ -6,11 +6,11 @@ r"""Autograd for a linear layer with sparse deltas:
 
 ``W`` is the frozen base weight in its logical (out, in) layout (dequantized for 4-bit layers).
 The merged weight exists only transiently: forward builds it, uses it and drops it; backward
-builds it again for ∂L/∂X — unless the layer keeps W + scatter(η, φ) in the base weight's own
-storage while training (``premerged``; see ``SparseLayer``), when both passes read it in place.
-What is saved for backward is the indices, the values and X (or how to rebuild X, see
-:class:`~peft_sparse.accel.input_rebuild.InputRebuild`, a fast path) — never a tensor of W's size (the frozen base weight is looked up again
-through ``weight_fn``, not saved).
+builds it again for ∂L/∂X — unless a fast path keeps W + scatter(η, φ) in the base weight's own
+storage while training (``premerged``), when both passes read it in place. What is saved for
+backward is the indices, the values and X (or, through the ``input_rebuild`` step of
+:mod:`.dispatch`, how to rebuild X) — never a tensor of W's size (the frozen base weight is looked up
+again through ``weight_fn``, not saved).
 
 ∂L/∂φ_j = ((∂L/∂Y)ᵀ X)[η_j] (Eq. 7.4 / E.5). It is computed by :func:`kernels.value_gradient`
 (dense GEMM + gather, or SDDMM, chosen per layer) unless a *dense-gradient consumer* is armed on
@@ -29,10 +29,12 @@ from typing import Callable, Optional, Protocol
 import torch
 import torch.nn.functional as F
 
-from .. import accel
-from ..accel.input_rebuild import input_rebuild
-from ..accel.internals import direct_apply
-from . import kernels
+from . import dispatch, kernels
+from .dispatch import STEPS
+
+# what backward may rebuild instead of keeping X (SparseLayer.rebuild_inputs): gated-MLP activations and
+# 16-bit RMSNorm outputs, only the activations, or nothing
+REBUILD_MODES = ("all", "products", "none")
 
 
 class GradientHooks(Protocol):
@@ -41,7 +43,9 @@ class GradientHooks(Protocol):
     dense_grad_consumer: Optional[Callable[[object, torch.Tensor], None]]
     dense_grad_count: int
     value_grad_method: str
-    rebuild_inputs: str  # see input_rebuild
+    rebuild_inputs: str  # one of REBUILD_MODES
+
+    def release_weight_merge(self) -> None: ...
 
 
 def compose_weight(
@@ -59,7 +63,7 @@ def compose_weight(
     return merged
 
 
-def _pass_weight(weight: torch.Tensor, indices, values, dtype: torch.dtype, owned: bool) -> torch.Tensor:
+def pass_weight(weight: torch.Tensor, indices, values, dtype: torch.dtype, owned: bool) -> torch.Tensor:
     """The weight one pass multiplies with: W itself when there is nothing to add or convert (a base-only
     pass), else the transient W + Σ scatter(η_a, φ_a)."""
     if not indices and weight.dtype == dtype:
@@ -67,34 +71,35 @@ def _pass_weight(weight: torch.Tensor, indices, values, dtype: torch.dtype, owne
     return compose_weight(weight, indices, values, dtype, owned)
 
 
-def _fused_weight(hooks, owned: bool, premerged, indices, values, dtype) -> Optional[torch.Tensor]:
-    """W + Σ scatter(η_a, φ_a) from the layer's fused path (``hooks.fused_merged_weight``: dequantization
-    and scatter in one launch, for 4-bit weights), or None when it has none for this pass."""
-    if not owned or premerged is not None:
+def _fused_weight(hooks, owned: bool, indices, values, dtype) -> Optional[torch.Tensor]:
+    """W + Σ scatter(η_a, φ_a) of a dequantized (``owned``) weight from the ``fused_weight`` step of
+    :mod:`.dispatch` (dequantization and scatter in one launch), or None: the reference's way."""
+    if not owned or not dispatch.ON:
         return None
-    fused = getattr(hooks, "fused_merged_weight", None)
-    return fused(indices, values, dtype) if fused is not None else None
+    fused = STEPS.fused_weight
+    return fused(hooks, indices, values, dtype) if fused is not None else None
 
 
-def _compute_dtype(x: torch.Tensor, weight_dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(x: torch.Tensor, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a pass over ``x`` multiplies in: autocast's where it is on, else the weight's."""
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return weight_dtype
 
 
-def _values_need_grad(ctx, n_adapters: int) -> bool:
+def values_need_grad(ctx, n_adapters: int) -> bool:
     """Whether any of the function's last ``n_adapters`` inputs (the values) needs a gradient."""
     needs = ctx.needs_input_grad
     return any(needs[len(needs) - n_adapters :])
 
 
-def _save_for_backward(ctx, x: torch.Tensor, mode: str, indices_and_values: tuple, need_values: bool) -> None:
-    """Save what backward needs: the indices, the values and X — or, when autograd already keeps what X
-    is made of (:class:`InputRebuild`, ``mode`` as in :func:`input_rebuild`), how to rebuild X; X not at all
-    when no value needs a gradient (``need_values`` False) or under ``torch.inference_mode``, which records
-    no backward pass."""
+def keep_for_backward(ctx, x: torch.Tensor, mode: str, indices_and_values: tuple, need_values: bool) -> None:
+    """Save what backward needs: the indices, the values and X — or, where the ``input_rebuild`` step of
+    :mod:`.dispatch` finds that autograd already keeps what X is made of (``mode``: one of
+    :data:`REBUILD_MODES`), how to rebuild X; X not at all when no value needs a gradient (``need_values``
+    False) or under ``torch.inference_mode``, which records no backward pass."""
     need_values = need_values and not torch.is_inference_mode_enabled()
-    rebuild = input_rebuild(x, mode) if need_values and accel.ON else None  # (a fast path: off, X is saved)
+    rebuild = STEPS.input_rebuild(x, mode) if need_values and dispatch.ON and STEPS.input_rebuild is not None else None
     ctx.x_rebuild = rebuild
     if rebuild is not None or not need_values:
         ctx.x_saved = False
@@ -104,7 +109,7 @@ def _save_for_backward(ctx, x: torch.Tensor, mode: str, indices_and_values: tupl
         ctx.save_for_backward(x, *indices_and_values)
 
 
-def _first_order_only() -> None:
+def first_order_only() -> None:
     """Refuse a backward pass that builds a graph of its own (``create_graph=True``): these backward passes
     use the merged weight as stored and Triton kernels, through which autograd cannot differentiate, so
     a second derivative would be silently wrong."""
@@ -116,196 +121,150 @@ def _first_order_only() -> None:
 
 
 class SparseDeltaLinear(torch.autograd.Function):
+    r"""One pass of a linear layer with sparse deltas (module docstring):
+
+    .. math::
+        Y = X\,W'^\top + b, \quad W' = W + \textstyle\sum_a \mathrm{scatter}(\eta_a, \phi_a); \qquad
+        \frac{\partial L}{\partial X} = G\,W', \quad
+        \frac{\partial L}{\partial \phi_{a,j}} = (G^\top X)[\eta_{a,j}], \quad
+        \frac{\partial L}{\partial b} = \textstyle\sum_t G_t
+
+    with G = ∂L/∂Y. Arguments: X (..., in), the bias (out,) or None, ``spec`` = (weight_fn, owned, hooks,
+    blocks, premerged, n) — the pass's non-tensor arguments in one, as each argument of ``apply`` costs host
+    time — then the n adapters' indices and their n values. W' is built in forward and again in backward
+    (never kept), unless ``premerged`` says the stored weight holds it."""
+
     @staticmethod
     def forward(ctx, x, bias, spec, *indices_and_values):
-        # spec: the pass's non-tensor arguments in one (each argument of apply costs host time)
         weight_fn, owned, hooks, blocks, premerged, n_adapters = spec
-        indices = indices_and_values[:n_adapters]
-        values = indices_and_values[n_adapters:]
+        indices = indices_and_values[:n_adapters]  # (d_φ,) each, ascending flat positions in (out, in)
+        values = indices_and_values[n_adapters:]  # (d_φ,) each
         device = x.device.type
         autocast = torch.is_autocast_enabled(device)
-        if premerged is not None:  # the stored weight already holds W + Σ scatter(η, φ) (see SparseLayer)
-            merged = weight_fn()
+        if premerged is not None:  # the stored weight already holds W + Σ scatter(η, φ)
+            merged = weight_fn()  # (out, in), in place
             dtype = torch.get_autocast_dtype(device) if autocast else merged.dtype
         else:
-            merged = _fused_weight(hooks, owned, premerged, indices, values, torch.get_autocast_dtype(device) if autocast else None)
-            if merged is not None:  # built in one fused pass (a 4-bit layer), transient (out, in)
+            merged = _fused_weight(hooks, owned, indices, values, torch.get_autocast_dtype(device) if autocast else None)
+            if merged is not None:  # W' built in one fused launch (a 4-bit weight): transient (out, in)
                 dtype = merged.dtype
             else:
-                weight = weight_fn()  # (out, in), frozen
+                weight = weight_fn()  # W: (out, in), frozen
                 dtype = torch.get_autocast_dtype(device) if autocast else weight.dtype
-                merged = _pass_weight(weight, indices, values, dtype, owned)  # transient (out, in)
+                merged = pass_weight(weight, indices, values, dtype, owned)  # W': transient (out, in)
                 del weight
-        x_in = x if x.dtype == dtype else x.to(dtype)
+        x_in = x if x.dtype == dtype else x.to(dtype)  # (..., in)
         b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
         if autocast:
             with torch.autocast(device, enabled=False):
                 y = F.linear(x_in, merged, b)  # (..., out)
         else:
-            y = F.linear(x_in, merged, b)
+            y = F.linear(x_in, merged, b)  # (..., out)
         del merged, x_in
         ctx.spec, ctx.dtype = spec, dtype
         ctx.generation = premerged.generation if premerged is not None else None
-        ctx.x_meta = (x.shape, x.dtype)  # (and out_features = y.shape[-1], in_features = x.shape[-1])
-        _save_for_backward(ctx, x, getattr(hooks, "rebuild_inputs", "all"), indices_and_values, _values_need_grad(ctx, n_adapters))
+        ctx.x_meta = (x.shape, x.dtype)
+        keep_for_backward(ctx, x, getattr(hooks, "rebuild_inputs", "all"), indices_and_values, values_need_grad(ctx, n_adapters))
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
-        _first_order_only()
+        first_order_only()
         saved = ctx.saved_tensors
-        x, rest = (saved[0], saved[1:]) if ctx.x_saved else (None, saved)
-        weight_fn, owned, hooks, ctx_blocks, premerged, n = ctx.spec
+        x, rest = (saved[0], saved[1:]) if ctx.x_saved else (None, saved)  # X: (..., in), or rebuilt below
+        n = ctx.spec[5]
         indices, values = rest[:n], rest[n:]
         x_shape, x_dtype = ctx.x_meta
         out_features, in_features = grad_out.shape[-1], x_shape[-1]
-        needs = ctx.needs_input_grad  # (x, [merged,] bias, spec, *indices, *values)
+        needs = ctx.needs_input_grad  # (x, bias, spec, *indices, *values)
         need_x, need_bias = needs[0], needs[len(needs) - 2 * n - 2]
         need_values = needs[len(needs) - n :]
-        dtype = ctx.dtype
-        g2 = grad_out.reshape(-1, out_features)  # (tokens, out)
-        if g2.dtype != dtype:
-            g2 = g2.to(dtype)
-
-        grad_x = None
-        if need_x:
-            if premerged is not None and premerged.still_merged(ctx.generation):
-                merged = weight_fn()
-            else:  # recomputed, transient — from θ₀: a later forward may have merged the layer in place since
-                release = getattr(hooks, "release_weight_merge", None)
-                if release is not None:
-                    release()
-                merged = _fused_weight(hooks, owned, None, indices, values, dtype)
-                if merged is None:
-                    merged = _pass_weight(weight_fn(), indices, values, dtype, owned)
-            grad_x = g2.mm(merged).view(*x_shape[:-1], in_features)  # (..., in)
-            if grad_x.dtype != x_dtype:
-                grad_x = grad_x.to(x_dtype)
-            del merged
-
+        g2 = grad_out.reshape(-1, out_features)  # G: (tokens, out)
+        if g2.dtype != ctx.dtype:
+            g2 = g2.to(ctx.dtype)
+        grad_x = _input_gradient(ctx, g2, indices, values, x_shape, x_dtype) if need_x else None  # (..., in)
         value_grads = [None] * n
         if any(need_values):
-            consumer = hooks.dense_grad_consumer if hooks is not None else None
-            method = hooks.value_grad_method if hooks is not None else "auto"
-            blocks = [_chosen_block(ctx_blocks[a] if ctx_blocks and need_values[a] else None, method, g2, in_features, values[a]) for a in range(n)]
-            # an AG window whose candidates are known blocks: their gradients from the block kernel too
-            wanted = getattr(consumer, "candidate_blocks", None) if consumer is not None else None
-            if wanted is not None and method != "dense":
-                bh, bw = wanted.block_shape
-                if method == "auto" and kernels.COST_MODEL.choose_block(kernels.device_type(g2), g2.shape[0], out_features, in_features, wanted.rows.numel() * bh * bw, (bh, bw)) != "block":
-                    wanted = None
-            else:
-                wanted = None
-            takes_factors = consumer is not None and getattr(consumer, "takes_factors", False)
-            factors = None
-            if x is None and ctx.x_rebuild is not None:
-                # X = A ⊙ B read only by block kernels: they form it tile by tile (X's bits as torch's)
-                if (consumer is None or wanted is not None or takes_factors) and n == 1 and blocks[0] is not None and g2.dtype == x_dtype == dtype:
-                    factors = ctx.x_rebuild.factors()
-                if factors is None:
-                    x = ctx.x_rebuild.get()  # the same elementwise operations on the same tensors: the same bits
-            if factors is not None:
-                x2, x2_factor = (f.reshape(-1, in_features) for f in factors)  # (tokens, in) each
-            else:
-                x2, x2_factor = x.reshape(-1, in_features), None  # (tokens, in)
-                if x2.dtype != dtype:
-                    x2 = x2.to(dtype)
-            if wanted is not None:
-                consumer.add_candidate_gradients(g2, x2, x2_factor)
-                hooks.dense_grad_count += 1
-                consumer = None  # the values' gradients as outside a window
-            elif takes_factors:  # dW's factors, not dW (no dense gradient formed)
-                consumer.add_factors(g2, x2, x2_factor)
-                consumer = None
-            if consumer is not None:
-                dW = kernels.dense_weight_gradient(g2, x2)  # (out, in), freed on return
-                hooks.dense_grad_count += 1
-                consumer(hooks, dW)
-                flat = dW.view(-1)
-                for a in range(n):
-                    if need_values[a]:
-                        value_grads[a] = kernels.gather_as(flat, indices[a], values[a].dtype)
-                del dW, flat
-            else:
-                for a in range(n):
-                    if need_values[a]:
-                        value_grads[a] = _value_gradient(g2, x2, x2_factor, blocks[a], indices[a], values[a], method)
-
-        grad_bias = g2.sum(0).to(grad_out.dtype) if need_bias else None
+            value_grads = _values_gradients(ctx, g2, x, indices, values, need_values, out_features, in_features, x_dtype)
+        grad_bias = g2.sum(0).to(grad_out.dtype) if need_bias else None  # (out,)
         return (grad_x, grad_bias, None, *([None] * n), *value_grads)
 
 
-class GivenWeightLinear(SparseDeltaLinear):
-    """:class:`SparseDeltaLinear` whose forward pass multiplies by a merged weight the caller built
-    (``merged``: a transient (out, in) W + Σ scatter(η_a, φ_a) in the pass's dtype, used once; e.g. a
-    4-bit layer's kept fused launch, see ``SparseLayer``), without autocast and without ``premerged``.
-    Backward is :class:`SparseDeltaLinear`'s: it rebuilds the merged weight itself."""
-
-    @staticmethod
-    def forward(ctx, x, merged, bias, spec, *indices_and_values):
-        dtype = merged.dtype
-        x_in = x if x.dtype == dtype else x.to(dtype)
-        y = F.linear(x_in, merged, bias if bias is None or bias.dtype == dtype else bias.to(dtype))
-        del merged, x_in
-        ctx.spec, ctx.dtype, ctx.generation = spec, dtype, None
-        ctx.x_meta = (x.shape, x.dtype)
-        _save_for_backward(ctx, x, getattr(spec[2], "rebuild_inputs", "all"), indices_and_values, _values_need_grad(ctx, spec[5]))
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_x, *rest = SparseDeltaLinear.backward(ctx, grad_out)
-        return (grad_x, None, *rest)
+def _input_gradient(ctx, g2, indices, values, x_shape, x_dtype) -> torch.Tensor:
+    """∂L/∂X = G·W' (..., in): W' read in place while the forward's merge still holds, else built again —
+    from θ₀ (a later forward pass may have merged the layer in place since: the layer writes θ₀ back first)."""
+    weight_fn, owned, hooks, _, premerged, _ = ctx.spec
+    if premerged is not None and premerged.still_merged(ctx.generation):
+        merged = weight_fn()  # (out, in), in place
+    else:
+        release = getattr(hooks, "release_weight_merge", None)
+        if release is not None:
+            release()
+        merged = _fused_weight(hooks, owned, indices, values, ctx.dtype)
+        if merged is None:
+            merged = pass_weight(weight_fn(), indices, values, ctx.dtype, owned)  # W': transient (out, in)
+    grad_x = g2.mm(merged).view(*x_shape[:-1], x_shape[-1])  # (tokens, out)·(out, in) → (..., in)
+    return grad_x if grad_x.dtype == x_dtype else grad_x.to(x_dtype)
 
 
-class MergedDeltaLinear(SparseDeltaLinear):
-    """:class:`SparseDeltaLinear` for a steady training pass of one adapter merged in place (``premerged``):
-    X and the bias already in the stored weight's dtype, autocast off — what the caller checked, so forward
-    multiplies by the stored weight without the generic pass's decisions. Arguments are
-    :class:`SparseDeltaLinear`'s (``spec``'s ``premerged`` is the merge); backward takes the generic one's
-    decisions for these passes in a lean form, and hands over to it for anything else."""
+def _values_gradients(ctx, g2, x, indices, values, need_values, out_features: int, in_features: int, x_dtype) -> list:
+    """∂L/∂φ_a = (Gᵀ·X)[η_a] for every adapter that needs it (Eq. 7.4 / E.5), and the layer's dense-gradient
+    consumer served on the way (module docstring): an AG window whose candidates are known blocks gets their
+    block gradients, a consumer taking dW's factors gets G and X, any other gets dW itself once (the values'
+    gradients are then gathered from it)."""
+    _, _, hooks, ctx_blocks, _, n = ctx.spec
+    dtype = ctx.dtype
+    consumer = hooks.dense_grad_consumer if hooks is not None else None
+    method = hooks.value_grad_method if hooks is not None else "auto"
+    blocks = [chosen_block(ctx_blocks[a] if ctx_blocks and need_values[a] else None, method, g2, in_features, values[a]) for a in range(n)]
+    # an AG window whose candidates are known blocks: their gradients from the block kernel too
+    wanted = getattr(consumer, "candidate_blocks", None) if consumer is not None else None
+    if wanted is not None and method != "dense":
+        bh, bw = wanted.block_shape
+        if method == "auto" and kernels.COST_MODEL.choose_block(kernels.device_type(g2), g2.shape[0], out_features, in_features,
+                                                                  wanted.rows.numel() * bh * bw, (bh, bw)) != "block":  # fmt: skip
+            wanted = None
+    else:
+        wanted = None
+    takes_factors = consumer is not None and getattr(consumer, "takes_factors", False)
+    factors = None
+    if x is None and ctx.x_rebuild is not None:
+        # X = A ⊙ B read only by block kernels: they form it tile by tile (X's bits as torch's)
+        if (consumer is None or wanted is not None or takes_factors) and n == 1 and blocks[0] is not None and g2.dtype == x_dtype == dtype:
+            factors = ctx.x_rebuild.factors()
+        if factors is None:
+            x = ctx.x_rebuild.get()  # the same elementwise operations on the same tensors: the same bits
+    if factors is not None:
+        x2, x2_factor = (f.reshape(-1, in_features) for f in factors)  # (tokens, in) each
+    else:
+        x2, x2_factor = x.reshape(-1, in_features), None  # X: (tokens, in)
+        if x2.dtype != dtype:
+            x2 = x2.to(dtype)
+    if wanted is not None:
+        consumer.add_candidate_gradients(g2, x2, x2_factor)
+        hooks.dense_grad_count += 1
+        consumer = None  # the values' gradients as outside a window
+    elif takes_factors:  # dW's factors, not dW (no dense gradient formed)
+        consumer.add_factors(g2, x2, x2_factor)
+        consumer = None
+    value_grads = [None] * n
+    if consumer is not None:
+        dW = kernels.dense_weight_gradient(g2, x2)  # Gᵀ·X: (out, in), freed on return
+        hooks.dense_grad_count += 1
+        consumer(hooks, dW)
+        flat = dW.view(-1)
+        for a in range(n):
+            if need_values[a]:
+                value_grads[a] = kernels.gather_as(flat, indices[a], values[a].dtype)  # (d_φ,)
+        del dW, flat
+    else:
+        for a in range(n):
+            if need_values[a]:
+                value_grads[a] = values_gradient(g2, x2, x2_factor, blocks[a], indices[a], values[a], method)  # (d_φ,)
+    return value_grads
 
-    @staticmethod
-    def forward(ctx, x, bias, spec, indices, values):
-        merge = spec[4]
-        weight = merge.weight
-        y = F.linear(x, weight, bias)
-        ctx.spec, ctx.dtype, ctx.generation, ctx.x_meta = spec, weight.dtype, merge.generation, (x.shape, x.dtype)
-        _save_for_backward(ctx, x, spec[2]._rebuild_inputs, (indices, values), ctx.needs_input_grad[4])  # (its one adapter's values)
-        return y
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        # The steady pass's backward: the generic one's decisions for what forward checked (one adapter,
-        # merged in place; X, weight and output of one dtype, so no casts), without its general lookups —
-        # this runs once per layer call in the backward pass, whose host time can bound a step. Anything
-        # else (an AG window's dense gradients, a bias to differentiate, the merge written back since
-        # forward) takes the generic backward.
-        spec = ctx.spec
-        layer, merge = spec[2], spec[4]
-        needs = ctx.needs_input_grad  # (x, bias, spec, indices, values)
-        if layer.dense_grad_consumer is not None or needs[1] or not merge.still_merged(ctx.generation) or torch.is_grad_enabled():
-            return SparseDeltaLinear.backward(ctx, grad_out)
-        x_shape = ctx.x_meta[0]
-        in_features = x_shape[-1]
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (tokens, out)
-        grad_x = g2.mm(merge.weight).view(x_shape) if needs[0] else None
-        saved = ctx.saved_tensors  # (read in every case, as the generic backward does: autograd's in-place edit check)
-        if not needs[4]:
-            return grad_x, None, None, None, None
-        x, indices, values = saved if ctx.x_saved else (None, *saved)
-        method = layer.value_grad_method
-        block = _chosen_block(spec[3][0] if spec[3] else None, method, g2, in_features, values)
-        factors = None
-        if x is None:  # rebuilt (ctx.x_rebuild); X = A ⊙ B read only by the block kernel: formed tile by tile
-            factors = ctx.x_rebuild.factors() if block is not None else None
-            if factors is None:
-                x = ctx.x_rebuild.get()
-        x2, x2_factor = (f.reshape(-1, in_features) for f in factors) if factors is not None else (x.reshape(-1, in_features), None)
-        return grad_x, None, None, None, _value_gradient(g2, x2, x2_factor, block, indices, values, method)
-
-
-def _chosen_block(block, method: str, g2: torch.Tensor, in_features: int, values: torch.Tensor):
+def chosen_block(block, method: str, g2: torch.Tensor, in_features: int, values: torch.Tensor):
     """The block layout a value gradient goes through, or None for the unstructured paths: ``method``
     ``"dense"`` never takes the block kernel, ``"auto"`` takes it where the cost model chooses it."""
     if block is None or method == "dense":
@@ -315,7 +274,7 @@ def _chosen_block(block, method: str, g2: torch.Tensor, in_features: int, values
     return block
 
 
-def _value_gradient(g2, x2, x2_factor, block, indices, values, method: str) -> torch.Tensor:
+def values_gradient(g2, x2, x2_factor, block, indices, values, method: str) -> torch.Tensor:
     """∂L/∂φ in the values' dtype from G (tokens, out) and X (tokens, in; X = x2 ⊙ x2_factor when a factor
     is given, block kernel only): the block kernel straight into the values' order, else
     :func:`kernels.value_gradient` by ``method``."""
@@ -324,11 +283,6 @@ def _value_gradient(g2, x2, x2_factor, block, indices, values, method: str) -> t
     else:
         grad = kernels.value_gradient(g2, x2, indices, g2.shape[1], x2.shape[1], method)
     return grad if grad.dtype == values.dtype else grad.to(values.dtype)
-
-
-sparse_delta_apply = direct_apply(SparseDeltaLinear)
-given_weight_apply = direct_apply(GivenWeightLinear)
-merged_apply = direct_apply(MergedDeltaLinear, fixed=True)
 
 
 def sparse_delta_linear(
@@ -352,7 +306,8 @@ def sparse_delta_linear(
     so neither pass builds a merged copy; backward builds one if the stored weight was written back or
     rewritten since forward (``still_merged`` False for the forward's generation).
     """
-    return sparse_delta_apply(x, bias, (weight_fn, owned, hooks, blocks, premerged, len(indices)), *indices, *values)
+    apply = STEPS.apply if dispatch.ON and STEPS.apply is not None else SparseDeltaLinear.apply
+    return apply(x, bias, (weight_fn, owned, hooks, blocks, premerged, len(indices)), *indices, *values)
 
 
 def delta_matrix(indices: torch.Tensor, values: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""``SparseLayer``: one PEFT tuner layer for every sparse method and every supported base layer.
+r"""``SparseLayer``: one PEFT tuner layer for every sparse method and every supported base layer.
 
 Per adapter it holds
 
@@ -11,21 +11,26 @@ Per adapter it holds
 The storage layout of the base layer never leaks into the indices: GPT-2 ``Conv1D`` stores
 (in, out) and bitsandbytes ``Linear4bit`` stores packed nf4 data, and both are translated here.
 
-**A pass.** Training: W + scatter(η, φ) is built transiently in forward and again in backward
-(:mod:`peft_sparse.core.functional`); nothing of W's size is kept for backward. Without gradients
-(generation, evaluation) with few tokens: Y = X·Wᵀ + X·δᵀ from δ's d_φ entries instead. The layer's fast
-paths live in :mod:`peft_sparse.accel` and are mixed in here: the opt-in training merge
-(:mod:`peft_sparse.accel.training_merge`, W + δ kept in the base weight's storage while training) and the
-fused NF4 launch of 4-bit layers (:mod:`peft_sparse.accel.nf4`).
+**A pass** computes
 
-**Steady passes** (a fast path, :mod:`peft_sparse.accel.steady`): a training forward like the last one
-checks that pass's decisions directly and reuses them. The values' owner table is in :mod:`.owners`, mixed
-batches (``adapter_names``) in :mod:`.mixed_batch`.
+.. math::
+    Y = X\,\big(W + \textstyle\sum_a \mathrm{scatter}(\eta_a, \phi_a)\big)^\top + b
+
+over the active adapters a (thesis Eq. 7.2, 7.8). :meth:`SparseLayer.forward` says which adapters are active
+and hands the pass to :func:`peft_sparse.core.dispatch.forward`, which picks its implementation from the
+layer's base kind (:attr:`SparseLayer.base_kind`) and state: the reference of :mod:`.passes` (W + δ built
+transiently in forward and again in backward, nothing of W's size kept; without gradients and with few
+tokens, Y = X·Wᵀ + X·δᵀ from δ's d_φ entries), or a faster implementation registered by
+:mod:`peft_sparse.accel`. Whatever a fast path keeps on a layer (its attributes are registered in
+:data:`~peft_sparse.core.dispatch.LAYER_STATE`) follows the layer through the listeners of :mod:`.dispatch`:
+:meth:`SparseLayer.release_training_merge` and the edits of :mod:`.edit` call them. The values' owner table
+is in :mod:`.owners`, mixed batches (``adapter_names``) in :mod:`.mixed_batch`, merging in :mod:`.merging`.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -34,22 +39,8 @@ from peft.utils import resolve_quantization_backend
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from .. import accel
-from ..accel import internals
-from ..accel.nf4 import FusedNF4Layer, _NF4Rebuild
-from ..accel.inference import base_output, inference_forward, kept_delta_matrices
-from ..accel.steady import steady_forward
-from ..accel.training_merge import (
-    TrainingMergeLayer,
-    _TrainingMerge,
-)
 from ..registry import BufferDict
-from . import kernels
-from .functional import (
-    sparse_delta_linear,
-    sparse_delta_linear_reference,
-    sparse_delta_product,
-)
+from . import dispatch, passes
 from .base import (  # noqa: F401 (the base-layer helpers, also importable from here)
     engine_keeps_master,
     gather_partitioned_base,
@@ -63,6 +54,7 @@ from .base import (  # noqa: F401 (the base-layer helpers, also importable from 
     unsupported_embedding_reason,
 )
 from .block_layout import BlockLayoutLayer
+from .functional import REBUILD_MODES
 from .merging import MergeLayer
 from .mixed_batch import MixedBatchLayer
 from .owners import register_owner, sparse_owner, take_saved_sizes  # noqa: F401 (sparse_owner: also importable from here)
@@ -79,12 +71,16 @@ def _release_before_load(module, state_dict, prefix, local_metadata, strict, mis
     take_saved_sizes(module, state_dict, prefix)  # (budget_split='adaptive': a saved adapter holds its own sizes)
 
 
-class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, MixedBatchLayer, BlockLayoutLayer, BaseTunerLayer):
+class SparseLayer(MergeLayer, MixedBatchLayer, BlockLayoutLayer, BaseTunerLayer):
     adapter_layer_names = ("sparse_values",)
     other_param_names = ("sparse_indices", "sparse_ages", "sparse_masks")
-    # keep the training adapter merged in the base weight's storage (module docstring): opt-in, through the
-    # config's ``training_merge`` or per layer, because the base weight then shows θ₀ + δ during training
+    # keep the training adapter merged in the base weight's storage (the training merge of peft_sparse.accel):
+    # opt-in, through the config's ``training_merge`` or per layer, because the base weight then shows θ₀ + δ
+    # during training
     merge_for_training: bool = False
+    #: what the adapted tensor is, for the choice of a pass's implementation (:mod:`.dispatch`): "linear",
+    #: "quantized" (set per layer), "embedding"
+    base_kind: str = "linear"
 
     def __init__(self, base_layer: nn.Module, module_name: str) -> None:
         self.base_layer = base_layer
@@ -108,19 +104,13 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, MixedBatchLayer
         self.dense_grad_count = 0
         self.value_grad_method = "auto"
         self._rebuild_inputs = "all"
-        # called with the layer on every training forward pass (dynamic methods watch for a missing scheduler);
-        # steady passes skip an observer whose ``idle`` attribute is true
+        # called with the layer on every training forward pass with an active adapter (dynamic methods watch for a
+        # missing scheduler), unless its ``idle`` attribute is true
         self.training_observer = None
         self._model_ref = None  # weakref to the model (set by the tuner): who else uses the base weight's storage
         self._shared_check = None  # (weakref to the weight, its storage pointer, shared?) of the last scan
-        self._training_merge: Optional[_TrainingMerge] = None
-        # the last pass's decisions while the single training adapter is merged in place (see forward)
-        self._steady: Optional[tuple] = None
-        self._nf4_cache = None  # (weakref to the 4-bit weight, its storage pointer, its quant state, operands)
-        self._nf4_starts_cache = None  # (weakref to an indices tensor, (address, version, size), its starts)
-        self._nf4_rebuild: Optional[_NF4Rebuild] = None  # the last single-adapter fused NF4 launch, to repeat
-        self._delta_csr: dict = {}  # adapter → (key, indices, values, its CSR delta) for inference passes
-        self._inference_memo = None  # the single active adapter's CSR delta and what it was built from (accel/inference.py)
+        for name, (initial, _) in dispatch.LAYER_STATE.items():  # what the fast paths keep on a layer
+            setattr(self, name, initial())
         # adapter → the values tensor that last passed _check_ready, and the indices tensor it last checked
         self._ready: dict[str, torch.Tensor] = {}
         self._checked_indices: dict[str, torch.Tensor] = {}
@@ -130,20 +120,20 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, MixedBatchLayer
 
         base = self.get_base_layer()
         self.quantization_backend = resolve_quantization_backend(base)
+        if self.quantization_backend is not None:
+            self.base_kind = "quantized"
         self.fan_in_fan_out = isinstance(base, Conv1D)
         self.out_features, self.in_features = logical_shape(base)
 
     @property
     def rebuild_inputs(self) -> str:
-        """Which inputs backward rebuilds instead of keeping them for the value gradient
-        (:func:`peft_sparse.accel.input_rebuild.input_rebuild`): ``"all"`` (default: gated-MLP activations and 16-bit RMSNorm
+        """Which inputs backward rebuilds instead of keeping them for the value gradient (the ``input_rebuild``
+        step of :mod:`.dispatch`, a fast path): ``"all"`` (default: gated-MLP activations and 16-bit RMSNorm
         outputs), ``"products"`` (only the activations: less recomputation, more memory), ``"none"``."""
         return self._rebuild_inputs
 
     @rebuild_inputs.setter
     def rebuild_inputs(self, mode: str) -> None:
-        from ..accel.input_rebuild import REBUILD_MODES
-
         if mode not in REBUILD_MODES:
             raise ValueError(f"{self.module_name}: rebuild_inputs={mode!r} is not one of {REBUILD_MODES}")
         self._rebuild_inputs = mode
@@ -169,6 +159,35 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, MixedBatchLayer
         weight = base.weight
         return weight.t() if self.fan_in_fan_out else weight
 
+    def release_training_merge(self) -> None:
+        """θ₀ back in the base weight wherever a fast path wrote W + δ there (the training merge), and the passes
+        the fast paths kept of this layer forgotten: before anything else reads or hands out the base weight."""
+        dispatch.release([self])
+
+    def release_weight_merge(self) -> None:
+        """θ₀ back in the base weight wherever a fast path wrote W + δ there: what a pass needs before it reads θ₀.
+        Unlike :meth:`release_training_merge`, the kept passes stay (a training step's backward leaves the next
+        pass steady)."""
+        dispatch.release([self], weight_only=True)
+
+    def _weight_is_shared(self, weight: torch.Tensor) -> bool:
+        """Whether another parameter of the model uses the weight's storage (tied embeddings, views): such a
+        weight is never written in place. Scanned once per weight tensor and storage (a tie replaces the tied
+        layer's weight object)."""
+        storage = weight.untyped_storage().data_ptr()
+        cached = self._shared_check
+        if cached is not None and cached[0]() is weight and cached[1] == storage:
+            return cached[2]
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is None:
+            return True  # unknown: never write into it
+        users = 0
+        for _, p in model.named_parameters(remove_duplicate=False):
+            if p.device == weight.device and p.untyped_storage().data_ptr() == storage:
+                users += 1
+        shared = users > 1
+        self._shared_check = (weakref.ref(weight), storage, shared)
+        return shared
 
     # ----------------------------------------------------------------------------------- adapters
     def update_layer(
@@ -230,8 +249,7 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, MixedBatchLayer
         self._block_metadata.pop(adapter_name, None)
         self._indices_pending.discard(adapter_name)
         self._ready.pop(adapter_name, None)
-        self._delta_csr.pop(adapter_name, None)
-        self._inference_memo = None
+        dispatch.forget(self, adapter_name)
 
     def train(self, mode: bool = True):
         if not mode:
@@ -243,7 +261,7 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, MixedBatchLayer
         module is followed — the values take the new floating dtype and it becomes their ``values_dtype`` on this
         layer (a cast of ``.data`` from outside is refused or undone instead: :meth:`_check_ready`)."""
         self.release_training_merge()
-        self._inference_memo = None
+        dispatch.forget(self)
         before = {name: v.dtype for name, v in self.sparse_values.items()}
         out = nn.Module._apply(self, fn, recurse)
         for name, v in self.sparse_values.items():
@@ -256,11 +274,12 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, MixedBatchLayer
         # pickling (torch.save of a whole model): the caches that hold weak references start empty in the copy,
         # which fills them again; the model reference is set again by the tuner (SparseTuner.__setstate__)
         state = nn.Module.__getstate__(self).copy()
-        state.update(_model_ref=None, _shared_check=None, _nf4_cache=None, _nf4_starts_cache=None, _delta_csr={}, _inference_memo=None)
+        state.update(_model_ref=None, _shared_check=None)
+        state.update({name: initial() for name, (initial, copied) in dispatch.LAYER_STATE.items() if not copied})
         return state
 
     def _replicate_for_data_parallel(self):
-        self.release_training_merge()  # replicas share the weight and never merge into it (see _merged_for_training)
+        self.release_training_merge()  # replicas share the weight: nothing a fast path wrote goes with them
         return nn.Module._replicate_for_data_parallel(self)
 
     # ----------------------------------------------------------------------------------- forward
@@ -307,81 +326,36 @@ class SparseLayer(TrainingMergeLayer, FusedNF4Layer, MergeLayer, MixedBatchLayer
                 )
         self._ready[adapter_name] = values
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if "adapter_names" in kwargs:
-            return self._mixed_batch_forward(x, kwargs.pop("adapter_names"), *args, **kwargs)
-        if self.merged_adapters and not self.disable_adapters:  # merged (merge, merged_for_inference): the base's pass
-            if accel.ON and not args and not kwargs:
-                return base_output(self._modules["base_layer"], x)  # (a fast path: F.linear itself where nothing hooks it)
-            return self.base_layer(x, *args, **kwargs)
-        observed = False
-        if not args and not kwargs and accel.ON and not torch.is_grad_enabled():
-            y = inference_forward(self, x)  # (a fast path: accel/inference.py)
-            if y is not None:
-                return y
-        if self._steady is not None and not args and not kwargs and accel.ON:
-            y, observed = steady_forward(self, x)  # (a fast path: accel/steady.py)
-            if y is not None:
-                return y
-        if self.disable_adapters:
-            self.release_training_merge()
-            if self.merged:
-                self.unmerge()
-            return self._base_forward(x, *args, **kwargs)
-        values_of = self.sparse_values
-        active = [a for a in self.active_adapters if a in values_of]
-        if not active:
-            self.release_training_merge()
-            return self._base_forward(x, *args, **kwargs)
-        values = [values_of[a] for a in active]
-        ready, wanted = self._ready, self.values_dtype
-        for name, v in zip(active, values):
+    def check_ready(self, active: list) -> None:
+        """:meth:`_check_ready` of each adapter in ``active`` whose values changed since they last passed."""
+        values_of, ready, wanted = self._modules["sparse_values"]._parameters, self._ready, self.values_dtype
+        for name in active:
+            v = values_of[name]
             if ready.get(name) is not v or v.dtype != wanted[name]:
                 self._check_ready(name)
-        if self.training_observer is not None and self.training and torch.is_grad_enabled() and not observed:
-            self.training_observer(self)
-        base = self.get_base_layer()
-        if not base.weight.numel() and hasattr(base.weight, "ds_id"):  # partitioned by DeepSpeed ZeRO-3, not gathered
-            gather_partitioned_base(self, base)
-        indices_of = self.sparse_indices
-        indices = [indices_of[a] for a in active]
-        if self.quantization_backend is None and base.weight.requires_grad:
-            # the base weight itself is being trained: let autograd keep what it needs
-            return sparse_delta_linear_reference(x, self.logical_weight(), base.bias, indices, values)
-        if not torch.is_grad_enabled() and not args and not kwargs:
-            # no backward pass can follow (generation, evaluation): Y = X·Wᵀ + X·δᵀ, the delta applied from its
-            # d_φ entries instead of a weight-sized W + δ, where the cost model says that is cheaper (few tokens)
-            nnz = sum(v.numel() for v in values)
-            if kernels.COST_MODEL.choose_inference(x, x.numel() // max(1, x.shape[-1]), self.out_features, self.in_features, nnz) == "sparse":
-                self.release_weight_merge()
-                y = self.base_layer(x)
-                delta = sparse_delta_product(x, indices, values, self.out_features, kept_delta_matrices(self, active, indices, values))
-                return y + delta.to(y.dtype)
-        blocks = [self.block_metadata(a) for a in active]
-        premerged = self._merged_for_training(active, x, base)
-        y = sparse_delta_linear(
-            x, premerged.stored_weight if premerged is not None else self._stored_weight, base.bias, indices, values,
-            hooks=self, owned=self.quantization_backend is not None, blocks=blocks, premerged=premerged,
-        )  # fmt: skip
-        single = not args and not kwargs and len(self.active_adapters) == 1 and len(active) == 1 and not indices[0].is_inference()
-        if single and (premerged is not None or (self.quantization_backend is not None and self.training and torch.is_grad_enabled())):
-            # merged in place (a single adapter, nn.Linear, no quantization, no autocast to another dtype), or
-            # a quantized layer (never merged: the same call in every pass while nothing above changes)
-            current, idx = self._active_adapter, indices[0]
-            current = current if isinstance(current, str) else list(current)  # (a copy: compared by value)
-            self._steady = (current, active[0], values[0], values[0].dtype, idx, (internals.version(idx), idx.data_ptr()), base, base.weight,
-                            premerged, blocks, base.weight.device.type)  # fmt: skip
-        return y.to(x.dtype) if self.quantization_backend is not None else y
 
-    def _base_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """The base layer alone. In training with grad, through the sparse autograd function with no
-        adapter: a plain ``nn.Linear`` would keep the live weight for backward, which a later training
-        pass may rewrite in place; this one looks θ₀ up again in backward instead."""
-        base = self.get_base_layer()
-        if (self.merge_for_training and accel.ON and self.training and torch.is_grad_enabled() and type(base) is nn.Linear
-                and not args and not kwargs):  # fmt: skip
-            return sparse_delta_linear(x, self._stored_weight, base.bias, [], [], hooks=self)
-        return self.base_layer(x, *args, **kwargs)
+    def active_sparse_adapters(self) -> list:
+        """The active adapters this layer holds, in order; none while adapters are disabled."""
+        if self._disable_adapters:
+            return []
+        active, values_of = self._active_adapter, self._modules["sparse_values"]._parameters
+        if isinstance(active, str):
+            return [active] if active in values_of else []
+        return [a for a in active if a in values_of]
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        r"""Y = X·(W + Σ_a scatter(η_a, φ_a))ᵀ + b over the active adapters a: x (..., in) → (..., out).
+
+        The implementation of the pass — the reference of :mod:`.passes`, or one the fast paths registered —
+        is chosen in one place, :func:`peft_sparse.core.dispatch.forward`."""
+        if "adapter_names" in kwargs:  # a mixed batch: row i takes adapter adapter_names[i] (PEFT's keyword)
+            return self._mixed_batch_forward(x, kwargs.pop("adapter_names"), *args, **kwargs)
+        if self.merged_adapters:  # merged into W (merge, merged_for_inference)
+            if not self.disable_adapters:
+                return dispatch.base_output(self, x, args, kwargs)  # the base layer's own pass
+            self.unmerge()  # disabled: θ₀ back, the base layer alone
+        active = self.active_sparse_adapters()
+        return dispatch.forward(self, x, active, args, kwargs)
 
     def __repr__(self) -> str:
         return "sparse." + nn.Module.__repr__(self)
@@ -402,3 +376,8 @@ class SparseLinear(nn.Module, SparseLayer):
     _apply = SparseLayer._apply
     _replicate_for_data_parallel = SparseLayer._replicate_for_data_parallel
     __repr__ = SparseLayer.__repr__
+
+
+# the reference pass of each base kind this module wraps (embeddings: .embedding)
+dispatch.register_kind("linear", passes.linear_pass)
+dispatch.register_kind("quantized", passes.linear_pass)

@@ -86,13 +86,11 @@ def merged_for_inference(model):
     outside the block: 4-bit layers (requantizing would not restore them bit for bit), base weights a sharding
     wrapper manages (FSDP, DeepSpeed ZeRO-3), layers already merged, and layers whose weight another module shares.
     Not for ``adapter_names`` mixed batches (they need unmerged adapters). Yields the layers it merged."""
-    from .layer import SparseLayer
-
     merged = []
     try:
         with torch.no_grad():
             for layer in model.modules():
-                if not isinstance(layer, SparseLayer) or layer.merged or layer.quantization_backend is not None:
+                if not isinstance(layer, MergeLayer) or layer.merged or layer.quantization_backend is not None:
                     continue
                 active = [a for a in layer.active_adapters if a in layer.sparse_values]
                 if not active or layer.disable_adapters:

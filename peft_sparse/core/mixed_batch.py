@@ -31,7 +31,7 @@ class MixedBatchLayer:
 
     def _mixed_base_output(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.release_training_merge()
-        return self._base_forward(x, *args, **kwargs)
+        return self.base_layer(x, *args, **kwargs)
 
     def _rows_delta(self, x_rows: torch.Tensor, name: str) -> torch.Tensor:
         """X_rows · δᵀ of adapter ``name``."""

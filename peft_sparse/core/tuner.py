@@ -13,72 +13,22 @@ import dataclasses
 import re
 import weakref
 from abc import abstractmethod
-from typing import Optional
 
 import torch
-from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, check_target_module_exists
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from torch import nn
 
-from .. import accel
 from ..registry import ExcludedModule, include_all_linear_layers
-
+from . import dispatch, storage
 from .budget import split_budget, split_weights, total_budget
-from . import storage
 from .config import SparseConfig, dtype_name
 from .embedding import SparseEmbedding
 from .base import index_dtype, logical_shape, supported_base_layer, unsupported_embedding_reason
 from .layer import SparseLayer, SparseLinear
 from .merging import merged_for_inference
 from .selection import BlockGrid, check_sparse_tensors, module_generator
-
-
-def _display_name(key: str) -> str:
-    return key.removeprefix("base_model.model.")
-
-
-def _layer_index(config: SparseConfig, key: str) -> Optional[int]:
-    """Index of the transformer layer ``key`` lies in (PEFT's rule: the first numbered segment)."""
-    patterns = config.layers_pattern
-    if not patterns:
-        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
-    else:
-        match = None
-        for pattern in [patterns] if isinstance(patterns, str) else patterns:
-            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
-            if match:
-                break
-    return int(match["idx"]) if match else None
-
-
-def target_matches(config: SparseConfig, key: str):
-    """PEFT's matching, plus ``layers_to_transform`` applied to exact-name matches too.
-
-    PEFT checks the layer index only for suffix matches, so after ``'all-linear'`` expands into full
-    module names it would silently ignore ``layers_to_transform``.
-    """
-    result = check_target_module_exists(config, key)
-    if result and not isinstance(result, ExcludedModule) and config.layers_to_transform is not None:
-        wanted = config.layers_to_transform
-        wanted = [wanted] if isinstance(wanted, int) else wanted
-        if _layer_index(config, key) not in wanted:
-            return False
-    return result
-
-
-def resolve_default_targets(config: SparseConfig, model_type: Optional[str]) -> SparseConfig:
-    """``target_modules=None``: PEFT's default target modules for the architecture, the same as LoRA's
-    (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``); a clear error where PEFT has none."""
-    if config.target_modules is None:
-        defaults = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
-        if defaults is None:
-            raise ValueError(
-                f"{type(config).__name__}: target_modules=None, and PEFT has no default target modules for "
-                f"model_type={model_type!r}. Pass target_modules='all-linear' (recommended: every linear layer "
-                "but the output head) or the names of the modules to adapt, e.g. target_modules=['q_proj', 'v_proj']"
-            )
-        config.target_modules = defaults if isinstance(defaults, str) else set(defaults)
-    return config
+from .targets import _display_name, _model_configs, resolve_default_targets, target_matches  # noqa: F401 (re-exported)
 
 
 class SparseTuner(BaseTuner):
@@ -296,7 +246,7 @@ class SparseTuner(BaseTuner):
         for bit afterwards, also on an error), so each decoding step is the base model's own and the tokens are
         the merged model's. A mixed batch (``adapter_names``) and ``peft_sparse.fast_paths(False)`` generate
         with the adapters unmerged, every layer adding its delta in each pass."""
-        if accel.enabled() and not self._mixed_batch:
+        if dispatch.ON and not self._mixed_batch:
             with merged_for_inference(self.model):
                 return self.model.generate(*args, **kwargs)
         return self.model.generate(*args, **kwargs)
@@ -450,15 +400,3 @@ class SparseTuner(BaseTuner):
             values.data = summed.to(device=values.device, dtype=values.dtype)
             layer._indices_pending.discard(adapter_name)
         self.set_adapter(self.active_adapters, inference_mode=True)
-
-
-def _model_configs(model: nn.Module) -> list:
-    """The transformers configs of ``model`` that may say ``tie_word_embeddings`` (the model's and its text config)."""
-    config = getattr(model, "config", None)
-    if config is None:
-        return []
-    configs = [config]
-    text = config.get_text_config() if hasattr(config, "get_text_config") else None
-    if text is not None and text is not config:
-        configs.append(text)
-    return configs

@@ -1,5 +1,9 @@
 """Optimizer-state surgery after a reselection: the one place that edits optimizer state.
 
+The mask-editing API (:mod:`peft_sparse.core.edit`) announces every edit of an adapter's slots through the
+core's listeners (:mod:`peft_sparse.core.dispatch`); this module listens (:class:`OptimizerStateKeeper`,
+registered when ``peft_sparse`` is imported) and follows with the optimizer's per-slot state.
+
 After drop/grow, slot j of a values tensor holds a new index. :func:`reindex_optimizer_state`
 re-gathers every per-slot optimizer tensor with the same ``source`` map (new slot → old slot, −1
 for a grown slot) *in place*, so the optimizer keeps the same Parameter objects and state tensors;
@@ -22,8 +26,7 @@ import itertools
 
 import torch
 
-from ..core import kernels
-
+from ..core import dispatch, kernels
 from .sm3 import SM3
 
 
@@ -206,3 +209,23 @@ def release_slots(optimizer, kept: list) -> None:
         values.data[mask] = saved
         for k, v in state.items():
             optimizer.state[values][k][mask] = v
+
+
+class OptimizerStateKeeper(dispatch.Listener):
+    """Follows the core's edits with the per-slot state of the optimizer an edit names: rewritten slots re-gathered
+    (:func:`reindex_optimizer_states`), resized values' state resized (:func:`resize_optimizer_state`; then an
+    optimizer with launch plans over the old sizes, SM3, forgets them)."""
+
+    def slots_changed(self, optimizer, values: list, source: torch.Tensor) -> bool:
+        reindex_optimizer_states(optimizer, values, source)
+        return True
+
+    def slots_resized(self, optimizer, values: list, sources: list) -> bool:
+        for param, source in zip(values, sources):
+            resize_optimizer_state(optimizer, param, source)
+        if hasattr(optimizer, "forget_layouts"):
+            optimizer.forget_layouts()  # (SM3: launch plans and memos built over the old sizes)
+        return True
+
+
+dispatch.listen(OptimizerStateKeeper())

@@ -32,6 +32,7 @@ from typing import Optional, Union
 from torch import nn
 
 from ..core.blocks import find_blocks
+from ..core.config import FIELD_CHECKS
 
 SETS = ("S1", "S2", "V1", "V2")
 Override = Optional[Union[list, str]]
@@ -85,6 +86,11 @@ class SlowFastConfig:
                 raise ValueError(f"slow_fast has unknown fields {unknown}")
             return cls(**value)
         raise ValueError(f"slow_fast must be a SlowFastConfig or a mapping of its fields, got slow_fast={value!r}")
+
+
+
+# a sparse config's ``slow_fast`` field: checked here, kept as a plain mapping (JSON in adapter_config.json)
+FIELD_CHECKS["slow_fast"] = lambda value: SlowFastConfig.from_value(value).to_dict()
 
 
 # ---------------------------------------------------------------------------------------------- sets
