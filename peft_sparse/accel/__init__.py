@@ -65,9 +65,11 @@ class _FastPathState(dispatch.Listener):
     """What the fast paths keep on layers, kept consistent with the core's changes."""
 
     def release(self, layers: list, weight_only: bool) -> None:
-        merged = [layer for layer in layers if layer._training_merge is not None]
-        if merged:
-            training_merge.release_training_merges(merged)  # θ₀ back, one launch per group of like tensors
+        for layer in layers:  # (a loop, not a list: this runs in every reference pass, mostly for one layer)
+            if layer._training_merge is not None:
+                # θ₀ back, one launch per group of like tensors
+                training_merge.release_training_merges([merged for merged in layers if merged._training_merge is not None])
+                break
         if weight_only:
             return
         for layer in layers:  # the last pass's decisions and fused launch hold the layer's tensors

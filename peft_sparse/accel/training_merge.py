@@ -247,6 +247,7 @@ def release_training_merges(layers: list) -> list:
             torch.autograd.graph.increment_version(merge.weight)
         _MERGE_EPOCH[0] += 1
         layer._training_merge = None
+        layer._base_weight_held = False
         layer._steady = None
         merge.active = False
         _MERGED_LAYERS.discard(layer)
@@ -337,6 +338,7 @@ def start_training_merge(layer, adapter: str, weight: torch.Tensor) -> _Training
     """Read θ₀ at the adapter's indices and register the layer for the optimizer step's rewrites (the
     caller writes θ₀[η] + φ)."""
     merge = layer._training_merge = _TrainingMerge(adapter, layer.sparse_indices[adapter], weight)
+    layer._base_weight_held = True  # (the layer writes θ₀ back before anything reads the weight: release_training_merges)
     _MERGE_EPOCH[0] += 1
     _MERGED_LAYERS.add(layer)
     _register_step_hook()

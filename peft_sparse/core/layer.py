@@ -81,6 +81,9 @@ class SparseLayer(MergeLayer, MixedBatchLayer, BlockLayoutLayer, BaseTunerLayer)
     #: what the adapted tensor is, for the choice of a pass's implementation (:mod:`.dispatch`): "linear",
     #: "quantized" (set per layer), "embedding"
     base_kind: str = "linear"
+    # True while a fast path keeps something of its own in the base weight's storage (the training merge sets it):
+    # the layer then has the listeners of .dispatch write θ₀ back before anything reads the weight
+    _base_weight_held: bool = False
 
     def __init__(self, base_layer: nn.Module, module_name: str) -> None:
         self.base_layer = base_layer
@@ -168,7 +171,8 @@ class SparseLayer(MergeLayer, MixedBatchLayer, BlockLayoutLayer, BaseTunerLayer)
         """θ₀ back in the base weight wherever a fast path wrote W + δ there: what a pass needs before it reads θ₀.
         Unlike :meth:`release_training_merge`, the kept passes stay (a training step's backward leaves the next
         pass steady)."""
-        dispatch.release([self], weight_only=True)
+        if self._base_weight_held:  # (nothing to write back otherwise: a reference pass asks every time)
+            dispatch.release([self], True)
 
     def _weight_is_shared(self, weight: torch.Tensor) -> bool:
         """Whether another parameter of the model uses the weight's storage (tied embeddings, views): such a
