@@ -56,9 +56,9 @@ def load_sparse_adapter(
     """Load a saved sparse adapter of any sparse method into ``model``.
 
     ``model`` is a base model (a ``PeftModel`` is created) or a ``PeftModel`` holding sparse adapters
-    (the adapter is added beside them). The adapter is loaded as ``as_type`` — by default the
-    existing ``PeftModel``'s type, else ``"SFT"`` — whatever method trained it. Per-index ages of
-    dynamic methods are dropped when the target type keeps none.
+    (the adapter is added beside them, their trainability left as it was). The adapter is loaded as
+    ``as_type`` — by default the existing ``PeftModel``'s type, else ``"SFT"`` — whatever method trained
+    it. Per-index ages of dynamic methods are dropped when the target type keeps none.
     """
     raw = read_adapter_config(adapter_dir)
     saved_cls = _sparse_config_class(raw.get("peft_type"), str(adapter_dir))
