@@ -83,3 +83,35 @@ def test_merge_writes_under_outputs_by_default(monkeypatch, tmp_path):
     monkeypatch.setattr("peft_sparse.core.compose.merge_sparse_adapters", lambda *a, **k: None)
     assert cli.main(["merge", "--base", "x", "--adapter", str(tmp_path / "my-adapter")]) == 0
     assert seen["path"].replace("\\", "/") == "outputs/merged-my-adapter"
+
+
+def _console_script(tmp_path):
+    """The peft-sparse launcher an installer writes from pyproject's [project.scripts] (the same text pip writes)."""
+    import os
+    import sys
+    import tomllib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        module, _, function = tomllib.load(f)["project"]["scripts"]["peft-sparse"].partition(":")
+    script = tmp_path / "bin" / "peft-sparse"
+    script.parent.mkdir(exist_ok=True)
+    script.write_text(
+        f"#!{sys.executable}\nimport re\nimport sys\nfrom {module} import {function}\nif __name__ == '__main__':\n"
+        f"    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n    sys.exit({function}())\n"
+    )
+    return script, {**os.environ, "PYTHONPATH": root}
+
+
+@pytest.mark.parametrize("argv,code", [(["--help"], 0), (["inspect", "--help"], 0), (["evaluate", "gsm"], 2), (["frobnicate"], 2)])
+def test_help_and_argument_errors_import_neither_torch_nor_transformers(tmp_path, argv, code):
+    import subprocess
+    import sys
+
+    script, env = _console_script(tmp_path)
+    done = subprocess.run([sys.executable, "-X", "importtime", str(script), *argv], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == code, done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "argparse" in imported  # (the listing is complete)
+    assert not imported & {"torch", "transformers", "peft", "peft_sparse", "bitsandbytes"}
+    assert ("usage: peft-sparse" in done.stdout) if code == 0 else ("usage: peft-sparse" in done.stderr)
