@@ -66,8 +66,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# bitsandbytes (imported by PEFT whenever it is installed) tries, on a CPU with AVX-512 BF16, to fetch an optional faster
+# CPU 4-bit kernel from the Hub through `kernels`, and logs a warning when it cannot (offline, or `kernels` missing);
+# it then uses its own CPU code. Only 4-bit runs could be faster with that kernel, so other commands drop the notice.
+OPTIONAL_KERNEL_NOTICES = {
+    "bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community",
+    "kernels._internals.hf_hub": "Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes'",
+}
+
+
+def _drop_optional_kernel_notices() -> None:
+    import logging
+
+    for name, start in OPTIONAL_KERNEL_NOTICES.items():
+        logging.getLogger(name).addFilter(lambda record, start=start: not record.getMessage().startswith(start))
+
+
+def quantizes(args) -> bool:
+    """Whether the command loads a 4-bit model: ``train`` with ``model.quantization`` set (by ``--set`` or the recipe).
+    An unreadable recipe counts as not quantizing; the recipe loader reports it."""
+    if args.command != "train":
+        return False
+    overrides = dict(args.set or [])
+    if "model.quantization" in overrides:
+        return overrides["model.quantization"] is not None
+    import yaml
+
+    try:
+        with open(args.recipe, encoding="utf-8") as f:
+            model = (yaml.safe_load(f) or {}).get("model") or {}
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        return False
+    return isinstance(model, dict) and model.get("quantization") is not None
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if not quantizes(args):
+        _drop_optional_kernel_notices()
     from peft_sparse.cli import run  # (the library: torch, PEFT, transformers)
 
     return run(args)
