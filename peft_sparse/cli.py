@@ -77,11 +77,12 @@ def _inspect_bottleneck(args) -> int:
     from safetensors import safe_open
 
     from .core.config import read_adapter_config
+    from .core.storage import reading, weights_path
 
     raw = read_adapter_config(args.adapter_dir)
-    path = os.path.join(args.adapter_dir, "adapter_model.safetensors")
+    path = weights_path(args.adapter_dir)
     modules: dict = {}
-    with safe_open(path, "pt") as f:
+    with reading(path), safe_open(path, "pt") as f:
         for key in f.keys():
             name = key.removeprefix("base_model.model.").split(".bottleneck_")[0]
             shape = f.get_slice(key).get_shape()

@@ -56,9 +56,11 @@ def check_same_base(model: PeftModel, adapter_dir: PathLike) -> None:
         from safetensors import safe_open
 
         from .core.blocks import in_out_features
+        from .core.storage import reading, weights_path
 
         base = model.get_base_model()
-        with safe_open(os.path.join(adapter_dir, "adapter_model.safetensors"), "pt") as f:
+        path = weights_path(adapter_dir)
+        with reading(path), safe_open(path, "pt") as f:
             for key in f.keys():
                 if key.endswith("bottleneck_down.weight"):
                     name = key.removeprefix("base_model.model.").removesuffix(".bottleneck_down.weight")

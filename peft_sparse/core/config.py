@@ -306,5 +306,11 @@ def read_adapter_config(adapter_dir: Union[str, os.PathLike]) -> dict:
     path = os.path.join(adapter_dir, "adapter_config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{adapter_dir!s} holds no adapter_config.json; is it an adapter directory?")
-    with open(path) as f:
-        return json.load(f)
+    with open(path, encoding="utf-8") as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is damaged or incomplete: it is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object of config fields, found a {type(raw).__name__}")
+    return raw
