@@ -39,6 +39,9 @@ def _names(model) -> set:
 
 
 def _base_name(path) -> str:
+    from .assets import portable_base_model
+
+    path = portable_base_model(path)  # (the built-in model by its name, wherever its folder is)
     return os.path.basename(str(path).rstrip("/\\")) if path else ""
 
 

@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ...core.blocks import in_out_features
+from ...core.config import PortableBaseModel
 from ...data.sampling import check_single_language
 from ...registry import extend_peft_type
 from .bottleneck import BottleneckConfig, bottleneck, ffn_targets
@@ -41,7 +42,7 @@ MADG = extend_peft_type("MADG")
 
 
 @dataclass
-class MADGConfig(PeftConfig):
+class MADGConfig(PortableBaseModel, PeftConfig):
     """A typology-conditioned generator of bottleneck language adapters (module docstring)."""
 
     languages: list = field(
