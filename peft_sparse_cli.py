@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--limit", type=int, default=None, help="evaluate only this many items")
     evaluate.add_argument("--batch-size", type=int, default=8)
     evaluate.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
+    evaluate.add_argument("--allow-code-execution", action="store_true",
+                          help="humaneval: run the programs the model writes (guarded and limited, not sandboxed; "
+                          "HF_ALLOW_CODE_EVAL=1 does the same)")  # fmt: skip
 
     inspect = sub.add_parser("inspect", help="method, per-module counts and densities, file size of an adapter")
     inspect.add_argument("adapter_dir")

@@ -153,6 +153,8 @@ def cmd_evaluate(args) -> int:
     from .assets import load_model_and_tokenizer
     from .evaluation import suite
 
+    if args.task == "humaneval":  # (before the model is loaded)
+        suite.check_code_execution_allowed(args.allow_code_execution)
     model, tokenizer = load_model_and_tokenizer(args.base, gguf_file=args.gguf_file, dtype=args.dtype)
     if args.adapter:
         from peft import PeftModel
@@ -162,7 +164,7 @@ def cmd_evaluate(args) -> int:
     rows = suite.load_task(args.task, args.data)
     shots = suite.load_task(args.task, args.shots_data, split=suite.SHOT_SPLITS.get(args.task)) if args.task in suite.SHOT_SPLITS else None
     rows = rows[: args.limit] if args.limit else rows
-    result = suite.run_task(args.task, runner, rows, shots)
+    result = suite.run_task(args.task, runner, rows, shots, allow_code_execution=args.allow_code_execution)
     print(json.dumps({"task": args.task, "base": args.base, "adapter": args.adapter, **result}, indent=2))
     return 0
 
