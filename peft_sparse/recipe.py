@@ -306,10 +306,19 @@ def read_rows(source, limit: Optional[int] = None, subset: Optional[str] = None)
     else:
         rows = read_jsonl(source) if str(source).endswith(".jsonl") else load_instruction_data(source)
     if subset is not None:
-        names = sorted({str(r.get("dataset")) for r in rows})
-        rows = [r for r in rows if r.get("dataset") == subset]
-        if not rows:
-            raise ValueError(f"recipe data.subset={subset!r} matches no row of {source}; its rows name the subsets {names[:20]}")
+        names = sorted({str(r["dataset"]) for r in rows if r.get("dataset") is not None})
+        unnamed = sum(1 for r in rows if r.get("dataset") is None)
+        chosen = [r for r in rows if r.get("dataset") == subset]
+        if not chosen:
+            if not names:
+                raise ValueError(
+                    f"recipe data.subset={subset!r} matches no row of {source}: none of its {len(rows)} rows has a "
+                    "'dataset' field naming its subset (leave data.subset out to train on them all)"
+                )
+            more = f" ({len(names) - 20} more)" if len(names) > 20 else ""
+            without = f"; {unnamed} rows have no 'dataset' field" if unnamed else ""
+            raise ValueError(f"recipe data.subset={subset!r} matches no row of {source}; its rows name the subsets {names[:20]}{more}{without}")
+        rows = chosen
     return rows[:limit] if limit is not None else rows
 
 

@@ -275,3 +275,24 @@ def test_spiel_ma_recipe_sm3_form_follows_the_run_length(tmp_path, max_steps, ex
     _, kwargs = _optimizer(load_recipe(raw))
     assert (kwargs["momentum"], kwargs["beta2"], kwargs["lr"]) == (*expected, 3e-3)
     assert ma_sm3_kwargs("beta2=0.99", max_steps) == {"momentum": expected[0], "beta2": 0.99}
+
+
+def test_a_subset_that_matches_nothing_names_the_subsets_there_are(tmp_path):
+    """Rows without a `dataset` field are counted, not listed as a subset called 'None'."""
+    from peft_sparse.recipe import read_rows
+
+    def write(name, rows):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return path
+
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    mixed = write("mixed.jsonl", [{"dataset": "flan_v2", "messages": chat}, {"dataset": "oasst1", "messages": chat}, {"messages": chat}])
+    assert [r["dataset"] for r in read_rows(mixed, subset="oasst1")] == ["oasst1"]
+    with pytest.raises(ValueError) as info:
+        read_rows(mixed, subset="cot")
+    assert str(info.value).endswith("its rows name the subsets ['flan_v2', 'oasst1']; 1 rows have no 'dataset' field")
+    plain = write("plain.jsonl", [{"prompt": "p", "answer": "a"}] * 2)
+    with pytest.raises(ValueError, match=r"subset='cot' matches no row of .*plain.jsonl: none of its 2 rows has a 'dataset' field") as info:
+        read_rows(plain, subset="cot")
+    assert "None" not in str(info.value)
