@@ -122,7 +122,7 @@ def cmd_inspect(args) -> int:
         total = sum(m["shape"][0] * m["shape"][1] for m in summary["modules"].values() if m["shape"])
         print(f"method: {summary['peft_type']}")
         print(f"base model: {summary['base_model']}")
-        print(f"tunable weights: {n:,} in {len(summary['modules'])} modules (density {n / total:.4%} of targeted)")
+        print(f"tunable weights: {n:,} in {len(summary['modules'])} modules = {n / total:.4%} of the targeted modules' {total:,} weights (the density)")
         size = summary["file_bytes"]
         print(f"file: adapter_model.safetensors, {size:,} bytes ({size / max(1, n):.2f} bytes per tunable weight)")
         print(f"\n{'module':<56}{'count':>10}{'density':>10}")

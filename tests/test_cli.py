@@ -28,7 +28,9 @@ def test_inspect_reports_method_counts_density_and_size(spiel_dir, capsys):
     config = json.loads((spiel_dir / "adapter_config.json").read_text())
     total = sum(config["tunable_weights_per_module"].values())
     assert "method: SPIEL" in out
-    assert f"tunable weights: {total:,} in 14 modules" in out
+    assert f"tunable weights: {total:,} in 14 modules = " in out
+    targeted = sum(a * b for a, b in config["module_shapes"].values())
+    assert f"= {total / targeted:.4%} of the targeted modules' {targeted:,} weights (the density)" in out
     assert "model.layers.1.mlp.down_proj" in out and "10.0000%" in out
     size = (spiel_dir / "adapter_model.safetensors").stat().st_size
     assert f"{size:,} bytes" in out
