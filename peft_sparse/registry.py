@@ -12,7 +12,8 @@ and ``_ExcludedModule`` (``peft.tuners.tuners_utils``: ``target_modules="all-lin
 ``exclude_modules`` resolved exactly as LoRA resolves them) and ``PEFT_TYPE_TO_CONFIG_MAPPING``
 (``peft.mapping``).
 
-One PEFT function is wrapped, for our types only: ``peft.peft_model.get_peft_model_state_dict`` resolves
+Two PEFT functions are wrapped where ``PeftModel`` calls them, for our types only. ``load_peft_weights`` names a
+damaged ``adapter_model.safetensors`` (:func:`name_damaged_weight_files`). ``get_peft_model_state_dict`` resolves
 ``save_embedding_layers="auto"`` by itself (:func:`resolve_embedding_saving`). PEFT's rule would save the whole
 base embedding table whenever an embedding is targeted (a sparse adapter already holds its delta) and otherwise
 reload the base model's config, from the hub if need be, to tell whether the vocabulary was resized; we compare
@@ -72,6 +73,7 @@ def register(name: str, config_cls, model_cls) -> None:
     peft_type = extend_peft_type(name.upper())
     OUR_TYPES.add(peft_type.value)
     resolve_embedding_saving()
+    name_damaged_weight_files()
     if PEFT_TYPE_TO_CONFIG_MAPPING.get(peft_type) is config_cls:
         return
     register_peft_method(name=name.lower(), config_cls=config_cls, model_cls=model_cls, prefix=model_cls.prefix)
@@ -104,6 +106,44 @@ def resolve_embedding_saving() -> None:
     get_peft_model_state_dict.peft_sparse_wrapped = True
     get_peft_model_state_dict.__wrapped__ = original
     peft_model.get_peft_model_state_dict = get_peft_model_state_dict
+
+
+def name_damaged_weight_files() -> None:
+    """Wrap ``load_peft_weights`` where ``PeftModel.load_adapter`` (and so ``from_pretrained``) calls it (idempotent):
+    for a local adapter of our types, a damaged ``adapter_model.safetensors`` is refused with the file named
+    (:func:`peft_sparse.core.storage.reading`) instead of safetensors' bare header error."""
+    import os
+
+    import peft.peft_model as peft_model
+
+    original = peft_model.load_peft_weights
+    if getattr(original, "peft_sparse_wrapped", False):
+        return
+
+    def load_peft_weights(model_id, *args, **kwargs):
+        folder = os.path.join(str(model_id), kwargs["subfolder"]) if kwargs.get("subfolder") else str(model_id)
+        path = os.path.join(folder, "adapter_model.safetensors")
+        if not (os.path.isfile(path) and _saved_peft_type(folder) in OUR_TYPES):
+            return original(model_id, *args, **kwargs)
+        from .core.storage import reading
+
+        with reading(path):
+            return original(model_id, *args, **kwargs)
+
+    load_peft_weights.peft_sparse_wrapped = True
+    load_peft_weights.__wrapped__ = original
+    peft_model.load_peft_weights = load_peft_weights
+
+
+def _saved_peft_type(folder: str):
+    import json
+    import os
+
+    try:
+        with open(os.path.join(folder, "adapter_config.json"), encoding="utf-8") as f:
+            return json.load(f).get("peft_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 _check_peft_version()

@@ -21,6 +21,7 @@ Switching costs O(d_φ): the language deltas are added in the forward pass, the 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from typing import Mapping, Optional, Sequence, Union
 
 import torch
@@ -38,6 +39,9 @@ def _names(model) -> set:
 
 
 def _base_name(path) -> str:
+    from .assets import portable_base_model
+
+    path = portable_base_model(path)  # (the built-in model by its name, wherever its folder is)
     return os.path.basename(str(path).rstrip("/\\")) if path else ""
 
 
@@ -55,9 +59,11 @@ def check_same_base(model: PeftModel, adapter_dir: PathLike) -> None:
         from safetensors import safe_open
 
         from .core.blocks import in_out_features
+        from .core.storage import reading, weights_path
 
         base = model.get_base_model()
-        with safe_open(os.path.join(adapter_dir, "adapter_model.safetensors"), "pt") as f:
+        path = weights_path(adapter_dir)
+        with reading(path), safe_open(path, "pt") as f:
             for key in f.keys():
                 if key.endswith("bottleneck_down.weight"):
                     name = key.removeprefix("base_model.model.").removesuffix(".bottleneck_down.weight")
@@ -73,21 +79,36 @@ def check_same_base(model: PeftModel, adapter_dir: PathLike) -> None:
                         )
 
 
+@contextmanager
+def _keeping_trainability(model):
+    """Restore every parameter's ``requires_grad`` as it was on entry: re-activating adapters (PEFT's
+    ``set_adapter``) makes every active adapter trainable, a frozen language under a task included."""
+    before = {id(p): p.requires_grad for p in model.parameters()}
+    try:
+        yield
+    finally:
+        for p in model.parameters():
+            if id(p) in before:
+                p.requires_grad_(before[id(p)])
+
+
 def add_frozen_adapter(model: PeftModel, adapter_dir: PathLike, adapter_name: str) -> PeftModel:
     """Load a saved adapter beside the model's adapters, frozen; the active adapters are unchanged. Sparse adapters
     (any sparse method) join a sparse model, ``BOTTLENECK`` adapters (e.g. MAD-G's generated language adapters) a
-    bottleneck model."""
+    bottleneck model. No other adapter's trainability changes: a language adapter frozen under a task by
+    :func:`stack` stays frozen when another language is added."""
     from .core.config import read_adapter_config
 
     if adapter_name in _names(model):
         raise ValueError(f"the model already holds an adapter named {adapter_name!r}")
     check_same_base(model, adapter_dir)
     active = model.active_adapters
-    if read_adapter_config(adapter_dir).get("peft_type") == "BOTTLENECK":
-        model.load_adapter(str(adapter_dir), adapter_name=adapter_name, is_trainable=False)
-    else:
-        load_sparse_adapter(model, adapter_dir, adapter_name=adapter_name, is_trainable=False)
-    model.base_model.set_adapter(active if len(active) > 1 else active[0])
+    with _keeping_trainability(model):
+        if read_adapter_config(adapter_dir).get("peft_type") == "BOTTLENECK":
+            model.load_adapter(str(adapter_dir), adapter_name=adapter_name, is_trainable=False)
+        else:
+            load_sparse_adapter(model, adapter_dir, adapter_name=adapter_name, is_trainable=False)
+        model.base_model.set_adapter(active if len(active) > 1 else active[0])
     model.base_model.set_requires_grad(adapter_name, False)
     return model
 

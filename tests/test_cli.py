@@ -28,7 +28,9 @@ def test_inspect_reports_method_counts_density_and_size(spiel_dir, capsys):
     config = json.loads((spiel_dir / "adapter_config.json").read_text())
     total = sum(config["tunable_weights_per_module"].values())
     assert "method: SPIEL" in out
-    assert f"tunable weights: {total:,} in 14 modules" in out
+    assert f"tunable weights: {total:,} in 14 modules = " in out
+    targeted = sum(a * b for a, b in config["module_shapes"].values())
+    assert f"= {total / targeted:.4%} of the targeted modules' {targeted:,} weights (the density)" in out
     assert "model.layers.1.mlp.down_proj" in out and "10.0000%" in out
     size = (spiel_dir / "adapter_model.safetensors").stat().st_size
     assert f"{size:,} bytes" in out
@@ -83,3 +85,78 @@ def test_merge_writes_under_outputs_by_default(monkeypatch, tmp_path):
     monkeypatch.setattr("peft_sparse.core.compose.merge_sparse_adapters", lambda *a, **k: None)
     assert cli.main(["merge", "--base", "x", "--adapter", str(tmp_path / "my-adapter")]) == 0
     assert seen["path"].replace("\\", "/") == "outputs/merged-my-adapter"
+
+
+def _console_script(tmp_path):
+    """The peft-sparse launcher an installer writes from pyproject's [project.scripts] (the same text pip writes)."""
+    import os
+    import sys
+    import tomllib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        module, _, function = tomllib.load(f)["project"]["scripts"]["peft-sparse"].partition(":")
+    script = tmp_path / "bin" / "peft-sparse"
+    script.parent.mkdir(exist_ok=True)
+    script.write_text(
+        f"#!{sys.executable}\nimport re\nimport sys\nfrom {module} import {function}\nif __name__ == '__main__':\n"
+        f"    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n    sys.exit({function}())\n"
+    )
+    return script, {**os.environ, "PYTHONPATH": root}
+
+
+@pytest.mark.parametrize("argv,code", [(["--help"], 0), (["inspect", "--help"], 0), (["evaluate", "gsm"], 2), (["frobnicate"], 2)])
+def test_help_and_argument_errors_import_neither_torch_nor_transformers(tmp_path, argv, code):
+    import subprocess
+    import sys
+
+    script, env = _console_script(tmp_path)
+    done = subprocess.run([sys.executable, "-X", "importtime", str(script), *argv], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == code, done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "argparse" in imported  # (the listing is complete)
+    assert not imported & {"torch", "transformers", "peft", "peft_sparse", "bitsandbytes"}
+    assert ("usage: peft-sparse" in done.stdout) if code == 0 else ("usage: peft-sparse" in done.stderr)
+
+
+def test_commands_that_do_not_quantize_print_no_optional_kernel_notice(tmp_path):
+    """bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community" (printed when PEFT imports it on a
+    CPU with AVX-512 BF16 and the optional kernel cannot be fetched) stays out of a command that does not quantize;
+    a 4-bit training command keeps it."""
+    import subprocess
+    import sys
+
+    notice = "gemm_4bit_forward"
+    control = subprocess.run([sys.executable, "-c", "import peft"], capture_output=True, text=True, timeout=300)
+    if notice not in control.stderr:
+        pytest.skip("bitsandbytes prints no optional-kernel notice on this machine (no AVX-512 BF16 CPU, or the kernel loads)")
+    model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules="all-linear", density=0.1))
+    model.save_pretrained(tmp_path / "sft")
+    script, env = _console_script(tmp_path)
+    done = subprocess.run([sys.executable, str(script), "inspect", str(tmp_path / "sft")], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and "method: SFT" in done.stdout, done.stderr[-2000:]
+    assert notice not in done.stderr and "kernels-community" not in done.stderr
+    recipe = tmp_path / "quantized.yaml"  # a 4-bit recipe that fails after the import: the notice is kept for it
+    recipe.write_text("model: {source: " + str(tmp_path / "no-such-model") + ", quantization: nf4}\nmethod: {peft_type: SFT}\n")
+    done = subprocess.run([sys.executable, str(script), "train", str(recipe)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode != 0 and notice in done.stderr
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["inspect", "x"], False),
+        (["train", "RECIPE"], True),
+        (["train", "RECIPE", "--set", "model.quantization=null"], False),
+        (["train", "PLAIN"], False),
+        (["train", "PLAIN", "--set", "model.quantization=nf4"], True),
+        (["train", "MISSING"], False),
+    ],
+)
+def test_which_commands_quantize(tmp_path, argv, expected):
+    from peft_sparse_cli import build_parser, quantizes
+
+    (tmp_path / "q.yaml").write_text("model: {source: m, quantization: nf4}\n")
+    (tmp_path / "p.yaml").write_text("model: {source: m}\n")
+    paths = {"RECIPE": str(tmp_path / "q.yaml"), "PLAIN": str(tmp_path / "p.yaml"), "MISSING": str(tmp_path / "none.yaml")}
+    assert quantizes(build_parser().parse_args([paths.get(a, a) for a in argv])) is expected

@@ -82,9 +82,10 @@ def test_humaneval_runs_programs_in_a_limited_process():
         {"prompt": "def sub(a, b):\n", "test": "def check(f):\n    assert f(2, 3) == -1", "entry_point": "sub"},
     ]
     model = Scripted(lambda p: "    return a + b\n")
-    result = suite.humaneval(model, rows)
+    result = suite.humaneval(model, rows, allow_code_execution=True)
     assert result == {"pass@1": 0.5, "total": 2} and model.calls[0]["temperature"] == 0.1
-    assert suite.run_program("import sys; sys.exit(0)") and not suite.run_program("raise SystemExit(3)")
+    assert suite.run_program("import sys; print('ran')") and not suite.run_program("raise SystemExit(3)")
+    assert not suite.run_program("import sys; sys.exit(0)")  # (an early exit skips the tests: not a pass)
     assert not suite.run_program("while True: pass", timeout=2.0)  # wall clock
     assert not suite.run_program("x = bytearray(4 * 2**30)", memory_mb=512)  # memory limit
     assert suite.run_program("import os; assert 'PYTHONPATH' not in os.environ and os.getcwd().startswith('/tmp')")
@@ -124,5 +125,94 @@ def test_cli_evaluates_a_local_task_file(tmp_path, capsys, monkeypatch):
     (tmp_path / "he.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     monkeypatch.setattr(module, "HFModel", lambda model, tok, **kw: Scripted(lambda p: "    return 1\n"))
     monkeypatch.setattr("peft_sparse.assets.load_model_and_tokenizer", lambda *a, **k: (None, None))
-    assert cli.main(["evaluate", "humaneval", "--base", "x", "--data", str(tmp_path / "he.jsonl")]) == 0
+    monkeypatch.delenv("HF_ALLOW_CODE_EVAL", raising=False)
+    assert cli.main(["evaluate", "humaneval", "--base", "x", "--data", str(tmp_path / "he.jsonl"), "--allow-code-execution"]) == 0
     assert json.loads(capsys.readouterr().out)["pass@1"] == 1.0
+
+
+def test_humaneval_runs_model_written_code_only_when_the_user_opts_in(tmp_path, capsys, monkeypatch):
+    """As evaluate's code_eval: refused, saying why, unless --allow-code-execution / allow_code_execution=True or
+    HF_ALLOW_CODE_EVAL=1; the command refuses before it loads a model."""
+    import json
+
+    from peft_sparse import cli
+
+    rows = [{"prompt": "def f():\n", "test": "def check(g):\n    assert g() == 1", "entry_point": "f"}]
+    (tmp_path / "he.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.delenv("HF_ALLOW_CODE_EVAL", raising=False)
+    model = Scripted(lambda p: "    return 1\n")
+    with pytest.raises(ValueError, match="runs the programs the model writes.*--allow-code-execution.*HF_ALLOW_CODE_EVAL=1"):
+        suite.humaneval(model, rows)
+    with pytest.raises(ValueError, match="HF_ALLOW_CODE_EVAL=1"):
+        suite.run_task("humaneval", model, rows)
+    assert model.calls == []  # (refused before generating)
+    loaded = []
+    monkeypatch.setattr("peft_sparse.assets.load_model_and_tokenizer", lambda *a, **k: loaded.append(1) or (None, None))
+    assert cli.main(["evaluate", "humaneval", "--base", "x", "--data", str(tmp_path / "he.jsonl")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--allow-code-execution" in err and "not a security boundary" in err and not loaded
+    monkeypatch.setenv("HF_ALLOW_CODE_EVAL", "1")
+    assert suite.humaneval(model, rows)["pass@1"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "attempt",
+    [
+        "import os; os.system('touch {marker}')",
+        "import subprocess; subprocess.run(['touch', '{marker}'])",
+        "import subprocess; subprocess.Popen(['touch', '{marker}']).wait()",
+        "import os; os.popen('touch {marker}').read()",
+        "import os\nif os.fork() == 0:\n    open('{marker}', 'w').close()",
+        "import os; os.execv('/usr/bin/touch', ['touch', '{marker}'])",
+        "import os; os.posix_spawn('/usr/bin/touch', ['touch', '{marker}'], {{}})",
+        "import os; os.spawnv(os.P_WAIT, '/usr/bin/touch', ['touch', '{marker}'])",
+        "import multiprocessing as mp, pathlib\nif __name__ == '__main__':\n    p = mp.get_context('spawn').Process(target=pathlib.Path('{marker}').touch)\n    p.start(); p.join()",
+        "import os; os.remove('{victim}')",
+        "import os; os.unlink('{victim}')",
+        "import pathlib; pathlib.Path('{victim}').unlink()",
+        "import os; os.rename('{victim}', '{marker}')",
+        "import os; os.replace('{victim}', '{marker}')",
+        "import os; os.truncate('{victim}', 0)",
+        "import os; os.chmod('{victim}', 0)",
+        "import os; os.rmdir('{empty}')",
+        "import os; os.removedirs('{empty}')",
+        "import shutil; shutil.rmtree('{folder}')",
+        "import shutil; shutil.move('{victim}', '{marker}')",
+        "import os, signal; os.kill({sleeper}, signal.SIGTERM)",
+        "import os, signal; os.killpg({sleeper}, signal.SIGTERM)",
+        "import os; os.putenv('X', '1')",
+        "import socket; socket.socket(socket.AF_INET, socket.SOCK_STREAM).connect(('127.0.0.1', {port}))",
+        "import socket; socket.create_connection(('127.0.0.1', {port}))",
+        "import os; os._exit(0)",
+        "exit(0)",
+    ],
+)
+def test_humaneval_programs_cannot_spawn_remove_or_connect(tmp_path, attempt):
+    """Before a model-written program runs, the child disables what the reference HumanEval harness disables
+    (process creation, os.system, file and directory removal, renaming, mode changes, signals, the environment) and
+    network sockets: each attempt fails the program and leaves no trace."""
+    import socket
+    import subprocess
+
+    victim, folder, marker = tmp_path / "victim.txt", tmp_path / "folder", tmp_path / "marker"
+    victim.write_text("keep")
+    (tmp_path / "empty").mkdir()
+    folder.mkdir()
+    (folder / "inside.txt").write_text("keep")
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.setblocking(False)
+    sleeper = subprocess.Popen(["sleep", "60"], start_new_session=True)  # (a process to signal)
+    try:
+        program = attempt.format(marker=marker, victim=victim, folder=folder, empty=tmp_path / "empty", port=server.getsockname()[1], sleeper=sleeper.pid)
+        assert not suite.run_program(program + "\nprint('the attempt went through')", timeout=20.0)
+        with pytest.raises(BlockingIOError):
+            server.accept()  # (nobody connected)
+        assert sleeper.poll() is None  # (still running)
+    finally:
+        server.close()
+        sleeper.kill()
+        sleeper.wait()
+    assert not marker.exists() and victim.read_text() == "keep" and (folder / "inside.txt").read_text() == "keep" and (tmp_path / "empty").is_dir()
+    assert oct(victim.stat().st_mode & 0o777) != "0o0"

@@ -275,3 +275,63 @@ def test_spiel_ma_recipe_sm3_form_follows_the_run_length(tmp_path, max_steps, ex
     _, kwargs = _optimizer(load_recipe(raw))
     assert (kwargs["momentum"], kwargs["beta2"], kwargs["lr"]) == (*expected, 3e-3)
     assert ma_sm3_kwargs("beta2=0.99", max_steps) == {"momentum": expected[0], "beta2": 0.99}
+
+
+def test_a_subset_that_matches_nothing_names_the_subsets_there_are(tmp_path):
+    """Rows without a `dataset` field are counted, not listed as a subset called 'None'."""
+    from peft_sparse.recipe import read_rows
+
+    def write(name, rows):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return path
+
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    mixed = write("mixed.jsonl", [{"dataset": "flan_v2", "messages": chat}, {"dataset": "oasst1", "messages": chat}, {"messages": chat}])
+    assert [r["dataset"] for r in read_rows(mixed, subset="oasst1")] == ["oasst1"]
+    with pytest.raises(ValueError) as info:
+        read_rows(mixed, subset="cot")
+    assert str(info.value).endswith("its rows name the subsets ['flan_v2', 'oasst1']; 1 rows have no 'dataset' field")
+    plain = write("plain.jsonl", [{"prompt": "p", "answer": "a"}] * 2)
+    with pytest.raises(ValueError, match=r"subset='cot' matches no row of .*plain.jsonl: none of its 2 rows has a 'dataset' field") as info:
+        read_rows(plain, subset="cot")
+    assert "None" not in str(info.value)
+
+
+def test_the_trainable_count_names_its_denominators(tmp_path, capsys):
+    """The recipe prints the trainable share of all parameters and, for a sparse adapter, its density over the
+    targeted modules' weights, each named (the same density peft-sparse inspect prints)."""
+    from peft import LoraConfig, get_peft_model
+
+    from peft_sparse import LTSFTConfig, SparseFTConfig
+    from peft_sparse.recipe import load_recipe, run_recipe, trainable_summary
+
+    from .models import tiny_llama
+
+    sft = get_peft_model(tiny_llama(), SparseFTConfig(target_modules="all-linear", density=0.1))
+    trainable, total = sft.get_nb_trainable_parameters()
+    targeted = sum(a * b for a, b in sft.peft_config["default"].module_shapes.values())
+    line = trainable_summary(sft)
+    assert line == (f"trainable parameters: {trainable:,} = {trainable / total:.2%} of all {total:,} parameters (the adapter's own included); "
+                    f"sparse delta 'default': {trainable:,} values = {trainable / targeted:.2%} of the {targeted:,} weights of the targeted modules (the density)")  # fmt: skip
+    lt = trainable_summary(get_peft_model(tiny_llama(), LTSFTConfig(target_modules="all-linear", density=0.1, dense_steps=2, sparse_steps=2)))
+    assert lt.endswith(f"LT-SFT's dense phase trains all {targeted:,} weights of the targeted modules and keeps 1,536 = 10.00% of them (the density)")
+    lora = get_peft_model(tiny_llama(), LoraConfig(target_modules=["q_proj"], r=2))
+    trainable, total = lora.get_nb_trainable_parameters()
+    assert trainable_summary(lora) == f"trainable parameters: {trainable:,} = {trainable / total:.2%} of all {total:,} parameters (the adapter's own included)"
+    # the recipe prints it (not PEFT's unlabelled trainable%)
+    model_dir = tmp_path / "model"
+    tiny_llama().save_pretrained(model_dir)
+    _tok().save_pretrained(model_dir)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "t5 t6", "completion": f" t{7 + i % 3}"}) + "\n" for i in range(8)))
+    recipe = load_recipe({
+        "model": {"source": str(model_dir)},
+        "method": {"peft_type": "SFT", "target_modules": "all-linear", "density": 0.1},
+        "data": {"train": str(data)},
+        "training": {"output_dir": str(tmp_path / "out"), "max_steps": 1, "per_device_train_batch_size": 4, "max_length": 16,
+                     "use_cpu": True, "bf16": False, "report_to": "none", "save_strategy": "no", "gradient_checkpointing": False},
+    })  # fmt: skip
+    run_recipe(recipe)
+    out = capsys.readouterr().out
+    assert "trainable%" not in out and f"of the {targeted:,} weights of the targeted modules (the density)" in out

@@ -194,3 +194,53 @@ def test_list_and_bitmap_storage_give_identical_models(tmp_path, density):
     assert sizes["auto"] == min(sizes["list"], sizes["bitmap"])
     with pytest.raises(ValueError, match="index_storage must be 'auto', 'list' or 'bitmap', got index_storage='dense'"):
         SparseFTConfig(target_modules="all-linear", density=0.1, index_storage="dense")
+
+
+def _damage_header(path):
+    """Keep the header's length, replace its JSON with bytes that are not JSON ("invalid JSON in header")."""
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    path.write_bytes(data[:8] + b"x" * length + data[8 + length :])
+
+
+def test_a_damaged_weights_file_is_named_wherever_an_adapter_is_read(tmp_path, capsys, monkeypatch):
+    from peft_sparse import BottleneckConfig, MADGConfig, load_sparse_adapter, merge_sparse_adapters
+    from peft_sparse.cli import main
+    from peft_sparse.transfer import add_frozen_adapter
+
+    sparse = tmp_path / "sparse"
+    get_peft_model(tiny_llama(), SparseFTConfig(target_modules="all-linear", density=0.1)).save_pretrained(sparse)
+    bottleneck = tmp_path / "bottleneck"
+    get_peft_model(tiny_llama(), BottleneckConfig(bottleneck_size=4)).save_pretrained(bottleneck)
+    generator = tmp_path / "generator"
+    get_peft_model(tiny_llama(), MADGConfig(languages=["deu", "eng"], bottleneck_size=4)).save_pretrained(generator)
+    for directory in (sparse, bottleneck, generator):
+        _damage_header(directory / "adapter_model.safetensors")
+
+    def refused(call, directory):
+        with pytest.raises(ValueError) as info:
+            call()
+        text = str(info.value)
+        assert str(directory / "adapter_model.safetensors") in text and "invalid JSON in header" in text and "damaged" in text
+
+    refused(lambda: PeftModel.from_pretrained(tiny_llama(), sparse), sparse)
+    refused(lambda: load_sparse_adapter(tiny_llama(), sparse), sparse)
+    refused(lambda: merge_sparse_adapters(tiny_llama(), [sparse]), sparse)
+    refused(lambda: PeftModel.from_pretrained(tiny_llama(), bottleneck), bottleneck)
+    stack_on = get_peft_model(tiny_llama(), BottleneckConfig(bottleneck_size=4), adapter_name="task")
+    refused(lambda: add_frozen_adapter(stack_on, bottleneck, "lang"), bottleneck)
+    # the command: one line naming the file, for every kind of adapter and every command that reads one
+    monkeypatch.setattr("peft_sparse.assets.load_model_and_tokenizer", lambda *a, **k: (tiny_llama(), None))
+    commands = [["inspect", str(sparse)], ["inspect", str(bottleneck)], ["inspect", str(generator)],
+                ["merge", "--base", "x", "--adapter", str(sparse), "--output", str(tmp_path / "merged")],
+                ["evaluate", "gsm", "--base", "x", "--adapter", str(sparse), "--data", str(tmp_path / "none.jsonl")]]  # fmt: skip
+    for argv in commands:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        directory = argv[-1] if argv[0] == "inspect" else str(sparse)
+        assert err.count("\n") == 0 and os.path.join(directory, "adapter_model.safetensors") in err and "invalid JSON" in err, (argv, err)
+    # a damaged config is named too
+    (sparse / "adapter_config.json").write_text('{"peft_type": "SFT", ')
+    with pytest.raises(ValueError, match="adapter_config.json is damaged or incomplete: it is not valid JSON"):
+        load_sparse_adapter(tiny_llama(), sparse)
+    assert main(["inspect", str(sparse)]) == 2 and "adapter_config.json is damaged" in capsys.readouterr().err

@@ -405,3 +405,58 @@ def test_mlm_language_sft_recipe_trains_an_encoder_with_its_embeddings(tmp_path)
         torch.testing.assert_close(loaded(x).logits, merged_out, rtol=1e-5, atol=1e-5)
     with pytest.raises(SystemExit, match="no such file"):
         recipe.main(["--model", str(tmp_path / "bert"), "--text", str(tmp_path / "missing.txt")])
+
+
+@pytest.mark.parametrize("rates", [dict(), dict(dense_learning_rate=5e-3, sparse_learning_rate=2e-2)], ids=["trainer-rate", "phase-rates"])
+def test_resume_under_a_decaying_schedule_repeats_the_uninterrupted_run(tmp_path, rates):
+    """Linear decay after warmup: a run resumed from a dense-phase or a sparse-phase checkpoint logs the losses and
+    learning rates of the uninterrupted run step for step and ends with its indices and values; the phases'
+    configured rates replace the schedule's base rate (warmup and decay apply to them as to the Trainer's)."""
+    from transformers import Trainer, TrainingArguments
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 97, (32, 10), generator=g).tolist()
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids, "attention_mask": [[1] * 10] * 32})
+
+    from transformers import TrainerCallback
+
+    class Rates(TrainerCallback):  # the rate each optimizer step actually uses
+        def __init__(self):
+            self.used = {}
+
+        def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+            self.used[state.global_step + 1] = [group["lr"] for group in optimizer.param_groups]
+
+    def run(model, out, checkpoint=None):
+        args = TrainingArguments(
+            output_dir=str(out), per_device_train_batch_size=4, max_steps=8, learning_rate=1e-2, report_to="none",
+            use_cpu=True, save_strategy="steps", save_steps=1, lr_scheduler_type="linear", warmup_steps=2, logging_steps=1,
+            seed=0,
+        )  # fmt: skip
+        rates = Rates()
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[LTSFTCallback(), rates])
+        trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
+        logs = {h["step"]: (h["loss"], h["learning_rate"]) for h in trainer.state.log_history if "loss" in h}
+        state = {k: v.detach().clone() for k, v in model.state_dict().items() if "sparse_" in k}
+        return logs, rates.used, state
+
+    def config():
+        return _config(dense_steps=4, sparse_steps=4, **rates)
+
+    expected_logs, expected_used, expected = run(get_peft_model(tiny_llama(), config()), tmp_path / "full")
+    dense_lr, sparse_lr = rates.get("dense_learning_rate", 1e-2), rates.get("sparse_learning_rate", 1e-2)
+    factors = [0.0, 0.5, 1.0, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6]  # step s: warmup over 2 steps, then linear decay to 0 at 8
+    schedule = {s: f * (dense_lr if s <= 4 else sparse_lr) for s, f in enumerate(factors, 1)}
+    for s in range(1, 9):
+        assert expected_used[s] == pytest.approx([schedule[s]] * len(expected_used[s]), rel=1e-9, abs=1e-12), s
+        assert expected_logs[s][1] == pytest.approx(schedule[s], rel=1e-9, abs=1e-12), s
+    for step, from_pretrained in [(3, False), (5, True)]:  # the dense phase (model as built), the sparse phase (from it)
+        checkpoint = tmp_path / "full" / f"checkpoint-{step}"
+        model = PeftModel.from_pretrained(tiny_llama(), checkpoint, is_trainable=True) if from_pretrained else get_peft_model(tiny_llama(), config())
+        logs, used, state = run(model, tmp_path / f"resumed-{step}", checkpoint)
+        for s in range(step + 1, 9):
+            assert used[s] == pytest.approx(expected_used[s], rel=1e-9, abs=1e-12), (step, s)
+            assert logs[s] == pytest.approx(expected_logs[s], rel=1e-6, abs=1e-9), (step, s)
+        assert state.keys() == expected.keys()
+        for k in expected:
+            assert torch.equal(state[k], expected[k]), (step, k)

@@ -277,6 +277,25 @@ def test_feature_importance_is_the_column_norm_of_W_V(tmp_path, capsys):
     assert rows == [feature_names()[j] for j in top]
 
 
+def test_the_installed_command_plots_features_though_lang2vec_installs_a_script_of_its_name(tmp_path):
+    """The console script runs with its own folder (the environment's bin/) first on sys.path, where lang2vec's
+    install puts a lang2vec.py script; the typology lookup must still find the lang2vec package."""
+    import subprocess
+    import sys
+
+    command = os.path.join(os.path.dirname(sys.executable), "peft-sparse")
+    if not os.path.isfile(command):
+        pytest.skip(f"no installed peft-sparse command beside {sys.executable}")
+    assert os.path.isfile(os.path.join(os.path.dirname(command), "lang2vec.py"))  # (what makes this test bite)
+    madg().save_pretrained(tmp_path / "gen")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    done = subprocess.run([command, "inspect", str(tmp_path / "gen"), "--top-features", "3", "--feature-plot", str(tmp_path / "f.png")],
+                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 # ---------------------------------------------------------------------------------------------- data and routing
 def test_language_sampler_distribution():
     languages = ["a"] * 400 + ["b"] * 100 + ["c"] * 25 + ["d"] * 4000

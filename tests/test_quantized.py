@@ -571,3 +571,20 @@ def test_quantized_steady_pass_is_forgotten_and_observed_as_the_full_path(quanti
     loaded.train()
     loaded(x)  # (no version counter to remember)
     assert all(layer._steady is None for layer in sparse_layers(loaded))
+
+
+def test_the_quant_extra_allows_only_bitsandbytes_that_transformers_quantizes_with():
+    """pyproject's quant extra may not admit a bitsandbytes older than transformers' minimum for 4-bit loading."""
+    import os
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+    from transformers.utils.import_utils import BITSANDBYTES_MIN_VERSION
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["quant"]
+    (requirement,) = [Requirement(r) for r in extra if Requirement(r).name == "bitsandbytes"]
+    lowest = min(Version(s.version) for s in requirement.specifier if s.operator in (">=", "==", "~="))
+    assert lowest >= Version(BITSANDBYTES_MIN_VERSION), f"quant extra {requirement} admits bitsandbytes below {BITSANDBYTES_MIN_VERSION}"

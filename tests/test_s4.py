@@ -240,3 +240,34 @@ def test_the_s4_recipe_runs_every_arm(tmp_path):
     assert {"xa-xb", "xa-xc", "xb-xc"} <= set(s4) and all(0.0 <= v <= 1.0 for v in s4.values()) and s4["xa-xa"] == 1.0
     assert (tmp_path / "s4-overlap.png").stat().st_size > 0
     assert json.loads((tmp_path / "s4-adapter" / "adapter_config.json").read_text())["peft_type"] == "S4"
+
+
+@pytest.mark.parametrize("count", [2, 3, 6])
+def test_the_overlap_heatmaps_title_stays_clear_of_its_colour_bar(tmp_path, monkeypatch, count):
+    """Rendered: the title's box meets neither the colour bar (ticks and label included) nor the grid, and all
+    lie inside the figure."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from peft_sparse.plots import overlap_heatmap
+
+    boxes = {}
+    save = Figure.savefig
+
+    def measuring_savefig(fig, *args, **kwargs):
+        result = save(fig, *args, **kwargs)  # (drawn: the layout is final)
+        renderer = fig.canvas.get_renderer()
+        grid, bar = fig.axes
+        title = next(t for t in [*fig.texts, grid.title] if t.get_text())
+        boxes.update(title=title.get_window_extent(renderer), bar=bar.get_tightbbox(renderer), grid=grid.get_tightbbox(renderer),
+                     figure=fig.bbox)  # fmt: skip
+        return result
+
+    monkeypatch.setattr(Figure, "savefig", measuring_savefig)
+    languages = [f"l{i}" for i in range(count)]
+    overlap_heatmap(languages, {(a, b): 1.0 if a == b else 0.25 for a in languages for b in languages}, str(tmp_path / "h.png"))
+    assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
+    assert boxes["title"].width > 0 and not boxes["title"].overlaps(boxes["bar"]) and not boxes["title"].overlaps(boxes["grid"])
+    for name in ("title", "bar", "grid"):
+        box = boxes[name]
+        assert box.x0 >= -1 and box.y0 >= -1 and box.x1 <= boxes["figure"].x1 + 1 and box.y1 <= boxes["figure"].y1 + 1, name

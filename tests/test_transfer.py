@@ -158,3 +158,44 @@ def test_compose_takes_the_task_adapters_head(tmp_path):
     task.save_pretrained(tmp_path / "task2")
     with pytest.raises(ValueError, match="compose at most one adapter with heads"):
         compose(tiny_bert(), [tmp_path / "task", tmp_path / "task2"])
+
+
+def test_adding_a_frozen_adapter_leaves_the_others_trainability_alone(tmp_path):
+    """The cross-lingual order of the docs — a language, the stack, a second language — keeps the first language
+    frozen: only the task trains, LTSFTCallback finds the one trainable LT-SFT adapter, and the Trainer's optimizer
+    holds the task's values alone (the languages' values end the run unchanged)."""
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    from peft_sparse import LTSFTCallback
+
+    en, de = _language_adapter(tmp_path / "en", 1), _language_adapter(tmp_path / "de", 2)
+    model = _task_model()
+    add_frozen_adapter(model, en, "en")
+    stack(model, under=["en"], trainable="task")
+    task_only = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert task_only and all(".task" in n for n in task_only)
+    add_frozen_adapter(model, de, "de")
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == task_only
+    assert model.active_adapters == ["en", "task"]
+    languages = {(i, n): l.sparse_values[n].detach().clone() for i, l in enumerate(sparse_layers(model)) for n in ("en", "de")}
+    # load_sparse_adapter beside a PeftModel keeps the others as they were too
+    from peft_sparse import load_sparse_adapter
+
+    load_sparse_adapter(model, de, adapter_name="de_again")
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == task_only
+    model.delete_adapter("de_again")
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 97, (16, 10), generator=g).tolist()
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids, "attention_mask": [[1] * 10] * 16})
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=4, learning_rate=1e-2,
+                             report_to="none", use_cpu=True, save_strategy="no", lr_scheduler_type="constant")  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[LTSFTCallback()])
+    trainer.train()
+    assert model.peft_config["task"].phase == "sparse"
+    in_optimizer = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in in_optimizer}
+    assert names and all(".task" in n for n in names)
+    for (i, n), before in languages.items():
+        assert torch.equal(sparse_layers(model)[i].sparse_values[n], before), (i, n)

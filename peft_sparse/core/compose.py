@@ -16,7 +16,6 @@ from typing import Optional, Union
 from peft import PeftModel, get_peft_model
 from ..registry import PEFT_TYPE_TO_CONFIG_MAPPING
 from peft.utils import load_peft_weights, set_peft_model_state_dict
-from safetensors.torch import load_file
 from torch import nn
 
 from . import storage
@@ -56,9 +55,9 @@ def load_sparse_adapter(
     """Load a saved sparse adapter of any sparse method into ``model``.
 
     ``model`` is a base model (a ``PeftModel`` is created) or a ``PeftModel`` holding sparse adapters
-    (the adapter is added beside them). The adapter is loaded as ``as_type`` — by default the
-    existing ``PeftModel``'s type, else ``"SFT"`` — whatever method trained it. Per-index ages of
-    dynamic methods are dropped when the target type keeps none.
+    (the adapter is added beside them, their trainability left as it was). The adapter is loaded as
+    ``as_type`` — by default the existing ``PeftModel``'s type, else ``"SFT"`` — whatever method trained
+    it. Per-index ages of dynamic methods are dropped when the target type keeps none.
     """
     raw = read_adapter_config(adapter_dir)
     saved_cls = _sparse_config_class(raw.get("peft_type"), str(adapter_dir))
@@ -71,7 +70,8 @@ def load_sparse_adapter(
         model.add_adapter(adapter_name, config)
     else:
         model = get_peft_model(model, config, adapter_name=adapter_name)
-    state_dict = load_peft_weights(str(adapter_dir))
+    with storage.reading(os.path.join(adapter_dir, storage.WEIGHTS_FILE)):
+        state_dict = load_peft_weights(str(adapter_dir))
     keeps_ages = any(adapter_name in getattr(m, "sparse_ages", {}) for m in model.modules())
     if not keeps_ages:
         state_dict = {k: v for k, v in state_dict.items() if ".sparse_ages" not in k}
@@ -102,10 +102,7 @@ def merge_sparse_adapters(model: nn.Module, adapter_dirs: Sequence[PathLike], we
                 f"{adapter_dir}: modules_to_save={config.modules_to_save} are dense; load the adapter with "
                 "PeftModel.from_pretrained and merge_and_unload instead"
             )
-        path = os.path.join(adapter_dir, "adapter_model.safetensors")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{adapter_dir} holds no adapter_model.safetensors")
-        tensors = storage.decode(load_file(path))
+        tensors = storage.decode(storage.read_tensors(adapter_dir))
         counts = config.tunable_weights_per_module or {}
         suffix = ".sparse_indices"
         seen = set()
@@ -143,8 +140,8 @@ def adapter_file_summary(adapter_dir: PathLike) -> dict:
     """Method, per-module counts and densities, and file size of a saved sparse adapter."""
     raw = read_adapter_config(adapter_dir)
     _sparse_config_class(raw.get("peft_type"), str(adapter_dir))
-    path = os.path.join(adapter_dir, "adapter_model.safetensors")
-    raw_tensors = load_file(path)
+    path = storage.weights_path(adapter_dir)
+    raw_tensors = storage.read_tensors(adapter_dir)
     bitmaps = {k.replace(storage.BITS, storage.LIST) for k in raw_tensors if storage.BITS in k}
     tensors = storage.decode(raw_tensors)
     shapes = raw.get("module_shapes") or {}

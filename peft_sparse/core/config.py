@@ -36,8 +36,28 @@ def dtype_name(dtype: Union[str, torch.dtype]) -> str:
     return name
 
 
+class PortableBaseModel:
+    """A config mixin: an adapter of the built-in model records the model's name (``smollm2-135m-instruct``), not this
+    machine's cache folder, and a loaded config names the folder where this machine holds it, so
+    ``AutoPeftModelForCausalLM.from_pretrained(adapter_dir)`` finds the base model on any machine
+    (:func:`peft_sparse.assets.portable_base_model`, :func:`~peft_sparse.assets.local_base_model`)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        from ..assets import local_base_model
+
+        self.base_model_name_or_path = local_base_model(self.base_model_name_or_path)
+
+    def to_dict(self) -> dict:
+        from ..assets import portable_base_model
+
+        out = super().to_dict()
+        out["base_model_name_or_path"] = portable_base_model(out.get("base_model_name_or_path"))
+        return out
+
+
 @dataclass
-class SparseConfig(PeftConfig):
+class SparseConfig(PortableBaseModel, PeftConfig):
     """Base configuration of a sparse delta :math:`\\theta' = \\theta + \\mathrm{scatter}(\\eta, \\phi)`.
 
     Exactly one of ``density`` and ``num_tunable_weights`` sets the budget. It is split over the
@@ -308,5 +328,11 @@ def read_adapter_config(adapter_dir: Union[str, os.PathLike]) -> dict:
     path = os.path.join(adapter_dir, "adapter_config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{adapter_dir!s} holds no adapter_config.json; is it an adapter directory?")
-    with open(path) as f:
-        return json.load(f)
+    with open(path, encoding="utf-8") as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is damaged or incomplete: it is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object of config fields, found a {type(raw).__name__}")
+    return raw

@@ -10,14 +10,51 @@ against 0.165 MB). A dense delta tensor (4 MB per million) is never smaller than
 values, so it is not offered.
 
 Loading accepts both forms; everything that reads adapter files (PEFT loading, ``merge_sparse_adapters``,
-``peft-sparse inspect``) goes through :func:`decode`.
+``peft-sparse inspect``) goes through :func:`decode`, and reads the file through :func:`read_tensors` or
+:func:`reading`, which name a damaged file instead of passing on safetensors' bare header error.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from contextlib import contextmanager
 
 import torch
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+@contextmanager
+def reading(path):
+    """Turn safetensors' errors while reading ``path`` (e.g. "Error while deserializing header: invalid JSON in
+    header") into a ValueError that names the file and says what is wrong with it."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as exc:
+        raise ValueError(
+            f"{os.fspath(path)} is damaged or incomplete: it is not a readable safetensors file ({exc}); "
+            "save the adapter again or copy it again from where it was saved"
+        ) from None
+
+
+def weights_path(adapter_dir) -> str:
+    """The adapter directory's ``adapter_model.safetensors``; a clear error when it is missing."""
+    path = os.path.join(adapter_dir, WEIGHTS_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{os.fspath(adapter_dir)} holds no {WEIGHTS_FILE}")
+    return path
+
+
+def read_tensors(adapter_dir, device: str = "cpu") -> dict:
+    """Every tensor of the adapter directory's ``adapter_model.safetensors``, as stored (see :func:`decode`)."""
+    from safetensors.torch import load_file
+
+    path = weights_path(adapter_dir)
+    with reading(path):
+        return load_file(path, device=device)
 
 LIST, BITS = ".sparse_indices", ".sparse_index_bits"
 CHOICES = ("auto", "list", "bitmap")

@@ -9,7 +9,9 @@
 * **TyDiQA** (GoldP) — 1-shot, 100 items per language: the passage, the question and a greedy answer;
   token-level F1 against the best of the references (SQuAD normalisation).
 * **HumanEval** — sampled at temperature 0.1, pass@1: prompt + completion + the tests run in a separate
-  Python process (isolated mode, fresh temporary directory, CPU-time, memory and wall-clock limits).
+  Python process (isolated mode, fresh temporary directory, CPU-time, memory and wall-clock limits, process
+  creation, file removal and network sockets disabled), only after the user opts in to running model-written
+  code (``allow_code_execution=True`` or ``HF_ALLOW_CODE_EVAL=1``, as ``evaluate``'s ``code_eval``).
 
 Each task takes rows (``load_task`` reads them from a local JSONL file or by hub name, with a clear error
 offline) and a model adapter: :class:`HFModel` wraps a transformers/PEFT model and tokenizer; anything with
@@ -232,9 +234,28 @@ def tydiqa(model, rows: Sequence[dict], per_language: int = 100, shots: int = 1,
 
 
 # ------------------------------------------------------------------------------------------ HumanEval
+CODE_EXECUTION_ENV = "HF_ALLOW_CODE_EVAL"  # (the variable evaluate's code_eval reads)
+UNTRUSTED_RUNNER = Path(__file__).with_name("run_untrusted.py")  # (the child's guard, run as a script)
+
+
+def check_code_execution_allowed(allow: bool = False) -> None:
+    """Refuse to run model-written programs unless the user opted in: ``allow`` (``--allow-code-execution``) or
+    ``HF_ALLOW_CODE_EVAL=1``, as ``evaluate``'s ``code_eval`` asks."""
+    if allow or os.environ.get(CODE_EXECUTION_ENV) == "1":
+        return
+    raise ValueError(
+        "humaneval runs the programs the model writes on this machine. Each runs in a separate process with time and "
+        "memory limits and with process creation, file removal, os.system and network sockets disabled, but that is "
+        "not a security boundary: run it where untrusted code may run (a container or virtual machine), and opt in "
+        f"with --allow-code-execution (allow_code_execution=True in Python) or {CODE_EXECUTION_ENV}=1"
+    )
+
+
 def run_program(source: str, timeout: float = 10.0, memory_mb: int = 1024) -> bool:
-    """Whether ``source`` runs to the end without an error, in a separate isolated Python process (``-I``: no user
-    site, no PYTHON* variables) in a fresh temporary directory, with CPU-time, memory and wall-clock limits."""
+    """Whether ``source`` runs to its end without an error or an early exit, in a separate isolated Python process
+    (``-I``: no user site, no PYTHON* variables) in a fresh temporary directory, with CPU-time, memory and
+    wall-clock limits, after process creation, file removal, os.system, network sockets and the like are disabled
+    (``run_untrusted.py``). A safeguard against accidents, not a sandbox against an adversary."""
 
     def limits():  # (in the child, before exec)
         import resource
@@ -247,7 +268,7 @@ def run_program(source: str, timeout: float = 10.0, memory_mb: int = 1024) -> bo
         path = Path(tmp) / "program.py"
         path.write_text(source)
         try:
-            done = subprocess.run([sys.executable, "-I", str(path)], cwd=tmp, capture_output=True, timeout=timeout,
+            done = subprocess.run([sys.executable, "-I", str(UNTRUSTED_RUNNER), str(path)], cwd=tmp, capture_output=True, timeout=timeout,
                                   env={"PATH": "/usr/bin:/bin"}, preexec_fn=limits if os.name == "posix" else None)  # fmt: skip
         except subprocess.TimeoutExpired:
             return False
@@ -255,8 +276,10 @@ def run_program(source: str, timeout: float = 10.0, memory_mb: int = 1024) -> bo
 
 
 def humaneval(model, rows: Sequence[dict], temperature: float = 0.1, max_new_tokens: int = 384, timeout: float = 10.0,
-              runner: Callable[[str, float], bool] = run_program) -> dict:  # fmt: skip
-    """pass@1 with one sample per problem at ``temperature``; rows carry prompt, test and entry_point."""
+              runner: Callable[[str, float], bool] = run_program, allow_code_execution: bool = False) -> dict:  # fmt: skip
+    """pass@1 with one sample per problem at ``temperature``; rows carry prompt, test and entry_point. Runs the
+    model's programs: refused unless ``allow_code_execution`` or ``HF_ALLOW_CODE_EVAL=1``."""
+    check_code_execution_allowed(allow_code_execution)
     completions = model.generate([r["prompt"] for r in rows], max_new_tokens, temperature=temperature, stop="\ndef ")
     passed = [runner(r["prompt"] + c + "\n\n" + r["test"] + f"\n\ncheck({r['entry_point']})\n", timeout) for r, c in zip(rows, completions)]
     return {"pass@1": sum(passed) / max(1, len(passed)), "total": len(passed)}
@@ -265,9 +288,10 @@ def humaneval(model, rows: Sequence[dict], temperature: float = 0.1, max_new_tok
 HEADLINE = {"mmlu": "accuracy", "gsm": "exact_match", "bbh": "exact_match", "tydiqa": "f1", "humaneval": "pass@1"}
 
 
-def run_task(task: str, model: HFModel, rows: Sequence[dict], shots: Optional[Sequence[dict]] = None) -> dict:
+def run_task(task: str, model: HFModel, rows: Sequence[dict], shots: Optional[Sequence[dict]] = None,
+             allow_code_execution: bool = False) -> dict:  # fmt: skip
     """Score ``model`` on one task's ``rows`` (``shots``: MMLU dev items / GSM exemplars); the result has the task's
-    metrics plus ``"score"``, its headline number (App. E.1)."""
+    metrics plus ``"score"``, its headline number (App. E.1). ``allow_code_execution``: see :func:`humaneval`."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; the suite has {list(TASKS)}")
     if task in SHOT_SPLITS and shots is None:
@@ -286,5 +310,5 @@ def run_task(task: str, model: HFModel, rows: Sequence[dict], shots: Optional[Se
     elif task == "tydiqa":
         result = tydiqa(model, rows)
     else:
-        result = humaneval(model, rows)
+        result = humaneval(model, rows, allow_code_execution=allow_code_execution)
     return {**result, "score": result[HEADLINE[task]]}

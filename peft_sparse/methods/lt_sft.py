@@ -26,7 +26,8 @@ Plain loop::
         lt.step()   # after step D: K values selected, rewound; the optimizer now holds them (fresh state)
 
 The optimizer is re-pointed in place at the switch (its param groups take the new values Parameters, the
-old ones' state is dropped, ``sparse_learning_rate`` becomes the groups' rate), so one Trainer runs
+old ones' state is dropped, ``sparse_learning_rate`` becomes the groups' base rate, under the same
+warmup/decay factor as the Trainer's own rate), so one Trainer runs
 both phases: ``SFTTrainer(..., peft_config=LTSFTConfig(...), callbacks=[LTSFTCallback()])`` with
 ``max_steps = dense_steps + sparse_steps``.
 """
@@ -66,10 +67,10 @@ class LTSFTConfig(SparseConfig):
     )
     dense_steps: int = field(default=1000, metadata={"help": "Optimizer steps of the dense phase (> 0)."})
     sparse_steps: int = field(default=1000, metadata={"help": "Optimizer steps of the sparse phase (> 0)."})
-    dense_learning_rate: Optional[float] = field(default=None, metadata={"help": "Learning rate of the dense phase (None: the optimizer's / Trainer's)."})
+    dense_learning_rate: Optional[float] = field(default=None, metadata={"help": "Learning rate of the dense phase (None: the optimizer's / Trainer's); a learning-rate schedule's warmup and decay apply to it."})
     sparse_learning_rate: Optional[float] = field(
         default=None,
-        metadata={"help": "Learning rate of the sparse phase (None: the optimizer's / Trainer's). The thesis recommends a higher rate than the dense phase's."},
+        metadata={"help": "Learning rate of the sparse phase (None: the optimizer's / Trainer's); a learning-rate schedule's warmup and decay apply to it. The thesis recommends a higher rate than the dense phase's."},
     )
     freeze_layer_norm: bool = field(
         default=True,
@@ -293,18 +294,30 @@ class LTSFTScheduler:
         self._set_learning_rate(self.config.sparse_learning_rate)
 
     def _set_learning_rate(self, lr: Optional[float]) -> None:
-        """The phase's configured rate into every param group (and a learning-rate scheduler's base rates)."""
+        """The phase's configured rate as every param group's base rate (a learning-rate scheduler's ``base_lrs``
+        and the groups' ``initial_lr``); the current rate keeps the schedule's factor (warmup, decay), so the
+        phase's rate follows the Trainer's schedule as the Trainer's own rate would. Without a schedule the rate is
+        set as it is. A resumed run finds the base rates already set (the checkpointed scheduler and optimizer) and
+        keeps the checkpoint's current rate."""
         if lr is None:
             return
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-            if "initial_lr" in group:
-                group["initial_lr"] = lr
         schedule = self.lr_scheduler
         while schedule is not None and hasattr(schedule, "scheduler") and not hasattr(schedule, "base_lrs"):
             schedule = schedule.scheduler  # (accelerate's AcceleratedScheduler wraps the torch one)
-        if schedule is not None and hasattr(schedule, "base_lrs"):
-            schedule.base_lrs = [lr] * len(schedule.base_lrs)
+        if schedule is None or not hasattr(schedule, "base_lrs"):
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+                if "initial_lr" in group:
+                    group["initial_lr"] = lr
+            return
+        for i, group in enumerate(self.optimizer.param_groups):
+            base = schedule.base_lrs[i]
+            group["lr"] = lr * (group["lr"] / base) if base else lr  # the schedule's current factor, on the new base
+            if "initial_lr" in group:
+                group["initial_lr"] = lr
+        schedule.base_lrs = [lr] * len(schedule.base_lrs)
+        if hasattr(schedule, "_last_lr"):  # what get_last_lr() reports (the Trainer logs it): the rate now in use
+            schedule._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def _moved(self, layer: SparseLayer) -> torch.Tensor:
         """|θ₁ − θ₀| of one layer, in flat (out, in) order (the dense phase's indices are 0…n−1)."""

@@ -55,7 +55,7 @@ def _pairs(items, flag: str) -> dict:
     return out
 
 
-def score(model, tokenizer, evals: dict, suites: dict, shots: dict, batch_size: int) -> dict:
+def score(model, tokenizer, evals: dict, suites: dict, shots: dict, batch_size: int, allow_code_execution: bool = False) -> dict:
     from peft_sparse.evaluation import exact_match
     from peft_sparse.evaluation import suite as suite_tasks
 
@@ -68,7 +68,8 @@ def score(model, tokenizer, evals: dict, suites: dict, shots: dict, batch_size: 
             raise SystemExit(f"--suite {task}: unknown task; choose from {sorted(suite_tasks.TASKS)}")
         runner = suite_tasks.HFModel(model, tokenizer, batch_size=batch_size)
         examples = suite_tasks.load_task(task, shots[task]) if task in shots else None
-        out[task] = suite_tasks.run_task(task, runner, suite_tasks.load_task(task, path), examples)["score"]
+        rows = suite_tasks.load_task(task, path)
+        out[task] = suite_tasks.run_task(task, runner, rows, examples, allow_code_execution=allow_code_execution)["score"]
     return out
 
 
@@ -80,6 +81,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--eval", action="append", default=[], metavar="NAME=FILE", help="exact match on a JSONL of prompt/answer rows")
     parser.add_argument("--suite", action="append", default=[], metavar="TASK=FILE", help="an evaluation-suite task on local items")
     parser.add_argument("--shots", action="append", default=[], metavar="TASK=FILE", help="mmlu / gsm: the few-shot items")
+    parser.add_argument("--allow-code-execution", action="store_true", help="humaneval: run the programs the model writes (HF_ALLOW_CODE_EVAL=1 does the same)")
     parser.add_argument("--weights", type=float, nargs=2, default=[1.0, 1.0])
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--smoke", action="store_true", help="offline: SmolLM2 and the two bundled tasks on CPU")
@@ -108,6 +110,13 @@ def main(argv=None) -> dict:
     suites, shots = _pairs(args.suite, "--suite"), _pairs(args.shots, "--shots")
     if not evals and not suites:
         raise SystemExit("nothing to score: pass --eval NAME=FILE and/or --suite TASK=FILE (or --smoke)")
+    if "humaneval" in suites:  # (refused before anything is trained)
+        from peft_sparse.evaluation.suite import check_code_execution_allowed
+
+        try:
+            check_code_execution_allowed(args.allow_code_execution)
+        except ValueError as exc:
+            raise SystemExit(f"--suite humaneval: {exc}") from None
     recipes = [load_recipe(path, overrides={**common, **extra}) for path, extra in zip(recipes_paths, per_recipe)]
     if recipes[0].model != recipes[1].model:
         raise SystemExit(f"the two recipes train different base models: {recipes[0].model} vs {recipes[1].model}")
@@ -120,7 +129,7 @@ def main(argv=None) -> dict:
         if parts:
             weights = args.weights if len(parts) == 2 else [args.weights[adapters.index(parts[0])]]
             model = compose(model, parts, weights=weights)
-        results[label] = score(model, tokenizer, evals, suites, shots, args.batch_size)
+        results[label] = score(model, tokenizer, evals, suites, shots, args.batch_size, args.allow_code_execution)
         print(f"{label}: " + ", ".join(f"{k} {100 * v:.1f}" for k, v in results[label].items()), flush=True)
     columns = list(next(iter(results.values())))
     print("\n| model | " + " | ".join(columns) + " |\n|---|" + "---|" * len(columns))

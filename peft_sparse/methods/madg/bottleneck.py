@@ -25,6 +25,7 @@ from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from torch import nn
 
 from ...core.blocks import find_ffn_outputs, in_out_features
+from ...core.config import PortableBaseModel
 from ...registry import extend_peft_type
 
 BOTTLENECK = extend_peft_type("BOTTLENECK")
@@ -38,7 +39,7 @@ def bottleneck(y: torch.Tensor, down: torch.Tensor, up: torch.Tensor, down_bias=
 
 
 @dataclass
-class BottleneckConfig(PeftConfig):
+class BottleneckConfig(PortableBaseModel, PeftConfig):
     """A bottleneck adapter after every block's feed-forward output (module docstring)."""
 
     bottleneck_size: int = field(

@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ...core.blocks import in_out_features
+from ...core.config import PortableBaseModel
 from ...data.sampling import check_single_language
 from ...registry import extend_peft_type
 from .bottleneck import BottleneckConfig, bottleneck, ffn_targets
@@ -41,7 +42,7 @@ MADG = extend_peft_type("MADG")
 
 
 @dataclass
-class MADGConfig(PeftConfig):
+class MADGConfig(PortableBaseModel, PeftConfig):
     """A typology-conditioned generator of bottleneck language adapters (module docstring)."""
 
     languages: list = field(
@@ -292,15 +293,14 @@ def generate_language_adapter(model, language: str, output_dir: Union[str, os.Pa
 
 def describe_generator(adapter_dir: Union[str, os.PathLike]) -> dict:
     """A saved MAD-G generator: its languages, sizes and each typological feature's importance ‖(W·V)[:, j]‖."""
-    from safetensors.torch import load_file
-
     from ...core.config import read_adapter_config
+    from ...core.storage import read_tensors
     from .typology import feature_names
 
     raw = read_adapter_config(adapter_dir)
     if raw.get("peft_type") != "MADG":
         raise ValueError(f"{adapter_dir!s} holds a {raw.get('peft_type')} adapter, not a MAD-G generator")
-    tensors = {k.rsplit(".", 1)[-1]: v for k, v in load_file(os.path.join(adapter_dir, "adapter_model.safetensors")).items()}
+    tensors = {k.rsplit(".", 1)[-1]: v for k, v in read_tensors(adapter_dir).items()}
     d_l = raw["language_embedding_dim"]
     W_lang = tensors["W"].float()[..., :d_l].reshape(-1, d_l)
     V = tensors["V"].float()

@@ -30,6 +30,27 @@ def _resource_filename(package: str, name: str) -> str:
     return os.path.join(os.path.dirname(spec.origin), name)
 
 
+def _import_unshadowed(name: str):
+    """Import ``name`` from the installed ``lang2vec`` package even where a plain ``lang2vec.py`` would be found first:
+    lang2vec's install also puts a script of that name in the environment's bin/, which is sys.path[0] when a console
+    command (``peft-sparse``) runs. Folders whose ``lang2vec`` is such a plain module are left out for this import."""
+    package = name.partition(".")[0]
+    module = sys.modules.get(package)
+    if module is not None and not hasattr(module, "__path__"):  # a plain module took the package's name
+        del sys.modules[package]
+
+    def shadows(entry: str) -> bool:
+        folder = entry or os.getcwd()
+        return os.path.isfile(os.path.join(folder, package + ".py")) and not os.path.isdir(os.path.join(folder, package))
+
+    saved = list(sys.path)
+    sys.path[:] = [entry for entry in saved if not shadows(entry)]
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path[:] = saved
+
+
 @functools.lru_cache(maxsize=1)
 def _lang2vec():
     try:
@@ -37,7 +58,7 @@ def _lang2vec():
     except ImportError:
         sys.modules["pkg_resources"] = types.SimpleNamespace(resource_filename=_resource_filename)
     try:
-        import lang2vec.lang2vec as l2v
+        l2v = _import_unshadowed("lang2vec.lang2vec")
     except ImportError as exc:
         raise ImportError(
             "URIEL typology vectors need lang2vec: pip install 'peft-sparse[madg]' (or pass typology vectors yourself)"

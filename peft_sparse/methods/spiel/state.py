@@ -8,6 +8,7 @@ import os
 
 from safetensors.torch import load_file, save_file
 
+from ...core.storage import reading
 from .statistics import InputOutputStatistics
 
 
@@ -139,7 +140,10 @@ class SchedulerState:
         groups: dict = {g: {} for g in self._TENSOR_GROUPS}
         for module in state.pop("modules_with_statistics", []):
             groups["statistics"][module] = {}
-        for key, value in load_file(os.path.join(directory, "spiel_scheduler.safetensors")).items():
+        tensors_path = os.path.join(directory, "spiel_scheduler.safetensors")
+        with reading(tensors_path):
+            tensors = load_file(tensors_path)
+        for key, value in tensors.items():
             group, module, name = key.split("::")
             groups[group].setdefault(module, {})[name] = value
         state.update(groups)
