@@ -29,7 +29,7 @@ import peft_sparse.assets
 ROOT = Path(__file__).resolve().parents[1]
 BUILTIN = "smollm2-135m-instruct"
 EXCLUDED = {"docs/perf-log.md"}  # the lab log: excluded from the site (mkdocs.yml, exclude_docs)
-PAGES = [ROOT / "README.md", ROOT / "BENCHMARKS.md"] + sorted(
+PAGES = [ROOT / "README.md", ROOT / "BENCHMARKS.md", ROOT / "integrations" / "README.md"] + sorted(
     p for p in (ROOT / "docs").rglob("*.md") if str(p.relative_to(ROOT)) not in EXCLUDED
 )
 FENCE = re.compile(r"^(`{3,})([\w-]*)[^\n]*\n(.*?)^\1[ \t]*$", re.M | re.S)
