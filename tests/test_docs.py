@@ -16,7 +16,6 @@ import io
 import re
 import shlex
 import socket
-import tomllib
 import warnings
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -199,6 +198,7 @@ REPOSITORY_PATH = re.compile(r"^(recipes|benchmarks|integrations|tests|docs|peft
 def test_bash_block_names_real_files_commands_and_extras(where, code):
     from peft_sparse.cli import build_parser
 
+    tomllib = pytest.importorskip("tomllib")  # (Python ≥ 3.11)
     extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
     for command in _commands(code):
         for token in command:
