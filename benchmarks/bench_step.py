@@ -1,4 +1,5 @@
 """Training-step speed and peak memory of SpIEL against PEFT baselines, one fresh process per variant.
+Produces BENCHMARKS.md, "NVIDIA H200 (141 GB)": the TinyLlama and Llama-2-7B step tables and the training-merge line.
 
     python benchmarks/bench_step.py --variants floor,lora,spiel-ag,spiel-ma      # a batch, table at the end
     python benchmarks/bench_step.py --variant spiel-ag                         # one variant (what the batch runs)

@@ -1,4 +1,5 @@
 """Greedy decoding speed with an unmerged adapter, relative to the base model (batch 1).
+Produces BENCHMARKS.md, "Decoding with an unmerged adapter".
 
     python benchmarks/decode.py                          # CPU: the real SmolLM2-135M-Instruct
     python benchmarks/decode.py --device cuda --size tinyllama   # GPU: TinyLlama shapes, random weights, bf16

@@ -1,4 +1,5 @@
 #!/bin/bash
+# Produces BENCHMARKS.md, "Quality": the table "1,000 steps through peft-sparse train".
 # SpIEL-AG (recipes/smollm2_spiel.yaml) beside PEFT LoRA r16 (recipes/smollm2_lora.yaml) and the fixed random mask
 # (recipes/smollm2_sft.yaml) for 1,000 steps through `peft-sparse train` (TRL's SFTTrainer) on both bundled
 # instruction sets, several seeds, on one GPU: held-out exact match before/after, final training loss and training
@@ -6,7 +7,7 @@
 #   RESULTS=benchmarks/results/instruction-1k.jsonl PARALLEL=8 DEADLINE=300 bash benchmarks/instruction_1k.sh
 # (peft_sparse importable: installed, or PYTHONPATH=$PWD; the model converted once into PEFT_SPARSE_CACHE)
 # The recipes run at the same trainable count, batch 8, linear decay after 3% warmup, float32; SpIEL at S, γ 'auto'
-# (133 and 33 at 1,000 steps: README, SpIEL); SPIEL_S=20 SPIEL_GAMMA=5 for the paper's fixed counts. Runs share the
+# (133 and 33 at 1,000 steps: docs/spiel.md); SPIEL_S=20 SPIEL_GAMMA=5 for the paper's fixed counts. Runs share the
 # GPU PARALLEL at a time, so compare the methods' times within one call, not across calls.
 set -u
 STEPS=${STEPS:-1000}

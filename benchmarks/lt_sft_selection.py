@@ -1,7 +1,8 @@
 """LT-SFT's global selection at Llama-2-7B shapes: peak extra GPU memory and time of the streaming top-K
 (``peft_sparse.core.selection.global_top_k``) against concatenating every score into one vector.
+Produces BENCHMARKS.md, "Two and four GPUs; LT-SFT selection at 7B shapes": the LT-SFT global top-K line.
 
-    python benchmarks/lt_sft_selection.py --out results.json
+    python benchmarks/lt_sft_selection.py --out results.jsonl    # appends one JSON line
 
 The dense phase's deltas θ₁ − θ₀ of all 224 targeted tensors (32 blocks × q, k, v, o, gate, up, down; random
 values, float32 as the dense phase keeps them) are allocated first; "extra" is the peak above that. K is
@@ -63,7 +64,8 @@ def main() -> None:
         result["concatenated"] = {"error": f"out of memory: {error}"[:200]}
     print(json.dumps(result, indent=1))
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        with open(args.out, "a") as out:
+            out.write(json.dumps(result) + "\n")
 
 
 if __name__ == "__main__":

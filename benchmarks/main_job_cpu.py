@@ -1,6 +1,7 @@
 """The main job's training time on CPU with the value gradient chosen by the cost model against the dense path
 forced everywhere (the dense dW + gather in every layer at every step, what every CPU step paid before the cost
 model took the SDDMM where it wins).
+Produces BENCHMARKS.md, "The main job on CPU" (under "Decoding with an unmerged adapter").
 
     python benchmarks/main_job_cpu.py            # both settings, one after the other; prints a table
 

@@ -1,4 +1,5 @@
 """SpIEL on 2 GPUs × batch b against 1 GPU × batch 2b, same data order: identical indices, close values.
+Produces BENCHMARKS.md, "Two and four GPUs": same indices as one GPU (run by benchmarks/multi_gpu.sh).
 
     torchrun --nproc_per_node 1 benchmarks/multi_gpu_equivalence.py run --out /tmp/eq/one
     torchrun --nproc_per_node 2 benchmarks/multi_gpu_equivalence.py run --out /tmp/eq/two   # --engine fsdp2|zero2|zero3

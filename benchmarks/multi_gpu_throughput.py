@@ -1,4 +1,5 @@
 """Training throughput and peak memory per GPU of SpIEL-AG, SpIEL-MA and LoRA under DDP, FSDP2 and DeepSpeed ZeRO.
+Produces BENCHMARKS.md, "Two and four GPUs": the tokens/s table and the largest shape (run by benchmarks/multi_gpu.sh).
 
     torchrun --nproc_per_node 1 benchmarks/multi_gpu_throughput.py --method spiel-ag --size tinyllama --out tp.jsonl
     torchrun --nproc_per_node 2 benchmarks/multi_gpu_throughput.py --engine ddp --method spiel-ag --size tinyllama --out tp.jsonl

@@ -1,4 +1,6 @@
 """Learning quality at equal trainable budget: SpIEL against LoRA, SHiRA, fixed masks and full fine-tuning.
+Produces BENCHMARKS.md, "Quality": every table of that section but the 1,000-step one (CPU tier directly; GPU tier
+through benchmarks/quality_gpu.sh).
 
 Fine-tunes the real SmolLM2-135M-Instruct on CPU on a bundled instruction task (a plain PyTorch loop,
 the same data order for every method), merges the adapter and scores held-out exact match by greedy

@@ -1,4 +1,5 @@
 """Value-gradient paths per layer shape: dense dW + gather vs the SDDMM (Triton kernels on a GPU, torch on CPU).
+Produces BENCHMARKS.md, "Value gradient: where the dense GEMM and the SDDMM cross".
 
     python benchmarks/value_grad.py [--tokens 8192] [--size tinyllama]
     python benchmarks/value_grad.py --device cpu --size smollm2-135m --tokens 440 --densities 0.01,0.046

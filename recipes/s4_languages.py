@@ -159,7 +159,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--density", type=float, default=0.1, help="p, each language's share of every targeted tensor")
     parser.add_argument("--shots", type=int, default=32, help="training items per target language")
     parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--lr", type=float, default=3e-4, help="S⁴ and random masks (the best of 1e-4, 3e-4, 1e-3 for both: README)")
+    parser.add_argument("--lr", type=float, default=3e-4, help="S⁴ and random masks (the best of 1e-4, 3e-4, 1e-3 for both: docs/quality.md)")
     parser.add_argument("--full-lr", type=float, default=3e-5)
     parser.add_argument("--importance-batches", type=int, default=2)
     parser.add_argument("--source-steps", type=int, default=40)

@@ -1,4 +1,5 @@
-"""The README's set-up commands, the CI entry point and every YAML recipe stay consistent."""
+"""The README's set-up commands, the CI entry point and every YAML recipe stay consistent (the code blocks of the README
+and the documentation site: tests/test_docs.py)."""
 
 import re
 from pathlib import Path
@@ -23,7 +24,10 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one():
     assert len(commands) == 2 and all("\n" not in c for c in commands)
     main_job, tests = commands
     assert "peft-sparse train recipes/" in main_job and "pytest" in tests
-    assert tests in (ROOT / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert tests in ci
+    assert f"{tests} && mkdocs build --strict" in ci  # the site builds in CI, broken links failing it
+    assert "docs" in re.search(r'"\.\[([\w,]+)\]"', tests).group(1).split(",")  # (mkdocs comes with the docs extra)
     recipe = main_job.split("peft-sparse train ", 1)[1].split()[0]
     assert (ROOT / recipe).is_file()
 
@@ -169,7 +173,7 @@ def test_recipes_build_their_training_arguments_without_deprecation_warnings():
 
 
 def test_trainer_weight_decay_reaches_every_sparse_value():
-    """The README tells SpIEL-AG users to set weight_decay: Trainer's decay list must hold every sparse value."""
+    """The docs tell SpIEL-AG users to set weight_decay: Trainer's decay list must hold every sparse value."""
     from peft import get_peft_model
     from transformers import Trainer, TrainingArguments
 
@@ -183,129 +187,3 @@ def test_trainer_weight_decay_reaches_every_sparse_value():
     args = TrainingArguments(output_dir="unused", weight_decay=3.0, report_to="none", use_cpu=True)
     decayed = set(Trainer(model=model, args=args).get_decay_parameter_names(model))
     assert values <= decayed
-
-
-def test_the_use_snippet_runs_as_written_without_warnings(tmp_path, monkeypatch):
-    import re
-    import warnings
-
-    from .models import tiny_llama
-
-    text = (ROOT / "README.md").read_text()
-    block = re.search(r"## Use\n\n```python\n(.*?)```", text, re.S).group(1)
-    model_dir = tmp_path / "base"
-    tiny_llama().save_pretrained(model_dir)
-    monkeypatch.chdir(tmp_path)
-    scope = {"MODEL": str(model_dir)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
-        exec(compile(block, "README.md (Use)", "exec"), scope)
-    assert type(scope["merged"]).__name__ == "LlamaForCausalLM" and (tmp_path / "my-adapter" / "adapter_config.json").is_file()
-
-
-def test_every_readme_code_block_parses_and_its_imports_exist():
-    """Every ```python block of the README is valid Python, and its import statements run (the names it shows
-    exist in the package); the Use block also runs whole (test_the_use_snippet_runs_as_written...)."""
-    import ast
-    import re
-
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    assert len(blocks) >= 8
-    for i, block in enumerate(blocks):
-        tree = ast.parse(block, filename=f"README.md python block {i}")
-        imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
-        exec(compile(ast.Module(body=imports, type_ignores=[]), f"README.md python block {i} (imports)", "exec"), {})
-
-
-def test_every_readme_code_block_runs_on_a_tiny_model(tmp_path, monkeypatch):
-    """Each ```python block runs as written, its free names (the user's model, data, loader, …) bound to tiny
-    stand-ins; the Use block is run by test_the_use_snippet_runs_as_written_without_warnings."""
-    import re
-
-    import torch
-
-    from datasets import Dataset
-    from peft import PeftModel, get_peft_model
-    from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, Trainer, TrainingArguments
-    from trl import SFTConfig, SFTTrainer
-
-    from peft_sparse import LTSFTConfig, SparseFTConfig, SpIELConfig
-    from peft_sparse.core.layer import SparseLayer
-
-    from .models import randomize_values, tiny_llama, tiny_tokenizer
-
-    monkeypatch.chdir(tmp_path)
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    tiny_llama().save_pretrained(tmp_path / "base")
-    tokenizer.save_pretrained(tmp_path / "base")
-
-    def base():
-        return AutoModelForCausalLM.from_pretrained(tmp_path / "base")
-
-    def saved(path, config=None, seed=0):
-        model = get_peft_model(base(), config or SparseFTConfig(target_modules="all-linear", density=0.05, seed=seed))
-        randomize_values(model, seed=seed, scale=0.01)
-        model.save_pretrained(path)
-
-    ids = torch.randint(3, 97, (2, 8), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "labels": ids}
-
-    def cpu_config(**kwargs):  # (this machine has no GPU: TRL's bf16 default would be refused)
-        return SFTConfig(**kwargs, use_cpu=True, bf16=False, report_to="none")
-
-    def common():
-        peft_model = get_peft_model(base(), SpIELConfig(target_modules="all-linear", density=0.05))
-        optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-3)
-        return {
-            "torch": torch, "model": base(), "base": base(), "fresh_base": base(), "base_model": base(), "plain_model": base(),
-            "args": cpu_config(output_dir=str(tmp_path / "trainer"), max_steps=2, per_device_train_batch_size=2),
-            "data": Dataset.from_dict({"input_ids": ids.tolist()}), "SFTTrainer": SFTTrainer, "SFTConfig": cpu_config,
-            "Trainer": Trainer, "TrainingArguments": TrainingArguments, "get_peft_model": get_peft_model,
-            "peft_model": peft_model, "optimizer": optimizer, "loader": [batch, batch], "T": 4, "ids": ids, "batch": batch,
-            "MODEL": str(tmp_path / "base"),
-        }  # fmt: skip
-
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    ran = 0
-    for i, block in enumerate(blocks):
-        scope = common()
-        if "AutoPeftModelForCausalLM" in block:
-            saved(tmp_path / "outputs/smollm2-spiel/adapter", SpIELConfig(target_modules="all-linear", density=0.05))
-        elif "base_model = AutoModelForCausalLM.from_pretrained(MODEL)" in block:
-            continue  # the Use block: run whole, without warnings, by its own test
-        elif "LTSFTScheduler(peft_model)" in block:
-            scope["peft_model"] = get_peft_model(base(), LTSFTConfig(target_modules="all-linear", density=0.05, dense_steps=1, sparse_steps=1))
-        elif "LanguageSwitch" in block:
-            for seed, name in enumerate(("sft-en", "sft-de", "sft-sw", "task-adapter")):
-                saved(tmp_path / name, seed=seed)
-        elif "detect_language_masks" in block:
-            scope.update(sw_batches=[batch], yo_batches=[batch])
-        elif "MADGConfig" in block:
-            scope.update(dataset=Dataset.from_dict({"input_ids": ids.tolist(), "language": ["deu", "fra"]}), max_steps=2,
-                         collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))  # fmt: skip
-        elif "SlowFastScheduler" in block:
-            scope["schedule"] = torch.optim.lr_scheduler.LambdaLR(scope["optimizer"], lambda s: 1.0)
-        elif "edit.replace" in block:
-            model = get_peft_model(base(), SparseFTConfig(target_modules="all-linear", density=0.05))
-            layer = next(m for m in model.modules() if isinstance(m, SparseLayer) and m.module_name == "model.layers.0.mlp.up_proj")
-            active = layer.sparse_indices["default"].long()
-            free = torch.tensor([j for j in range(layer.numel) if j not in set(active.tolist())][:2])
-            total = sum(m.sparse_values["default"].numel() for m in model.modules() if isinstance(m, SparseLayer))
-            name = "model.layers.1.self_attn.q_proj"
-            count = next(m for m in model.modules() if isinstance(m, SparseLayer) and m.module_name == name).sparse_values["default"].numel()
-            scope.update(model=model, opt=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]),
-                         drop_positions=torch.tensor([0, 1]), new_indices=free, name=name,
-                         indices=torch.arange(count) * 3, values=torch.full((count,), 0.01),
-                         generated=torch.zeros(total, requires_grad=True) * 1.0)  # fmt: skip
-        elif "add_weighted_adapter" in block:
-            saved(tmp_path / "lang-adapter", seed=1)
-            saved(tmp_path / "task-adapter", seed=2)
-            saved(tmp_path / "adapter-from-any-sparse-method", seed=3)
-            saved(tmp_path / "another-one", seed=4)
-            model = PeftModel.from_pretrained(base(), tmp_path / "lang-adapter", adapter_name="lang")
-            model.load_adapter(tmp_path / "task-adapter", adapter_name="task")
-            scope["model"] = model
-        exec(compile(block, f"README.md python block {i}", "exec"), scope)
-        ran += 1
-    assert ran == len(blocks) - 1
