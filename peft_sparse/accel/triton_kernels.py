@@ -655,7 +655,7 @@ def launch_grouped(g, x, block_shape, plan: BlockGroups, out, accumulate: bool, 
                    num_warps: int = 4, num_stages: int = 2, x_factor: Optional[torch.Tensor] = None,
                    keep: Optional[list] = None) -> torch.Tensor:  # fmt: skip
     """One launch of the grouped block kernel with explicit settings (``target`` 0: no token slices);
-    :func:`block_sddmm_into` picks them, ``benchmarks/dev/tune_block.py`` sweeps them. ``x_factor``: X is
+    :func:`block_sddmm_into` picks them (chosen by a sweep of these settings on an H200). ``x_factor``: X is
     ``x ⊙ x_factor`` (same strides). ``keep`` (a list): receives (a :class:`LaunchPlan` repeating the
     launch with new G, X, X2 and output tensors, or None; the number of token slices)."""
     bh, bw = block_shape
@@ -1396,7 +1396,7 @@ def _nf4_compose_kernel(
         tl.store(OUT + i, _round_to(base + v, OUT), mask=jm)
 
 
-# elements per program and per chunk of the fused NF4 launch (benchmarks/dev/micro_nf4.py --sweep, H200: with
+# elements per program and per chunk of the fused NF4 launch (a sweep on an H200: with
 # starts given, 4096/2048 took 54 µs for one layer's seven TinyLlama projections, 16384/4096 searching 89 µs)
 _NF4_BLOCK, _NF4_CHUNK = 4096, 2048
 

@@ -32,8 +32,8 @@ class SpIELConfig(SparseConfig):
             "help": (
                 "S: optimizer steps between reselections. 'auto' (default): S = max(20, round(2·T/15)) for a run of "
                 "T = total_steps, the paper's S=20 up to T=150 and scaled with T beyond (80 at T=600), the setting that "
-                "met LoRA at every run length of BENCHMARKS.md's quality runs where S=20 fell behind at 600 steps "
-                "(README, SpIEL). An int is a count; a float in (0, 1) a fraction of T, S = max(2, round(S·T))."
+                "met LoRA at every run length of the quality benchmark where S=20 fell behind at 600 steps "
+                "(docs: quality). An int is a count; a float in (0, 1) a fraction of T, S = max(2, round(S·T))."
             )
         },
     )
