@@ -36,17 +36,22 @@ def _worker(rank: int, world: int, port: int, growth: str, out_dir: str) -> None
     from peft import get_peft_model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from peft_sparse import SM3, SpIELConfig, SpIELScheduler
+    from peft_sparse import SM3, AgedAdamW, SpIELConfig, SpIELScheduler
     from tests.models import tiny_llama
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
-    config = SpIELConfig(target_modules="all-linear", density=0.1, growth=growth[:2], reselection_steps=4, gradient_estimation_steps=2)
+    reference = "authors" if growth.endswith("-authors") else None
+    config = SpIELConfig(target_modules="all-linear", density=0.1, growth=growth[:2], reselection_steps=4, gradient_estimation_steps=2,
+                         reference=reference)  # fmt: skip
     model = get_peft_model(tiny_llama(), config)
     # no buffer broadcast: identical indices must come from identical selections, not from rank 0
     ddp = DDP(model, broadcast_buffers=False)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-2) if growth in ("ag", "ma-adamw") else SM3(params, lr=0.05)
+    if growth == "ag-authors":  # (its seeds, from micro-batch squares, must agree across ranks too)
+        opt = AgedAdamW(params, lr=1e-2)
+    else:
+        opt = torch.optim.AdamW(params, lr=1e-2) if growth in ("ag", "ma-adamw") else SM3(params, lr=0.05)
     scheduler = SpIELScheduler(ddp, opt, total_steps=11)
     g = torch.Generator().manual_seed(100 + rank)  # different data on each rank
     ddp.train()
@@ -59,7 +64,8 @@ def _worker(rank: int, world: int, port: int, growth: str, out_dir: str) -> None
     _save_adapter_and_exit(model, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-@pytest.mark.parametrize("growth", ["ag", "ma", "ma-adamw"])  # (ma-adamw: MA's accumulators kept by the scheduler)
+# (ma-adamw: MA's accumulators kept by the scheduler; *-authors: reference='authors')
+@pytest.mark.parametrize("growth", ["ag", "ma", "ma-adamw", "ag-authors", "ma-authors"])
 def test_indices_identical_on_every_rank(growth):
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_worker, args=(2, _free_port(), growth, out_dir), nprocs=2, join=True)

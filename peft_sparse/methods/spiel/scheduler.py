@@ -188,13 +188,15 @@ class SpIELScheduler(SchedulerChecks, Reselections, SchedulerState):
             self.steps_in_window += 1
             return
         if distributed():
-            live = [s for s in self.statistics.values() if s.candidates is not None]
-            if live:
-                flat = torch.cat([s.step_sum for s in live])
+            # every rank's step sums averaged (and with reference='authors' the micro-batch squares), one reduction
+            sums = [t for s in self.statistics.values() if s.candidates is not None
+                    for t in (s.step_sum, s.step_sq) if t is not None]  # fmt: skip
+            if sums:
+                flat = torch.cat(sums)
                 dist.all_reduce(flat)
                 flat /= dist.get_world_size()
-                for s, part in zip(live, flat.split([s.step_sum.numel() for s in live])):
-                    s.step_sum.copy_(part)
+                for t, part in zip(sums, flat.split([t.numel() for t in sums])):
+                    t.copy_(part)
         if self.steps_in_window == 0:  # candidates chosen: their block kernel's plans, all layers at once —
             # and the values' plans for the later steps, where both kernels may form X from two factors
             layouts = [s.candidate_blocks for s in self.statistics.values()]
