@@ -86,7 +86,9 @@ def _fsdp_worker(rank: int, world: int, port: int, growth: str, out_dir: str) ->
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
-    config = SpIELConfig(target_modules="all-linear", density=0.1, growth=growth[:2], reselection_steps=4, gradient_estimation_steps=2)
+    reference = "authors" if growth.endswith("-authors") else None
+    config = SpIELConfig(target_modules="all-linear", density=0.1, growth=growth[:2], reselection_steps=4, gradient_estimation_steps=2,
+                         reference=reference)  # fmt: skip
     model = get_peft_model(tiny_llama(), config)
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -97,7 +99,12 @@ def _fsdp_worker(rank: int, world: int, port: int, growth: str, out_dir: str) ->
         q = model.get_base_model().model.layers[0].self_attn.q_proj
         assert isinstance(q.base_layer.weight, DTensor) and not isinstance(q.sparse_values["default"], DTensor)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-2) if growth in ("ag", "ma-adamw") else SM3(params, lr=0.05)
+    if growth == "ag-authors":  # (its seeds' micro-batch squares: of the global batch's gradient, as one process sees it)
+        from peft_sparse import AgedAdamW
+
+        opt = AgedAdamW(params, lr=1e-2)
+    else:
+        opt = torch.optim.AdamW(params, lr=1e-2) if growth in ("ag", "ma-adamw") else SM3(params, lr=0.05)
     scheduler = SpIELScheduler(model, opt, total_steps=11)
     model.train()
     share = 4 // world
@@ -113,7 +120,7 @@ def _fsdp_worker(rank: int, world: int, port: int, growth: str, out_dir: str) ->
     _save_adapter_and_exit(model, os.path.join(out_dir, f"w{world}-rank{rank}.pt"))
 
 
-@pytest.mark.parametrize("growth", ["ag", "ma", "ma-adamw"])
+@pytest.mark.parametrize("growth", ["ag", "ma", "ma-adamw", "ag-authors"])
 def test_fsdp2_shards_the_base_and_matches_one_process(growth):
     """FSDP2 (peft_sparse.distributed.shard) over two CPU processes against one process with the whole batch:
     the same indices on every rank and as the single process, values equal up to float32 reduction order."""

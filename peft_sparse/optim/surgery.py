@@ -3,12 +3,12 @@
 After drop/grow, slot j of a values tensor holds a new index. :func:`reindex_optimizer_state`
 re-gathers every per-slot optimizer tensor with the same ``source`` map (new slot → old slot, −1
 for a grown slot) *in place*, so the optimizer keeps the same Parameter objects and state tensors;
-grown slots start at zero. :func:`seed_optimizer_state` then seeds grown slots:
+grown slots start fresh (zero moments; age 1). :func:`seed_optimizer_state` then seeds grown slots:
 
 * ``torch.optim.AdamW`` / ``Adam`` (stock): from the estimation window's mean gradient ĝ and mean
   squared gradient ŝ, as exp_avg = ĝ·(1−β₁ᵗ) and exp_avg_sq = ŝ·(1−β₂ᵗ) with t = ``state["step"]``,
   so Adam's own bias correction (÷(1−βᵗ)) recovers exactly ĝ and ŝ at the next step. This stands in
-  for the per-index age correction of the thesis (§7.3.1), which stock AdamW cannot express.
+  for the per-index age correction of the thesis (§7.3.1), which stock AdamW cannot express (AgedAdamW, below, does).
   ``amsgrad=True`` is refused: its running maximum has no meaningful value for a new slot.
 * :class:`peft_sparse.AgedAdamW` (``SpIELConfig(reference="authors")``): each slot keeps its own age in the bias
   correction (thesis §7.3.1), so a grown slot is seeded as exp_avg = ĝ·(1−β₁ᵃ), exp_avg_sq = ŝ·(1−β₂ᵃ) with its age

@@ -188,9 +188,8 @@ class SpIELScheduler(SchedulerChecks, Reselections, SchedulerState):
             self.steps_in_window += 1
             return
         if distributed():
-            # every rank's step sums averaged (and with reference='authors' the micro-batch squares), one reduction
-            sums = [t for s in self.statistics.values() if s.candidates is not None
-                    for t in (s.step_sum, s.step_sq) if t is not None]  # fmt: skip
+            # every rank's step sums averaged, one reduction (reference='authors' averaged each micro-batch already)
+            sums = [s.step_sum for s in self.statistics.values() if s.candidates is not None and not s.micro_batches]
             if sums:
                 flat = torch.cat(sums)
                 dist.all_reduce(flat)

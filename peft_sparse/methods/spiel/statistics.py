@@ -29,7 +29,8 @@ class _WindowStatistics:
                  micro_batches: bool = False):
         self.num_candidate_units = num_candidate_units
         # micro_batches (reference='authors'): Σg² over micro-batches, not optimizer steps, and their count
-        # (the released trainer's samples), so that its seeds ĝ = Σg/n, ŝ = Σg²/n average micro-batches
+        # (the released trainer's samples), so that its seeds ĝ = Σg/n, ŝ = Σg²/n average micro-batches; on several
+        # processes each micro-batch's gradients are averaged over the ranks first (one process's view of it)
         self.micro_batches = micro_batches
         self.samples = 0
         self.step_sq: Optional[torch.Tensor] = None  # Σ over this step's micro-batches of g² (micro_batches)
@@ -84,6 +85,9 @@ class _WindowStatistics:
             if distributed():
                 flat = dense_grad.reshape(-1)
         here = flat.index_select(0, self.candidates)
+        if self.micro_batches and distributed():  # (the global micro-batch's gradient, as one process would see it)
+            dist.all_reduce(here)
+            here /= dist.get_world_size()
         self.step_sum += here
         self._count(here)
 
