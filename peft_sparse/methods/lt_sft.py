@@ -25,6 +25,9 @@ Plain loop::
         model(**batch).loss.backward(); optimizer.step(); optimizer.zero_grad()
         lt.step()   # after step D: K values selected, rewound; the optimizer now holds them (fresh state)
 
+``reference="authors"`` selects as the authors' released code does (one global threshold at the ⌊density·N⌋-th
+largest |φ|, ties at it kept, no L1 term; see ``docs/differences.md``).
+
 The optimizer is re-pointed in place at the switch (its param groups take the new values Parameters, the
 old ones' state is dropped, ``sparse_learning_rate`` becomes the groups' rate), so one Trainer runs
 both phases: ``SFTTrainer(..., peft_config=LTSFTConfig(...), callbacks=[LTSFTCallback()])`` with

@@ -49,6 +49,9 @@ class SchedulerChecks:
             raise ValueError("SpIEL with reference='authors' does not run under DeepSpeed ZeRO: its optimizer keeps a per-slot "
                              "age (peft_sparse.AgedAdamW, or SM3's accumulators for MA) that ZeRO's flat partitions do not "
                              "hold; use DDP or FSDP2")  # fmt: skip
+        if isinstance(zero.optimizer, AgedAdamW):
+            raise ValueError("peft_sparse.AgedAdamW does not run under DeepSpeed ZeRO with SpIEL: the per-slot ages a reselection "
+                             "edits are not kept in ZeRO's flat partitions; use torch.optim.AdamW there, or DDP / FSDP2")  # fmt: skip
         if self.config.budget_split == "adaptive":
             raise ValueError("SpIEL with budget_split='adaptive' does not run under DeepSpeed ZeRO: resized values cannot "
                              "follow ZeRO's flat buffers; use budget_split 'uniform' or 'lora', or DDP / FSDP2")  # fmt: skip

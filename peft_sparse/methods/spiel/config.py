@@ -57,7 +57,7 @@ class SpIELConfig(SparseConfig):
             )
         },
     )
-    initial_reselection_rate: float = field(default=0.2, metadata={"help": "ξ in (0, 1] (Eq. 7.6, E.1): the fraction of d_φ(i) replaced at the second reselection's peak, decaying to 0 at T."})
+    initial_reselection_rate: float = field(default=0.2, metadata={"help": "ξ in (0, 1] (Eq. 7.6, E.1), the peak replacement rate: a reselection at step t after the first replaces ξ·(T − t)/T of d_φ(i) (linear), decaying to 0 at T."})
     gradient_estimation_steps: Union[int, float, str] = field(
         default="auto",
         metadata={
