@@ -276,6 +276,7 @@ def test_ag_selection_keeps_regrown_units_in_their_slots():
     values, indices = torch.tensor([0.01, 0.9]), torch.tensor([3, 6], dtype=torch.int32)
     kept = reselect_ag(values, indices, 1, torch.tensor([3, 4], dtype=torch.int32), torch.tensor([2.0, 1.0]), keep_regrown=True)
     assert kept.indices.tolist() == [3, 6] and kept.source.tolist() == [0, 1] and kept.dropped == 0
+    assert kept.units.tolist() == [3, 6] and kept.grown_from.tolist() == [-1, -1]
     new = reselect_ag(values, indices, 1, torch.tensor([3, 4], dtype=torch.int32), torch.tensor([2.0, 1.0]))
     assert new.indices.tolist() == [3, 6] and new.source.tolist() == [-1, 1] and new.dropped == 1
 

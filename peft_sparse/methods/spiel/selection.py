@@ -156,14 +156,15 @@ def reselect_ag(
         if int(n_eligible) >= k:
             break
         k = int(n_eligible)
-    came_back = 0
+    kept_ids, came_back = units[kept_positions], 0
     if keep_regrown:
         kept, grown_units, came_back = _keep_regrown(units, kept, grown_units)
+        kept_ids = units[torch.nonzero_static(kept, size=units.numel() - k + came_back).squeeze(1)]  # (count known: no sync)
     grown = grid.expand(grown_units)
     keep = kept if unit_of_element is None else kept[unit_of_element]
     n_kept = (units.numel() - k + came_back) * grid.unit
     result = _merge(indices, keep, n_kept, grown, torch.searchsorted(candidates.long(), grown))
-    result.units = _merged_units(units[kept].long(), grown_units)[0]
+    result.units = _merged_units(kept_ids.long(), grown_units)[0]
     result.shortfall = wanted - k
     return result
 
