@@ -120,7 +120,7 @@ def _fsdp_worker(rank: int, world: int, port: int, growth: str, out_dir: str) ->
     _save_adapter_and_exit(model, os.path.join(out_dir, f"w{world}-rank{rank}.pt"))
 
 
-@pytest.mark.parametrize("growth", ["ag", "ma", "ma-adamw", "ag-authors"])
+@pytest.mark.parametrize("growth", ["ag", "ma", "ma-adamw", "ag-authors", "ma-authors"])
 def test_fsdp2_shards_the_base_and_matches_one_process(growth):
     """FSDP2 (peft_sparse.distributed.shard) over two CPU processes against one process with the whole batch:
     the same indices on every rank and as the single process, values equal up to float32 reduction order."""
