@@ -72,3 +72,26 @@ def test_removed_fields_are_listed_and_not_in_the_saved_config():
     assert set(SpIELConfig.removed_fields) == {"replacement_rounding", "grow_init", "seed_moments", "column_cap", "ma_unseen", "ma_regrow_dropped"}
     saved = SpIELConfig(target_modules="all-linear", density=0.1).to_dict()
     assert not set(SpIELConfig.removed_fields) & set(saved)
+
+
+def test_the_configuration_reference_documents_every_field_and_no_removed_one():
+    """docs/configuration.md has a table row for every field of SpIELConfig and LTSFTConfig (PEFT's own fields aside)
+    and none for a removed field; docs/ablations.md has a row with the measurements of each removed field."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from peft.config import PeftConfig as PeftBase
+
+    from peft_sparse import LTSFTConfig
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    rows = [line for line in (docs / "configuration.md").read_text().splitlines() if line.startswith("| ")]
+    in_rows = {name for line in rows for name in re.findall(r"`([a-z_0-9]+)`", line.split("|")[3])}
+    peft_fields = {f.name for f in dataclasses.fields(PeftBase)}
+    for cls in (SpIELConfig, LTSFTConfig):
+        fields = {f.name for f in dataclasses.fields(cls)} - peft_fields
+        assert fields <= in_rows, (cls.__name__, sorted(fields - in_rows))
+    assert not set(SpIELConfig.removed_fields) & in_rows
+    ablation_rows = [line.split("|")[1].strip() for line in (docs / "ablations.md").read_text().splitlines() if line.startswith("| `")]
+    assert {name.strip("`") for name in ablation_rows} >= set(SpIELConfig.removed_fields)
