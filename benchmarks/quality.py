@@ -17,6 +17,11 @@ pass fields to the SpIEL config, e.g. ``--set drop_criterion=change``. SpIEL's S
 ('auto': 20 and 5 up to 150 steps, scaled beyond) unless set; each row records the resolved pair (``S_gamma``).
 Rows recorded before 'auto' became the default ran at S = 20, γ = 5: ``--set reselection_steps=20
 gradient_estimation_steps=5`` reproduces those at 600 steps.
+
+``--reference authors`` runs SpIEL (and LT-SFT) with ``reference="authors"``, the authors' released selection and
+optimizer-state rules (docs/differences.md), beside the defaults: SpIEL-AG then trains with ``peft_sparse.AgedAdamW``
+(AdamW's betas and the same weight decay), SpIEL-MA with SM3's sums without momentum (the released SM3-II), whatever
+the run length. The rows record it in their settings, so ``table`` shows the two apart.
 """
 
 from __future__ import annotations
@@ -169,6 +174,9 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
     torch.manual_seed(seed)
     budget = lora_budget(model, args.budget_rank)
     overrides = dict(args.set or {})
+    reference = args.reference if method.startswith("spiel") else None
+    if reference:
+        overrides["reference"] = reference
     wrapped, params, uses_sm3 = build(method, model, budget, args.budget_rank, seed, overrides)
     config = getattr(wrapped, "peft_config", {}).get("default")
     S_gamma = list(config.steps_for(args.steps)) if hasattr(config, "steps_for") else None  # (SpIEL: S, γ resolved)
@@ -185,10 +193,12 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
     if uses_sm3:  # ('auto': the recipe runner's SpIEL-MA form for this run length, peft_sparse.recipe.ma_sm3_defaults)
         from peft_sparse.recipe import ma_sm3_defaults
 
-        form = ma_sm3_defaults(args.steps)
+        form = {"momentum": 0.0, "beta2": None} if reference else ma_sm3_defaults(args.steps)  # (the released SM3-II)
         momentum = form["momentum"] if args.sm3_momentum == "auto" else args.sm3_momentum
         beta2 = form["beta2"] if args.sm3_beta2 == "auto" else args.sm3_beta2
         optimizer = peft_sparse.SM3(params, lr=lr, weight_decay=decay, momentum=momentum, beta2=beta2)
+    elif reference:  # SpIEL-AG's released optimizer: a per-index age in Adam's bias correction
+        optimizer = peft_sparse.AgedAdamW(params, lr=lr, weight_decay=decay, betas=(0.9, 0.999))
     else:
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=decay, betas=(0.9, 0.999))
     warmup = max(1, round(0.03 * args.steps))
@@ -236,7 +246,7 @@ def run_one(args, method: str, lr: float, seed: int, model_and_tokenizer, data) 
     return {
         "task": args.task, "method": method, "lr": lr, "seed": seed, "steps": args.steps, "batch_size": args.batch_size,
         "budget_rank": args.budget_rank, "trainable": n_trainable, "weight_decay": decay, "max_grad_norm": args.max_grad_norm,
-        "set": overrides, "optimizer": "sm3" if uses_sm3 else "adamw", "sm3_momentum": momentum if uses_sm3 else None, "sm3_beta2": beta2 if uses_sm3 else None, "no_reselection": args.no_reselection, "tag": args.tag, "exact_match": score["accuracy"], "heldout_loss": loss_heldout, "per_skill": score["per_skill"],
+        "set": overrides, "optimizer": "sm3" if uses_sm3 else "aged_adamw" if reference else "adamw", "sm3_momentum": momentum if uses_sm3 else None, "sm3_beta2": beta2 if uses_sm3 else None, "no_reselection": args.no_reselection, "tag": args.tag, "exact_match": score["accuracy"], "heldout_loss": loss_heldout, "per_skill": score["per_skill"],
         "S_gamma": S_gamma, "ma_setup": ma_setup,
         "final_loss": sum(losses[-10:]) / min(10, len(losses)), "train_seconds": round(train_seconds, 1),
         "eval_seconds": round(eval_seconds, 1), "scheduler_seconds": round(scheduler_seconds, 2),
@@ -340,6 +350,9 @@ def main(argv=None) -> None:
                              "(Anil et al.; every row before 2026-12), or auto: the recipe runner's for SpIEL-MA at this run "
                              "length (the sums up to 100 steps, 0.999 beyond)")
     parser.add_argument("--no-reselection", action="store_true", help="SpIEL without a scheduler: the initial mask kept")
+    parser.add_argument("--reference", choices=("authors",), default=None,
+                        help="SpIEL with reference='authors': the authors' released selection and optimizer-state rules "
+                             "(AgedAdamW for AG, SM3's sums without momentum for MA)")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--set", nargs="*", metavar="FIELD=VALUE", help="extra config fields (ablations)")

@@ -15,7 +15,7 @@ from .methods.lt_sft import LTSFTConfig, LTSFTModel, LTSFTScheduler
 from .methods.s4 import S4Config, S4Model, S4Router, build_s4_model, detect_language_masks
 from .methods.sft import SparseFTConfig, SparseFTModel
 from .methods.spiel import SpIELConfig, SpIELModel, SpIELScheduler
-from .optim import SM3
+from .optim import SM3, AgedAdamW
 from .schedules.slow_fast import SlowFastConfig, SlowFastScheduler
 from .schedules.weight_decay import auto_weight_decay
 
@@ -31,6 +31,7 @@ from .callbacks import LTSFTCallback, S4Callback, SlowFastCallback, SpIELCallbac
 __version__ = "0.1.0"
 
 __all__ = [
+    "AgedAdamW",
     "BottleneckConfig",
     "BottleneckModel",
     "MADGConfig",

@@ -97,7 +97,7 @@ def test_the_grown_weights_are_the_largest_adam_steps_of_all_candidates(monkeypa
         seen[t] = scores
         return original(scheduler, t)
 
-    monkeypatch.setattr("peft_sparse.methods.spiel.scheduler.reselect_adaptive", spy)
+    monkeypatch.setattr("peft_sparse.methods.spiel.reselect.reselect_adaptive", spy)
     before = {m.module_name: m.sparse_indices["default"].clone() for m in sparse_layers(model)}
     _train(model, 2)  # t = γ = 2: the first, full replacement
     scores = seen[2]
@@ -242,7 +242,7 @@ def test_a_resize_keeps_the_seeding_hooks_and_works_while_an_old_graph_is_alive(
 def test_a_reselection_reads_the_device_twice_not_per_tensor(monkeypatch):
     """Every read of a device value (tolist, item, bool, int, nonzero) waits for a GPU's queue; the adaptive
     reselection ranks over the concatenations and reads twice, whatever the number of tensors."""
-    import peft_sparse.methods.spiel.scheduler as scheduler_module
+    import peft_sparse.methods.spiel.reselect as scheduler_module
 
     reads = []
     original = scheduler_module.reselect_adaptive

@@ -195,16 +195,17 @@ def test_zero_bf16_casts_the_values_and_keeps_their_float32_masters(stage):
 def _refusal_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from peft import get_peft_model
 
-    from peft_sparse import SM3, SpIELScheduler
+    from peft_sparse import SM3, AgedAdamW, SpIELScheduler
     from tests.models import tiny_llama
 
     _init(rank, world, port)
     outcomes = {}
-    for name, fields in (("ma", dict(growth="ma")), ("adaptive", dict(budget_split="adaptive"))):
+    cases = (("ma", dict(growth="ma")), ("adaptive", dict(budget_split="adaptive")), ("authors", dict(reference="authors")), ("aged", {}))
+    for name, fields in cases:
         torch.manual_seed(0)
         model = get_peft_model(tiny_llama(), _config(**fields))
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = SM3(params, lr=0.05) if name == "ma" else torch.optim.AdamW(params, lr=1e-2)
+        opt = {"ma": SM3, "authors": AgedAdamW, "aged": AgedAdamW}.get(name, torch.optim.AdamW)(params, lr=1e-2)
         _, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=_ds_config(2))
         try:
             SpIELScheduler(model, optimizer, total_steps=STEPS)
@@ -235,6 +236,8 @@ def test_what_zero_cannot_follow_is_refused_by_name():
         outcomes = torch.load(os.path.join(out_dir, "refusals.pt"))
     assert "growth='ma'" in outcomes["ma"] and "SM3" in outcomes["ma"]
     assert "budget_split='adaptive'" in outcomes["adaptive"]
+    assert "reference='authors' does not run under DeepSpeed ZeRO" in outcomes["authors"]
+    assert "AgedAdamW does not run under DeepSpeed ZeRO" in outcomes["aged"]
     assert "at step 2 the optimizer no longer holds" in outcomes["early"] and "after accelerator.prepare" in outcomes["early"]
 
 

@@ -36,17 +36,22 @@ def _worker(rank: int, world: int, port: int, growth: str, out_dir: str) -> None
     from peft import get_peft_model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from peft_sparse import SM3, SpIELConfig, SpIELScheduler
+    from peft_sparse import SM3, AgedAdamW, SpIELConfig, SpIELScheduler
     from tests.models import tiny_llama
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
-    config = SpIELConfig(target_modules="all-linear", density=0.1, growth=growth[:2], reselection_steps=4, gradient_estimation_steps=2)
+    reference = "authors" if growth.endswith("-authors") else None
+    config = SpIELConfig(target_modules="all-linear", density=0.1, growth=growth[:2], reselection_steps=4, gradient_estimation_steps=2,
+                         reference=reference)  # fmt: skip
     model = get_peft_model(tiny_llama(), config)
     # no buffer broadcast: identical indices must come from identical selections, not from rank 0
     ddp = DDP(model, broadcast_buffers=False)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-2) if growth in ("ag", "ma-adamw") else SM3(params, lr=0.05)
+    if growth == "ag-authors":  # (its seeds, from micro-batch squares, must agree across ranks too)
+        opt = AgedAdamW(params, lr=1e-2)
+    else:
+        opt = torch.optim.AdamW(params, lr=1e-2) if growth in ("ag", "ma-adamw") else SM3(params, lr=0.05)
     scheduler = SpIELScheduler(ddp, opt, total_steps=11)
     g = torch.Generator().manual_seed(100 + rank)  # different data on each rank
     ddp.train()
@@ -59,7 +64,8 @@ def _worker(rank: int, world: int, port: int, growth: str, out_dir: str) -> None
     _save_adapter_and_exit(model, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-@pytest.mark.parametrize("growth", ["ag", "ma", "ma-adamw"])  # (ma-adamw: MA's accumulators kept by the scheduler)
+# (ma-adamw: MA's accumulators kept by the scheduler; *-authors: reference='authors')
+@pytest.mark.parametrize("growth", ["ag", "ma", "ma-adamw", "ag-authors", "ma-authors"])
 def test_indices_identical_on_every_rank(growth):
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_worker, args=(2, _free_port(), growth, out_dir), nprocs=2, join=True)
@@ -80,7 +86,9 @@ def _fsdp_worker(rank: int, world: int, port: int, growth: str, out_dir: str) ->
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
-    config = SpIELConfig(target_modules="all-linear", density=0.1, growth=growth[:2], reselection_steps=4, gradient_estimation_steps=2)
+    reference = "authors" if growth.endswith("-authors") else None
+    config = SpIELConfig(target_modules="all-linear", density=0.1, growth=growth[:2], reselection_steps=4, gradient_estimation_steps=2,
+                         reference=reference)  # fmt: skip
     model = get_peft_model(tiny_llama(), config)
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -91,7 +99,12 @@ def _fsdp_worker(rank: int, world: int, port: int, growth: str, out_dir: str) ->
         q = model.get_base_model().model.layers[0].self_attn.q_proj
         assert isinstance(q.base_layer.weight, DTensor) and not isinstance(q.sparse_values["default"], DTensor)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-2) if growth in ("ag", "ma-adamw") else SM3(params, lr=0.05)
+    if growth == "ag-authors":  # (its seeds' micro-batch squares: of the global batch's gradient, as one process sees it)
+        from peft_sparse import AgedAdamW
+
+        opt = AgedAdamW(params, lr=1e-2)
+    else:
+        opt = torch.optim.AdamW(params, lr=1e-2) if growth in ("ag", "ma-adamw") else SM3(params, lr=0.05)
     scheduler = SpIELScheduler(model, opt, total_steps=11)
     model.train()
     share = 4 // world
@@ -107,7 +120,7 @@ def _fsdp_worker(rank: int, world: int, port: int, growth: str, out_dir: str) ->
     _save_adapter_and_exit(model, os.path.join(out_dir, f"w{world}-rank{rank}.pt"))
 
 
-@pytest.mark.parametrize("growth", ["ag", "ma", "ma-adamw"])
+@pytest.mark.parametrize("growth", ["ag", "ma", "ma-adamw", "ag-authors", "ma-authors"])
 def test_fsdp2_shards_the_base_and_matches_one_process(growth):
     """FSDP2 (peft_sparse.distributed.shard) over two CPU processes against one process with the whole batch:
     the same indices on every rank and as the single process, values equal up to float32 reduction order."""

@@ -85,9 +85,9 @@ def reference_spiel_ag(model, masks, steps, config, log):
             flat_delta[dropped] = 0.0
             flat_delta[grown] = 0.0
             mask[grown] = True
-            # seeded moments: Adam's bias correction at the next step recovers the window's means
-            # (seed_moments: 'both' seeds m and v, 'second' only v; unseeded moments of grown weights start at 0)
-            seeded = {"both": (True, True), "second": (False, True)}[config.seed_moments]
+            # seeded moments: Adam's bias correction at the next step recovers the window's mean squared gradient
+            # (the second moment only; the first moment of grown weights starts at 0)
+            seeded = (False, True)
             for moment, stat, beta, seed in ((m1[w], s1, BETAS[0], seeded[0]), (m2[w], s2, BETAS[1], seeded[1])):
                 flat = moment.reshape(-1)
                 flat[dropped] = 0.0
@@ -97,14 +97,14 @@ def reference_spiel_ag(model, masks, steps, config, log):
     return delta
 
 
-@pytest.mark.parametrize("seed_moments,score_normalization", [("second", "none"), ("both", "none"), ("second", "column")])
+@pytest.mark.parametrize("score_normalization", ["none", "column"])
 @pytest.mark.parametrize("drop_criterion", ["magnitude", "change"])
 @pytest.mark.parametrize("candidate_ratio", [1.0, 2.0])
-def test_spiel_ag_chooses_the_indices_of_algorithm_2_step_for_step(candidate_ratio, drop_criterion, seed_moments, score_normalization):
+def test_spiel_ag_chooses_the_indices_of_algorithm_2_step_for_step(candidate_ratio, drop_criterion, score_normalization):
     config = SpIELConfig(
         target_modules="all-linear", density=0.1, reselection_steps=S, gradient_estimation_steps=GAMMA,
         initial_reselection_rate=0.5, candidate_ratio=candidate_ratio, values_dtype="float64", drop_criterion=drop_criterion,
-        seed_moments=seed_moments, score_normalization=score_normalization,
+        score_normalization=score_normalization,
     )  # fmt: skip
     ours = get_peft_model(tiny_llama(dtype=torch.float64), config)
     layers = sparse_layers(ours)

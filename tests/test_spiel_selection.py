@@ -224,17 +224,12 @@ def _random_tensor_reselection(g, out_f, in_f, block, density, growth, ties):
 @pytest.mark.parametrize("growth", ["ag", "ma"])
 @pytest.mark.parametrize("block, density", [((1, 1), 0.3), ((2, 4), 0.3), ((4, 2), 0.6), ((1, 8), 0.15)])
 @pytest.mark.parametrize("ties", [False, True])
-@pytest.mark.parametrize("unseen", ["mean", "zero"])
-@pytest.mark.parametrize("regrow", [True, False])
-def test_reselect_all_equals_reselecting_each_tensor(growth, block, density, ties, unseen, regrow):
+def test_reselect_all_equals_reselecting_each_tensor(growth, block, density, ties):
     """The batched drop/grow over many tensors gives, tensor by tensor, exactly the per-tensor result:
     indices, sources, candidate rows, dropped counts, new blocks and their layouts (block tensors work
     on blocks only), and the count of weights not active before (a dropped block grown again is none).
-    MA: with SM3's zeros (the default, which send the tensors with zero rows to the exact fallback) and
-    with the unseen rows' mean factor; and with ``ma_regrow_dropped`` off (partial, full and too-dense
-    reselections among the random k)."""
-    if growth == "ag" and (unseen == "mean" or not regrow):
-        pytest.skip("ma_unseen and ma_regrow_dropped are MA's")
+    MA: with SM3's zeros, which send the tensors with zero rows to the exact fallback, and a partial
+    reselection in a tensor with fewer inactive units than k."""
     from peft_sparse.core.kernels import BlockLayout
     from peft_sparse.core.selection import isin_sorted as _isin_sorted
     from peft_sparse.methods.spiel.batched import reselect_all
@@ -247,14 +242,14 @@ def test_reselect_all_equals_reselecting_each_tensor(growth, block, density, tie
         dense.k = dense.indices.numel() // dense.grid.unit - 1
         assert 0 < dense.k and dense.grid.numel - (dense.k + 1) < dense.k
         items.append(dense)
-    batched = reselect_all(items, growth, unseen=unseen, regrow_dropped=regrow)
+    batched = reselect_all(items, growth)
     changed = 0
     d_start, c_start = 0, 0
     for i, it in enumerate(items):
         if growth == "ag":
             want = reselect_ag(it.values, it.indices, it.k, it.candidates, it.score, it.grid, it.units, it.candidate_units)
         else:
-            want = reselect_ma(it.values, it.indices, it.k, it.row_acc, it.col_acc, it.grid, it.units, unseen=unseen, regrow_dropped=regrow)
+            want = reselect_ma(it.values, it.indices, it.k, it.row_acc, it.col_acc, it.grid, it.units)
         d = it.values.numel()
         if growth == "ag":
             assert want.shortfall == 0 and bool(batched.ok)
@@ -329,10 +324,8 @@ def test_rank_one_counts_in_tensor_chunks_give_the_same_growth(monkeypatch):
     import peft_sparse.methods.spiel.rank_one as spiel
 
     monkeypatch.setattr(spiel, "_COUNT_CHUNK", 40)  # one tensor per chunk
-    test_reselect_all_equals_reselecting_each_tensor("ma", (1, 1), 0.3, False, "mean", True)
-    test_reselect_all_equals_reselecting_each_tensor("ma", (2, 4), 0.3, True, "mean", True)
-    test_reselect_all_equals_reselecting_each_tensor("ma", (2, 4), 0.3, True, "zero", True)
-    test_reselect_all_equals_reselecting_each_tensor("ma", (2, 4), 0.3, True, "zero", False)
+    test_reselect_all_equals_reselecting_each_tensor("ma", (1, 1), 0.3, False)
+    test_reselect_all_equals_reselecting_each_tensor("ma", (2, 4), 0.3, True)
 
 
 def test_window_steps_of_many_tensors_end_as_each_would_alone():
@@ -367,35 +360,3 @@ def test_window_steps_of_many_tensors_end_as_each_would_alone():
     assert all(s.grad_sum.untyped_storage().data_ptr() == storage for s in batched[:2])
     assert batched[0].grad_sq_sum.untyped_storage().data_ptr() == storage
     assert batched[2].grad_sum.untyped_storage().data_ptr() != storage  # (float64: a buffer of its own)
-
-
-def test_ma_regrow_dropped_off_grows_only_units_inactive_before():
-    """MA grows back the weight it drops when that weight's row and column carry the largest accumulators;
-    with ``regrow_dropped=False`` a partial reselection grows the best weight that was inactive before. A full
-    replacement, and a tensor with fewer inactive units than k, rank every unit either way."""
-    values = torch.tensor([0.1, 1.0, 1.0, 1.0])
-    indices = torch.tensor([0, 1, 2, 3], dtype=torch.int32)  # row 0 of a 4 × 4 matrix
-    acc = torch.tensor([4.0, 1.0, 1.0, 1.0])
-    grid = BlockGrid(4, 4)
-    assert reselect_ma(values, indices, 1, acc, acc, grid).indices.tolist() == [0, 1, 2, 3]  # weight 0 dropped, grown back
-    assert reselect_ma(values, indices, 1, acc, acc, grid, regrow_dropped=False).indices.tolist() == [1, 2, 3, 4]  # (1, 0)
-    full = [reselect_ma(values, indices, 4, acc, acc, grid, regrow_dropped=r).indices.tolist() for r in (True, False)]
-    assert full[0] == full[1] == [0, 1, 2, 3]  # (ties → lowest index: (0, 1-3) before (1, 0))
-    dense = BlockGrid(2, 2)  # 3 of 4 active, k = 2: one inactive weight only
-    got = [reselect_ma(torch.tensor([0.1, 0.2, 1.0]), torch.tensor([0, 1, 2], dtype=torch.int32), 2, torch.tensor([4.0, 1.0]),
-                       torch.tensor([4.0, 1.0]), dense, regrow_dropped=r).indices.tolist() for r in (True, False)]  # fmt: skip
-    assert got[0] == got[1] == [0, 1, 2]
-    # blocks: the dropped block (smallest Σ|φ|) sits where the accumulators are largest
-    bgrid = BlockGrid(4, 8, (2, 2))  # 2 × 4 blocks; active blocks 0 and 1 (weights of rows 0-1, columns 0-3)
-    bidx = bgrid.expand(torch.tensor([0, 1])).to(torch.int32)
-    bval = torch.tensor([0.1] * 4 + [1.0] * 4)
-    rows, cols = torch.tensor([4.0, 4.0, 1.0, 1.0]), torch.tensor([4.0, 4.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
-    assert reselect_ma(bval, bidx, 1, rows, cols, bgrid).units.tolist() == [0, 1]
-    assert reselect_ma(bval, bidx, 1, rows, cols, bgrid, regrow_dropped=False).units.tolist() == [1, 2]  # (0, 2) ties (1, 0): lower unit
-    from peft_sparse.methods.spiel.batched import TensorReselection, reselect_all
-
-    with pytest.raises(ValueError, match="regrow_dropped=False does not combine with column_cap=2.0"):
-        reselect_ma(values, indices, 1, acc, acc, grid, column_cap=2.0, regrow_dropped=False)
-    item = TensorReselection(values, indices, 1, grid, row_acc=acc, col_acc=acc)
-    with pytest.raises(ValueError, match="regrow_dropped=False does not combine with column_cap=2.0"):
-        reselect_all([item], "ma", column_cap=2.0, regrow_dropped=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -336,3 +337,38 @@ def read_adapter_config(adapter_dir: Union[str, os.PathLike]) -> dict:
     if not isinstance(raw, dict):
         raise ValueError(f"{path} must hold a JSON object of config fields, found a {type(raw).__name__}")
     return raw
+    with open(path) as f:
+        return json.load(f)
+
+
+def removed_fields(**removed: tuple):
+    """Class decorator for a config that lost fields: saved adapter configs that still hold them keep loading.
+
+    PEFT hands every key of a saved ``adapter_config.json`` to the constructor (and drops a key the class does not
+    know with a warning about library versions). A removed key is taken here instead: accepted when its value is one
+    the removed field selected its remaining behaviour with (its old default), refused by name otherwise, since the
+    behaviour it asked for is gone. ``removed``: name → (the accepted values, or a function of the constructed config
+    returning them — for a default that depended on other fields; what to do instead)."""
+
+    def decorate(cls):
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            given = {name: kwargs.pop(name) for name in list(kwargs) if name in removed}
+            init(self, *args, **kwargs)
+            for name, value in given.items():
+                accepted, instead = removed[name]
+                accepted = accepted(self) if callable(accepted) else accepted
+                if not any(type(value) is type(a) and value == a for a in accepted):
+                    raise ValueError(
+                        f"{cls.__name__} has no field {name} any more, and {name}={value!r} asks for a behaviour it no "
+                        f"longer offers: {instead}. A saved config holding {name} loads when it is "
+                        f"{' or '.join(repr(a) for a in accepted)}, the behaviour that remains"
+                    )
+
+        cls.__init__ = __init__
+        cls.removed_fields = tuple(removed)
+        return cls
+
+    return decorate

@@ -25,6 +25,9 @@ Plain loop::
         model(**batch).loss.backward(); optimizer.step(); optimizer.zero_grad()
         lt.step()   # after step D: K values selected, rewound; the optimizer now holds them (fresh state)
 
+``reference="authors"`` selects as the authors' released code does (one global threshold at the ⌊density·N⌋-th
+largest |φ|, ties at it kept, no L1 term; see ``docs/differences.md``).
+
 The optimizer is re-pointed in place at the switch (its param groups take the new values Parameters, the
 old ones' state is dropped, ``sparse_learning_rate`` becomes the groups' base rate, under the same
 warmup/decay factor as the Trainer's own rate), so one Trainer runs
@@ -57,9 +60,14 @@ SELECTIONS = ("per_tensor", "global")
 class LTSFTConfig(SparseConfig):
     """Lottery-Ticket SFT. ``density`` / ``num_tunable_weights`` set K, the weights kept for the sparse phase."""
 
-    selection: str = field(
-        default="per_tensor",
-        metadata={"help": "'per_tensor': each tensor keeps its share of K (budget_split); 'global': the top-K |θ₁ − θ₀| over all targeted tensors."},
+    selection: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": (
+                "'per_tensor' (the default): each tensor keeps its share of K (budget_split); 'global': the top-K "
+                "|θ₁ − θ₀| over all targeted tensors (§4.3.1, Algorithm 1's argmax; the default with reference='authors')."
+            )
+        },
     )
     l1_reg: float = field(
         default=0.0,
@@ -82,6 +90,20 @@ class LTSFTConfig(SparseConfig):
             )
         },
     )
+    reference: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": (
+                "None (default): this project's LT-SFT. 'authors': the selection of the authors' released code "
+                "(composable-sft; docs/differences.md): K = ⌊density · the targeted weights⌋ chosen by one global threshold, "
+                "keeping every weight whose |θ₁ − θ₀| ties the K-th (so more than K may be kept), and no L1 term: as "
+                "released, θ₀ is copied with gradient history, so the penalty's gradient cancels and training runs without "
+                "it (l1_reg must stay 0). The released code also ranks biases, embeddings and the pooler; here only the "
+                "targeted modules' weights are eligible (target embeddings and the pooler to include them; biases cannot "
+                "be targeted yet)."
+            )
+        },
+    )
     phase: str = field(
         default="dense",
         metadata={"help": "Set by the method: 'dense' until the lottery selection, then 'sparse' (the saved config of a finished adapter says 'sparse')."},
@@ -96,6 +118,10 @@ class LTSFTConfig(SparseConfig):
             self.phase = "sparse"
         super().__post_init__()
         self.peft_type = PeftType.LT_SFT
+        if self.reference is not None and self.reference != "authors":
+            raise ValueError(f"reference must be None or 'authors', got reference={self.reference!r}")
+        if self.selection is None:
+            self.selection = "global" if self.reference == "authors" else "per_tensor"
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {list(SELECTIONS)}, got selection={self.selection!r}")
         if isinstance(self.l1_reg, bool) or not isinstance(self.l1_reg, (int, float)) or not math.isfinite(self.l1_reg) or self.l1_reg < 0:
@@ -114,6 +140,15 @@ class LTSFTConfig(SparseConfig):
             raise ValueError(f"phase must be one of {list(PHASES)}, got phase={self.phase!r}")
         if tuple(self.block_shape) != (1, 1):
             raise ValueError(f"block_shape={self.block_shape!r}: LT-SFT selects single weights; use (1, 1)")
+        if self.reference == "authors":
+            if self.selection != "global":
+                raise ValueError(f"reference='authors' selects with one global threshold, as the released code; got selection={self.selection!r}")
+            if self.l1_reg != 0:
+                raise ValueError(
+                    f"reference='authors' trains without the L1 term, as the released code effectively does (its θ₀ keeps "
+                    f"gradient history, so the penalty's gradient is zero); got l1_reg={self.l1_reg!r}: leave it at 0, or use "
+                    "reference=None for the L1 pull of §4.3.1"
+                )
         if self.phase == "sparse" and self.tunable_weights_per_module is None:
             raise ValueError("phase='sparse' describes a selected adapter and needs tunable_weights_per_module; create LT-SFT in phase 'dense'")
 
@@ -156,6 +191,16 @@ class LTSFTModel(SparseTuner):
                     "PeftModel.from_pretrained(base, path, is_trainable=True) (also to resume a Trainer checkpoint)"
                 ) from error
             raise
+
+
+def _at_or_above_kth(moved: dict, k: int) -> dict:
+    """The released LT-SFT's selection: every weight whose score is at least the k-th largest of all tensors' scores
+    (ties at that value kept, so possibly more than k), by tensor."""
+    if k <= 0:
+        raise ValueError(f"LT-SFT with reference='authors' keeps ⌊density · the targeted weights⌋ = {k} weights; raise density")
+    chosen = global_top_k(moved, k)
+    kth = min(float(moved[name]()[positions].min()) for name, positions in chosen.items() if positions.numel())
+    return {name: torch.nonzero(score() >= kth).squeeze(1).cpu() for name, score in moved.items()}
 
 
 def _is_norm(module) -> bool:
@@ -266,7 +311,11 @@ class LTSFTScheduler:
         sizes = {k: m.numel for k, m in self.layers.items()}
         budget = total_budget(sum(sizes.values()), config.density, config.num_tunable_weights)
         moved = {k: (lambda m=m: self._moved(m)) for k, m in self.layers.items()}
-        if config.selection == "global":
+        if config.reference == "authors":  # ⌊density·N⌋ and every weight at or above the K-th |φ|, ties included
+            if config.num_tunable_weights is None:
+                budget = int(config.density * sum(sizes.values()))
+            chosen = _at_or_above_kth(moved, budget)
+        elif config.selection == "global":
             chosen = global_top_k(moved, budget)
         else:
             shares = split_budget(sizes, budget, 1, split_weights(config.module_shapes, config.budget_split))

@@ -5,6 +5,7 @@ mask-editing API announces its edits, and the optimizer an edit names follows th
 """
 
 from . import surgery  # noqa: F401 (listens to the core's edits)
+from .aged_adamw import AgedAdamW
 from .sm3 import SM3
 
-__all__ = ["SM3"]
+__all__ = ["AgedAdamW", "SM3"]

@@ -7,13 +7,16 @@ registered when ``peft_sparse`` is imported) and follows with the optimizer's pe
 After drop/grow, slot j of a values tensor holds a new index. :func:`reindex_optimizer_state`
 re-gathers every per-slot optimizer tensor with the same ``source`` map (new slot → old slot, −1
 for a grown slot) *in place*, so the optimizer keeps the same Parameter objects and state tensors;
-grown slots start at zero. :func:`seed_optimizer_state` then seeds grown slots:
+grown slots start fresh (zero moments; age 1). :func:`seed_optimizer_state` then seeds grown slots:
 
 * ``torch.optim.AdamW`` / ``Adam`` (stock): from the estimation window's mean gradient ĝ and mean
   squared gradient ŝ, as exp_avg = ĝ·(1−β₁ᵗ) and exp_avg_sq = ŝ·(1−β₂ᵗ) with t = ``state["step"]``,
   so Adam's own bias correction (÷(1−βᵗ)) recovers exactly ĝ and ŝ at the next step. This stands in
-  for the per-index age correction of the thesis (§7.3.1), which stock AdamW cannot express.
+  for the per-index age correction of the thesis (§7.3.1), which stock AdamW cannot express (AgedAdamW, below, does).
   ``amsgrad=True`` is refused: its running maximum has no meaningful value for a new slot.
+* :class:`peft_sparse.AgedAdamW` (``SpIELConfig(reference="authors")``): each slot keeps its own age in the bias
+  correction (thesis §7.3.1), so a grown slot is seeded as exp_avg = ĝ·(1−β₁ᵃ), exp_avg_sq = ŝ·(1−β₂ᵃ) with its age
+  a set to the window's length, the authors' released rule; re-gathered, a grown slot starts at age 1 (a fresh one).
 * :class:`peft_sparse.SM3` and ``torch.optim.SGD``: nothing to seed (SM3's row and column
   accumulators cover the whole matrix; momentum buffers start at zero).
 
@@ -27,6 +30,7 @@ import itertools
 import torch
 
 from ..core import dispatch, kernels
+from .aged_adamw import AgedAdamW
 from .sm3 import SM3
 
 
@@ -48,7 +52,7 @@ def unwrap_optimizer(optimizer):
     return optimizer
 
 
-SUPPORTED = (torch.optim.AdamW, torch.optim.Adam, SM3, torch.optim.SGD)
+SUPPORTED = (torch.optim.AdamW, torch.optim.Adam, AgedAdamW, SM3, torch.optim.SGD)
 
 
 def check_supported(optimizer) -> torch.optim.Optimizer:
@@ -62,17 +66,18 @@ def check_supported(optimizer) -> torch.optim.Optimizer:
     return opt
 
 
-def _regather(tensor: torch.Tensor, source: torch.Tensor, grown: torch.Tensor) -> None:
+def _regather(tensor: torch.Tensor, source: torch.Tensor, grown: torch.Tensor, fresh: float = 0.0) -> None:
     new = tensor[source.clamp(min=0)]
-    new[grown] = 0
+    new[grown] = fresh
     tensor.copy_(new)
 
 
-PER_SLOT_STATE = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+PER_SLOT_STATE = ("exp_avg", "exp_avg_sq", "momentum_buffer", "age")
+FRESH = {"age": 1.0}  # what a grown slot's state starts at, where not 0 (AgedAdamW: age 1, as at its first step)
 
 
 def reindex_optimizer_state(optimizer, param: torch.Tensor, source: torch.Tensor) -> None:
-    """Re-gather ``param``'s per-slot state by ``source``; grown slots (``source == -1``) start at zero."""
+    """Re-gather ``param``'s per-slot state by ``source``; grown slots (``source == -1``) start fresh (zero; age 1)."""
     reindex_optimizer_states(optimizer, [param], source)
 
 
@@ -90,14 +95,14 @@ def reindex_optimizer_states(optimizer, params: list, source: torch.Tensor) -> N
             continue
         if all(isinstance(t, torch.Tensor) and t.shape == p.shape for t, p in zip(tensors, params)):
             new = torch.cat(tensors)[gather]
-            new[grown] = 0
+            new[grown] = FRESH.get(key, 0.0)
             torch._foreach_copy_(tensors, list(torch.split(new, sizes)))
             continue
         start = 0  # some parameters have no state of this kind (yet): one at a time
         for t, p, size in zip(tensors, params, sizes):
             local = source[start : start + size]
             if isinstance(t, torch.Tensor) and t.shape == p.shape:
-                _regather(t, torch.where(local >= 0, local - start, -1), local < 0)
+                _regather(t, torch.where(local >= 0, local - start, -1), local < 0, FRESH.get(key, 0.0))
             start += size
 
 
@@ -114,7 +119,7 @@ def resize_optimizer_state(optimizer, param: torch.Tensor, source: torch.Tensor)
         old = state.get(key)
         if isinstance(old, torch.Tensor) and old.dim() == 1:
             new = old[source.clamp(min=0)] if old.numel() else torch.zeros(source.numel(), dtype=old.dtype, device=old.device)
-            state[key] = new.masked_fill_(grown, 0)
+            state[key] = new.masked_fill_(grown, FRESH.get(key, 0.0))
 
 
 def seed_optimizer_state(
@@ -124,12 +129,18 @@ def seed_optimizer_state(
     seed_optimizer_states(optimizer, [param], [slots], [grad_mean], [grad_sq_mean])
 
 
-def seed_optimizer_states(optimizer, params: list, slots: list, grad_means: list, grad_sq_means: list, scale=1.0, first: bool = True) -> None:
+def seed_optimizer_states(optimizer, params: list, slots: list, grad_means: list, grad_sq_means: list, scale=1.0, first: bool = True,
+                          ages=None) -> None:
     """:func:`seed_optimizer_state` for many parameters at once: one scatter per moment for all those
     whose state lives on one device in one dtype. Parameters without state yet have nothing to seed.
     ``scale`` (c: a float or a device scalar) multiplies the ĝ seeds, c² the ŝ seeds (a clip factor).
-    ``first=False`` seeds only the second moment (exp_avg stays zero). No host synchronisation."""
+    ``first=False`` seeds only the second moment (exp_avg stays zero). ``ages`` (one int per parameter: the
+    steps the seeds stand for): an :class:`AgedAdamW` corrects each seed by its slot's age, set to that age;
+    stock Adam(W) by its one step count. No host synchronisation."""
     opt = check_supported(optimizer)
+    if isinstance(opt, AgedAdamW):
+        _seed_aged(opt, params, slots, grad_means, grad_sq_means, scale, first, ages)
+        return
     if not isinstance(opt, (torch.optim.AdamW, torch.optim.Adam)):
         return
     groups: dict = {}
@@ -168,6 +179,25 @@ def seed_optimizer_states(optimizer, params: list, slots: list, grad_means: list
                 seeds = seeds * c  # in the seeds' dtype, as ĝ·c per tensor
             flat[where] = (seeds.double() * bias).to(flat.dtype)
             torch._foreach_copy_(tensors, list(torch.split(flat, sizes)))
+
+
+def _seed_aged(opt: AgedAdamW, params, slots, grad_means, grad_sq_means, scale, first: bool, ages) -> None:
+    """:func:`seed_optimizer_states` for :class:`AgedAdamW`: the seeds counter-corrected by their own age a, so that
+    the next step's bias correction (÷(1 − βᵃ)) reads ĝ and ŝ back, and the slots' ages set to a."""
+    if ages is None:
+        raise ValueError("AgedAdamW's seeds need the age they stand for (the estimation window's length): pass ages")
+    betas_of = {id(p): g["betas"] for g in opt.param_groups for p in g["params"]}
+    for param, where, g, s2, age in zip(params, slots, grad_means, grad_sq_means, ages):
+        state = opt.state.get(param)
+        if not state:
+            continue
+        beta1, beta2 = betas_of[id(param)]
+        where = where.to(state["age"].device).long()
+        c = scale.to(where.device) if isinstance(scale, torch.Tensor) else scale
+        if first:
+            state["exp_avg"][where] = (g.to(where.device) * c * (1.0 - beta1 ** float(age))).to(state["exp_avg"].dtype)
+        state["exp_avg_sq"][where] = (s2.to(where.device) * (c * c) * (1.0 - beta2 ** float(age))).to(state["exp_avg_sq"].dtype)
+        state["age"][where] = float(age)
 
 
 def repoint_parameters(optimizer, replaced: dict, reset=()) -> None:

@@ -9,12 +9,10 @@ replaces every index (Eq. 7.6, first case). Later ones replace
 
 A SpIEL-AG estimation window is the γ steps ending at a reselection: steps t_r − γ + 1 … t_r.
 
-``replacement_rounding="apportioned"`` (:func:`apportioned_replacement_counts`) replaces the per-tensor floor by
-the step's total ⌊ξ(t) · Σᵢ d_φ(i)⌋ apportioned over the tensors by largest remainder: each tensor gets
-⌊ξ(t) · d_φ(i)⌋ and the leftover units go to the largest fractional parts, ties taking turns from one
-reselection to the next. It matters for blocks, where a tensor holds a handful of units (SmolLM2-135M at
-LoRA r=16's budget in 64×64 blocks: about 10 per MLP tensor, 1 per k/v) and the per-tensor floor rounds
-most k(i, t) to 0, so reselection replaces under half of what Eq. 7.6 asks in aggregate and stops early.
+The authors' released code (``SpIELConfig(reference="authors")``) differs in three places, each a function
+here: k(t) is ``int(d · ξ·(1 − t/T))`` in floating point (:func:`released_replacement_count`; Eq. E.1's
+cosine in the same way, with no full first replacement), and each window after the first opens after step
+kS − 1, so it is the γ + 1 steps kS … kS + γ (:func:`released_in_estimation_window`).
 """
 
 from __future__ import annotations
@@ -45,6 +43,31 @@ def in_estimation_window(t: int, reselection_steps: int, gradient_estimation_ste
     return next_reselection < total_steps and next_reselection - gradient_estimation_steps < t
 
 
+def released_in_estimation_window(t: int, reselection_steps: int, gradient_estimation_steps: int, total_steps: int) -> bool:
+    """:func:`in_estimation_window` as the authors' released trainer arms its windows: the first is steps 1 … γ, each
+    later one opens after step kS − 1, so it is the γ + 1 steps kS … kS + γ (its candidates come from step kS)."""
+    if t < 1:
+        return False
+    S, gamma = reselection_steps, gradient_estimation_steps
+    reselection = gamma if t <= gamma else t // S * S + gamma
+    return reselection < total_steps and (t <= gamma or t % S <= gamma)
+
+
+def released_replacement_count(t: int, total_steps: int, d_phi: int, initial_reselection_rate: float, schedule: str,
+                               gradient_estimation_steps: int) -> int:
+    """k(i, t) as the authors' released code computes it, ``int(d · p)`` with p in floating point: linear, p = 1 at the
+    first reselection (t = γ) and ξ·(1 − t/T) after it; cosine, p = ξ·(1 + cos(πt/T))/2 at every reselection, the
+    first included (Eq. E.1 with no full first replacement)."""
+    xi = float(initial_reselection_rate)
+    if schedule == "linear":
+        p = 1 if t == gradient_estimation_steps else xi * (1 - t / total_steps)
+    elif schedule == "cosine":
+        p = xi * (1 + math.cos(math.pi * t / total_steps)) / 2
+    else:
+        raise ValueError(f"schedule={schedule!r} is not one of 'linear', 'cosine'")
+    return max(0, min(d_phi, int(d_phi * p)))
+
+
 def replacement_count(
     t: int, total_steps: int, d_phi: int, initial_reselection_rate: float, schedule: str, gradient_estimation_steps: int,
     first_full_replacement: bool = True,
@@ -72,28 +95,3 @@ def _quota(t: int, total_steps: int, d_phi: int, initial_reselection_rate: float
     if schedule == "cosine":
         return Fraction(initial_reselection_rate / 2 * (1 + math.cos(math.pi * t / total_steps)) * d_phi)
     raise ValueError(f"schedule={schedule!r} is not one of 'linear', 'cosine'")
-
-
-def apportioned_replacement_counts(
-    t: int, total_steps: int, d_phis, initial_reselection_rate: float, schedule: str, gradient_estimation_steps: int,
-    first_full_replacement: bool = True, turn: int = 0,
-) -> list[int]:
-    """k(i, t) for every tensor of an adapter at reselection step t, in its units (weights, or blocks): the
-    step's total ⌊ξ(t) · Σ d_φ⌋ split by largest remainder (see the module's help). Each tensor gets at least
-    its per-tensor :func:`replacement_count` and at most one unit more, and at most its d_φ(i). ``turn`` (the
-    reselection's ordinal) rotates the order in which tensors with equal remainders get a leftover unit, so none
-    is always last. The first reselection replaces everything unless ``first_full_replacement`` is off."""
-    d_phis = [int(d) for d in d_phis]
-    if any(d < 0 for d in d_phis):
-        raise ValueError(f"d_phis must be non-negative counts, got {d_phis!r}")
-    t, total_steps, rate = int(t), int(total_steps), float(initial_reselection_rate)
-    if first_full_replacement and t == first_reselection_step(int(gradient_estimation_steps)):
-        return list(d_phis)
-    quotas = [min(Fraction(d), max(Fraction(0), _quota(t, total_steps, d, rate, schedule))) for d in d_phis]
-    counts = [math.floor(q) for q in quotas]
-    total = min(sum(d_phis), math.floor(_quota(t, total_steps, sum(d_phis), rate, schedule)))
-    n = len(d_phis)
-    order = sorted((i for i in range(n) if quotas[i] > counts[i]), key=lambda i: (counts[i] - quotas[i], (i - int(turn)) % n))
-    for i in order[: max(0, total - sum(counts))]:  # (a positive remainder means counts[i] < d_φ(i))
-        counts[i] += 1
-    return counts

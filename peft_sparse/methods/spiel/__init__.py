@@ -11,13 +11,19 @@ k(i, t) new ones. The first reselection, at t = γ, replaces all of them (Eq. 7.
   On the window's first micro-batch the top-K_i positions by |∂L/∂θ| become *candidates*
   (K_i = ⌈candidate_ratio · d_φ(i)⌉); from then on only their gradients are kept: per optimizer
   step their sum g (the gradient Adam sees), accumulated as Σg and Σg² over the window (Eq. 7.5).
-  Grow the k eligible candidates (not active after the drop — a just-dropped index may regrow)
-  with the largest |ĝ| = |Σg|/γ. If fewer than k are eligible, drop only as many as can be grown.
-* **GROW, MA** (momentum approximation, Alg. 3) — the k inactive positions with the largest
+  Grow the k eligible candidates (not among the kept ones) with the largest |ĝ| = |Σg|/γ (by default
+  divided by the column's RMS gradient: ``score_normalization``). If fewer than k are eligible, drop only
+  as many as can be grown.
+* **GROW, MA** (momentum approximation, Alg. 3) — the k positions outside the kept ones with the largest
   √⁴(R_i·C_j) (Eq. 7.7) from SM3's row/column accumulators (SM3's own; beside another optimizer the
   scheduler keeps the same accumulators from each step's gradients). The scores form a rank-one matrix, so
   a threshold that leaves about d_φ positions above it is found by counting, and only those
   positions are listed and ranked: no (out, in) score matrix exists.
+
+The algorithms leave open what happens to a weight dropped and grown at the same reselection; here it
+comes back as a new weight. ``reference="authors"`` runs the authors' released rules instead (AG keeps it
+in place with its value and Adam state, MA never grows it) together with the released budget, k(t),
+windows and seeding: ``docs/differences.md`` lists every difference.
 
 The scheduler reselects all tensors together (:func:`reselect_all`): each tensor's drop and AG grow
 is a rank within its segment of one concatenation, so a reselection costs a handful of launches
@@ -29,12 +35,13 @@ state is re-gathered and seeded by :mod:`peft_sparse.optim.surgery`. Persistent 
 candidate statistics exist only during windows, the dense gradient only inside a backward pass.
 
 The package reads top to bottom: :mod:`.config` (the fields), :mod:`.scheduler` (when a reselection
-happens and what it edits), :mod:`.statistics` (the AG estimation window; MA's accumulators beside a
-non-SM3 optimizer), :mod:`.selection` (DROP and
-GROW for one tensor, Algorithms 2–3), :mod:`.batched` (the same for all tensors at once, the path the
-scheduler takes), :mod:`.adaptive` (``budget_split="adaptive"``: one drop/grow over all tensors),
-:mod:`.rank_one` (MA's top-k of R_i·C_j without the score matrix), :mod:`.seeding` (Adam moments of grown
-slots), :mod:`.state` (save and resume) and :mod:`.model` (the PEFT tuner).
+happens: the loop and its windows), :mod:`.reselect` (what one reselection edits), :mod:`.checks` (what is
+refused before a run), :mod:`.statistics` (the AG estimation window; MA's accumulators beside a non-SM3
+optimizer and its ``ma_signal='io'`` window), :mod:`.selection` (DROP and GROW for one tensor, Algorithms 2–3),
+:mod:`.batched` (the same for all tensors at once, the path the scheduler takes), :mod:`.adaptive`
+(``budget_split="adaptive"``: one drop/grow over all tensors), :mod:`.rank_one` (MA's top-k of R_i·C_j without
+the score matrix), :mod:`.seeding` (Adam moments of grown slots), :mod:`.state` (save and resume) and
+:mod:`.model` (the PEFT tuner, and the released budget rule).
 """
 
 from .config import SpIELConfig

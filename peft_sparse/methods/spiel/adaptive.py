@@ -125,29 +125,18 @@ def reselect_adaptive(scheduler, t: int) -> dict:
     sources, news, new_slots = edit.slot_maps(old_global, dropped, cands_global[grown], sizes, new_sizes, offsets, owners[grown])
     grow_parts = grown.split(grow_counts)
     sources, news, new_slots = sources.split(new_sizes), news.split(new_sizes), new_slots.split(grow_counts)
-    fresh_values, seeds = [], []
-    lr_of = {id(p): g["lr"] for g in scheduler.optimizer.param_groups for p in g["params"]}
-    eps_of = {id(p): g.get("eps", 1e-8) for g in scheduler.optimizer.param_groups for p in g["params"]}
-    for at, v in enumerate(values):
-        mine = grow_parts[at]
-        g_hat, s_hat = g_means[mine], s_means[mine]  # (in the order of new_slots)
-        init = None
-        if c.grow_init == "gradient" and grow_counts[at]:
-            init = torch.zeros(new_sizes[at], device=device)
-            init[new_slots[at]] = -float(lr_of[id(v)]) * n * g_hat / (s_hat.sqrt() + float(eps_of[id(v)]))
-        fresh_values.append(init)
-        seeds.append((new_slots[at], g_hat, s_hat))
-    edit.resize_slots(layers, name, sources, news, optimizer=scheduler.optimizer, new_values=fresh_values, step=t, checked=False)
+    seeds = [(new_slots[at], g_means[mine], s_means[mine]) for at, mine in enumerate(grow_parts)]  # (in the order of new_slots)
+    edit.resize_slots(layers, name, sources, news, optimizer=scheduler.optimizer, step=t, checked=False)
     if scheduler.seeding is not None:
         scheduler.seeding.rehook()
     counts = c.tunable_weights_per_module
     for layer, size in zip(layers, new_sizes):
         if counts is not None and layer.module_name in counts:
             counts[layer.module_name] = int(size)
-    if scheduler.seeding is not None and c.seed_moments != "none":
+    if scheduler.seeding is not None:
         for v, (slots, g_hat, s_hat), grew in zip(values, seeds, grow_counts):
             if grew:
-                scheduler.seeding.pending[id(v)] = (slots, g_hat, s_hat)
+                scheduler.seeding.pending[id(v)] = (slots, g_hat, s_hat, n)
     total = sum(new_sizes)
     moved = sum(abs(a - b) for a, b in zip(new_sizes, sizes)) // 2
     return {

@@ -9,8 +9,8 @@ import torch
 
 from ...core import kernels
 from ...core.selection import BlockGrid, isin_sorted, segmented_rank
-from .rank_one import _grow_rank_one_all, column_cap_count, top_k_row_col_products_capped
-from .selection import _merge, _merged_units, excludes_every_unit, ma_factor
+from .rank_one import _grow_rank_one_all
+from .selection import _merge, _merged_units
 
 
 # ------------------------------------------------------------------------------------------- all tensors at once
@@ -108,7 +108,7 @@ def _segments(sizes: list, dev: torch.device) -> tuple:
     return seg, kernels.table(_starts(sizes), dev)
 
 
-def reselect_all(items: list, growth: str, column_cap: Optional[float] = None, unseen: str = "zero", regrow_dropped: bool = True) -> AllReselections:
+def reselect_all(items: list, growth: str) -> AllReselections:
     """DROP and GROW for many tensors at once, identical to :func:`reselect_ag` / :func:`reselect_ma`
     per tensor. The per-tensor selections are segmented ranks (one sort for all drops, one for all
     growths; MA's threshold search runs on padded per-tensor tables) and the merge is done once over
@@ -119,8 +119,6 @@ def reselect_all(items: list, growth: str, column_cap: Optional[float] = None, u
     sits among the values, the candidates and the new values follows from the blocks alone (the
     values are in ascending weight order: :class:`~peft_sparse.core.kernels.BlockLayout`), so no
     weight-sized search or sort runs."""
-    if not regrow_dropped and column_cap is not None:
-        raise ValueError(f"regrow_dropped=False does not combine with column_cap={column_cap!r}")
     dev = items[0].values.device
     n = len(items)
     d = [it.values.numel() for it in items]
@@ -132,7 +130,7 @@ def reselect_all(items: list, growth: str, column_cap: Optional[float] = None, u
         u_off.append(u_off[-1] + it.grid.numel)
     magnitude = torch.cat([(it.values if it.drop_values is None else it.drop_values).detach() for it in items]).abs().float()
     if unit > 1:
-        return _reselect_blocks(items, growth, d, k, u_off, magnitude, unseen, regrow_dropped)
+        return _reselect_blocks(items, growth, d, k, u_off, magnitude)
     k_t = kernels.table(k, dev)
 
     # unstructured: units are weights
@@ -154,15 +152,8 @@ def reselect_all(items: list, growth: str, column_cap: Optional[float] = None, u
         cand_gid = torch.cat([it.candidates for it in items]).long() + e_off_t[seg_c]
         score = torch.cat([it.score for it in items]).float().abs()  # |ĝ| (Eq. 7.5)
         grown_gid, ok, per_tensor_ok, grown_from_rows = _grow_ag_all(cand_gid, score, score, seg_c, c_start_t, c_start_t, kept_gid, k_t, sum(k))
-    elif column_cap is None:  # Alg. 3: the k weights with the largest √⁴(R_i·C_j) (Eq. 7.7)
-        excluded_gid, n_excluded = _ma_excluded(items, kept_gid, eid, dropped, seg_e, d, k, regrow_dropped)
-        grown_gid = _grow_ma_all(items, excluded_gid, n_excluded, k, u_off, unseen)
-    else:  # the same, each column filled up to its cap (tensor by tensor: an ablation's path)
-        grown_gid = torch.cat([
-            top_k_row_col_products_capped(ma_factor(it.row_acc, unseen), ma_factor(it.col_acc, unseen),
-                                          it.indices.long()[~dropped[a : a + d_i]], k_i, column_cap_count(column_cap, d_i, it.grid.in_features)) + e_off[i]
-            for i, (it, d_i, k_i, a) in enumerate(zip(items, d, k, _starts(d)))
-        ]).sort().values  # fmt: skip
+    else:  # Alg. 3: the k weights outside the kept ones with the largest √⁴(R_i·C_j) (Eq. 7.7)
+        grown_gid = _grow_ma_all(items, kept_gid, [d_i - k_i for d_i, k_i in zip(d, k)], k, u_off)
 
     # MERGE: kept and grown weights of all tensors at once (each tensor keeps its size and place)
     rows = grown_from_rows if grown_from_rows is not None else torch.full_like(grown_gid, -1)
@@ -188,37 +179,20 @@ def _grow_ag_all(cand_gid, cand_score, score, seg_c, c_start_t, ce_start_t, kept
     return cand_gid[grown_at], per_tensor_ok.all(), per_tensor_ok, grown_at
 
 
-def _ma_excluded(items, kept_gid, unit_gid, dropped, seg, n_units, k, regrow_dropped: bool):
-    """The units MA's growth ranks last, ascending in the global numbering, and their number per tensor: the kept
-    ones (``kept_gid``), or every active one where :func:`~.selection.excludes_every_unit` says so (known on the
-    host)."""
-    every = [excludes_every_unit(regrow_dropped, k_i, u, it.grid.numel) for it, u, k_i in zip(items, n_units, k)]
-    n_excluded = [u if e else u - k_i for u, k_i, e in zip(n_units, k, every)]
-    if not any(every):
-        return kept_gid, n_excluded
-    excluded = ~dropped | kernels.table(every, dropped.device, torch.bool)[seg]
-    return unit_gid[torch.nonzero_static(excluded, size=sum(n_excluded)).squeeze(1)], n_excluded
-
-
-def _grow_ma_all(items, excluded_gid, n_excluded, k, u_off, unseen: str = "zero"):
-    """MA's growth over all tensors (Alg. 3): per tensor, the k units outside ``excluded_gid`` (ascending, global
-    numbering; ``n_excluded`` per tensor: the kept units, or every active one) with the largest Σ√⁴(R_i·C_j)
-    (Eq. 7.7); ascending, in the global unit numbering."""
-    if unseen == "zero":  # √⁴ of every accumulator in one pass
-        rows_each = torch.split(torch.cat([it.row_acc for it in items]).double().pow(0.25), [it.grid.out_features for it in items])
-        cols_each = torch.split(torch.cat([it.col_acc for it in items]).double().pow(0.25), [it.grid.in_features for it in items])
-    else:  # tensor by tensor: each unseen row's mean is the per-tensor selection's own sum, to the last bit
-        rows_each = [ma_factor(it.row_acc, unseen) for it in items]
-        cols_each = [ma_factor(it.col_acc, unseen) for it in items]
-    # summed per block row / column tensor by tensor (the reductions of the per-tensor selection, shape for
-    # shape: the same sums to the last bit)
+def _grow_ma_all(items, kept_gid, n_kept, k, u_off):
+    """MA's growth over all tensors (Alg. 3): per tensor, the k units outside its kept ones (``kept_gid``: ascending,
+    global numbering; ``n_kept`` per tensor) with the largest Σ√⁴(R_i·C_j) (Eq. 7.7); ascending, in the global unit
+    numbering."""
+    # √⁴ of every accumulator in one pass, then summed per block row / column tensor by tensor (the reductions of
+    # the per-tensor selection, shape for shape: the same sums to the last bit)
+    rows_each = torch.split(torch.cat([it.row_acc for it in items]).double().pow(0.25), [it.grid.out_features for it in items])
+    cols_each = torch.split(torch.cat([it.col_acc for it in items]).double().pow(0.25), [it.grid.in_features for it in items])
     row_scores = [it.grid.reduce_rows(r) for it, r in zip(items, rows_each)]
     col_scores = [it.grid.reduce_cols(c) for it, c in zip(items, cols_each)]
-    return _grow_rank_one_all(row_scores, col_scores, excluded_gid, n_excluded, k, u_off)
+    return _grow_rank_one_all(row_scores, col_scores, kept_gid, n_kept, k, u_off)
 
 
-def _reselect_blocks(items: list, growth: str, d: list, k: list, u_off: list, magnitude: torch.Tensor, unseen: str = "zero",
-                     regrow_dropped: bool = True) -> AllReselections:
+def _reselect_blocks(items: list, growth: str, d: list, k: list, u_off: list, magnitude: torch.Tensor) -> AllReselections:
     """:func:`reselect_all` for block tensors. A tensor's values hold its blocks' weights in ascending
     weight order, so weight (i, j) of its b-th block sits at ``base[b] + i·stride[b] + j``
     (:meth:`~peft_sparse.core.kernels.BlockLayout.positions`, from the ascending blocks alone); the same
@@ -269,8 +243,7 @@ def _reselect_blocks(items: list, growth: str, d: list, k: list, u_off: list, ma
         cand_score = score[slots(ce_start_t[seg_c] + c_base, c_stride, (bh, bw)).reshape(-1)].view(-1, unit).sum(1)
         grown_gid, ok, per_tensor_ok, grown_at = _grow_ag_all(cand_gid, cand_score, score, seg_c, c_start_t, ce_start_t, kept_gid, k_t, sum(k))
     else:  # Alg. 3: the k blocks with the largest Σ√⁴(R_i·C_j) (Eq. 7.7)
-        excluded_gid, n_excluded = _ma_excluded(items, kept_gid, unit_gid, dropped_unit, seg_u, u_sizes, k, regrow_dropped)
-        grown_gid = _grow_ma_all(items, excluded_gid, n_excluded, k, u_off, unseen)
+        grown_gid = _grow_ma_all(items, kept_gid, [u - k_i for u, k_i in zip(u_sizes, k)], k, u_off)
 
     # MERGE: the new blocks (kept and grown, ascending) and their weights at their slots
     all_units, at_kept, at_grown = _merged_units(kept_gid, grown_gid)

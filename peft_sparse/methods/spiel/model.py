@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 
@@ -69,12 +70,49 @@ class _UnscheduledTrainingGuard:
             )
 
 
+def model_parameter_count(model) -> int:
+    """Every parameter of ``model`` but sparse adapters' values, 4-bit weights at their unpacked size."""
+    total = 0
+    for name, p in model.named_parameters():
+        if ".sparse_values." in f".{name}.":
+            continue
+        shape = getattr(getattr(p, "quant_state", None), "shape", None)  # (bitsandbytes packs two 4-bit weights per byte)
+        total += math.prod(shape) if shape is not None else p.numel()
+    return total
+
+
+def released_budget(config: SpIELConfig, model) -> dict:
+    """The authors' released budget rule (``reference='authors'``): N = ⌊density · the model's parameter count⌋ (or
+    ``num_tunable_weights``), split over the targeted tensors by size with a floor per tensor, ⌊N·n_i/Σn⌋, in the
+    released code's floating point."""
+    sizes = {name: int(s[0]) * int(s[1]) for name, s in config.module_shapes.items()}
+    targeted = sum(sizes.values())
+    budget = config.num_tunable_weights
+    if budget is None:
+        budget = int(model_parameter_count(model) * config.density)
+    if not 0 < budget <= targeted:
+        raise ValueError(
+            f"reference='authors' takes density={config.density} of all the model's parameters: {budget} weights, which the "
+            f"{targeted} targeted weights cannot hold (at least 1, at most all of them); lower density or target more modules"
+        )
+    return {name: int(budget * size / targeted) for name, size in sizes.items()}
+
+
 class SpIELModel(SparseTuner):
     """PEFT tuner of :class:`SpIELConfig`: random initial indices, per-index ages, and a guard that
     warns when the adapter trains with nobody reselecting its indices."""
 
     prefix: str = "sparse_"
     dynamic: bool = True
+
+    def _prepare_model(self, peft_config: SpIELConfig, model) -> None:
+        fresh = peft_config.tunable_weights_per_module is None
+        super()._prepare_model(peft_config, model)
+        if fresh and peft_config.reference == "authors" and peft_config.module_shapes:
+            counts = released_budget(peft_config, model)
+            peft_config.tunable_weights_per_module = counts
+            if peft_config.num_tunable_weights is not None:  # (the per-tensor floors may leave a few weights unused)
+                peft_config.num_tunable_weights = sum(counts.values())
 
     def initial_indices(self, config: SpIELConfig, layer: SparseLayer, module_name: str, count: int) -> torch.Tensor:
         grid = self.grid(config, layer)

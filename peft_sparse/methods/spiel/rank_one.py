@@ -142,33 +142,3 @@ def _grow_rank_one_all(
             local = _top_k_row_col_products_chunked(row_scores[i], col_scores[i], kept_local[i] - u_off[i], k[i], chunk_elements)
             grown.append(local + u_off[i])
     return torch.cat(grown).sort().values if len(grown) > 1 else grown[0]
-
-
-def column_cap_count(column_cap: float, count: int, in_features: int) -> int:
-    """The most active weights a column may hold under ``column_cap`` (times the mean column count)."""
-    return math.ceil(column_cap * count / in_features)
-
-
-def top_k_row_col_products_capped(row_score: torch.Tensor, col_score: torch.Tensor, kept: torch.Tensor, k: int, cap: int) -> torch.Tensor:
-    """Ascending flat indices of the k weights outside ``kept`` (ascending) with the largest R_i·C_j (ranked like
-    :func:`top_k_row_col_products`: scores rounded to float32, ties → lowest index) such that no column ends with more than ``cap`` active weights (``SpIELConfig.column_cap``).
-    Exact: in every column the scores fall in the one row order of R, so a column's admissible weights are its
-    first free rows in that order (among the first ``cap`` rows), and picking the largest scores under
-    per-column limits is a greedy choice. O(cap · in) memory: about column_cap · d_φ."""
-    out_features, in_features = row_score.numel(), col_score.numel()
-    dev = row_score.device
-    kept = kept.long()
-    if kept.numel() + k > min(cap, out_features) * in_features:
-        raise ValueError(f"a column cap of {cap} weights leaves no room for {kept.numel()} kept and {k} grown weights in {in_features} columns")
-    if k <= 0:
-        return torch.empty(0, dtype=torch.long, device=dev)
-    order = torch.sort(row_score, descending=True, stable=True).indices  # rows by score, ties → lower row
-    room = (cap - torch.bincount(kept % in_features, minlength=in_features)).clamp(min=0)
-    depth = min(out_features, cap)  # a column with room has that many free rows among the first `cap` of the order
-    flat = order[:depth, None] * in_features + torch.arange(in_features, device=dev)[None, :]  # (depth, in)
-    free = ~isin_sorted(flat.reshape(-1), kept).view(depth, in_features)
-    admissible = free & (free.long().cumsum(0) <= room[None, :])
-    index = flat[admissible]
-    score = (row_score[order[:depth], None] * col_score[None, :])[admissible]
-    by_index = torch.argsort(index)  # (ascending flat index: top_k_positions breaks ties by it)
-    return index[by_index][top_k_positions(score[by_index], k)].sort().values

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-
 import torch
 
-from ...optim.surgery import seed_optimizer_states
 from ...accel import internals
+from ...optim.surgery import seed_optimizer_states
 from .statistics import distributed
 
 
@@ -22,14 +21,18 @@ class DeferredSeeding:
     (a step pre-hook), scaled by that step's factor c = ‖g_seen‖/‖g_raw‖ over the adapter's values:
     ‖g_raw‖ is read by post-accumulate hooks after each backward, ‖g_seen‖ when the step starts.
     Without rescaling c is exactly 1 and the seeds are exactly ĝ·(1−β₁ᵗ) and ŝ·(1−β₂ᵗ).
+
+    ``reference='authors'`` seeds both moments at once, at scale 1, each slot's age set to the window's length
+    (:meth:`apply_now` right after the reselection): the released code writes its seeds when it reselects, from the
+    raw window statistics, into an optimizer that corrects each slot by its own age.
     """
 
     def __init__(self, optimizer, params: list, first_moment: bool = True):
         self.optimizer = optimizer
         self.first_moment = first_moment  # False: only the second moment is seeded
         self.params = params
-        # id(param) → (grown slots, ĝ, ŝ) waiting for the next step
-        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # id(param) → (grown slots, ĝ, ŝ, the steps they stand for) waiting for the next step
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
         self.raw: dict = {}  # after a backward: the ids of the parameters with gradients and Σ‖g‖²
         self.last_factor = None  # c of the last seeding (a float, or a device scalar)
         self._queued = False
@@ -80,7 +83,7 @@ class DeferredSeeding:
         params = [p for p in self.params if id(p) in self.pending]
         entries = [self.pending[id(p)] for p in params]
         seed_optimizer_states(self.optimizer, params, [e[0] for e in entries], [e[1] for e in entries],
-                              [e[2] for e in entries], scale=c, first=self.first_moment)  # fmt: skip
+                              [e[2] for e in entries], scale=c, first=self.first_moment, ages=[e[3] for e in entries])  # fmt: skip
         self.pending, self.raw, self.last_factor = {}, {}, c
 
     def apply_now(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from ...core.storage import reading
@@ -34,7 +35,8 @@ class SchedulerState:
             "armed": bool(self.statistics),
             "statistics": {name: s.tensors() for name, s in self.statistics.items()},
             "pending_seeds": {
-                by_layer[key]: {"slots": slots, "grad_mean": g, "grad_sq_mean": s2} for key, (slots, g, s2) in pending.items()
+                by_layer[key]: {"slots": slots, "grad_mean": g, "grad_sq_mean": s2, "age": torch.tensor(age)}
+                for key, (slots, g, s2, age) in pending.items()
             },
             "drop_reference": {name: {"values": v} for name, v in self.drop_reference.items()},
             "ma_accumulators": self.ma_accumulators.tensors() if self.ma_accumulators is not None else {},
@@ -87,6 +89,9 @@ class SchedulerState:
                     stats.grad_sq_sum = tensors["grad_sq_sum"].to(device_of(name), copy=True)
                     if "col_scale" in tensors:
                         stats.col_scale = tensors["col_scale"].to(device_of(name), copy=True)
+                    if "step_sq" in tensors:  # (reference='authors': Σg² over micro-batches)
+                        stats.step_sq = tensors["step_sq"].to(device_of(name), copy=True)
+                    stats.samples = int(tensors["samples"]) if "samples" in tensors else 0
             self.steps_in_window = int(state["steps_in_window"])
         elif self._in_window(self.t + 1):
             raise ValueError(
@@ -108,8 +113,9 @@ class SchedulerState:
             )
         if self.seeding is not None:
             self.seeding.pending = {
-                id(layers[name].sparse_values[self.adapter_name]): tuple(
-                    t[k].to(device_of(name), copy=True) for k in ("slots", "grad_mean", "grad_sq_mean")
+                id(layers[name].sparse_values[self.adapter_name]): (
+                    *(t[k].to(device_of(name), copy=True) for k in ("slots", "grad_mean", "grad_sq_mean")),
+                    int(t["age"]) if "age" in t else self.gamma,  # (states saved before ages were recorded: γ steps)
                 )
                 for name, t in state.get("pending_seeds", {}).items()
             }

@@ -25,8 +25,15 @@ def distributed() -> bool:
 class _WindowStatistics:
     """Growth candidates of one tensor and their gradient sums over an estimation window (AG)."""
 
-    def __init__(self, num_candidate_units: int, grid: BlockGrid, dtype: torch.dtype = torch.float32, normalize: str = "none"):
+    def __init__(self, num_candidate_units: int, grid: BlockGrid, dtype: torch.dtype = torch.float32, normalize: str = "none",
+                 micro_batches: bool = False):
         self.num_candidate_units = num_candidate_units
+        # micro_batches (reference='authors'): Σg² over micro-batches, not optimizer steps, and their count
+        # (the released trainer's samples), so that its seeds ĝ = Σg/n, ŝ = Σg²/n average micro-batches; on several
+        # processes each micro-batch's gradients are averaged over the ranks first (one process's view of it)
+        self.micro_batches = micro_batches
+        self.samples = 0
+        self.step_sq: Optional[torch.Tensor] = None  # Σ over this step's micro-batches of g² (micro_batches)
         self.normalize = normalize  # "column": scores divided by their column's RMS gradient (first micro-batch)
         self.col_scale: Optional[torch.Tensor] = None  # (in_features,) with normalize="column"
         self.grid = grid
@@ -72,11 +79,26 @@ class _WindowStatistics:
             # (Σ g and Σ g² are allocated at the step's end, all tensors' together: see _allocate_sums)
             if first is not None and self.dtype == torch.float32:  # this micro-batch's gradients at the candidates
                 self.step_sum = first
+                self._count(first, fresh=True)
                 return
             self.step_sum = torch.zeros(self.candidates.numel(), dtype=self.dtype, device=flat.device)
             if distributed():
                 flat = dense_grad.reshape(-1)
-        self.step_sum += flat.index_select(0, self.candidates)
+        here = flat.index_select(0, self.candidates)
+        if self.micro_batches and distributed():  # (the global micro-batch's gradient, as one process would see it)
+            dist.all_reduce(here)
+            here /= dist.get_world_size()
+        self.step_sum += here
+        self._count(here)
+
+    def _count(self, gradient: torch.Tensor, fresh: bool = False) -> None:
+        """One more micro-batch; with ``micro_batches`` its squared gradient joins ``step_sq``."""
+        self.samples += 1
+        if not self.micro_batches:
+            return
+        if fresh or self.step_sq is None:
+            self.step_sq = torch.zeros(self.candidates.numel(), dtype=self.dtype, device=gradient.device)
+        self.step_sq.addcmul_(gradient.to(self.dtype), gradient.to(self.dtype))
 
     def growth_score(self) -> torch.Tensor:
         """Σ g at the candidates (ĝ up to 1/γ: its magnitude ranks them), divided by the column scale if normalized."""
@@ -105,16 +127,16 @@ class _WindowStatistics:
     def end_step(self) -> None:
         if self.candidates is None:
             return
-        _allocate_sums([self])
-        self.grad_sum += self.step_sum
-        self.grad_sq_sum += self.step_sum * self.step_sum
-        self.step_sum.zero_()
+        _end_steps([self])
 
     def tensors(self) -> dict:
         if self.candidates is None:
             return {}
         _allocate_sums([self])
-        tensors = {"candidates": self.candidates, "step_sum": self.step_sum, "grad_sum": self.grad_sum, "grad_sq_sum": self.grad_sq_sum}
+        tensors = {"candidates": self.candidates, "step_sum": self.step_sum, "grad_sum": self.grad_sum, "grad_sq_sum": self.grad_sq_sum,
+                   "samples": torch.tensor(self.samples)}
+        if self.step_sq is not None:
+            tensors["step_sq"] = self.step_sq
         if self.col_scale is not None:
             tensors["col_scale"] = self.col_scale
         if self.candidate_units is not None:  # block adapters
@@ -147,7 +169,13 @@ def _end_steps(statistics: list) -> None:
     for members in groups.values():
         step = [m.step_sum for m in members]
         torch._foreach_add_([m.grad_sum for m in members], step)
-        torch._foreach_add_([m.grad_sq_sum for m in members], torch._foreach_mul(step, step))
+        by_step = [m for m in members if not m.micro_batches]
+        if by_step:  # Σ g² over optimizer steps: the square of each step's summed gradient
+            torch._foreach_add_([m.grad_sq_sum for m in by_step], torch._foreach_mul([m.step_sum for m in by_step], [m.step_sum for m in by_step]))
+        for m in members:
+            if m.micro_batches and m.step_sq is not None:  # Σ g² over micro-batches (reference='authors')
+                m.grad_sq_sum += m.step_sq
+                m.step_sq.zero_()
         torch._foreach_zero_(step)
 
 
@@ -254,32 +282,6 @@ class RowColumnAccumulators:
                 g = gradient(values)
                 grads.append(torch.zeros(getattr(values, "ds_numel", values.numel()), dtype=row.dtype, device=row.device) if g is None else g.reshape(-1).to(row.dtype))
             accumulate_sparse(row, col, group["rows"], group["cols"], torch.cat(grads))
-
-    @torch.no_grad()
-    def seed_second_moments(self, optimizer, t: int) -> None:
-        """Adam's second moment of every slot grown at step ``t`` (age t), from SM3's estimate of its squared
-        gradient: min(R_i, C_j) bounds the squared gradients accumulated over the t steps the accumulators saw, so
-        exp_avg_sq = min(R_i, C_j)/t · (1 − β₂^s) (s: the tensor's Adam step count), which Adam's bias correction
-        reads back as that mean. Unseeded, a grown weight's first steps under the tensor's high step count are
-        (1 − β₁)/√(1 − β₂) ≈ 3× lr. No read of the device."""
-        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or t <= 0:
-            return
-        beta2 = {id(p): g["betas"][1] for g in optimizer.param_groups for p in g["params"]}
-        name = self.adapter_name
-        for group in self.groups.values():
-            for layer in group["layers"]:
-                values = layer.sparse_values[name]
-                state = optimizer.state.get(values)
-                if not state or name not in layer.sparse_ages or id(values) not in beta2:
-                    continue
-                r, c = self.views[layer.module_name]
-                rows, cols = kernels.rows_cols(layer.sparse_indices[name], layer.in_features)
-                step = state["step"]
-                step = step.to(device=r.device, dtype=torch.float64) if isinstance(step, torch.Tensor) else float(step)
-                bias2 = 1 - beta2[id(values)] ** step
-                moment = state["exp_avg_sq"]
-                estimate = (torch.minimum(r[rows], c[cols]).double() / t * bias2).to(moment.dtype)
-                moment.copy_(torch.where(layer.sparse_ages[name].to(moment.device) == t, estimate, moment))
 
     def tensors(self) -> dict:
         """{module name: {"row_accumulator", "col_accumulator"}} (views of the shared buffers)."""
