@@ -13,7 +13,7 @@ logical (out, in) matrix). The file stores them in one of three forms, chosen pe
   - ``<module>.sparse_index_lower``: uint8, the low ℓ bits of every index, ηⱼ mod 2^ℓ, packed back to back
     (index j in bits jℓ … jℓ+ℓ−1 of the byte string, least significant bit first): ⌈nℓ/8⌉ bytes;
   - ``<module>.sparse_index_upper``: uint8, a bit string with bit ``(ηⱼ >> ℓ) + j`` set for every j — the
-    high parts in unary, as gaps — ⌈(n + ((N − 1) >> ℓ) + 1)/8⌉ bytes at most;
+    high parts in unary, as gaps — ⌈(n + ((N − 1) >> ℓ))/8⌉ bytes (none when n = 0);
   - ``<module>.sparse_index_header``: int64 ``[N, n, ℓ]``.
 
   Decoding is three vectorised steps: the positions pⱼ of the set bits of the upper string give
@@ -163,7 +163,7 @@ def elias_fano_encode(indices: torch.Tensor, numel: int) -> tuple[torch.Tensor, 
         empty = torch.zeros(0, dtype=torch.uint8, device=indices.device)
         return empty, empty.clone(), header
     positions = (indices >> width) + torch.arange(count, device=indices.device)
-    upper_bits = torch.zeros(int(positions[-1]) + 1, dtype=torch.bool, device=indices.device)
+    upper_bits = torch.zeros(count + ((numel - 1) >> width), dtype=torch.bool, device=indices.device)
     upper_bits[positions] = True
     lower = _pack_fields(indices & ((1 << width) - 1), width)
     return _pack_bits(upper_bits), lower, header
@@ -178,6 +178,8 @@ def elias_fano_decode(upper: torch.Tensor, lower: torch.Tensor, header: torch.Te
         raise ValueError(f"{where}: invalid Elias–Fano header numel={numel}, count={count}, lower_bits={width}")
     if upper.dtype != torch.uint8 or lower.dtype != torch.uint8:
         raise ValueError(f"{where}: Elias–Fano bit strings must be uint8, got {upper.dtype} and {lower.dtype}")
+    if upper.numel() != (math.ceil((count + ((numel - 1) >> width)) / 8) if count else 0):
+        raise ValueError(f"{where}: {upper.numel()} bytes of upper bits, expected {elias_fano_size(count, numel, width) - math.ceil(count * width / 8)} for {count} indices of {numel}")
     if lower.numel() != math.ceil(count * width / 8):
         raise ValueError(f"{where}: {lower.numel()} bytes of lower bits, expected {math.ceil(count * width / 8)} for {count} indices of {width} bits")
     positions = _set_bit_positions(upper)

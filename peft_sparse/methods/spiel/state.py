@@ -159,3 +159,12 @@ class SchedulerState:
             groups[group].setdefault(module, {})[name] = value
         state.update(groups)
         self.load_state_dict(state)
+
+
+def saved_ages(directory: str) -> dict:
+    """The per-index ages a SpIEL scheduler state in ``directory`` holds (a Trainer checkpoint folder), by module;
+    empty when there is none, or when it was saved before ages were kept there."""
+    path = os.path.join(directory, "spiel_scheduler.safetensors")
+    if not os.path.isfile(path):
+        return {}
+    return {key.split("::")[1]: value for key, value in load_file(path).items() if key.startswith("ages::")}
