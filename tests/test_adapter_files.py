@@ -114,6 +114,22 @@ def test_auto_stays_within_1_25_of_the_information_up_to_density_one_half():
         assert 8 * sizes[storage.choose(count, numel, 4, "auto")] <= 1.25 * storage.entropy_bits(count, numel), k
 
 
+def test_elias_fano_round_trips_at_every_lower_bit_width():
+    """ℓ from 0 to 55 (tensors of about n·2^ℓ weights): fields of every width, those straddling two 64-bit words
+    included, and counts that leave the last row of 8 fields short."""
+    g = torch.Generator().manual_seed(7)
+    widths = set()
+    for width in range(storage.MAX_LOWER_BITS + 1):
+        for count in (1, 8, 13, 67):
+            numel = count << width
+            indices = torch.unique(torch.randint(0, numel, (count,), generator=g, dtype=torch.int64))
+            upper, lower, header = storage.elias_fano_encode(indices, numel)
+            widths.add(header.tolist()[2])
+            decoded = storage.elias_fano_decode(upper, lower, header, "layer")
+            assert torch.equal(decoded.long(), indices), (width, count)
+    assert widths >= set(range(storage.MAX_LOWER_BITS))
+
+
 def test_the_numpy_reader_of_the_format_page_reads_elias_fano():
     """The few numpy lines of docs/adapter-files.md (and of the storage module) decode a file without peft_sparse."""
     numel = 300_007
@@ -149,6 +165,13 @@ def test_a_damaged_elias_fano_code_is_refused_with_the_module_named(edit_file, m
     with pytest.raises(ValueError, match=match) as info:
         storage.decode(moved)
     assert str(info.value).startswith("layer")
+
+
+def test_a_bitmap_of_another_dtype_is_refused_with_the_module_named():
+    bits = storage.pack(torch.tensor([1, 5, 9]), 16)
+    with pytest.raises(ValueError, match=r"layer: a bitmap of positions must be 1-D uint8, got torch.int16 \(2,\)"):
+        storage.decode({"base_model.model.layer.sparse_index_bits": bits.to(torch.int16)})
+    assert storage.decode({"base_model.model.layer.sparse_index_bits": bits})["base_model.model.layer.sparse_indices"].tolist() == [1, 5, 9]
 
 
 # ------------------------------------------------------------------------------------------------ through PEFT
