@@ -125,8 +125,9 @@ def _unpack_fields(data: torch.Tensor, count: int, width: int) -> torch.Tensor:
 
     Every 8 fields fill exactly ``width`` bytes, so the bytes are laid out as rows of 8 fields, each row
     zero-padded to ⌈width/8⌉ little-endian 64-bit words. Field i of every row starts at the same bit
-    b = i·width of its row: it is word b >> 6 shifted right by b mod 64 and masked, joined with the low bits
-    of the next word where it straddles two. Eight column operations over all rows at once; nothing per field."""
+    b = i·width of its row: it is word b >> 6 shifted right by b mod 64, joined with the low bits of the next
+    word where it straddles two, and masked. The fields that lie in one word are shifted out of it in one
+    broadcast operation (all 8 of them for width ≤ 8): a few operations over all rows, nothing per field."""
     device = data.device
     if width == 0 or count == 0:
         return torch.zeros(count, dtype=torch.int64, device=device)
@@ -141,15 +142,22 @@ def _unpack_fields(data: torch.Tensor, count: int, width: int) -> torch.Tensor:
         table = table.view(torch.int64)  # (rows, words)
     else:
         table = (table.view(rows, words, 8).to(torch.int64) << (torch.arange(8, device=device) * 8)).sum(-1)
-    mask = (1 << width) - 1
     out = torch.empty(rows, 8, dtype=torch.int64, device=device)
-    for i in range(8):
+    i = 0
+    while i < 8:
         word, shift = divmod(i * width, 64)
-        field = table[:, word] >> shift
         if shift + width > 64:  # straddles words `word` and `word + 1` (arithmetic shift: drop the sign's copies)
-            field = (field & ((1 << (64 - shift)) - 1)) | (table[:, word + 1] << (64 - shift))
-        torch.bitwise_and(field, mask, out=out[:, i])
-    return out.view(-1)[:count]
+            field = torch.bitwise_right_shift(table[:, word], shift, out=out[:, i]).bitwise_and_((1 << (64 - shift)) - 1)
+            field.bitwise_or_(table[:, word + 1] << (64 - shift))
+            i += 1
+            continue
+        end = i + 1  # fields i … end − 1 lie in this word
+        while end < 8 and (end * width) // 64 == word and (end * width) % 64 + width <= 64:
+            end += 1
+        shifts = torch.tensor([(k * width) % 64 for k in range(i, end)], device=device)
+        torch.bitwise_right_shift(table[:, word : word + 1], shifts, out=out[:, i:end])
+        i = end
+    return out.bitwise_and_((1 << width) - 1).view(-1)[:count]
 
 
 # ---------------------------------------------------------------------------------------------- Elias–Fano
