@@ -307,7 +307,7 @@ def main() -> None:
     rows = [{
         "kind": "run", "date": datetime.date.today().isoformat(), "commit": commit, "adapter": str(args.adapter) if args.adapter else "built",
         "count": COUNT, "lora_counts": lora_counts, "largest_age": largest_age, "rounds": args.rounds, "loads": args.loads,
-        "model_loads": args.model_loads, "torch_threads": args.threads, "cpu": _cpu_name(), "code": {n: str(c) for n, (c, _) in versions.items()},
+        "model_loads": args.model_loads, "torch_threads": args.threads, "cpu": _cpu_name(), "code": {"current": f"this tree at {commit}", **({f"before ({args.before})": f"peft_sparse at git {args.before}"} if args.before else {})},
         "entropy_bound_mb": sum(storage.entropy_bits(c, shapes[n]) for n, c in counts.items()) / 8e6,
         "tensors": len(counts), "density_min": min(c / shapes[n] for n, c in counts.items()), "density_max": max(c / shapes[n] for n, c in counts.items()),
     }]  # fmt: skip
