@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("adapter_dir")
     inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
     inspect.add_argument("--age-histogram", metavar="PNG", default=None,
-                         help="write the histogram of per-index ages (dynamic methods) to this PNG")  # fmt: skip
+                         help="write the histogram of per-index ages (SpIEL: an adapter saved with save_ages=True, or a Trainer checkpoint folder) to this PNG")  # fmt: skip
     inspect.add_argument("--overlap-heatmap", metavar="PNG", default=None, help="S4 adapters: write the language masks' overlap heatmap to this PNG")
     inspect.add_argument("--feature-plot", metavar="PNG", default=None, help="MAD-G generators: bar plot of the most influential typological features")
     inspect.add_argument("--top-features", type=int, default=20, metavar="N", help="MAD-G generators: how many features to list and plot (default 20)")

@@ -144,7 +144,12 @@ def cmd_inspect(args) -> int:
     if args.age_histogram:
         from .plots import age_histogram
 
-        path = age_histogram(tensors, args.age_histogram)
+        ages = {k: t for k, t in tensors.items() if k.endswith(".sparse_ages")}
+        if not ages:  # a Trainer checkpoint folder: the ages are in the SpIEL scheduler's state beside the adapter
+            from .methods.spiel.state import saved_ages
+
+            ages = {f"{module}.sparse_ages": t for module, t in saved_ages(args.adapter_dir).items()}
+        path = age_histogram(ages, args.age_histogram)
         print(f"\nage histogram written to {path}")
     return 0
 

@@ -9,7 +9,11 @@ def age_histogram(tensors: dict, path: str, bins: int = 50) -> str:
     """Histogram of the step at which each active index was last grown (thesis Fig. 7.4) as a PNG."""
     ages = [t.long() for k, t in tensors.items() if k.endswith(".sparse_ages")]
     if not ages:
-        raise ValueError("the adapter holds no per-index ages (only dynamic methods such as SpIEL keep them)")
+        raise ValueError(
+            "the adapter holds no per-index ages: SpIEL writes them into an adapter saved with "
+            "save_pretrained(..., save_ages=True) and into every Trainer checkpoint folder (spiel_scheduler.safetensors); "
+            "other methods keep none"
+        )
     try:
         import matplotlib
 

@@ -19,12 +19,18 @@ base embedding table whenever an embedding is targeted (a sparse adapter already
 reload the base model's config, from the hub if need be, to tell whether the vocabulary was resized; we compare
 the input embedding's rows with the count the adapter config recorded when it was created, offline.
 
+``PeftModel.save_pretrained`` is wrapped too, for models holding our types only: it takes three more keyword
+arguments, ``values_dtype``, ``allow_lossy_cast`` and ``save_ages`` (:mod:`peft_sparse.core.storage` says what they
+do), which PEFT would otherwise accept and ignore. They reach the tuner's ``_get_adapter_state_dict`` for the
+duration of the call, and a saved config records the ``values_dtype`` its file holds.
+
 Tested with PEFT 0.21.x on CPython 3.11 (CI) and 3.12 (GPU machine); the supported PEFT range is
 pinned in ``pyproject.toml``.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import peft
@@ -74,9 +80,67 @@ def register(name: str, config_cls, model_cls) -> None:
     OUR_TYPES.add(peft_type.value)
     resolve_embedding_saving()
     name_damaged_weight_files()
+    wrap_save_pretrained()
     if PEFT_TYPE_TO_CONFIG_MAPPING.get(peft_type) is config_cls:
         return
     register_peft_method(name=name.lower(), config_cls=config_cls, model_cls=model_cls, prefix=model_cls.prefix)
+
+
+def _holds_our_types(model) -> bool:
+    configs = getattr(model, "peft_config", None)
+    return isinstance(configs, dict) and any(getattr(c.peft_type, "value", c.peft_type) in OUR_TYPES for c in configs.values())
+
+
+def wrap_save_pretrained() -> None:
+    """``PeftModel.save_pretrained(..., values_dtype=None, allow_lossy_cast=False, save_ages=False)`` for sparse
+    adapters (idempotent; module docstring)."""
+    from peft import PeftModel
+
+    original = PeftModel.save_pretrained
+    if getattr(original, "peft_sparse_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        if not _holds_our_types(self):
+            return original(self, save_directory, *args, **kwargs)
+        from .core.config import dtype_name
+        from .core.storage import save_options
+
+        values_dtype = kwargs.pop("values_dtype", None)
+        allow_lossy_cast = kwargs.pop("allow_lossy_cast", False)
+        save_ages = kwargs.pop("save_ages", False)
+        for name, value in (("allow_lossy_cast", allow_lossy_cast), ("save_ages", save_ages)):
+            if not isinstance(value, bool):
+                raise ValueError(f"save_pretrained: {name} must be True or False, got {name}={value!r}")
+        if values_dtype is not None:
+            try:
+                values_dtype = dtype_name(values_dtype)
+            except ValueError:
+                raise ValueError(
+                    f"save_pretrained: values_dtype={values_dtype!r} is not supported; use one of float32, bfloat16, "
+                    "float16, float64"
+                ) from None
+        ours = {n: c for n, c in self.peft_config.items() if getattr(c.peft_type, "value", c.peft_type) in OUR_TYPES}
+        recorded = {n: c.values_dtype for n, c in ours.items()}
+        from .core.config import VALUES_DTYPES
+
+        try:
+            if values_dtype is not None:
+                for config in ours.values():
+                    config.values_dtype = values_dtype  # (the saved config names the dtype its file holds)
+            with save_options(
+                values_dtype=None if values_dtype is None else VALUES_DTYPES[values_dtype],
+                allow_lossy_cast=allow_lossy_cast,
+                save_ages=save_ages,
+            ):
+                return original(self, save_directory, *args, **kwargs)
+        finally:
+            for name, config in ours.items():
+                config.values_dtype = recorded[name]
+
+    save_pretrained.peft_sparse_wrapped = True
+    PeftModel.save_pretrained = save_pretrained
 
 
 def resolve_embedding_saving() -> None:

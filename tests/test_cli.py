@@ -18,7 +18,7 @@ def spiel_dir(tmp_path):
     randomize_values(model)
     for i, layer in enumerate(sparse_layers(model)):
         layer.sparse_ages["default"].copy_(torch.arange(layer.sparse_ages["default"].numel(), dtype=torch.int32) % (i + 2))
-    model.save_pretrained(tmp_path / "spiel")
+    model.save_pretrained(tmp_path / "spiel", save_ages=True)
     return tmp_path / "spiel"
 
 
@@ -44,6 +44,20 @@ def test_inspect_writes_the_age_histogram(spiel_dir, tmp_path):
     png = tmp_path / "ages.png"
     assert main(["inspect", str(spiel_dir), "--age-histogram", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 2000
+
+
+def test_inspect_reads_the_ages_of_a_checkpoint_folder_from_the_scheduler_state(tmp_path):
+    """A Trainer checkpoint's adapter holds no ages; the SpIEL scheduler's state beside it does."""
+    from peft_sparse import SpIELScheduler
+
+    model = get_peft_model(tiny_llama(), SpIELConfig(target_modules="all-linear", density=0.1))
+    for layer in sparse_layers(model):
+        layer.sparse_ages["default"].copy_(torch.arange(layer.sparse_ages["default"].numel(), dtype=torch.int32) % 5)
+    model.save_pretrained(tmp_path / "checkpoint")
+    SpIELScheduler(model, torch.optim.AdamW(model.parameters()), total_steps=10).save(str(tmp_path / "checkpoint"))
+    png = tmp_path / "ages.png"
+    assert main(["inspect", str(tmp_path / "checkpoint"), "--age-histogram", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_inspect_errors_are_clear(tmp_path, capsys):

@@ -122,7 +122,7 @@ def test_adapters_of_different_sparse_methods_load_side_by_side_as_sft(tmp_path)
     randomize_values(spiel, seed=4)
     for layer in sparse_layers(spiel):
         layer.sparse_ages["default"].fill_(7)
-    spiel.save_pretrained(tmp_path / "spiel")
+    spiel.save_pretrained(tmp_path / "spiel", save_ages=True)
     sft = get_peft_model(tiny_llama(), SparseFTConfig(target_modules=["q_proj", "v_proj"], density=0.3, seed=9))
     randomize_values(sft, seed=5)
     sft.save_pretrained(tmp_path / "sft")

@@ -138,7 +138,7 @@ def test_fsdp2_shards_the_base_and_matches_one_process(growth):
     for a, b in zip(one["values"], r0["values"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     # save_pretrained on the sharded model writes the same adapter as one process (the values are not shards)
-    assert sorted(saved[1]) == sorted(saved[2]) and all(k.endswith(("sparse_indices", "sparse_index_bits", "sparse_values", "sparse_ages")) for k in saved[2])
+    assert sorted(saved[1]) == sorted(saved[2]) and all(k.endswith(("sparse_indices", "sparse_index_bits", "sparse_index_upper", "sparse_index_lower", "sparse_index_header", "sparse_values")) for k in saved[2])
     for key in saved[1]:
         torch.testing.assert_close(saved[1][key], saved[2][key], rtol=1e-4, atol=1e-6)
 
@@ -431,7 +431,7 @@ def test_a_two_process_checkpoint_resumes_in_one_process(tmp_path):
     run = _train_cli(two, processes=2)
     assert run.returncode == 0, run.stderr[-3000:]
     checkpoint = tmp_path / "two" / "checkpoint-4"
-    saved = load_file(checkpoint / "adapter_model.safetensors")
+    saved = load_file(checkpoint / "spiel_scheduler.safetensors")  # (the ages: in the scheduler's state)
 
     one = _tiny_recipe(tmp_path, "one", f"max_steps: 8, per_device_train_batch_size: 8, save_strategy: steps, save_steps: 8, resume_from_checkpoint: {checkpoint}")
     run = _train_cli(one)
@@ -439,8 +439,8 @@ def test_a_two_process_checkpoint_resumes_in_one_process(tmp_path):
     assert json.loads((tmp_path / "one" / "summary.json").read_text())["world_size"] == 1
     history = json.loads((tmp_path / "one" / "checkpoint-8" / "trainer_state.json").read_text())["log_history"]
     assert [h["step"] for h in history if "spiel/replaced" in h] == [2, 6]  # (2: the first run's; 6: after the resume)
-    final = load_file(tmp_path / "one" / "checkpoint-8" / "adapter_model.safetensors")
-    ages = [k for k in saved if k.endswith("sparse_ages")]
+    final = load_file(tmp_path / "one" / "checkpoint-8" / "spiel_scheduler.safetensors")
+    ages = [k for k in saved if k.startswith("ages::")]
     assert ages and all(int(saved[k].max()) <= 2 for k in ages) and any(int(final[k].max()) == 6 for k in ages)
 
     other = _tiny_recipe(tmp_path, "other", f"max_steps: 12, per_device_train_batch_size: 8, save_strategy: 'no', resume_from_checkpoint: {checkpoint}")

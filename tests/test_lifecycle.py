@@ -7,7 +7,6 @@ output differs from the base model's, so merge/load/disable checks test somethin
 import contextlib
 import io
 import json
-import math
 import os
 
 import pytest
@@ -16,6 +15,7 @@ from peft import PeftConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
 from peft_sparse import SparseFTConfig, SpIELConfig
+from peft_sparse.core import storage
 
 from .models import MODELS, inputs, randomize_values, sparse_layers, tiny_llama
 
@@ -167,8 +167,8 @@ def test_print_trainable_parameters_counts_the_budget(case):
     assert f"trainable params: {trainable:,}" in buffer.getvalue()
 
 
-@pytest.mark.parametrize("case, peft_type, bytes_per_weight", [(CASES[0], "SFT", 8), (CASES[5], "SPIEL", 12)], ids=["sft", "spiel"])
-def test_files_are_safetensors_and_json_only(case, peft_type, bytes_per_weight, tmp_path):
+@pytest.mark.parametrize("case, peft_type", [(CASES[0], "SFT"), (CASES[5], "SPIEL")], ids=["sft", "spiel"])
+def test_files_are_safetensors_and_json_only(case, peft_type, tmp_path):
     model, *_ = _make(case)
     model.save_pretrained(tmp_path)
     raw = json.loads((tmp_path / "adapter_config.json").read_text())
@@ -177,10 +177,14 @@ def test_files_are_safetensors_and_json_only(case, peft_type, bytes_per_weight, 
     count = sum(raw["tunable_weights_per_module"].values())
     assert sum(t.numel() for k, t in tensors.items() if k.endswith("sparse_values")) == count
     payload = sum(t.numel() * t.element_size() for t in tensors.values())
-    # a 4-byte float32 value per tunable weight (+ a 4-byte int32 age for SpIEL), and per tensor its positions as
-    # 4-byte int32 indices or a ⌈N/8⌉-byte bitmap, whichever is smaller (index_storage="auto")
-    positions = sum(min(4 * c, math.ceil(raw["module_shapes"][m][0] * raw["module_shapes"][m][1] / 8)) for m, c in raw["tunable_weights_per_module"].items())
-    assert payload == (bytes_per_weight - 4) * count + positions
+    # a 4-byte float32 value per tunable weight (SpIEL's ages only when asked: save_ages=True), and per tensor its
+    # positions as 4-byte int32 indices, a ⌈N/8⌉-byte bitmap or the Elias–Fano code, whichever is smallest
+    # (index_storage="auto"; Elias–Fano's bytes include its 24-byte header)
+    positions = sum(
+        min(storage.storage_bytes(c, raw["module_shapes"][m][0] * raw["module_shapes"][m][1], 4).values())
+        for m, c in raw["tunable_weights_per_module"].items()
+    )
+    assert payload == 4 * count + positions
     assert not any(name.endswith((".bin", ".pt", ".pkl")) for name in os.listdir(tmp_path))
 
 

@@ -169,30 +169,51 @@ def test_transformers_adapter_loading_checks_the_file(saved):
         model(torch.zeros(1, 3, dtype=torch.long))
 
 
+def _counts_and_shapes(model):
+    config = model.peft_config["default"]
+    return [(name, count, config.module_shapes[name]) for name, count in config.tunable_weights_per_module.items()]
+
+
 @pytest.mark.parametrize("density", [0.01, 0.1, 0.6])
-def test_list_and_bitmap_storage_give_identical_models(tmp_path, density):
-    """index_storage: 'list', 'bitmap' and 'auto' files load into the same model; 'auto' is the smaller file, the
-    bitmap above density 1/32; merge_sparse_adapters and inspect read both forms."""
+def test_list_bitmap_and_elias_fano_storage_give_identical_models(tmp_path, density):
+    """index_storage: 'list', 'bitmap', 'elias-fano' and 'auto' files load into the same model; 'auto' is the
+    smallest file (Elias–Fano below density 1/4 on these tensors, the bitmap above); merge_sparse_adapters and
+    inspect read every form."""
     from peft_sparse.core.compose import adapter_file_summary, merge_sparse_adapters
+    from peft_sparse.core.storage import choose
 
     x = torch.randint(0, 97, (2, 7))
+    forms = {"list": "sparse_indices", "bitmap": "sparse_index_bits", "elias-fano": "sparse_index_upper"}
     sizes, logits, merged = {}, {}, {}
-    for storage in ("list", "bitmap", "auto"):
+    for storage in (*forms, "auto"):
         model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules="all-linear", density=density, index_storage=storage))
         randomize_values(model)
         model.save_pretrained(tmp_path / storage)
         keys = load_file(tmp_path / storage / "adapter_model.safetensors")
-        assert any(k.endswith("sparse_index_bits") for k in keys) == (storage == "bitmap" or (storage == "auto" and density > 1 / 32))
-        sizes[storage] = sum(t.numel() * t.element_size() for t in keys.values())
+        chosen = {  # (per tensor: each form's exact size, its header included)
+            name: storage if storage != "auto" else choose(count, shape[0] * shape[1], 4, "auto")
+            for name, count, shape in _counts_and_shapes(model)
+        }
+        assert {k.removeprefix("base_model.model.").rsplit(".", 1)[0]: k.rsplit(".", 1)[1] for k in keys if not k.endswith("sparse_values")} == {
+            name: forms[form] for name, form in chosen.items()
+        }
+        sizes[storage] = {}  # bytes of each tensor's positions
+        for k, t in keys.items():
+            if not k.endswith("sparse_values"):
+                name = k.removeprefix("base_model.model.").rsplit(".", 1)[0]
+                sizes[storage][name] = sizes[storage].get(name, 0) + t.numel() * t.element_size()
         logits[storage] = _load(tmp_path / storage)(x).logits
         merged[storage] = merge_sparse_adapters(tiny_llama(), [tmp_path / storage])(x).logits
         summary = adapter_file_summary(tmp_path / storage)
         assert summary["num_tunable_weights"] == sum(model.peft_config["default"].tunable_weights_per_module.values())
-    assert torch.equal(logits["list"], logits["bitmap"]) and torch.equal(logits["list"], logits["auto"])
-    assert torch.equal(merged["list"], merged["bitmap"])
+        assert {name: m["index_storage"] for name, m in summary["modules"].items()} == chosen
+    if density == 0.1:  # (the tiny tensors' choice: Elias–Fano for every one at this density)
+        assert set(chosen.values()) == {"elias-fano"}
+    for storage in ("bitmap", "elias-fano", "auto"):
+        assert torch.equal(logits["list"], logits[storage]) and torch.equal(merged["list"], merged[storage])
     torch.testing.assert_close(merged["list"], logits["list"], rtol=1e-5, atol=1e-5)
-    assert sizes["auto"] == min(sizes["list"], sizes["bitmap"])
-    with pytest.raises(ValueError, match="index_storage must be 'auto', 'list' or 'bitmap', got index_storage='dense'"):
+    assert sizes["auto"] == {name: min(sizes[form][name] for form in forms) for name in sizes["auto"]}
+    with pytest.raises(ValueError, match="index_storage must be 'auto', 'list', 'bitmap' or 'elias-fano', got index_storage='dense'"):
         SparseFTConfig(target_modules="all-linear", density=0.1, index_storage="dense")
 
 

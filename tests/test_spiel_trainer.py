@@ -83,7 +83,7 @@ def test_trainer_with_accumulation_reselects_on_schedule_and_logs(tmp_path):
     ages = torch.cat([l.sparse_ages["default"] for l in layers])
     assert set(ages.unique().tolist()) <= {2, 7, 12}
 
-    model.save_pretrained(tmp_path / "adapter")
+    model.save_pretrained(tmp_path / "adapter", save_ages=True)
     loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path / "adapter")
     for a, b in zip(layers, (m for m in loaded.modules() if isinstance(m, SparseLayer))):
         assert torch.equal(a.sparse_indices["default"], b.sparse_indices["default"])
@@ -118,6 +118,10 @@ def test_resume_is_bit_identical(stop, tmp_path):
     from safetensors.torch import load_file
 
     saved_tensors = load_file(saved / "spiel_scheduler.safetensors")
+    # the ages travel in the scheduler's state, not in the checkpoint's adapter file
+    assert not any("sparse_ages" in k for k in load_file(saved / "adapter_model.safetensors"))
+    layers = [m for m in first.model.modules() if isinstance(m, SparseLayer)]
+    assert all(torch.equal(saved_tensors[f"ages::{l.module_name}::ages"], l.sparse_ages["default"]) for l in layers)
     if stop == 6:
         assert saved_state["armed"] and any(k.startswith("statistics::") for k in saved_tensors)
     else:

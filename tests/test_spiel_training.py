@@ -672,19 +672,23 @@ def test_seeds_are_written_at_the_next_step_in_the_units_the_optimizer_sees(max_
         assert (moments[id(p)][0][slots] == 0).all()  # zero between the reselection and the next step
 
 
-def test_a_reloaded_trainable_adapter_keeps_training_with_its_ages(tmp_path):
+@pytest.mark.parametrize("save_ages", [True, False])
+def test_a_reloaded_trainable_adapter_keeps_training_with_its_ages_or_from_age_0(tmp_path, save_ages):
+    """save_pretrained(save_ages=True) keeps every index's age; a plain save holds none, and the reloaded
+    adapter trains on with every index counted as initial (age 0)."""
     from peft import PeftModel
 
     model = _spiel(reselection_steps=4, gradient_estimation_steps=2)
     opt = _optimizer(model, "ag")
     scheduler = SpIELScheduler(model, opt, total_steps=8)
     _run(model, opt, scheduler, 3)
-    model.save_pretrained(tmp_path)
+    model.save_pretrained(tmp_path, save_ages=save_ages)
     saved_ages = [l.sparse_ages["default"].clone() for l in sparse_layers(model)]
     assert any((a == 2).any() for a in saved_ages)
 
     loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path, is_trainable=True)
-    assert all(torch.equal(a, l.sparse_ages["default"]) for a, l in zip(saved_ages, sparse_layers(loaded)))
+    want = saved_ages if save_ages else [torch.zeros_like(a) for a in saved_ages]
+    assert all(torch.equal(a, l.sparse_ages["default"]) for a, l in zip(want, sparse_layers(loaded)))
     opt2 = _optimizer(loaded, "ag")
     scheduler2 = SpIELScheduler(loaded, opt2, total_steps=8)
     loaded.train()

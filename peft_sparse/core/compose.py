@@ -142,7 +142,6 @@ def adapter_file_summary(adapter_dir: PathLike) -> dict:
     _sparse_config_class(raw.get("peft_type"), str(adapter_dir))
     path = storage.weights_path(adapter_dir)
     raw_tensors = storage.read_tensors(adapter_dir)
-    bitmaps = {k.replace(storage.BITS, storage.LIST) for k in raw_tensors if storage.BITS in k}
     tensors = storage.decode(raw_tensors)
     shapes = raw.get("module_shapes") or {}
     modules = {}
@@ -155,7 +154,7 @@ def adapter_file_summary(adapter_dir: PathLike) -> dict:
                 "shape": shape,
                 "density": indices.numel() / (shape[0] * shape[1]) if shape else None,
                 "index_dtype": str(indices.dtype).removeprefix("torch."),
-                "index_storage": "bitmap" if key in bitmaps else "list",
+                "index_storage": storage.storage_form(raw_tensors, key),
             }
     return {
         "peft_type": raw["peft_type"],

@@ -290,16 +290,27 @@ class SparseTuner(BaseTuner):
     # ------------------------------------------------------------------------------- saving and loading
     @classmethod
     def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
-        # each tensor's positions as an index list or a bitmap, whichever is smaller (core/storage.py)
+        """What ``save_pretrained`` writes (format: :mod:`peft_sparse.core.storage`): each tensor's positions in the
+        smallest form (``index_storage``), the values in the dtype asked for, the ages only when asked."""
         out = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
-        # values cast to a narrower float than the config's values_dtype (DeepSpeed's bf16/fp16 engines cast them and
-        # keep float32 masters) are written in that dtype — an exact widening — so that the file matches its config
-        # and loads; the same however the state dict was built (ZeRO-3 consolidates its own, without module hooks)
-        wanted = getattr(config, "torch_values_dtype", None)
+        options = storage.current_save_options()
+        # the values in save_pretrained(values_dtype=...) or the config's values_dtype: an exact cast always (DeepSpeed's
+        # bf16/fp16 engines hand over values cast down from float32 masters, widened back here — the same however the
+        # state dict was built: ZeRO-3 consolidates its own, without module hooks), a lossy one only when allowed
+        wanted = options.values_dtype or getattr(config, "torch_values_dtype", None)
+        asked = (
+            f"save_pretrained(values_dtype={storage.dtype_label(options.values_dtype)!r})" if options.values_dtype is not None
+            else f"the config's values_dtype={getattr(config, 'values_dtype', None)!r} (adapter {adapter_name!r})"
+        )
+        for key in [k for k in out if storage.AGES + "." in k or k.endswith(storage.AGES)]:
+            if options.save_ages:
+                out[key] = storage.narrow_ages(out[key])
+            else:
+                del out[key]  # (a training diagnostic: the scheduler's checkpoint state keeps it for resuming)
         for key, tensor in out.items():
-            if (wanted is not None and key.endswith(f".sparse_values.{adapter_name}") and tensor.is_floating_point()
-                    and torch.finfo(wanted).bits > torch.finfo(tensor.dtype).bits):  # fmt: skip
-                out[key] = tensor.to(wanted)
+            if wanted is not None and key.endswith(f".sparse_values.{adapter_name}") and tensor.is_floating_point():
+                what = _display_name(key.removesuffix(f".sparse_values.{adapter_name}"))
+                out[key] = storage.cast_values(tensor, wanted, options.allow_lossy_cast, what, asked)
 
         def numel_of(key: str) -> int:
             module = model.get_submodule(key.split(storage.LIST)[0].removeprefix("_fsdp_wrapped_module."))
@@ -329,12 +340,11 @@ class SparseTuner(BaseTuner):
                 values_dtype=layer.values_dtype[adapter_name],
             )
             age_key = f"{name}.sparse_ages.{adapter_name}"
-            if adapter_name in layer.sparse_ages and age_key in state_dict:
-                ages = state_dict[age_key]
-                if ages.dtype != torch.int32 or ages.shape != indices.shape:
-                    raise ValueError(
-                        f"{where}: ages must be int32 of shape {tuple(indices.shape)}, got {ages.dtype} {tuple(ages.shape)}"
-                    )
+            if adapter_name in layer.sparse_ages:
+                if age_key in state_dict:
+                    state_dict[age_key] = storage.widen_ages(state_dict[age_key], indices.numel(), where)
+                else:  # an adapter saved without ages: every index counts as initial (age 0), also for training on
+                    state_dict[age_key] = torch.zeros(indices.numel(), dtype=torch.int32)
             layer._indices_pending.discard(adapter_name)
             counts = getattr(config, "tunable_weights_per_module", None)
             if adapter_name in layer.resizable_adapters and counts and layer.module_name in counts:

@@ -1,5 +1,6 @@
 """Saving and restoring a ``SpIELScheduler`` exactly: step, open window statistics (AG's, or MA's input/output sums), AG seeds still waiting for
-the next optimizer step, and φ₀ for ``drop_criterion='change'`` — JSON plus safetensors, no pickle."""
+the next optimizer step, φ₀ for ``drop_criterion='change'`` and every index's age (the step it was last grown at, which
+a saved adapter holds only when asked: :mod:`peft_sparse.core.storage`) — JSON plus safetensors, no pickle."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class SchedulerState:
             },
             "drop_reference": {name: {"values": v} for name, v in self.drop_reference.items()},
             "ma_accumulators": self.ma_accumulators.tensors() if self.ma_accumulators is not None else {},
+            "ages": {m.module_name: {"ages": m.sparse_ages[self.adapter_name].clone()} for m in self.layers if self.adapter_name in m.sparse_ages},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -111,6 +113,18 @@ class SchedulerState:
                 "scheduler state holds SpIEL-MA accumulators kept beside a non-SM3 optimizer, but this scheduler's "
                 "optimizer is SM3 (its own accumulators rank the growth): resume with the optimizer the run was saved with"
             )
+        for name, entry in (state.get("ages") or {}).items():  # (a state saved before ages were kept here has none)
+            if name not in layers:
+                raise ValueError(f"scheduler state holds ages of module {name!r}, which holds no {self.adapter_name!r} adapter")
+            layer, ages = layers[name], entry["ages"]
+            count = layer.sparse_indices[self.adapter_name].numel()
+            if ages.dtype != torch.int32 or ages.shape != (count,):
+                raise ValueError(
+                    f"scheduler state holds {tuple(ages.shape)} {ages.dtype} ages of {name!r}, whose adapter has {count} indices: "
+                    "load the adapter saved with the same checkpoint first"
+                )
+            if self.adapter_name in layer.sparse_ages:
+                layer.sparse_ages[self.adapter_name].copy_(ages)
         if self.seeding is not None:
             self.seeding.pending = {
                 id(layers[name].sparse_values[self.adapter_name]): (
@@ -120,7 +134,7 @@ class SchedulerState:
                 for name, t in state.get("pending_seeds", {}).items()
             }
 
-    _TENSOR_GROUPS = ("statistics", "pending_seeds", "drop_reference", "ma_accumulators")
+    _TENSOR_GROUPS = ("statistics", "pending_seeds", "drop_reference", "ma_accumulators", "ages")
 
     def save(self, directory: str) -> None:
         """Write the state as ``spiel_scheduler.json`` + ``spiel_scheduler.safetensors`` (no pickle)."""
@@ -154,3 +168,12 @@ class SchedulerState:
             groups[group].setdefault(module, {})[name] = value
         state.update(groups)
         self.load_state_dict(state)
+
+
+def saved_ages(directory: str) -> dict:
+    """The per-index ages a SpIEL scheduler state in ``directory`` holds (a Trainer checkpoint folder), by module;
+    empty when there is none, or when it was saved before ages were kept there."""
+    path = os.path.join(directory, "spiel_scheduler.safetensors")
+    if not os.path.isfile(path):
+        return {}
+    return {key.split("::")[1]: value for key, value in load_file(path).items() if key.startswith("ages::")}
