@@ -30,7 +30,7 @@ from .embedding import SparseEmbedding
 from .base import index_dtype, logical_shape, supported_base_layer, unsupported_embedding_reason
 from .layer import SparseLayer, SparseLinear
 from .merging import merged_for_inference
-from .selection import BlockGrid, check_sparse_tensors, module_generator
+from .selection import BlockGrid, check_sparse_tensors
 
 
 def _display_name(key: str) -> str:
@@ -249,10 +249,11 @@ class SparseTuner(BaseTuner):
         if peft_config.budget_split == "adaptive":
             layer.resizable_adapters.add(adapter_name)
         if not peft_config.init_weights and not external:
+            # values from torch's global generator (torch.manual_seed decides them, as for LoRA's init_lora_weights=False),
+            # so two adapters made from one config differ; the indices above come from config.seed and the module name
             values = layer.sparse_values[adapter_name]
-            g = module_generator(peft_config.seed + 1, current_key)
             with torch.no_grad():
-                values.copy_(torch.randn(values.shape, generator=g, dtype=torch.float32).mul_(0.02).to(values.dtype))
+                values.copy_(torch.randn(values.shape, dtype=torch.float32).mul_(0.02).to(values.dtype))
         if layer is not target:
             if adapter_name not in self.active_adapters:
                 layer.requires_grad_(False)
