@@ -110,6 +110,11 @@ class SparseEmbedding(nn.Module, SparseLayer):
             y = y + delta.to(y.dtype)
         return y
 
+    def supports_lora_conversion(self, adapter_name: str = "default") -> bool:
+        # PEFT's convert_to_lora writes linear LoRA factors (lora_A.weight, lora_B.weight), which a LoRA embedding
+        # (lora_embedding_A/B, transposed) does not load; LoRA's own embeddings answer False for the same reason
+        return False
+
     def _mixed_base_output(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.base_layer(x, *args, **kwargs)
 
