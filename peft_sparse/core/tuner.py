@@ -81,6 +81,16 @@ def resolve_default_targets(config: SparseConfig, model_type: Optional[str]) -> 
     return config
 
 
+def initial_values(config: SparseConfig, count: int) -> torch.Tensor:
+    """The ``count`` values φ a new adapter starts with (float32, CPU): 0, or with ``init_weights=False`` N(0, 0.02²)
+    draws from torch's global generator — ``torch.manual_seed`` decides them, as for LoRA's
+    ``init_lora_weights=False``, so two adapters made from one config differ while their indices (``config.seed``
+    and the module name) are the same."""
+    if config.init_weights:
+        return torch.zeros(count)
+    return torch.randn(count).mul_(0.02)
+
+
 class SparseTuner(BaseTuner):
     tuner_layer_cls = SparseLayer
     target_module_mapping = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
@@ -249,11 +259,9 @@ class SparseTuner(BaseTuner):
         if peft_config.budget_split == "adaptive":
             layer.resizable_adapters.add(adapter_name)
         if not peft_config.init_weights and not external:
-            # values from torch's global generator (torch.manual_seed decides them, as for LoRA's init_lora_weights=False),
-            # so two adapters made from one config differ; the indices above come from config.seed and the module name
             values = layer.sparse_values[adapter_name]
             with torch.no_grad():
-                values.copy_(torch.randn(values.shape, dtype=torch.float32).mul_(0.02).to(values.dtype))
+                values.copy_(initial_values(peft_config, values.numel()))
         if layer is not target:
             if adapter_name not in self.active_adapters:
                 layer.requires_grad_(False)
