@@ -146,6 +146,7 @@ def _importance(module, w: torch.Tensor, config: S4Config) -> torch.Tensor:
     return score.float().cpu()
 
 
+@torch.enable_grad()  # (the scores are gradients: detection works inside a caller's torch.no_grad() too)
 def detect_language_masks(model, loaders: Mapping[str, object], config: S4Config) -> dict:
     """{language: {module name: sorted flat indices}}: each language's top-p weights by |∂L_t/∂h · h| (gradients
     accumulated over ``config.importance_batches`` batches of ``loaders[language]``, each a dict for ``model``)."""
@@ -189,7 +190,8 @@ def detect_language_masks(model, loaders: Mapping[str, object], config: S4Config
 
 
 def build_s4_model(model, config: S4Config, masks: Mapping[str, Mapping[str, torch.Tensor]], adapter_name: str = "default"):
-    """A PEFT model whose adapter holds the union of the languages' masks (values 0) and the packed masks."""
+    """A PEFT model whose adapter holds the union of the languages' masks and the packed masks (values 0, or drawn
+    from torch's generator with ``init_weights=False``)."""
     unknown = [lang for lang in masks if lang not in config.languages]
     missing = [lang for lang in config.languages if lang not in masks]
     if unknown or missing:
