@@ -17,13 +17,30 @@ gets no gradient, as ``nn.Embedding`` gives it none.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+import contextvars
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 
 from .base import supported_embedding, unsupported_embedding_reason  # noqa: F401 (re-exported)
 from .layer import SparseLayer
+
+
+_LORA_EMBEDDING_FACTORS = contextvars.ContextVar("lora_embedding_factors", default=False)
+
+
+@contextlib.contextmanager
+def lora_embedding_factors() -> Iterator[None]:
+    """Inside: sparse embeddings report ``supports_lora_conversion()``, for a caller that renames their factors into
+    LoRA's embedding layout (:func:`peft_sparse.convert_to_lora`). Outside they do not: PEFT's own ``convert_to_lora``
+    writes every factor as ``lora_A.weight`` / ``lora_B.weight``, which LoRA's embedding layer does not load."""
+    token = _LORA_EMBEDDING_FACTORS.set(True)
+    try:
+        yield
+    finally:
+        _LORA_EMBEDDING_FACTORS.reset(token)
 
 
 class SparseEmbeddingDelta(torch.autograd.Function):
@@ -111,9 +128,9 @@ class SparseEmbedding(nn.Module, SparseLayer):
         return y
 
     def supports_lora_conversion(self, adapter_name: str = "default") -> bool:
-        # PEFT's convert_to_lora writes linear LoRA factors (lora_A.weight, lora_B.weight), which a LoRA embedding
-        # (lora_embedding_A/B, transposed) does not load; LoRA's own embeddings answer False for the same reason
-        return False
+        """Only inside :func:`lora_embedding_factors` (see there): LoRA's embeddings answer False to PEFT for the same
+        reason."""
+        return _LORA_EMBEDDING_FACTORS.get()
 
     def _mixed_base_output(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.base_layer(x, *args, **kwargs)
