@@ -50,7 +50,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, inject_adapter_in_model,
 from peft.tuners._buffer_dict import BufferDict
 from peft.tuners.lora.conversion import convert_to_lora
 from peft.tuners.tuners_utils import BaseTunerLayer
-from peft.utils import get_base_model_state_dict, set_base_model_state_dict
+from peft.utils import ModulesToSaveWrapper, get_base_model_state_dict, set_base_model_state_dict
 from transformers import BartConfig, BartForConditionalGeneration, Qwen2Config, Qwen2ForCausalLM
 
 from peft_sparse import LTSFTConfig, S4Config, SparseFTConfig, SpIELConfig, build_s4_model, detect_language_masks
@@ -178,6 +178,7 @@ class Method:
     peft: Optional[Callable] = None  # (model, config, family, adapter_name) → PeftModel; None: get_peft_model
     merge_tol: float = 1e-5  # merged vs unmerged outputs in float32
     fp16_tol: float = 2e-2
+    boost: float = 100.0  # a factor on every adapter parameter that makes greedy generations differ from the base's
 
 
 METHODS = {
@@ -187,7 +188,7 @@ METHODS = {
     "spiel-block": Method(lambda **kw: SpIELConfig(density=0.1, block_shape=(4, 4), init_weights=False, **kw)),
     "lt-sft": Method(lambda **kw: LTSFTConfig(density=0.1, init_weights=False, **kw)),
     "s4": Method(lambda **kw: S4Config(density=0.2, languages=["a", "b"], importance_batches=1, init_weights=False, **kw), peft=_s4_peft),
-    "lora": Method(lambda **kw: LoraConfig(r=4, init_lora_weights=False, **kw), merge_tol=1e-4),
+    "lora": Method(lambda **kw: LoraConfig(r=4, init_lora_weights=False, **kw), merge_tol=1e-4, boost=10.0),  # (×10 on each factor)
 }
 
 # ------------------------------------------------------------------------------------------------ skips (data)
@@ -207,6 +208,7 @@ SKIPS = {
     ("*", "mlp*", "*", "inputs_embeds"): _NOT_TRANSFORMERS,
     ("*", "mlp*", "*", "gradient_checkpointing*"): _NOT_TRANSFORMERS,
     ("*", "mlp*", "*", "layer_indexing"): _NO_LAYERS,
+    ("*", "mlp*", "*", "prepare_for_training"): _NOT_TRANSFORMERS,
     ("s4", "*", "*", "second_adapter:*"): _S4_DATA,
     ("*", "bert", "*", "generate*"): _CLASSIFIER,
     ("*", "mlp-mts", "*", "weighted_combination"): _MTS_COMBINE,
@@ -214,14 +216,15 @@ SKIPS = {
 }
 # scenarios that make a second adapter from the row's config (add_adapter) carry this tag for the skip table
 SECOND_ADAPTER = {"selected_adapters", "adapter_name_substring", "merge_multi", "delete_adapter", "weighted_combination",
-                  "mixed_adapter_batches", "multiple_active_adapters"}  # fmt: skip
+                  "mixed_adapter_batches", "multiple_active_adapters", "generate_mixed_batches_beam_search"}  # fmt: skip
 
 # which cells run (module docstring): scenarios on every row; rows with every scenario; rows with the subset
 EVERY_CELL = {"save_pretrained[safetensors]", "merge", "training"}
 FULL_ROWS = {("mlp", "explicit"), ("llama", "default"), ("gpt2", "explicit")}
 SUBSET_ROWS = {("mlp-mts", "explicit"), ("bert", "default"), ("bart", "default"), ("qwen2", "default")}
 SUBSET = {"from_pretrained_is_trainable", "selected_adapters", "merge_multi", "safe_merge_nan", "gradient_checkpointing[non-reentrant]",
-          "generate", "disable_adapter", "inputs_embeds", "weighted_combination", "delete_adapter[active]", "unload", "lora_conversion"}  # fmt: skip
+          "generate", "generate_mixed_batches_beam_search", "disable_adapter", "inputs_embeds", "weighted_combination", "delete_adapter[active]",
+          "unload", "lora_conversion", "model_attributes", "mixed_adapter_batches"}  # fmt: skip
 REPRESENTATIVE = ("sft", "spiel-ag", "spiel-block", "lt-sft", "s4", "lora")
 
 
@@ -320,6 +323,33 @@ def _apart(a, b, base) -> bool:
     """``a`` and ``b`` differ by more than a tenth of what the adapter moved ``a`` from the base model's ``base``
     (a scale that holds for small outputs, e.g. a randomly initialized classifier's)."""
     return bool((a - b).abs().max() > 0.1 * (a - base).abs().max())
+
+
+# ------------------------------------------------------------------------------------------------ the model
+@pytest.mark.parametrize("cell", cells("model_attributes"))
+def test_model_attributes_and_adapter_name(cell):
+    model = cell.peft(adapter_name="test-adapter")
+    assert all(hasattr(model, a) for a in ("save_pretrained", "from_pretrained", "push_to_hub"))
+    assert model.active_adapters == ["test-adapter"] and list(model.peft_config) == ["test-adapter"]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert names and all("test-adapter" in n for n in names)
+
+
+@pytest.mark.parametrize("cell", cells("prepare_for_training"))
+def test_prepare_for_training(cell):
+    """The embeddings' output needs no gradient until ``enable_input_require_grads`` (gradient checkpointing's need);
+    after ``prepare_model_for_kbit_training`` every base parameter is frozen and the adapter alone trains."""
+    from peft import prepare_model_for_kbit_training
+
+    ids = cell.inputs()["input_ids"]
+    model = cell.peft()
+    assert not model.get_input_embeddings()(ids).requires_grad
+    base = prepare_model_for_kbit_training(fresh(cell.family))
+    assert not any(p.requires_grad for p in base.parameters())
+    model = cell.peft(base)
+    model.enable_input_require_grads()
+    assert model.get_input_embeddings()(ids).requires_grad
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == set(_adapter_parameters(model))
 
 
 # ------------------------------------------------------------------------------------------------ save and load
@@ -537,18 +567,24 @@ def test_several_active_adapters_add_their_deltas(cell):
 
 @pytest.mark.parametrize("cell", cells("mixed_adapter_batches"))
 def test_mixed_adapter_batches(cell):
+    """Each row gets its adapter's output — its delta and its own copy of the modules_to_save (made to differ)."""
     model = cell.peft().eval()
     torch.manual_seed(1)
     model.add_adapter("adapter1", cell.config())
     x = cell.inputs(repeat=3)
     with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, ModulesToSaveWrapper):
+                for head in module.modules_to_save.values():
+                    for param in head.parameters():
+                        param.add_(torch.randn_like(param) * 0.1)
         with model.disable_adapter():
             base = cell.out(model, x)
         model.set_adapter("default")
         first = cell.out(model, x)
         model.set_adapter("adapter1")
         second = cell.out(model, x)
-        assert not _close(base, first, 1e-4) and not _close(base, second, 1e-4) and not _close(first, second, 1e-4)
+        assert _apart(first, base, base) and _apart(second, base, base) and _apart(first, second, base)
         names = ["__base__", "default", "adapter1"]
         rows = len(next(iter(x.values())))
         mixed = cell.out(model, {**x, "adapter_names": [names[i % 3] for i in range(rows)]})
@@ -588,6 +624,33 @@ def test_generate(cell):
         else:  # (min_new_tokens: an end-of-sequence token drawn by a random model does not stop it early)
             out = model.generate(inputs["input_ids"], max_new_tokens=3, min_new_tokens=3, do_sample=False)
             assert out.shape[1] == inputs["input_ids"].shape[1] + 3
+
+
+@pytest.mark.parametrize("cell", cells("generate_mixed_batches_beam_search"))
+def test_generate_with_mixed_adapter_batches_and_beam_search(cell):
+    """Each row of a mixed batch generates, under beam search, what its adapter (or the base model) gives alone."""
+    torch.manual_seed(0)
+    model = cell.peft(adapter_name="adapter0").eval()
+    torch.manual_seed(1)
+    model.add_adapter("adapter1", cell.config())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if model.prefix in name:
+                param.mul_(METHODS[cell.method].boost)  # (stronger adapters: greedy choices differ from the base's)
+    x = cell.inputs(repeat=3)
+    rows = len(x["input_ids"])
+    kwargs = {**x, "max_new_tokens": 4, "min_new_tokens": 4, "num_beams": 3, "do_sample": False}
+    with torch.no_grad():
+        with model.disable_adapter():
+            alone = {"__base__": model.generate(**kwargs)}
+        for name in ("adapter0", "adapter1"):
+            model.set_adapter(name)
+            alone[name] = model.generate(**kwargs)
+        assert not torch.equal(alone["adapter0"], alone["adapter1"])
+        names = [["__base__", "adapter0", "adapter1"][i % 3] for i in range(rows)]
+        mixed = model.generate(**kwargs, adapter_names=names)
+    for i, name in enumerate(names):
+        assert torch.equal(mixed[i], alone[name][i]), (i, name)
 
 
 @pytest.mark.parametrize("cell", cells("generate_half_precision"))

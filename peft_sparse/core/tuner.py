@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer, check_target_module_exists
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 
 from .. import accel
@@ -328,16 +329,22 @@ class SparseTuner(BaseTuner):
         unknown = sorted({n for n in adapter_names if n != "__base__"} - known)
         if unknown:
             raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(unknown)}")
+        rows = list(adapter_names)
         beams = kwargs.get("num_beams")
-        if isinstance(beams, int) and beams > 1:
+        if isinstance(beams, int) and beams > 1:  # generate repeats each row num_beams times: the decoder's batch
             adapter_names = [n for n in adapter_names for _ in range(beams)]
         names = list(adapter_names)
+        # an encoder-decoder's encoder runs once on the rows as given, before beam search repeats them
+        encoder = self.model.get_encoder() if hasattr(self.model, "get_encoder") else None
+        in_encoder = set() if encoder is None or encoder is self.model else {id(m) for m in encoder.modules()}
 
         def inject(module, args, kw):
-            kw["adapter_names"] = names
+            kw["adapter_names"] = rows if id(module) in in_encoder else names
             return args, kw
 
-        handles = [layer.register_forward_pre_hook(inject, with_kwargs=True) for layer in layers]
+        # the sparse layers and PEFT's modules_to_save copies (each row its adapter's copy, as with LoRA)
+        routed = [m for m in self.model.modules() if isinstance(m, (SparseLayer, AuxiliaryTrainingWrapper))]
+        handles = [module.register_forward_pre_hook(inject, with_kwargs=True) for module in routed]
         self._mixed_batch = True  # (generate keeps the adapters unmerged: each row adds its own delta)
         try:
             yield
