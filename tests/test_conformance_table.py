@@ -1,12 +1,13 @@
 """PEFT's generic adapter scenarios as one conformance matrix: one table of rows, many generic tests.
 
 The scenarios are those of PEFT's own generic tester (``PeftCommonTester`` in PEFT's tests/testing_common.py and
-the custom-model tests of tests/test_custom_models.py), written anew for this package: save/load (safetensors and
-pickle), selected adapters, adapter names that are substrings of others, ``from_pretrained`` with ``is_trainable``,
+the custom-model tests of tests/test_custom_models.py), written anew for this package: the model's attributes and
+a named adapter, preparation for training (``enable_input_require_grads``, ``prepare_model_for_kbit_training``),
+save/load (safetensors and pickle), selected adapters, adapter names that are substrings of others, ``from_pretrained`` with ``is_trainable``,
 low-CPU-memory loading, device maps, multiple adapters, merge / unmerge / safe merge / idempotent merge / fp16
 merge / merges of several adapters, NaN detection, ``generate`` (keyword, positional, half precision), training
 (with layer indexing, with gradient checkpointing re-entrant and not), ``inputs_embeds``, delete / unload / disable,
-mixed-adapter batches, several active adapters, weighted combinations, the base model's state dict and PEFT's
+mixed-adapter batches (in forward passes, and in beam-search generation), several active adapters, weighted combinations, the base model's state dict and PEFT's
 ``convert_to_lora``.
 
 A row is (model family, method, targets):
@@ -21,7 +22,7 @@ A row is (model family, method, targets):
 Every adapter starts away from the identity (``init_weights=False`` / ``init_lora_weights=False``), so merges and
 round trips test something. Every cell passes or is skipped with the reason in :data:`SKIPS` (data, not ``if``\\ s).
 
-**What runs** (kept to well under a minute on two CPU cores): a cell is a (family, method, targets) row crossed
+**What runs** (the whole matrix: about 35 s on two CPU cores): a cell is a (family, method, targets) row crossed
 with a scenario (column), and not every crossing runs — those left out repeat what another cell covers:
 
 * the scenarios of :data:`EVERY_CELL` (save/load, merge, training) run on every row: every method with both
@@ -193,11 +194,12 @@ METHODS = {
 
 # ------------------------------------------------------------------------------------------------ skips (data)
 _NO_DEFAULT = "PEFT has no default target modules for a custom model (model_type 'custom'): target_modules=None cannot apply"
-_S4_DATA = "S⁴'s indices are detected per language from data (build_s4_model); a config alone cannot make a second adapter"
+_S4_DATA = ("S⁴'s indices come from per-language detection on data (build_s4_model makes a new model of them): "
+            "add_adapter with a config alone makes a placeholder adapter that refuses to run until a saved one is loaded")
 _NO_LOSS = "S⁴ detects its masks from the model's loss on each language's data; the custom MLP returns no loss"
 _MTS_COMBINE = "a dense modules_to_save copy cannot be combined into a weighted adapter (LoRA refuses overlapping ones too)"
 _NO_LAYERS = "the MLP has no numbered layers for layers_to_transform"
-_NOT_TRANSFORMERS = "the custom MLP is not a transformers model: no generate, inputs_embeds or gradient checkpointing"
+_NOT_TRANSFORMERS = "the custom MLP is not a transformers model: it has no generate, no input embeddings, no gradient checkpointing"
 _CLASSIFIER = "a sequence classifier (BertForSequenceClassification) does not generate"
 
 # (method, family, targets, scenario) patterns (fnmatch) → reason; the first match wins
