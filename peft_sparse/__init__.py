@@ -6,6 +6,7 @@ Importing this package registers every method with PEFT, so ``get_peft_model``,
 
 from . import registry
 from .accel import fast_paths, gpu  # noqa: F401  (gpu: hands the core its Triton kernels)
+from .conversion import convert_to_lora, save_as_lora
 from .core.compose import convert_config, load_sparse_adapter, merge_sparse_adapters
 from .core.config import SparseConfig
 from .core.layer import SparseLayer
@@ -60,9 +61,11 @@ __all__ = [
     "SpIELScheduler",
     "build_s4_model",
     "convert_config",
+    "convert_to_lora",
     "detect_language_masks",
     "fast_paths",
     "load_sparse_adapter",
     "merge_sparse_adapters",
     "merged_for_inference",
+    "save_as_lora",
 ]

@@ -45,7 +45,7 @@ def test_merging_several_adapters_is_base_plus_weighted_deltas(builder, targets)
     weights = [0.7, 1.3]
     expected = {layer.module_name: layer.merged_weight([]).clone() for layer in sparse_layers(model)}
     for layer in sparse_layers(model):
-        expected[layer.module_name] += weights[0] * layer.get_delta_weight("a") + weights[1] * layer.get_delta_weight("b")
+        expected[layer.module_name] += weights[0] * layer.logical_delta("a") + weights[1] * layer.logical_delta("b")
     model.add_weighted_adapter(["a", "b"], weights, "ab")
     model.set_adapter("ab")
     composed_out = _logits(model, x)

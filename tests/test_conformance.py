@@ -75,14 +75,47 @@ def test_mixed_batches_in_generate(task_type):
     assert torch.equal(mixed[:1], first) and torch.equal(mixed[1:], second)
 
 
+def _indices_and_values(model, adapter="default"):
+    layers = sparse_layers(model)
+    return [l.sparse_indices[adapter].clone() for l in layers], [l.sparse_values[adapter].detach().clone() for l in layers]
+
+
 @pytest.mark.parametrize("config_cls", [SparseFTConfig, SpIELConfig])
-def test_init_weights_false_gives_seeded_non_zero_values_that_merge_and_round_trip(config_cls, tmp_path):
+def test_init_weights_false_values_follow_torch_manual_seed_and_indices_follow_config_seed(config_cls):
+    """As LoRA's init_lora_weights=False: torch.manual_seed decides the values, so two adapters from one config differ;
+    the indices come from config.seed and the module name alone (the same on every rank, whatever the global seed)."""
+
+    def make(global_seed, **kw):
+        base = tiny_llama()  # (builds under its own torch.manual_seed)
+        torch.manual_seed(global_seed)
+        return get_peft_model(base, config_cls(target_modules="all-linear", density=0.1, init_weights=False, **kw)).eval()
+
+    model = make(1)
+    model.add_adapter("second", model.peft_config["default"])
+    first_idx, first_val = _indices_and_values(model)
+    second_idx, second_val = _indices_and_values(model, "second")
+    assert all(torch.equal(a, b) for a, b in zip(first_idx, second_idx))
+    assert all(not torch.equal(a, b) for a, b in zip(first_val, second_val))
+    x = inputs()
+    with torch.no_grad():
+        out_first = model(x).logits
+        model.set_adapter("second")
+        assert not torch.allclose(model(x).logits, out_first, rtol=1e-3, atol=1e-3)
+    again_idx, again_val = _indices_and_values(make(1))
+    assert all(torch.equal(a, b) for a, b in zip(first_idx + first_val, again_idx + again_val))
+    other_idx, other_val = _indices_and_values(make(2))
+    assert all(torch.equal(a, b) for a, b in zip(first_idx, other_idx))
+    assert all(not torch.equal(a, b) for a, b in zip(first_val, other_val))
+    moved_idx, _ = _indices_and_values(make(1, seed=3))
+    assert all(not torch.equal(a, b) for a, b in zip(first_idx, moved_idx))
+
+
+@pytest.mark.parametrize("config_cls", [SparseFTConfig, SpIELConfig])
+def test_init_weights_false_gives_non_zero_values_that_merge_and_round_trip(config_cls, tmp_path):
     config = config_cls(target_modules="all-linear", density=0.1, init_weights=False)
     model = get_peft_model(tiny_llama(), config).eval()
     values = [l.sparse_values["default"] for l in sparse_layers(model)]
     assert all(bool((v != 0).all()) for v in values)
-    again = get_peft_model(tiny_llama(), config_cls(target_modules="all-linear", density=0.1, init_weights=False))
-    assert all(torch.equal(a, l.sparse_values["default"]) for a, l in zip(values, sparse_layers(again)))
     x = inputs()
     with torch.no_grad():
         out = model(x).logits

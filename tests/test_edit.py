@@ -144,7 +144,7 @@ def test_set_indices_with_another_count_makes_new_values():
     assert layer.sparse_indices["default"].tolist() == [1, 5, 9]
     assert layer.sparse_values["default"].tolist() == [1.0, 2.0, 3.0]
     assert layer.sparse_values["default"].requires_grad
-    delta = layer.get_delta_weight("default").reshape(-1)
+    delta = layer.logical_delta("default").reshape(-1)
     assert delta[5] == 2.0 and delta.count_nonzero() == 3
 
 

@@ -28,7 +28,7 @@ def _embedding(model, path):
 
 
 def _dense_delta(layer):
-    return layer.get_delta_weight("default").detach()
+    return layer.logical_delta("default").detach()
 
 
 @pytest.mark.parametrize("kind", sorted(EMBEDDINGS))

@@ -126,8 +126,11 @@ def test_conv1d_uses_logical_out_in_indices():
             layer.sparse_values["default"].copy_(torch.tensor([1.0, -2.0, 3.0, 0.5]))
     x = torch.randn(3, 4)
     torch.testing.assert_close(a(x), b(x))
-    torch.testing.assert_close(a.get_delta_weight("default"), b.get_delta_weight("default"))
-    assert a.get_delta_weight("default")[1, 1] == -2.0
+    torch.testing.assert_close(a.logical_delta("default"), b.logical_delta("default"))
+    assert a.logical_delta("default")[1, 1] == -2.0
+    # PEFT's get_delta_weight is in the stored layout: W' = W + ΔW for Conv1D's (in, out) weight too
+    torch.testing.assert_close(a.get_delta_weight("default"), b.get_delta_weight("default").t())
+    assert a.get_delta_weight("default").shape == conv.weight.shape
     a.merge()
     torch.testing.assert_close(a.get_base_layer().weight.t(), b.merged_weight())
 

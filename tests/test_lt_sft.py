@@ -31,7 +31,7 @@ def _run_dense(model, lt, steps, lr=1e-2, seed=0):
 
 
 def _moved(model):
-    return {l.module_name: l.get_delta_weight("default").reshape(-1).abs().clone() for l in sparse_layers(model)}
+    return {l.module_name: l.logical_delta("default").reshape(-1).abs().clone() for l in sparse_layers(model)}
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])

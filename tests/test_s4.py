@@ -48,6 +48,31 @@ def test_importance_is_the_top_p_of_abs_gradient_times_weight(kind, normalizatio
     assert any(not torch.equal(masks["a"][n], masks["b"][n]) for n in masks["a"])
 
 
+def test_detection_inside_no_grad_gives_the_same_masks():
+    """The scores are gradients: a caller's torch.no_grad() (an evaluation loop, a generation setup) changes nothing."""
+    config = _config()
+    expected = detect_language_masks(tiny_llama(), _loaders(), config)
+    with torch.no_grad():
+        got = detect_language_masks(tiny_llama(), _loaders(), config)
+    assert all(torch.equal(got[lang][k], expected[lang][k]) for lang in expected for k in expected[lang])
+
+
+def test_init_weights_false_draws_the_values_from_torchs_generator():
+    """As every sparse config's: torch.manual_seed decides the values, the detected masks decide the indices."""
+    config = _config()
+    masks = detect_language_masks(tiny_llama(), _loaders(), config)
+    values = []
+    for seed in (0, 0, 1):
+        base = tiny_llama()  # (seeds torch itself)
+        torch.manual_seed(seed)
+        model = build_s4_model(base, _config(init_weights=False), masks)
+        values.append(torch.cat([layer.sparse_values["default"].detach() for layer in sparse_layers(model)]))
+    assert values[0].abs().min() > 0 and 0.01 < values[0].std() < 0.03  # N(0, 0.02²)
+    assert torch.equal(values[0], values[1]) and not torch.equal(values[0], values[2])
+    zeros = build_s4_model(tiny_llama(), _config(), masks)
+    assert all(not layer.sparse_values["default"].any() for layer in sparse_layers(zeros))
+
+
 def test_global_selection_is_the_top_p_of_all_targeted_weights_at_once():
     """selection='global' (the paper's p over all N parameters): the top p·N of the concatenated scores."""
     config = _config(selection="global")

@@ -141,5 +141,5 @@ def test_spiel_ag_chooses_the_indices_of_algorithm_2_step_for_step(candidate_rat
             reselection += 1
     assert reselection == len(log) == 3  # t = 2 (all replaced), 8, 14
     for layer, weight in zip(layers, masks):
-        got = layer.get_delta_weight("default")
+        got = layer.logical_delta("default")
         torch.testing.assert_close(got, delta[weight], rtol=1e-9, atol=1e-12)

@@ -124,14 +124,24 @@ class SparseConfig(PortableBaseModel, PeftConfig):
             )
         },
     )
-    seed: int = field(default=0, metadata={"help": "Seed of the initial index selection (per module, order-independent)."})
+    seed: int = field(
+        default=0,
+        metadata={
+            "help": (
+                "Seed of the initial index selection η: with the module's name it decides each module's indices, "
+                "independently of module order, of torch's global generator and of the process, so every rank of a "
+                "distributed run selects the same indices. It does not decide values (see init_weights)."
+            )
+        },
+    )
     init_weights: bool = field(
         default=True,
         metadata={
             "help": (
                 "True: the values φ start at 0 (the adapter is the identity, as in training). False: they start at "
-                "seeded random N(0, 0.02²) values, so that merge and save/load tests test something (as PEFT's "
-                "init_weights=False does for LoRA); never for training."
+                "random N(0, 0.02²) values drawn from torch's global generator (torch.manual_seed decides them, as for "
+                "LoRA's init_lora_weights=False), so two adapters made from one config share their indices (seed) but "
+                "not their values, and merge and save/load tests test something; never for training."
             )
         },
     )

@@ -17,7 +17,9 @@ gets no gradient, as ``nn.Embedding`` gives it none.
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import contextvars
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -25,6 +27,21 @@ from torch import nn
 from . import dispatch
 from .base import supported_embedding, unsupported_embedding_reason  # noqa: F401 (re-exported)
 from .layer import SparseLayer
+
+
+_LORA_EMBEDDING_FACTORS = contextvars.ContextVar("lora_embedding_factors", default=False)
+
+
+@contextlib.contextmanager
+def lora_embedding_factors() -> Iterator[None]:
+    """Inside: sparse embeddings report ``supports_lora_conversion()``, for a caller that renames their factors into
+    LoRA's embedding layout (:func:`peft_sparse.convert_to_lora`). Outside they do not: PEFT's own ``convert_to_lora``
+    writes every factor as ``lora_A.weight`` / ``lora_B.weight``, which LoRA's embedding layer does not load."""
+    token = _LORA_EMBEDDING_FACTORS.set(True)
+    try:
+        yield
+    finally:
+        _LORA_EMBEDDING_FACTORS.reset(token)
 
 
 class SparseEmbeddingDelta(torch.autograd.Function):
@@ -100,6 +117,11 @@ class SparseEmbedding(nn.Module, SparseLayer):
     _apply = SparseLayer._apply
     _replicate_for_data_parallel = SparseLayer._replicate_for_data_parallel
     __repr__ = SparseLayer.__repr__
+
+    def supports_lora_conversion(self, adapter_name: str = "default") -> bool:
+        """Only inside :func:`lora_embedding_factors` (see there): LoRA's embeddings answer False to PEFT for the same
+        reason."""
+        return _LORA_EMBEDDING_FACTORS.get()
 
     def _rows_delta(self, x_rows: torch.Tensor, name: str) -> torch.Tensor:
         return sparse_embedding_delta(x_rows, self.sparse_indices[name], self.sparse_values[name], self.get_base_layer())

@@ -15,12 +15,27 @@ from .functional import compose_weight
 
 
 class MergeLayer:
-    def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
-        """The dense (out, in) delta scatter(η, φ) of one adapter, in the values' dtype."""
-        values = self.sparse_values[adapter_name]
+    def logical_delta(self, adapter_name: str) -> torch.Tensor:
+        """The dense delta scatter(η, φ) of one adapter as a logical (out, in) matrix, in the values' dtype; zero where
+        the layer does not hold the adapter (its outputs do not change)."""
+        values = self.sparse_values.get(adapter_name)
+        if values is None:
+            return torch.zeros(self.out_features, self.in_features, device=self._base_device())
         delta = torch.zeros(self.numel, dtype=values.dtype, device=values.device)
         delta.index_add_(0, self.sparse_indices[adapter_name], values.detach())
         return delta.view(self.out_features, self.in_features)
+
+    def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
+        """PEFT's contract: the dense delta of one adapter in the layout of the base layer's weight, W' = W + ΔW —
+        (out, in) for ``nn.Linear`` and 4-bit layers (as LoRA's), (in, out) for GPT-2 ``Conv1D``, (num_embeddings, dim)
+        for embeddings. PEFT's ``convert_to_lora`` factorizes it by a truncated SVD; it is exact, only the SVD is lossy."""
+        delta = self.logical_delta(adapter_name)
+        return delta.t() if self.fan_in_fan_out else delta
+
+    def supports_lora_conversion(self, adapter_name: str = "default") -> bool:
+        """A linear layer's sparse delta is additive, W' = W + ΔW, so PEFT's ``convert_to_lora`` can factor it into a
+        LoRA (``lora_B @ lora_A`` = ΔW up to the rank asked for). Embeddings answer False (:class:`SparseEmbedding`)."""
+        return True
 
     def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
         self.release_training_merge()

@@ -17,6 +17,7 @@ from abc import abstractmethod
 import torch
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 
 from ..registry import ExcludedModule, include_all_linear_layers
@@ -29,6 +30,16 @@ from .layer import SparseLayer, SparseLinear
 from .merging import merged_for_inference
 from .selection import BlockGrid, check_sparse_tensors, module_generator
 from .targets import _display_name, _model_configs, resolve_default_targets, target_matches  # noqa: F401 (re-exported)
+
+
+def initial_values(config: SparseConfig, count: int) -> torch.Tensor:
+    """The ``count`` values φ a new adapter starts with (float32, CPU): 0, or with ``init_weights=False`` N(0, 0.02²)
+    draws from torch's global generator — ``torch.manual_seed`` decides them, as for LoRA's
+    ``init_lora_weights=False``, so two adapters made from one config differ while their indices (``config.seed``
+    and the module name) are the same."""
+    if config.init_weights:
+        return torch.zeros(count)
+    return torch.randn(count).mul_(0.02)
 
 
 class SparseTuner(BaseTuner):
@@ -200,9 +211,8 @@ class SparseTuner(BaseTuner):
             layer.resizable_adapters.add(adapter_name)
         if not peft_config.init_weights and not external:
             values = layer.sparse_values[adapter_name]
-            g = module_generator(peft_config.seed + 1, current_key)
             with torch.no_grad():
-                values.copy_(torch.randn(values.shape, generator=g, dtype=torch.float32).mul_(0.02).to(values.dtype))
+                values.copy_(initial_values(peft_config, values.numel()))
         if layer is not target:
             if adapter_name not in self.active_adapters:
                 layer.requires_grad_(False)
@@ -269,16 +279,22 @@ class SparseTuner(BaseTuner):
         unknown = sorted({n for n in adapter_names if n != "__base__"} - known)
         if unknown:
             raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(unknown)}")
+        rows = list(adapter_names)
         beams = kwargs.get("num_beams")
-        if isinstance(beams, int) and beams > 1:
+        if isinstance(beams, int) and beams > 1:  # generate repeats each row num_beams times: the decoder's batch
             adapter_names = [n for n in adapter_names for _ in range(beams)]
         names = list(adapter_names)
+        # an encoder-decoder's encoder runs once on the rows as given, before beam search repeats them
+        encoder = self.model.get_encoder() if hasattr(self.model, "get_encoder") else None
+        in_encoder = set() if encoder is None or encoder is self.model else {id(m) for m in encoder.modules()}
 
         def inject(module, args, kw):
-            kw["adapter_names"] = names
+            kw["adapter_names"] = rows if id(module) in in_encoder else names
             return args, kw
 
-        handles = [layer.register_forward_pre_hook(inject, with_kwargs=True) for layer in layers]
+        # the sparse layers and PEFT's modules_to_save copies (each row its adapter's copy, as with LoRA)
+        routed = [m for m in self.model.modules() if isinstance(m, (SparseLayer, AuxiliaryTrainingWrapper))]
+        handles = [module.register_forward_pre_hook(inject, with_kwargs=True) for module in routed]
         self._mixed_batch = True  # (generate keeps the adapters unmerged: each row adds its own delta)
         try:
             yield

@@ -32,7 +32,7 @@ from ..core.config import SparseConfig
 from ..core.base import logical_shape, supported_base_layer
 from ..core.layer import SparseLayer
 from ..core.selection import global_top_k, top_indices
-from ..core.tuner import SparseTuner, resolve_default_targets, target_matches
+from ..core.tuner import SparseTuner, initial_values, resolve_default_targets, target_matches
 from ..data import check_single_language
 from ..optim.surgery import hold_slots, release_slots, unwrap_optimizer
 from ..registry import ExcludedModule, include_all_linear_layers
@@ -146,6 +146,7 @@ def _importance(module, w: torch.Tensor, config: S4Config) -> torch.Tensor:
     return score.float().cpu()
 
 
+@torch.enable_grad()  # (the scores are gradients: detection works inside a caller's torch.no_grad() too)
 def detect_language_masks(model, loaders: Mapping[str, object], config: S4Config) -> dict:
     """{language: {module name: sorted flat indices}}: each language's top-p weights by |∂L_t/∂h · h| (gradients
     accumulated over ``config.importance_batches`` batches of ``loaders[language]``, each a dict for ``model``)."""
@@ -189,7 +190,8 @@ def detect_language_masks(model, loaders: Mapping[str, object], config: S4Config
 
 
 def build_s4_model(model, config: S4Config, masks: Mapping[str, Mapping[str, torch.Tensor]], adapter_name: str = "default"):
-    """A PEFT model whose adapter holds the union of the languages' masks (values 0) and the packed masks."""
+    """A PEFT model whose adapter holds the union of the languages' masks and the packed masks (values 0, or drawn
+    from torch's generator with ``init_weights=False``)."""
     unknown = [lang for lang in masks if lang not in config.languages]
     missing = [lang for lang in config.languages if lang not in masks]
     if unknown or missing:
@@ -214,7 +216,9 @@ def build_s4_model(model, config: S4Config, masks: Mapping[str, Mapping[str, tor
     config.init = "external"
     peft_model = get_peft_model(model, config, adapter_name=adapter_name)
     names = {layer.module_name: layer for layer in peft_model.modules() if isinstance(layer, SparseLayer)}
-    edit.set_indices(peft_model, {k: union[k] for k in names}, values={k: torch.zeros(union[k].numel()) for k in names}, adapter_name=adapter_name)
+    # values 0, or random draws with init_weights=False (as every sparse config's), in module order
+    values = {k: initial_values(config, union[k].numel()) for k in names}
+    edit.set_indices(peft_model, {k: union[k] for k in names}, values=values, adapter_name=adapter_name)
     for key, layer in names.items():
         rows = torch.stack([torch.isin(union[key], torch.as_tensor(masks[lang][key]).long()) for lang in config.languages])
         layer.sparse_masks[adapter_name] = pack_bits(rows).to(layer.sparse_indices[adapter_name].device)
