@@ -19,6 +19,7 @@ from ...core.tuner import SparseTuner
 from ...optim.sm3 import SM3
 from ...optim.surgery import check_supported
 from ...optim.zero import ZeroStateBridge, find_zero_optimizer
+from ...schedules.learning_rate import warn_if_rate_not_decayed
 from ...schedules.reselection import apportioned_replacement_counts, in_estimation_window, is_reselection_step, replacement_count
 from .adaptive import reselect_adaptive, uniform_quotas
 from .batched import AllReselections, TensorReselection, _starts, reselect_all
@@ -267,6 +268,7 @@ class SpIELScheduler(SchedulerState):
                 f"SpIELScheduler: step {t} is past total_steps={self.total_steps}; the schedule has ended and the "
                 "indices stay as they are from here on (set total_steps to the number of optimizer steps)"
             )
+        warn_if_rate_not_decayed(self._zero.zero if self._zero is not None else self.optimizer, t, self.total_steps)
         if self.statistics:
             self._end_window_step()
         self.last_statistics = {}
