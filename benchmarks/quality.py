@@ -242,6 +242,14 @@ def parse_value(text: str):
     return text
 
 
+def parse_sets(parser, items) -> dict:
+    """``--set FIELD=VALUE ...`` as a dict of typed values."""
+    bad = [item for item in items or [] if "=" not in item]
+    if bad:
+        parser.error(f"--set takes FIELD=VALUE items, got {bad}")
+    return {k: parse_value(v) for k, v in (item.split("=", 1) for item in items or [])}
+
+
 def check_reference_supported(reference: str | None, methods) -> None:
     """``--reference authors`` needs a peft_sparse whose SpIELConfig has the ``reference`` field (and AgedAdamW for
     AG); a clear error otherwise, and for methods it cannot apply to."""
@@ -609,6 +617,7 @@ def run_queue(parser, args) -> None:
         for name in ("device", "threads", "out", "verbose"):
             setattr(run_args, name, getattr(args, name))
         run_args.job = line
+        run_args.set = parse_sets(parser, run_args.set)
         tasks, methods, seeds = resolve_selection(parser, run_args)
         if len(tasks) * len(methods) * len(seeds) != 1:
             parser.error(f"a plan line must name one task, one method and one seed: {line!r}")
@@ -722,7 +731,7 @@ def main(argv=None) -> None:
     if args.warmup_steps is not None and not 0 <= args.warmup_steps < args.steps:
         parser.error(f"--warmup-steps must be in [0, --steps={args.steps}), got {args.warmup_steps}")
     check_reference_supported(args.reference, methods)
-    args.set = {k: parse_value(v) for k, v in (item.split("=", 1) for item in args.set or [])}
+    args.set = parse_sets(parser, args.set)
     args.job = None
     t0 = time.perf_counter()
     base = load_base()
