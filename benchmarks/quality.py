@@ -99,9 +99,10 @@ SPIEL_VARIANTS = {
 REFERENCE_VARIANTS = {"spiel-ag": {"growth": "ag"}, "spiel-ma": {"growth": "ma"}}
 METHODS = ("lora", "shira", "sft-random", "sft-magnitude", *SPIEL_VARIANTS, "full")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SCHEDULES = ("linear", "cosine", "constant")
-# transformers' lr_scheduler_type of each schedule (both paths; 'constant' keeps the warm-up)
-HF_SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
+SCHEDULES = ("linear", "cosine", "constant", "wsd")
+# transformers' lr_scheduler_type of each schedule (both paths; 'constant' keeps the warm-up; 'wsd': constant, then a
+# linear decay to 0 over the last --cooldown-fraction of the steps, a diagnostic of what the final steps' rate does)
+HF_SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup", "wsd": "warmup_stable_decay"}
 TRAINERS = ("trainer", "loop")
 LEGACY_TRAINERS = {"plain": "loop", "hf": "trainer"}  # (names of earlier rows)
 
@@ -304,6 +305,13 @@ def warmup_steps(args) -> int:
     return max(1, round(0.03 * args.steps)) if args.warmup_steps is None else args.warmup_steps
 
 
+def schedule_kwargs(args) -> dict:
+    """The schedule's own arguments (wsd: its decay steps, max(1, round(cooldown·T)), linear)."""
+    if args.schedule != "wsd":
+        return {}
+    return {"num_decay_steps": max(1, round(args.cooldown_fraction * args.steps)), "decay_type": "linear"}
+
+
 def resolved_lr(args, method: str) -> float:
     return RECOMMENDED[method].rate(args.steps) if args.lr is None else args.lr
 
@@ -314,6 +322,8 @@ def resolved_weight_decay(args, method: str, lr: float) -> float:
     decay = RECOMMENDED[method].weight_decay if args.weight_decay == "method" else args.weight_decay
     if decay != "auto":
         return float(decay)
+    if args.schedule == "wsd":
+        raise SystemExit(f"--schedule wsd: weight decay 'auto' knows linear, cosine and constant; give {method} --weight-decay a number")
     from peft_sparse.schedules.weight_decay import auto_weight_decay
 
     return auto_weight_decay(lr, args.steps, HF_SCHEDULES[args.schedule], warmup_steps(args))
@@ -334,7 +344,8 @@ def lr_schedule(args, optimizer):
     """transformers' schedule of ``--schedule`` (what ``Trainer`` builds from ``lr_scheduler_type``)."""
     from transformers import get_scheduler
 
-    return get_scheduler(HF_SCHEDULES[args.schedule], optimizer, num_warmup_steps=warmup_steps(args), num_training_steps=args.steps)
+    return get_scheduler(HF_SCHEDULES[args.schedule], optimizer, num_warmup_steps=warmup_steps(args), num_training_steps=args.steps,
+                         scheduler_specific_kwargs=schedule_kwargs(args))  # fmt: skip
 
 
 def train_loop(args, wrapped, params, optimizer, reselect: bool, train: list, seed: int, pad_id: int) -> dict:
@@ -406,7 +417,7 @@ def train_trainer(args, wrapped, lr: float, decay: float, optimizer_kind: str, s
     with tempfile.TemporaryDirectory() as out:
         targs = TrainingArguments(
             output_dir=out, max_steps=args.steps, per_device_train_batch_size=args.batch_size, learning_rate=lr,
-            lr_scheduler_type=HF_SCHEDULES[args.schedule], warmup_steps=warmup_steps(args),
+            lr_scheduler_type=HF_SCHEDULES[args.schedule], lr_scheduler_kwargs=schedule_kwargs(args), warmup_steps=warmup_steps(args),
             weight_decay=decay, max_grad_norm=args.max_grad_norm or 0.0, optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.999,
             adam_epsilon=1e-8, logging_steps=1, save_strategy="no", report_to="none",
             seed=seed, use_cpu=args.device == "cpu", bf16=False, fp16=False, disable_tqdm=True, dataloader_num_workers=0,
@@ -486,7 +497,8 @@ def run_one(args, task: str, method: str, seed: int, model_and_tokenizer, data) 
     return {
         "task": task, "split": TASKS[task].split, "method": method, "reference": reference, "lr": lr, "seed": seed,
         "steps": args.steps, "batch_size": args.batch_size, "trainer": args.trainer, "schedule": args.schedule,
-        "warmup_steps": warmup_steps(args), "budget_rank": args.budget_rank, "trainable": n_trainable,
+        "warmup_steps": warmup_steps(args), "cooldown_fraction": args.cooldown_fraction if args.schedule == "wsd" else None,
+        "budget_rank": args.budget_rank, "trainable": n_trainable,
         "weight_decay": decay, "max_grad_norm": args.max_grad_norm, "set": overrides, "optimizer": optimizer_kind,
         "sm3_momentum": (sm3_form or {}).get("momentum"), "sm3_beta2": (sm3_form or {}).get("beta2"),
         "no_reselection": args.no_reselection, "tag": args.tag, "eval_limit": args.eval_limit, "job": getattr(args, "job", None),
@@ -621,6 +633,7 @@ def run_queue(parser, args) -> None:
         tasks, methods, seeds = resolve_selection(parser, run_args)
         if len(tasks) * len(methods) * len(seeds) != 1:
             parser.error(f"a plan line must name one task, one method and one seed: {line!r}")
+        check_run_args(parser, run_args)
         check_reference_supported(run_args.reference, methods)
         if base is None:
             base = load_base()
@@ -635,6 +648,15 @@ def run_queue(parser, args) -> None:
         append_row(Path(args.out), row)
         print(f"[{index}] {line}: exact match {row['exact_match']:.3f} ({row['train_seconds']:.0f}+{row['eval_seconds']:.0f} s, "
               f"{row['wall_seconds']:.0f} s wall, {row['median_step_ms']:.0f} ms/step)", flush=True)  # fmt: skip
+
+
+def check_run_args(parser, args) -> None:
+    if args.steps <= 0:
+        parser.error(f"--steps must be positive, got {args.steps}")
+    if args.warmup_steps is not None and not 0 <= args.warmup_steps < args.steps:
+        parser.error(f"--warmup-steps must be in [0, --steps={args.steps}), got {args.warmup_steps}")
+    if not 0 < args.cooldown_fraction <= 1:
+        parser.error(f"--cooldown-fraction must be in (0, 1], got {args.cooldown_fraction}")
 
 
 def resolve_selection(parser, args) -> tuple[list, list, list]:
@@ -665,7 +687,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="loop: a plain PyTorch loop (SpIELScheduler stepped after each optimizer step); trainer: "
                              "transformers' Trainer (its optimizer, schedule and clipping; SpIELCallback)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="linear",
-                        help="the learning rate after the warm-up: linear decay to 0, cosine decay to 0, or constant")
+                        help="the learning rate after the warm-up: linear decay to 0, cosine decay to 0, constant, or wsd "
+                             "(constant, then linear decay to 0 over the last --cooldown-fraction of the steps)")
+    parser.add_argument("--cooldown-fraction", type=float, default=0.2, help="wsd: the fraction of the steps that decay")
     parser.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (default: max(1, round(0.03·steps)))")
     parser.add_argument("--weight-decay", type=lambda t: t if t in ("auto", "method") else float(t), default="method",
                         help="decoupled weight decay λ, auto (peft_sparse.auto_weight_decay for the schedule), or method: "
@@ -726,10 +750,7 @@ def main(argv=None) -> None:
     if args.methods is None:
         args.methods = ["lora", "spiel-ag"] if args.command == "run" else list(METHODS)
     tasks, methods, seeds = resolve_selection(parser, args)
-    if args.steps <= 0:
-        parser.error(f"--steps must be positive, got {args.steps}")
-    if args.warmup_steps is not None and not 0 <= args.warmup_steps < args.steps:
-        parser.error(f"--warmup-steps must be in [0, --steps={args.steps}), got {args.warmup_steps}")
+    check_run_args(parser, args)
     check_reference_supported(args.reference, methods)
     args.set = parse_sets(parser, args.set)
     args.job = None

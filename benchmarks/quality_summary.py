@@ -65,6 +65,8 @@ def settings_of(r: dict) -> dict:
         settings["reselection"] = "off"
     if r.get("warmup_steps", max(1, round(0.03 * r["steps"]))) != max(1, round(0.03 * r["steps"])):
         settings["warmup_steps"] = r["warmup_steps"]
+    if r.get("cooldown_fraction") is not None:
+        settings["cooldown"] = r["cooldown_fraction"]
     if r.get("eval_limit"):
         settings["eval_limit"] = r["eval_limit"]
     if r.get("max_grad_norm", 1.0) != 1.0:

@@ -23,7 +23,7 @@ from .models import tiny_llama  # noqa: E402
 
 def _args(**fields):
     base = dict(steps=8, batch_size=4, device="cpu", max_grad_norm=1.0, verbose=False, schedule="linear", warmup_steps=2,
-                weight_decay="method", lr=None, seed=0)  # fmt: skip
+                weight_decay="method", lr=None, seed=0, cooldown_fraction=0.25)  # fmt: skip
     base.update(fields)
     return argparse.Namespace(**base)
 
@@ -66,6 +66,8 @@ def test_loop_and_trainer_train_identically(schedule):
     assert rates[0] == 0.0 and rates[1] == pytest.approx(5e-3) and rates[2] == pytest.approx(1e-2)  # warm-up of 2
     if schedule == "constant":
         assert rates[2:] == pytest.approx([1e-2] * 6)
+    elif schedule == "wsd":  # (constant, then the last 2 of 8 steps decay linearly)
+        assert rates[2:] == pytest.approx([1e-2] * 4 + [1e-2 * 2 / 2, 1e-2 * 1 / 2])
     elif schedule == "linear":
         assert rates[2:] == pytest.approx([1e-2 * (8 - s) / 6 for s in range(2, 8)])
     else:
