@@ -633,15 +633,15 @@ def run_queue(parser, args) -> None:
         tasks, methods, seeds = resolve_selection(parser, run_args)
         if len(tasks) * len(methods) * len(seeds) != 1:
             parser.error(f"a plan line must name one task, one method and one seed: {line!r}")
-        check_run_args(parser, run_args)
-        check_reference_supported(run_args.reference, methods)
-        if base is None:
-            base = load_base()
-        if tasks[0] not in cache:
-            cache[tasks[0]] = load_task(tasks[0], base[1], run_args.max_length)
-        try:
+        try:  # (one failed line must not stop the worker: it is reported, the next one runs)
+            check_run_args(parser, run_args)
+            check_reference_supported(run_args.reference, methods)
+            if base is None:
+                base = load_base()
+            if tasks[0] not in cache:
+                cache[tasks[0]] = load_task(tasks[0], base[1], run_args.max_length)
             row = run_one(run_args, tasks[0], methods[0], seeds[0], base, cache[tasks[0]])
-        except Exception as error:  # (one failed line must not stop the worker: it is reported, the next runs)
+        except (Exception, SystemExit) as error:
             print(f"FAILED [{index}] {line}: {type(error).__name__}: {error}", flush=True)
             continue
         last[run_args.steps] = row["wall_seconds"]
