@@ -204,3 +204,24 @@ def test_summary_means_and_sds_over_seeds_and_families(capsys):
     assert quality_summary.family_mean(cells, test + ["x"]) == "72.5 [2/3]"  # ((60 + 85) / 2)
     text = "\n".join(quality_summary.family_tables(rows) + quality_summary.paths_tables(rows))
     assert f"{test[0]} (test)" in text and "spiel-ag (authors)" in text and "loop + linear" in text
+
+
+@pytest.mark.parametrize("method", ["spiel-ag", "spiel-ma"])
+def test_spiel_reselects_identically_in_the_loop_and_under_the_trainer(method):
+    """SpIEL with reselections (every 3 steps) and weight decay: SpIELScheduler stepped after each optimizer step in the
+    loop and SpIELCallback under the Trainer give the same losses and the same reselections (AG: AdamW, decay on the
+    values in both; MA: SM3)."""
+    args = _args(steps=9, warmup_steps=1)
+    train = _data(12)
+    fields = {"reselection_steps": 3, "gradient_estimation_steps": 1}
+    runs = []
+    for path in ("loop", "trainer"):
+        wrapped, params = quality.build(method, tiny_llama(), 600, 4, 0, dict(fields))
+        kind, form = ("sm3", {"momentum": 0.0, "beta2": None}) if quality.uses_sm3(method) else ("adamw", None)
+        if path == "loop":
+            runs.append(quality.train_loop(args, wrapped, params, quality.make_optimizer(kind, params, 1e-2, 0.1, form), True, train, 1, 0))
+        else:
+            runs.append(quality.train_trainer(args, wrapped, 1e-2, 0.1, kind, form, True, train, 1, 0))
+    loop, trainer = runs
+    assert len(loop["reselections"]) == len(trainer["reselections"]) >= 2
+    assert loop["losses"] == pytest.approx(trainer["losses"], rel=1e-4)
