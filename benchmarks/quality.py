@@ -515,9 +515,9 @@ def run_one(args, task: str, method: str, seed: int, model_and_tokenizer, data) 
 
 
 def device_name(device: str) -> str:
-    if str(device).startswith("cuda"):
-        return torch.cuda.get_device_name(torch.device(device))
-    return "cpu"
+    """The device as rows record it; ' tf32' where float32 matrix products ran in TF32 (never pooled with float32)."""
+    name = torch.cuda.get_device_name(torch.device(device)) if str(device).startswith("cuda") else "cpu"
+    return name + (" tf32" if str(device).startswith("cuda") and torch.backends.cuda.matmul.allow_tf32 else "")
 
 
 def load_base():
@@ -716,6 +716,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tag", default="", help="free label stored with the rows")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu or cuda; float32 either way")
+    parser.add_argument("--tf32", action="store_true", help="cuda: float32 matrix products in TF32 (recorded in the device name)")
     parser.add_argument("--out", default=str(HERE / "results" / "quality.jsonl"))
     parser.add_argument("--time-one", action="store_true",
                         help="run: the first run only, then print where its time went (setup, training, evaluation)")
@@ -741,6 +742,9 @@ def main(argv=None) -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     if args.command == "queue":
         if len(args.results) != 1:
             parser.error("queue takes one plan file")

@@ -16,7 +16,8 @@
 # .dev_model/part-`): the file is larger than one call may carry, so call A carries part-aa and call B part-ab on the
 # same warm machine. Environment: WORKERS (default 12), LIMIT (seconds from the start after which workers are
 # stopped, default 555; no run is started that this worker's timings say would end after LIMIT - 20), PLAN_SEEDS
-# (the plan's seeds, default "0 1 2"), PLAN_FILE (run these argument lines instead of the plan), DEVICE (default cuda).
+# (the plan's seeds, default "0 1 2"), PLAN_FILE (run these argument lines instead of the plan), DEVICE (default cuda),
+# TF32 (set: float32 matrix products in TF32, recorded in the rows' device; unset by default: plain float32).
 set -u
 START=$(date +%s)
 MODE=${1:-run}
@@ -26,7 +27,7 @@ WORKERS=${WORKERS:-12}
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-/tmp/quality-out}
 mkdir -p "$OUT" /tmp/qplan
-export PYTHONPATH=/tmp/site:$PWD PEFT_SPARSE_CACHE=/tmp/psc HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=/tmp/site:$PWD PEFT_SPARSE_CACHE=${PEFT_SPARSE_CACHE:-/tmp/psc} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 M=$PEFT_SPARSE_CACHE/smollm2-135m-instruct
 GGUF=$M/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -55,7 +56,7 @@ python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 
 echo "model ready after $(( $(date +%s) - START )) s"
 
 if [ "$MODE" = time-one ]; then
-  python3 benchmarks/quality.py run --task sequences --method spiel-ag --steps 150 --device cuda --threads 1 \
+  python3 benchmarks/quality.py run --task sequences --method spiel-ag --steps 150 --device "$DEVICE" ${TF32:+--tf32} --threads 1 \
     --out "$OUT/quality-gpu.jsonl" --time-one 2>&1 | grep -v "^Failed to load\|Loading weights"
   exit 0
 fi
@@ -71,7 +72,7 @@ echo "plan: $(wc -l < /tmp/qplan/plan.txt) runs; skipping those in: ${*:-nothing
 DEADLINE=$(( START + LIMIT - 20 ))
 PIDS=()
 for i in $(seq 1 "$WORKERS"); do
-  python3 benchmarks/quality.py queue /tmp/qplan/plan.txt --device "$DEVICE" --threads 1 --out "$OUT/quality-gpu.jsonl" \
+  python3 benchmarks/quality.py queue /tmp/qplan/plan.txt --device "$DEVICE" ${TF32:+--tf32} --threads 1 --out "$OUT/quality-gpu.jsonl" \
     --deadline "$DEADLINE" ${1:+--skip-done "$@"} > "/tmp/qplan/worker-$i.log" 2>&1 &
   PIDS+=($!)
 done
