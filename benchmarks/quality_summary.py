@@ -15,14 +15,14 @@ Families are marked (dev) or (test) as ``quality.TASKS`` splits them.
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from quality import LEGACY_TRAINERS, METHODS, SPLITS, TASKS, read_jsonl  # noqa: E402
+from quality import HF_SCHEDULES, LEGACY_TRAINERS, METHODS, RECOMMENDED, SPLITS, TASKS, read_jsonl  # noqa: E402
 
 PRE_AUTO_MA_SETUP = {"ma_signal": "sm3", "first_full_replacement": True}
 DEFAULT_OPTIMIZER = {"spiel-ma": "sm3", "spiel-ma-block": "sm3"}
@@ -46,14 +46,32 @@ def default_optimizer(r: dict) -> str:
     return DEFAULT_OPTIMIZER.get(r["method"], "adamw")
 
 
+def recommended_decay(r: dict) -> float | None:
+    """The weight decay the method's recommended settings give this row's schedule, rate and length (None: unknown),
+    so that rows at it show no λ and pool across schedules in the paths table."""
+    recipe = RECOMMENDED.get(r["method"])
+    if recipe is None:
+        return None
+    if recipe.weight_decay != "auto":
+        return float(recipe.weight_decay)
+    schedule = HF_SCHEDULES.get(r.get("schedule", "linear"))
+    if schedule not in ("linear", "cosine", "constant_with_warmup"):
+        return None
+    from peft_sparse.schedules.weight_decay import auto_weight_decay
+
+    warmup = r.get("warmup_steps", max(1, round(0.03 * r["steps"])))
+    return auto_weight_decay(r["lr"], r["steps"], schedule, warmup)
+
+
 def settings_of(r: dict) -> dict:
     """What a row ran with beyond its method, lr, length, schedule and trainer (rows with equal settings pool)."""
     settings = {k: v for k, v in (r.get("set") or {}).items() if k != "reference"}
     for name, value in (r.get("ma_setup") or {}).items():  # (as resolved, where it differs from what rows without
         if value != PRE_AUTO_MA_SETUP[name]:  # it ran with: those predate block MA's 'io' and 'auto' defaults)
             settings[name] = value
-    if r.get("weight_decay"):
-        settings["λ"] = round(r["weight_decay"], 3)
+    decay, recommended = r.get("weight_decay") or 0.0, recommended_decay(r)
+    if (decay != 0.0) if recommended is None else not math.isclose(decay, recommended, rel_tol=1e-9, abs_tol=1e-12):
+        settings["λ"] = round(decay, 3)
     optimizer = r.get("optimizer")
     if optimizer and optimizer != default_optimizer(r):
         settings["optimizer"] = optimizer

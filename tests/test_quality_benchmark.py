@@ -225,3 +225,21 @@ def test_spiel_reselects_identically_in_the_loop_and_under_the_trainer(method):
     loop, trainer = runs
     assert len(loop["reselections"]) == len(trainer["reselections"]) >= 2
     assert loop["losses"] == pytest.approx(trainer["losses"], rel=1e-4)
+
+
+def test_summary_pools_spiel_ag_at_its_recommended_decay_across_schedules():
+    """SpIEL-AG at the recommended λ of each schedule (3 under linear decay, about 1.5 at a constant rate) is one
+    setting of the paths table; a λ set by hand is a setting of its own."""
+    from peft_sparse.schedules.weight_decay import auto_weight_decay
+
+    fam = quality.SPLITS["test"][0]
+    rows = [
+        _row(fam, "spiel-ag", 0, 0.8, weight_decay=auto_weight_decay(1e-3, 150), warmup_steps=4),
+        _row(fam, "spiel-ag", 0, 0.6, schedule="constant", warmup_steps=4,
+             weight_decay=auto_weight_decay(1e-3, 150, "constant_with_warmup", 4)),
+        _row(fam, "spiel-ag", 0, 0.7, schedule="constant", warmup_steps=4, weight_decay=0.0),
+    ]  # fmt: skip
+    labels = [quality_summary.label(quality_summary.settings_of(r)) for r in rows]
+    assert labels[0] == labels[1] == "" and labels[2] != ""
+    table = quality_summary.paths_tables(rows)
+    assert sum(line.startswith("| spiel-ag |") for line in table) == 2
