@@ -15,14 +15,14 @@
 # part-ab (`split -b 50000000 ~/.cache/peft_sparse/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
 # .dev_model/part-`): the file is larger than one call may carry, so call A carries part-aa and call B part-ab on the
 # same warm machine. Environment: WORKERS (default 12), LIMIT (seconds from the start after which workers are
-# stopped, default 555; no run is started that this worker's timings say would end after LIMIT - 20), PLAN_SEEDS
+# stopped, default 540; no run is started that this worker's timings say would end after LIMIT - 20), PLAN_SEEDS
 # (the plan's seeds, default "0 1 2"), PLAN_FILE (run these argument lines instead of the plan), DEVICE (default cuda),
 # TF32 (set: float32 matrix products in TF32, recorded in the rows' device; unset by default: plain float32).
 set -u
 START=$(date +%s)
 MODE=${1:-run}
 shift || true
-LIMIT=${LIMIT:-555}
+LIMIT=${LIMIT:-540}
 WORKERS=${WORKERS:-12}
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-/tmp/quality-out}
