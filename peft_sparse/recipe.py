@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 import types
@@ -103,7 +104,7 @@ def build_training_args(training: dict):
     if unknown:
         raise ValueError(f"recipe training has fields {unknown} that trl.SFTConfig does not have")
     training = dict(training)
-    if training.get("weight_decay") == "auto":  # λ = min(3, 1/(lr·T)): peft_sparse.schedules.weight_decay
+    if training.get("weight_decay") == "auto":  # λ = min(3, 1/(lr·T)) / (2m), m the schedule's mean rate: peft_sparse.schedules.weight_decay
         from .schedules.weight_decay import auto_weight_decay
 
         steps, lr = training.get("max_steps", -1), training.get("learning_rate", fields["learning_rate"].default)
@@ -112,10 +113,16 @@ def build_training_args(training: dict):
                 f"recipe training.weight_decay='auto' sets λ = min(3, 1/(learning_rate·max_steps)) and needs "
                 f"training.max_steps > 0, got training.max_steps={steps!r} (or give training.weight_decay a number)"
             )
+        schedule = training.get("lr_scheduler_type", fields["lr_scheduler_type"].default)
+        schedule = getattr(schedule, "value", schedule)  # (a SchedulerType, or its name)
+        warmup = training.get("warmup_steps", fields["warmup_steps"].default)
+        if isinstance(warmup, bool) or not isinstance(warmup, (int, float)):
+            warmup = 0  # (not a number: the field's own check below names it)
+        warmup = int(warmup) if warmup >= 1 else math.ceil(steps * warmup)  # (as TrainingArguments: below 1, a ratio of the steps)
         try:
-            training["weight_decay"] = auto_weight_decay(lr, steps)
+            training["weight_decay"] = auto_weight_decay(lr, steps, schedule, warmup)
         except ValueError as exc:
-            raise ValueError(f"recipe training.learning_rate={lr!r}: {exc}") from None
+            raise ValueError(f"recipe training.learning_rate={lr!r}, lr_scheduler_type={schedule!r}: {exc}") from None
     elif isinstance(training.get("weight_decay"), str):
         raise ValueError(f"recipe training.weight_decay must be a number or 'auto', got training.weight_decay={training['weight_decay']!r}")
     for key, value in training.items():  # (SFTConfig checks few types itself: a wrong one fails deep in training)

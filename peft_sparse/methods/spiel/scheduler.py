@@ -15,6 +15,7 @@ from ...core.tuner import SparseTuner
 from ...optim.sm3 import SM3
 from ...optim.surgery import check_supported
 from ...optim.zero import ZeroStateBridge, find_zero_optimizer
+from ...schedules.learning_rate import warn_if_rate_not_decayed
 from ...schedules.reselection import in_estimation_window, is_reselection_step, released_in_estimation_window
 from .adaptive import uniform_quotas
 from .checks import SchedulerChecks, find_spiel_adapter, spiel_layers
@@ -172,6 +173,7 @@ class SpIELScheduler(SchedulerChecks, Reselections, SchedulerState):
                 f"SpIELScheduler: step {t} is past total_steps={self.total_steps}; the schedule has ended and the "
                 "indices stay as they are from here on (set total_steps to the number of optimizer steps)"
             )
+        warn_if_rate_not_decayed(self._zero.zero if self._zero is not None else self.optimizer, t, self.total_steps)
         if self.statistics:
             self._end_window_step()
         self.last_statistics = {}

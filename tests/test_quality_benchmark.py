@@ -1,0 +1,245 @@
+"""The quality benchmark's machinery (benchmarks/quality.py, quality_summary.py) on a tiny model: both training paths
+train identically where they should, the schedules are the ones named, the dev/test split and the GPU plan hold,
+a shared plan is claimed once per line, the reference switch fails clearly, and the tables compute what they say."""
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import quality  # noqa: E402
+import quality_summary  # noqa: E402
+
+from .models import tiny_llama  # noqa: E402
+
+
+def _args(**fields):
+    base = dict(steps=8, batch_size=4, device="cpu", max_grad_norm=1.0, verbose=False, schedule="linear", warmup_steps=2,
+                weight_decay="method", lr=None, seed=0, cooldown_fraction=0.25)  # fmt: skip
+    base.update(fields)
+    return argparse.Namespace(**base)
+
+
+def _data(n=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = 5 + i % 4
+        ids = torch.randint(1, 97, (length,), generator=g).tolist()
+        out.append((ids, [-100, -100] + ids[2:]))
+    return out
+
+
+def _lora():
+    import peft
+
+    model = tiny_llama()
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=quality.TARGETS, init_lora_weights=False)
+    torch.manual_seed(0)
+    wrapped = peft.get_peft_model(model, config)
+    return wrapped, [p for p in wrapped.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("schedule", quality.SCHEDULES)
+def test_loop_and_trainer_train_identically(schedule):
+    """LoRA without weight decay: the plain loop and transformers' Trainer see the same batches in the same order at the
+    same rates, so every step's loss agrees; the rate follows the named schedule (warm-up, then decay or not)."""
+    args = _args(schedule=schedule)
+    train = _data()
+    wrapped, params = _lora()
+    optimizer = quality.make_optimizer("adamw", params, 1e-2, 0.0, None)
+    loop = quality.train_loop(args, wrapped, params, optimizer, False, train, seed=3, pad_id=0)
+    wrapped2, _ = _lora()
+    trainer = quality.train_trainer(args, wrapped2, 1e-2, 0.0, "adamw", None, False, train, seed=3, pad_id=0)
+    assert len(loop["losses"]) == len(trainer["losses"]) == args.steps
+    assert loop["losses"] == pytest.approx(trainer["losses"], rel=1e-4)
+    assert loop["rates"] == pytest.approx(trainer["rates"], rel=1e-9, abs=1e-12)
+    rates = loop["rates"]
+    assert rates[0] == 0.0 and rates[1] == pytest.approx(5e-3) and rates[2] == pytest.approx(1e-2)  # warm-up of 2
+    if schedule == "constant":
+        assert rates[2:] == pytest.approx([1e-2] * 6)
+    elif schedule == "wsd":  # (constant, then the last 2 of 8 steps decay linearly)
+        assert rates[2:] == pytest.approx([1e-2] * 4 + [1e-2 * 2 / 2, 1e-2 * 1 / 2])
+    elif schedule == "linear":
+        assert rates[2:] == pytest.approx([1e-2 * (8 - s) / 6 for s in range(2, 8)])
+    else:
+        assert rates[2:] == pytest.approx([1e-2 * 0.5 * (1 + math.cos(math.pi * (s - 2) / 6)) for s in range(2, 8)])
+
+
+def test_batches_are_seeded_epochs():
+    order = quality.batch_order(10, 4, 6, seed=1)
+    assert order == quality.batch_order(10, 4, 6, seed=1) and order != quality.batch_order(10, 4, 6, seed=2)
+    flat = [i for batch in order for i in batch]
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))  # (whole epochs)
+
+
+def test_recommended_weight_decay_follows_the_schedule():
+    from peft_sparse.schedules.weight_decay import auto_weight_decay
+
+    linear, constant = _args(steps=150, warmup_steps=None), _args(steps=150, warmup_steps=None, schedule="constant")
+    assert quality.resolved_weight_decay(linear, "spiel-ag", 1e-3) == auto_weight_decay(1e-3, 150) == 3.0
+    assert quality.resolved_weight_decay(constant, "spiel-ag", 1e-3) == auto_weight_decay(1e-3, 150, "constant_with_warmup", 4)
+    assert quality.resolved_weight_decay(constant, "spiel-ag", 1e-3) < 1.6
+    assert quality.resolved_weight_decay(linear, "lora", 1e-3) == 0.0
+    assert quality.resolved_weight_decay(_args(weight_decay=0.5), "spiel-ag", 1e-3) == 0.5
+    assert quality.resolved_lr(_args(steps=150), "spiel-ma") == 5e-4 and quality.resolved_lr(_args(steps=60), "spiel-ma") == 3e-3
+    assert quality.resolved_lr(_args(lr=2e-3), "spiel-ma") == 2e-3
+
+
+def test_dev_and_test_families_are_disjoint_and_bundled():
+    dev, test = set(quality.SPLITS["dev"]), set(quality.SPLITS["test"])
+    assert dev and test and not dev & test and dev | test == set(quality.TASKS)
+    assert {"skills", "skills2"} <= dev
+    for task in quality.TASKS:
+        assert (quality.DATA / f"{task}_train.jsonl").exists() and (quality.DATA / f"{task}_test.jsonl").exists()
+
+
+def test_gpu_plan_puts_every_path_of_seed_0_first_on_test_families():
+    parser = quality.build_parser()
+    lines = quality.gpu_plan()
+    assert len(lines) == len(set(lines))
+    per_seed = len(quality.PLAN_PATHS) * len(quality.SPLITS["test"]) * len(quality.PLAN_METHODS)
+    first = [parser.parse_intermixed_args(["run", *line.split()]) for line in lines[:per_seed]]
+    assert {a.seeds[0] for a in first} == {0} and {a.steps for a in first} == {150}
+    assert {(a.trainer, a.schedule) for a in first} == set(quality.PLAN_PATHS)
+    assert {a.task[0] for a in first} == set(quality.SPLITS["test"])
+    assert {(a.methods[0], a.reference) for a in first} == set(quality.PLAN_METHODS)
+    every = [parser.parse_intermixed_args(["run", *line.split()]) for line in lines]
+    assert not {a.task[0] for a in every} & set(quality.SPLITS["dev"])  # (the plan reports test families only)
+    assert all(len(a.task) == 1 and len(a.methods) == 1 and len(a.seeds) == 1 and a.lr is not None for a in every)
+    assert [a.seeds[0] for a in every[: 3 * per_seed]] == sorted(a.seeds[0] for a in every[: 3 * per_seed])
+
+
+def test_a_shared_plan_is_claimed_once_per_line(tmp_path):
+    lines = [f"line {i}" for i in range(5)]
+    counter = tmp_path / "plan.claims"
+    got = [quality.claim(counter, lines, lambda line: True) for _ in range(3)]
+    assert got == [0, 1, 2]
+    assert quality.claim(counter, lines, lambda line: line != "line 3") is None  # (does not fit: left unclaimed)
+    assert quality.claim(counter, lines, lambda line: True) == 3
+    assert quality.claim(counter, lines, lambda line: True) == 4
+    assert quality.claim(counter, lines, lambda line: True) is None
+
+
+def test_queue_skips_lines_done_in_earlier_results(tmp_path, monkeypatch):
+    parser = quality.build_parser()
+    lines = quality.gpu_plan(seeds=(0,), families=["classify"])[:3]
+    plan = tmp_path / "plan.txt"
+    plan.write_text("\n".join(lines) + "\n")
+    done = tmp_path / "done.jsonl"
+    done.write_text("".join(json.dumps({"job": line}) + "\n" for line in lines))
+    monkeypatch.setattr(quality, "load_base", lambda: pytest.fail("nothing left to run, yet the model was loaded"))
+    args = parser.parse_intermixed_args(["queue", str(plan), "--skip-done", str(done), "--out", str(tmp_path / "rows.jsonl")])
+    quality.run_queue(parser, args)
+    assert not (tmp_path / "rows.jsonl").exists()
+
+
+def test_reference_switch_needs_the_config_field(monkeypatch):
+    import peft_sparse
+
+    has_field = "reference" in {f.name for f in dataclasses.fields(peft_sparse.SpIELConfig)}
+    if not has_field:
+        with pytest.raises(SystemExit, match="no SpIELConfig.reference field"):
+            quality.check_reference_supported("authors", ["spiel-ag"])
+
+    @dataclasses.dataclass
+    class WithReference(peft_sparse.SpIELConfig):
+        reference: str = None
+
+    monkeypatch.setattr(peft_sparse, "SpIELConfig", WithReference)
+    monkeypatch.setattr(peft_sparse, "AgedAdamW", torch.optim.AdamW, raising=False)
+    quality.check_reference_supported("authors", ["spiel-ag", "spiel-ma"])
+    with pytest.raises(SystemExit, match=r"--methods \['lora'\]"):
+        quality.check_reference_supported("authors", ["spiel-ag", "lora"])
+    quality.check_reference_supported(None, ["lora"])
+
+
+def test_reference_mode_passes_reference_and_drops_the_adaptive_split(monkeypatch):
+    import peft
+    import peft_sparse
+
+    seen = []
+
+    class Recorder:
+        def __init__(self, **fields):
+            seen.append(fields)
+
+    monkeypatch.setattr(peft_sparse, "SpIELConfig", Recorder)
+    monkeypatch.setattr(peft, "get_peft_model", lambda model, config: torch.nn.Linear(1, 1))
+    quality.build("spiel-ag", None, 1000, 16, 0, {}, reference="authors")
+    quality.build("spiel-ag", None, 1000, 16, 0, {})
+    quality.build("spiel-ma", None, 1000, 16, 0, {"ma_regrow_dropped": False}, reference="authors")
+    assert seen[0]["reference"] == "authors" and seen[0]["growth"] == "ag" and "budget_split" not in seen[0]
+    assert "reference" not in seen[1] and seen[1]["budget_split"] == "adaptive"
+    assert seen[2]["reference"] == "authors" and seen[2]["growth"] == "ma" and seen[2]["ma_regrow_dropped"] is False
+
+
+def _row(task, method, seed, score, **fields):
+    row = {"task": task, "method": method, "seed": seed, "exact_match": score, "steps": 150, "lr": 1e-3, "final_loss": 1.0,
+           "train_seconds": 1.0, "heldout_loss": 0.5, "trainer": "loop", "schedule": "linear", "device": "cpu"}  # fmt: skip
+    row.update(fields)
+    return row
+
+
+def test_summary_means_and_sds_over_seeds_and_families(capsys):
+    test = quality.SPLITS["test"][:2]
+    rows = [
+        _row(test[0], "lora", 0, 0.5), _row(test[0], "lora", 1, 0.7),
+        _row(test[1], "lora", 0, 0.9), _row(test[1], "lora", 1, 0.8, trainer="plain"),  # (a legacy name: the loop)
+        _row(test[0], "spiel-ag", 0, 0.6, reference="authors"),
+    ]  # fmt: skip
+    cells = {s["task"]: s for s in quality_summary.summarize(rows) if s["method"] == "lora"}
+    assert cells[test[0]]["mean"] == pytest.approx(0.6) and cells[test[0]]["sd"] == pytest.approx(statistics.stdev([0.5, 0.7]))
+    assert cells[test[1]]["n"] == 2  # ('plain' pooled with 'loop')
+    per_seed = [(0.5 + 0.9) / 2, (0.7 + 0.8) / 2]
+    assert quality_summary.family_mean(cells, test) == f"{100 * statistics.mean(per_seed):.1f} ± {100 * statistics.stdev(per_seed):.1f} (2)"
+    assert quality_summary.family_mean(cells, test + ["x"]) == "72.5 [2/3]"  # ((60 + 85) / 2)
+    text = "\n".join(quality_summary.family_tables(rows) + quality_summary.paths_tables(rows))
+    assert f"{test[0]} (test)" in text and "spiel-ag (authors)" in text and "loop + linear" in text
+
+
+@pytest.mark.parametrize("method", ["spiel-ag", "spiel-ma"])
+def test_spiel_reselects_identically_in_the_loop_and_under_the_trainer(method):
+    """SpIEL with reselections (every 3 steps) and weight decay: SpIELScheduler stepped after each optimizer step in the
+    loop and SpIELCallback under the Trainer give the same losses and the same reselections (AG: AdamW, decay on the
+    values in both; MA: SM3)."""
+    args = _args(steps=9, warmup_steps=1)
+    train = _data(12)
+    fields = {"reselection_steps": 3, "gradient_estimation_steps": 1}
+    runs = []
+    for path in ("loop", "trainer"):
+        wrapped, params = quality.build(method, tiny_llama(), 600, 4, 0, dict(fields))
+        kind, form = ("sm3", {"momentum": 0.0, "beta2": None}) if quality.uses_sm3(method) else ("adamw", None)
+        if path == "loop":
+            runs.append(quality.train_loop(args, wrapped, params, quality.make_optimizer(kind, params, 1e-2, 0.1, form), True, train, 1, 0))
+        else:
+            runs.append(quality.train_trainer(args, wrapped, 1e-2, 0.1, kind, form, True, train, 1, 0))
+    loop, trainer = runs
+    assert len(loop["reselections"]) == len(trainer["reselections"]) >= 2
+    assert loop["losses"] == pytest.approx(trainer["losses"], rel=1e-4)
+
+
+def test_summary_pools_spiel_ag_at_its_recommended_decay_across_schedules():
+    """SpIEL-AG at the recommended λ of each schedule (3 under linear decay, about 1.5 at a constant rate) is one
+    setting of the paths table; a λ set by hand is a setting of its own."""
+    from peft_sparse.schedules.weight_decay import auto_weight_decay
+
+    fam = quality.SPLITS["test"][0]
+    rows = [
+        _row(fam, "spiel-ag", 0, 0.8, weight_decay=auto_weight_decay(1e-3, 150), warmup_steps=4),
+        _row(fam, "spiel-ag", 0, 0.6, schedule="constant", warmup_steps=4,
+             weight_decay=auto_weight_decay(1e-3, 150, "constant_with_warmup", 4)),
+        _row(fam, "spiel-ag", 0, 0.7, schedule="constant", warmup_steps=4, weight_decay=0.0),
+    ]  # fmt: skip
+    labels = [quality_summary.label(quality_summary.settings_of(r)) for r in rows]
+    assert labels[0] == labels[1] == "" and labels[2] != ""
+    table = quality_summary.paths_tables(rows)
+    assert sum(line.startswith("| spiel-ag |") for line in table) == 2
