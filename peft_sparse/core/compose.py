@@ -9,18 +9,23 @@ sparse methods be composed, switched and merged in one model.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 from collections.abc import Sequence
 from typing import Optional, Union
 
 from peft import PeftModel, get_peft_model
 from ..registry import PEFT_TYPE_TO_CONFIG_MAPPING
+import torch
 from peft.utils import load_peft_weights, set_peft_model_state_dict
 from torch import nn
 
 from . import storage
 from .config import SparseConfig, read_adapter_config
 from .base import add_delta_to_base, index_dtype, logical_shape, supported_base_layer
+from .experts import SparseSlice
+from .layer import SparseLayer
 from .selection import check_sparse_tensors
 
 PathLike = Union[str, os.PathLike]
@@ -166,3 +171,66 @@ def adapter_file_summary(adapter_dir: PathLike) -> dict:
         "tensors": tensors,
     }
 
+
+def add_weighted_adapter(tuner, adapters: list[str], weights: list[float], adapter_name: str) -> None:
+    """``tuner.add_weighted_adapter``: a new adapter δ = Σ wᵢ·δᵢ, on each sparse layer the union of the indices
+    with the weighted values summed.
+
+    Its config is the first adapter's, with ``init='external'``, exactly the layers the adapters hold (their modules
+    as ``target_modules``, their parameters as ``target_parameters``) and the union's exact counts; it is saved and
+    loaded like any other adapter. Merging it (``merge_and_unload(adapter_names=[name])``) gives θ + Σ wᵢ·δᵢ.
+    """
+    if not adapters:
+        raise ValueError("adapters must name at least one adapter")
+    if len(weights) != len(adapters):
+        raise ValueError(f"got {len(adapters)} adapters but {len(weights)} weights")
+    for name in adapters:
+        if name not in tuner.peft_config:
+            raise ValueError(f"adapter {name!r} does not exist; existing adapters: {sorted(tuner.peft_config)}")
+        if tuner.peft_config[name].modules_to_save:
+            raise ValueError(
+                f"adapter {name!r} has modules_to_save={tuner.peft_config[name].modules_to_save}; dense modules "
+                "cannot be combined into a sparse adapter"
+            )
+    if adapter_name in tuner.peft_config:
+        raise ValueError(f"adapter {adapter_name!r} already exists")
+
+    composed: dict[str, tuple[SparseLayer, torch.Tensor, torch.Tensor]] = {}
+    for layer in tuner.model.modules():
+        if not isinstance(layer, SparseLayer):
+            continue
+        present = [(a, w) for a, w in zip(adapters, weights) if a in layer.sparse_values]
+        if not present:
+            continue
+        idx = torch.cat([layer.sparse_indices[a].long() for a, _ in present])
+        val = torch.cat([float(w) * layer.sparse_values[a].detach().double() for a, w in present])
+        union, inverse = torch.unique(idx, sorted=True, return_inverse=True)
+        summed = torch.zeros(union.numel(), dtype=torch.float64, device=val.device).index_add_(0, inverse, val)
+        composed[layer.module_name] = (layer, union, summed)
+
+    first = tuner.peft_config[adapters[0]]
+    counts = {name: int(union.numel()) for name, (_, union, _) in composed.items()}
+    modules = [n for n, (layer, _, _) in composed.items() if not isinstance(layer, SparseSlice)]
+    parameters = sorted({layer.parameter_key for layer, _, _ in composed.values() if isinstance(layer, SparseSlice)})
+    config = dataclasses.replace(
+        first,
+        init="external",
+        target_modules="|".join(re.escape(n) for n in modules) if modules else None,  # exactly these modules
+        target_parameters=parameters or None,  # and these parameters
+        exclude_modules=None,
+        layers_to_transform=None,
+        layers_pattern=None,
+        modules_to_save=None,
+        density=None,
+        num_tunable_weights=sum(counts.values()),
+        tunable_weights_per_module=counts,
+        inference_mode=True,
+    )
+    tuner.peft_config[adapter_name] = config
+    tuner.inject_adapter(tuner.model, adapter_name)
+    for layer, union, summed in composed.values():
+        layer.sparse_indices[adapter_name] = union.to(index_dtype(layer.numel))
+        values = layer.sparse_values[adapter_name]
+        values.data = summed.to(device=values.device, dtype=values.dtype)
+        layer._indices_pending.discard(adapter_name)
+    tuner.set_adapter(tuner.active_adapters, inference_mode=True)

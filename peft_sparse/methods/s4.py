@@ -98,11 +98,12 @@ class S4Model(SparseTuner):
         raise RuntimeError("S⁴ indices come from detect_language_masks: use build_s4_model")
 
     def _create_and_replace(self, peft_config, adapter_name, target, target_name, parent, current_key, **kwargs):
-        super()._create_and_replace(peft_config, adapter_name, target, target_name, parent, current_key, **kwargs)
-        layer = parent.get_submodule(target_name)
-        count = peft_config.tunable_weights_per_module[current_key]
-        values = layer.sparse_values[adapter_name]
-        layer.sparse_masks[adapter_name] = torch.zeros(len(peft_config.languages), math.ceil(count / 8), dtype=torch.uint8, device=values.device)
+        layers = super()._create_and_replace(peft_config, adapter_name, target, target_name, parent, current_key, **kwargs)
+        for layer in layers:
+            count = peft_config.tunable_weights_per_module[layer.module_name]
+            values = layer.sparse_values[adapter_name]
+            layer.sparse_masks[adapter_name] = torch.zeros(len(peft_config.languages), math.ceil(count / 8), dtype=torch.uint8, device=values.device)
+        return layers
 
 
 # ---------------------------------------------------------------------------------------------- bits
