@@ -9,7 +9,7 @@ from peft import PeftModel, get_peft_model
 
 from peft_sparse import LTSFTConfig, SparseFTConfig, SpIELConfig
 
-from .models import MODELS, inputs
+from .models import EXPERT_PARAMETERS, MODELS, inputs, tiny_mixtral, tiny_qwen3_moe
 
 
 class MLP(torch.nn.Module):
@@ -36,6 +36,9 @@ ROWS = [
     ("llama-lt-sft", MODELS["llama"][0], lambda: LTSFTConfig(target_modules=["q_proj", "v_proj"], density=0.1, init_weights=False)),
     ("gpt2-sft", MODELS["gpt2"][0], lambda: SparseFTConfig(target_modules=MODELS["gpt2"][1], density=0.1, init_weights=False)),
     ("bert-spiel", MODELS["bert"][0], lambda: SpIELConfig(target_modules=MODELS["bert"][1], density=0.1, init_weights=False)),
+    # mixture-of-experts: the fused expert tensors through target_parameters (and attention beside them)
+    ("mixtral-spiel-experts", tiny_mixtral, lambda: SpIELConfig(target_parameters=EXPERT_PARAMETERS, density=0.1, init_weights=False)),
+    ("qwen3moe-sft-experts", tiny_qwen3_moe, lambda: SparseFTConfig(target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_PARAMETERS, density=0.1, init_weights=False)),
 ]
 
 

@@ -9,7 +9,6 @@ files on load and composes adapters (``add_weighted_adapter``). A method subclas
 from __future__ import annotations
 
 import contextlib
-import re
 import weakref
 from abc import abstractmethod
 

@@ -24,6 +24,7 @@ from .adaptive import reselect_adaptive, uniform_quotas
 from .batched import AllReselections, TensorReselection, _starts, reselect_all
 from .config import SpIELConfig
 from .model import SpIELModel
+from .routing import RoutedTokens
 from .seeding import DeferredSeeding
 from .selection import reselect_ag, reselect_ma
 from .state import SchedulerState
@@ -126,6 +127,8 @@ class SpIELScheduler(SchedulerState):
                 raise ValueError("budget_split='adaptive' resizes the values, which DDP and FSDP buckets cannot follow; use 'uniform' or 'lora' on several processes")
             self._check_ranks_agree()
         self._attach_guard(tuner)
+        self.routing = RoutedTokens(self.model, self.layers)  # experts of fused MoE tensors: the no-token rule (.routing)
+        self.routing.start()
         self._arm_if_window(1)
 
     def _accumulate_under_zero(self) -> None:
@@ -216,6 +219,7 @@ class SpIELScheduler(SchedulerState):
     def _arm_if_window(self, next_t: int) -> None:
         if self._in_window(next_t) and not self.statistics:
             self.steps_in_window = 0
+            self.routing.start()
             if self.config.growth == "ma":  # ma_signal='io': Σ (∂L/∂Y)² per row and Σ X² per column, per tensor
                 for layer in self.layers:
                     values = layer.sparse_values[self.adapter_name]
@@ -248,6 +252,7 @@ class SpIELScheduler(SchedulerState):
         """Stop feeding statistics and remove the hooks (e.g. at the end of training); training the adapter on
         without a scheduler is watched again (the unscheduled-training warning)."""
         self._disarm()
+        self.routing.stop()
         if self.seeding is not None:
             self.seeding.pending = {}
             self.seeding.remove()
@@ -273,6 +278,7 @@ class SpIELScheduler(SchedulerState):
         if is_reselection_step(t, self.S, self.gamma, self.total_steps):
             self.last_statistics = self._reselect(t)
             self._disarm()
+            self.routing.start()
             if self.ma_accumulators is not None and self.last_statistics and self.config.seed_moments == "second":
                 self.ma_accumulators.seed_second_moments(self.optimizer, t)
             if self.config.drop_criterion == "change":
@@ -341,6 +347,7 @@ class SpIELScheduler(SchedulerState):
             for s, part in zip(live, both.split([s.row_sum.numel() + s.col_sum.numel() for s in live])):
                 s.row_sum.copy_(part[: s.row_sum.numel()])
                 s.col_sum.copy_(part[s.row_sum.numel() :])
+        idle = self.routing.idle()  # experts no token reached in the window keep their indices (.routing)
         grids = [SparseTuner.grid(c, layer) for layer in self.layers]
         units = [layer.sparse_values[name].numel() // grid.unit for layer, grid in zip(self.layers, grids)]
         if c.replacement_rounding == "apportioned":  # the step's ⌊ξ(t)·Σ d_φ⌋ split by largest remainder (.reselection)
@@ -352,7 +359,7 @@ class SpIELScheduler(SchedulerState):
         for layer, grid, k in zip(self.layers, grids, counts):
             values, indices = layer.sparse_values[name], layer.sparse_indices[name]
             d = values.numel()
-            if k == 0 or d == 0:
+            if k == 0 or d == 0 or layer.module_name in idle:
                 continue
             item = TensorReselection(values, indices, k, grid, self._active_units(layer, grid))
             if c.drop_criterion == "change":  # Algorithm 2, line 10: |φ − φ₀|, the change since the last reselection

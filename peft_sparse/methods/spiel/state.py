@@ -38,6 +38,7 @@ class SchedulerState:
             },
             "drop_reference": {name: {"values": v} for name, v in self.drop_reference.items()},
             "ma_accumulators": self.ma_accumulators.tensors() if self.ma_accumulators is not None else {},
+            "routed_tokens": self.routing.tensors(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -98,6 +99,7 @@ class SchedulerState:
             if set(reference) != set(layers):
                 raise ValueError("scheduler state holds no φ₀ of every tensor (drop_criterion='change'); it was saved with another drop criterion")
             self.drop_reference = {name: t["values"].to(device_of(name), copy=True) for name, t in reference.items()}
+        self.routing.load(state.get("routed_tokens") or {})
         saved_accumulators = state.get("ma_accumulators") or {}
         if self.ma_accumulators is not None:
             self.ma_accumulators.load(saved_accumulators)
@@ -114,7 +116,7 @@ class SchedulerState:
                 for name, t in state.get("pending_seeds", {}).items()
             }
 
-    _TENSOR_GROUPS = ("statistics", "pending_seeds", "drop_reference", "ma_accumulators")
+    _TENSOR_GROUPS = ("statistics", "pending_seeds", "drop_reference", "ma_accumulators", "routed_tokens")
 
     def save(self, directory: str) -> None:
         """Write the state as ``spiel_scheduler.json`` + ``spiel_scheduler.safetensors`` (no pickle)."""
