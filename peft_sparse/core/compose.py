@@ -24,7 +24,7 @@ from torch import nn
 from . import storage
 from .config import SparseConfig, read_adapter_config
 from .base import add_delta_to_base, index_dtype, logical_shape, supported_base_layer
-from .experts import SparseSlice
+from .experts import ParameterSlice, SparseSlice, logical_name, parameter_slice
 from .layer import SparseLayer
 from .selection import check_sparse_tensors
 
@@ -116,16 +116,17 @@ def merge_sparse_adapters(model: nn.Module, adapter_dirs: Sequence[PathLike], we
         for key, indices in tqdm(tensors.items(), desc=f"merging {os.path.basename(str(adapter_dir))}", unit="tensor", disable=None, leave=False):
             if not key.endswith(suffix):
                 continue
-            module_name = key.removeprefix("base_model.model.")[: -len(suffix)]
+            module_name = logical_name(key.removeprefix("base_model.model.")[: -len(suffix)])
             values = tensors.get(key[: -len(suffix)] + ".sparse_values")
             where = f"{adapter_dir}: {module_name}"
             if values is None:
                 raise ValueError(f"{where}: indices without values")
+            module = parameter_slice(model, module_name)  # (a parameter, or an expert of one: target_parameters)
             try:
-                module = model.get_submodule(module_name)
+                module = module if module is not None else model.get_submodule(module_name)
             except AttributeError:
                 raise ValueError(f"{where}: the model has no such module") from None
-            if not supported_base_layer(module):
+            if not supported_base_layer(module) and not isinstance(module, ParameterSlice):
                 raise TypeError(f"{where}: cannot merge into a {type(module).__name__}")
             out_features, in_features = logical_shape(module)
             numel = out_features * in_features
@@ -153,7 +154,7 @@ def adapter_file_summary(adapter_dir: PathLike) -> dict:
     modules = {}
     for key, indices in tensors.items():
         if key.endswith(".sparse_indices"):
-            name = key.removeprefix("base_model.model.")[: -len(".sparse_indices")]
+            name = logical_name(key.removeprefix("base_model.model.")[: -len(".sparse_indices")])
             shape = shapes.get(name)
             modules[name] = {
                 "count": int(indices.numel()),

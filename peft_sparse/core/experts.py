@@ -51,6 +51,37 @@ def slice_names(key: str, param: torch.Tensor) -> list[str]:
     return [key] if param.dim() == 2 else [f"{key}.{e}" for e in range(param.shape[0])]
 
 
+def logical_name(path: str) -> str:
+    """The name of a sparse layer (its ``module_name``, the key of its count) from its path in the model or in an
+    adapter file: ``<module>[.base_layer…].deltas.<parameter>[.<expert>]`` → ``<module>.<parameter>[.<expert>]``;
+    other paths as they are."""
+    if ".deltas." not in path and not path.startswith("deltas."):
+        return path
+    while ".base_layer" in path:
+        prefix, _, suffix = path.rpartition(".base_layer")
+        path = prefix + suffix
+    return path.replace(".deltas.", ".") if ".deltas." in path else path.removeprefix("deltas.")
+
+
+def parameter_slice(model: nn.Module, name: str) -> Optional["ParameterSlice"]:
+    """The :class:`ParameterSlice` a sparse layer named ``name`` (:func:`logical_name`) adapts in a plain
+    ``model``, or None when ``name`` names no 2-D or 3-D parameter there."""
+    candidates = [(name, None)]
+    head, _, tail = name.rpartition(".")
+    if tail.isdigit():
+        candidates.append((head, int(tail)))
+    for key, index in candidates:
+        module_name, _, parameter = key.rpartition(".")
+        try:
+            owner = model.get_submodule(module_name)
+        except AttributeError:
+            continue
+        param = owner._parameters.get(parameter)
+        if param is not None and param.dim() == (2 if index is None else 3) and (index is None or index < param.shape[0]):
+            return ParameterSlice(owner, parameter, index)
+    return None
+
+
 class ParameterSlice(nn.Module):
     """The base layer a :class:`SparseSlice` sees: expert ``index`` of ``owner``'s parameter ``parameter_name`` (the
     whole parameter when ``index`` is None), a (rows, cols) view into it. The owner is referenced, not registered:
@@ -116,15 +147,21 @@ class SparseParameter(nn.Module):
         self.key = key
         owner = self.owner()
         param = owner._parameters[parameter_name]
-        experts = param.shape[0] if param.dim() == 3 else None
-        self.deltas = nn.ModuleList(
-            SparseSlice(ParameterSlice(owner, parameter_name, e if experts else None), name, key)
-            for e, name in enumerate(slice_names(key, param))
-        )
+        if param.dim() == 3:  # (saved as <module>.deltas.<parameter>.<expert>: see logical_name)
+            delta = nn.ModuleList(SparseSlice(ParameterSlice(owner, parameter_name, e), f"{key}.{e}", key) for e in range(param.shape[0]))
+        else:
+            delta = SparseSlice(ParameterSlice(owner, parameter_name, None), key, key)
+        self.deltas = nn.ModuleDict({parameter_name: delta})
         self.routed_tokens: Optional[torch.Tensor] = None  # (E,) tokens routed to each expert while counting
         self._global_indices: dict = {}  # adapter → (key of the slices' indices, their concatenation, offset)
 
     # ------------------------------------------------------------------------------ structure
+    @property
+    def slices(self) -> list:
+        """The sparse layers of the parameter: one per expert, or the one of a 2-D parameter."""
+        delta = self.deltas[self.parameter_name]
+        return list(delta) if isinstance(delta, nn.ModuleList) else [delta]
+
     def owner(self) -> nn.Module:
         """The module that holds the parameter (under any nested wrappers)."""
         module = self.base_layer
@@ -137,14 +174,14 @@ class SparseParameter(nn.Module):
 
     @property
     def merged(self) -> bool:
-        return self.deltas[0].merged
+        return self.slices[0].merged
 
     def merge(self, safe_merge: bool = False, adapter_names: Optional[list] = None) -> None:
-        for layer in self.deltas:
+        for layer in self.slices:
             layer.merge(safe_merge=safe_merge, adapter_names=adapter_names)
 
     def unmerge(self) -> None:
-        for layer in self.deltas:
+        for layer in self.slices:
             if layer.merged:
                 layer.unmerge()
 
@@ -180,7 +217,7 @@ class SparseParameter(nn.Module):
         if "adapter_names" in kwargs:
             raise ValueError(f"{self.key}: mixed adapter batches (adapter_names) are not supported for target_parameters "
                              "(nor by PEFT's LoRA there); run one adapter per batch, or merge")  # fmt: skip
-        first = self.deltas[0]
+        first = self.slices[0]
         if first.merged:
             if not first.disable_adapters:
                 return self.base_layer(*args, **kwargs)
@@ -193,12 +230,12 @@ class SparseParameter(nn.Module):
         observer = first.training_observer
         if observer is not None and first.training and not getattr(observer, "idle", False) and torch.is_grad_enabled():
             observer(first)
-        for layer in self.deltas:
+        for layer in self.slices:
             layer.check_ready(active)
         owner = self.owner()
         weight = owner._parameters[self.parameter_name]
         indices = [self._indices_of(a) for a in active]  # (Σ_e d_φ,) each, ascending positions in P
-        values = [torch.cat([layer.sparse_values[a] for layer in self.deltas]) for a in active]  # (Σ_e d_φ,) each
+        values = [torch.cat([layer.sparse_values[a] for layer in self.slices]) for a in active]  # (Σ_e d_φ,) each
         recipe = _Rebuild(weight, indices, [v.detach() for v in values])
         merged = ParameterDelta.apply(weight, (self, recipe, len(active)), *indices, *values)  # P': (E, rows, cols)
         owner.__dict__[self.parameter_name] = merged  # (an instance attribute: found before the parameter)
@@ -210,12 +247,12 @@ class SparseParameter(nn.Module):
 
     def _indices_of(self, adapter: str) -> torch.Tensor:
         """Every slice's indices of ``adapter`` as positions in the whole parameter (kept until one changes)."""
-        tensors = [layer.sparse_indices[adapter] for layer in self.deltas]
+        tensors = [layer.sparse_indices[adapter] for layer in self.slices]
         key = tuple((id(t), version(t)) for t in tensors)
         kept = self._global_indices.get(adapter)
         if kept is not None and kept[0] == key:
             return kept[1]
-        size = self.deltas[0].numel
+        size = self.slices[0].numel
         dtype = torch.int32 if size * len(tensors) < 2**31 else torch.int64
         joined = torch.cat([t.to(dtype) + e * size for e, t in enumerate(tensors)])
         self._global_indices[adapter] = (key, joined)
@@ -223,7 +260,7 @@ class SparseParameter(nn.Module):
 
     def hand_dense_gradient(self, grad: torch.Tensor) -> None:
         """Each slice's part of ∂L/∂P' to its armed dense-gradient consumer (SpIEL's statistics)."""
-        layers = self.deltas
+        layers = self.slices
         if all(layer.dense_grad_consumer is None for layer in layers):
             return
         grad = grad.contiguous()

@@ -220,9 +220,9 @@ class SparseTuner(BaseTuner):
                 return []  # (left out by layers_to_transform)
             wrapper = SparseParameter(target, name, current_key)
             setattr(parent, target_name, wrapper)
-        for layer in wrapper.deltas:
+        for layer in wrapper.slices:
             self._add_adapter(peft_config, adapter_name, layer, layer.module_name, fresh)
-        return list(wrapper.deltas)
+        return list(wrapper.slices)
 
     def _add_adapter(self, peft_config, adapter_name: str, layer: SparseLayer, key: str, fresh: bool) -> None:
         """Give ``layer`` the adapter: its count from the config, initial indices from the policy, zero values
@@ -316,6 +316,10 @@ class SparseTuner(BaseTuner):
             raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
         if isinstance(adapter_names, str) or not all(isinstance(n, str) for n in adapter_names):
             raise TypeError(f"adapter_names must be a list of adapter names, one per row, got {adapter_names!r}")
+        wrapped = [m.key for m in self.model.modules() if isinstance(m, SparseParameter)]
+        if wrapped:
+            raise ValueError(f"mixed adapter batches (adapter_names) are not supported for target_parameters (nor by PEFT's "
+                             f"LoRA there), e.g. {wrapped[0]}: run one adapter per batch, or merge")  # fmt: skip
         layers = [m for m in self.model.modules() if isinstance(m, SparseLayer)]
         known = {a for layer in layers for a in layer.sparse_values}
         unknown = sorted({n for n in adapter_names if n != "__base__"} - known)
@@ -365,7 +369,7 @@ class SparseTuner(BaseTuner):
         for name, layer in model.named_modules():
             if not isinstance(layer, SparseLayer) or adapter_name not in layer.sparse_values:
                 continue
-            where = _display_name(name)
+            where = layer.module_name
             idx_key, val_key = f"{name}.sparse_indices.{adapter_name}", f"{name}.sparse_values.{adapter_name}"
             if idx_key not in state_dict or val_key not in state_dict:
                 raise ValueError(f"{where}: the adapter file holds no indices/values for this module")

@@ -35,7 +35,7 @@ class RoutedTokens:
         mine = {id(layer) for layer in layers}
         self.wrappers = []  # wrappers of 3-D parameters with a slice among the layers
         for module in model.modules():
-            if isinstance(module, SparseParameter) and any(id(s) in mine for s in module.deltas):
+            if isinstance(module, SparseParameter) and any(id(s) in mine for s in module.slices):
                 if module.owner()._parameters[module.parameter_name].dim() == 3:
                     self.wrappers.append(module)
 
@@ -59,7 +59,7 @@ class RoutedTokens:
         counts = counts.tolist()
         idle, at = set(), 0
         for wrapper in counting:
-            for layer in wrapper.deltas:
+            for layer in wrapper.slices:
                 if counts[at] == 0:
                     idle.add(layer.module_name)
                 at += 1

@@ -1,0 +1,314 @@
+"""Mixture-of-experts models: sparse deltas on the fused expert tensors (``target_parameters``) of a tiny Mixtral
+and a tiny Qwen3-MoE — against a dense reference, through saving, merging and composition, through the Trainer and
+TRL, with the budget split per expert and SpIEL's no-token rule under a forced router."""
+
+import copy
+import gc
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import PeftModel, get_peft_model
+from transformers import Trainer, TrainingArguments
+
+from peft_sparse import LTSFTConfig, LTSFTScheduler, SM3, SparseFTConfig, SpIELCallback, SpIELConfig, SpIELScheduler
+from peft_sparse.core.experts import SparseParameter, SparseSlice
+
+from .models import EXPERT_PARAMETERS, inputs, randomize_values, tiny_mixtral, tiny_qwen3_moe, tiny_tokenizer
+
+FAMILIES = {"mixtral": tiny_mixtral, "qwen3_moe": tiny_qwen3_moe}
+IMPLEMENTATIONS = ["eager", "batched_mm", "grouped_mm"]
+
+
+def slices(model, adapter="default"):
+    return [m for m in model.modules() if isinstance(m, SparseSlice) and adapter in m.sparse_values]
+
+
+def dense_deltas(model, adapter="default") -> dict:
+    """{parameter name: the dense delta stack_e scatter(η_e, φ_e)} of every adapted parameter."""
+    out = {}
+    for layer in slices(model, adapter):
+        view = layer.get_base_layer()
+        param = view.parameter()
+        delta = out.setdefault(layer.parameter_key, torch.zeros_like(param))
+        part = delta if view.index is None else delta[view.index]
+        part.view(-1).index_add_(0, layer.sparse_indices[adapter].long(), layer.sparse_values[adapter].detach().to(part.dtype))
+    return out
+
+
+def reference_with(base, deltas: dict):
+    """A copy of ``base`` whose adapted parameters are θ + δ, trainable (their gradient is ∂L/∂δ)."""
+    reference = copy.deepcopy(base)
+    params = dict(reference.named_parameters())
+    for name, delta in deltas.items():
+        params[name].data += delta
+    for p in reference.parameters():
+        p.requires_grad_(False)
+    for name in deltas:
+        params[name].requires_grad_(True)
+    return reference
+
+
+# ------------------------------------------------------------------------------------------ equivalence
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_forward_and_value_gradients_equal_a_dense_delta(family, implementation):
+    base = FAMILIES[family](experts_implementation=implementation)
+    model = get_peft_model(copy.deepcopy(base), SparseFTConfig(target_parameters=EXPERT_PARAMETERS, density=0.1))
+    randomize_values(model, scale=0.05)
+    reference = reference_with(base, dense_deltas(model))
+    x = inputs()
+    loss = model(x, labels=x).loss
+    loss.backward()
+    ref_loss = reference(x, labels=x).loss
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    grads = dict(reference.named_parameters())
+    for layer in slices(model):
+        view = layer.get_base_layer()
+        dense = grads[layer.parameter_key].grad
+        dense = dense if view.index is None else dense[view.index]
+        expected = dense.reshape(-1)[layer.sparse_indices["default"].long()]
+        torch.testing.assert_close(layer.sparse_values["default"].grad, expected, rtol=1e-5, atol=1e-7)
+    assert any(layer.sparse_values["default"].grad.abs().sum() > 0 for layer in slices(model))
+
+
+def test_one_sparse_layer_per_expert_and_a_2d_parameter_as_one():
+    model = get_peft_model(tiny_mixtral(), SparseFTConfig(target_parameters=[*EXPERT_PARAMETERS, "mlp.gate.weight"], density=0.1))
+    counts = model.peft_config["default"].tunable_weights_per_module
+    names = [f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("experts.gate_up_proj", "experts.down_proj", "gate.weight")]
+    expected = {f"{n}.{e}" for n in names if "experts" in n for e in range(4)} | {n for n in names if "gate.weight" in n}
+    assert set(counts) == expected
+    assert model.peft_config["default"].module_shapes["model.layers.0.mlp.experts.gate_up_proj.3"] == [48, 32]
+    assert model.peft_config["default"].module_shapes["model.layers.0.mlp.gate.weight"] == [4, 32]
+    # uniform split: every expert of a tensor gets the same count, up to the rounding of the total
+    for n in names:
+        if "experts" in n:
+            per_expert = [counts[f"{n}.{e}"] for e in range(4)]
+            assert max(per_expert) - min(per_expert) <= 1
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".sparse_values." in n for n in trainable)
+
+
+def test_the_wrapped_parameter_is_not_kept_for_backward():
+    """What the experts' operations save of P' is rebuilt in backward: after a training forward pass no tensor of an
+    expert tensor's shape is alive besides the parameters themselves (a rebuilt copy is gone after backward too)."""
+    base = tiny_mixtral(experts_implementation="grouped_mm")
+    model = get_peft_model(base, SparseFTConfig(target_parameters=EXPERT_PARAMETERS, density=0.1))
+    shapes = {tuple(p.shape) for n, p in model.named_parameters() if "experts" in n and "deltas" not in n}
+    params = {id(p) for p in model.parameters()}
+
+    def alive():
+        gc.collect()
+        return [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and tuple(t.shape) in shapes and id(t) not in params]
+
+    x = inputs()
+    loss = model(x, labels=x).loss
+    assert alive() == []
+    loss.backward()
+    assert alive() == []
+    assert all(layer.sparse_values["default"].grad is not None for layer in slices(model))
+
+
+def test_gradients_under_activation_checkpointing_equal_without():
+    x = inputs()
+    grads = []
+    for checkpointing in (False, True):
+        model = get_peft_model(tiny_mixtral(), SparseFTConfig(target_parameters=EXPERT_PARAMETERS, density=0.1))
+        randomize_values(model, scale=0.05)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        model(x, labels=x).loss.backward()
+        grads.append([layer.sparse_values["default"].grad for layer in slices(model)])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------------------ lifecycle
+@pytest.mark.parametrize("family", FAMILIES)
+def test_save_load_round_trip_is_exact(family, tmp_path):
+    model = get_peft_model(FAMILIES[family](), SpIELConfig(target_parameters=EXPERT_PARAMETERS, density=0.1, seed=3))
+    randomize_values(model)
+    x = inputs()
+    with torch.no_grad():
+        expected = model(x).logits
+    model.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(FAMILIES[family](), tmp_path)
+    for a, b in zip(slices(model), slices(loaded)):
+        assert a.module_name == b.module_name
+        assert torch.equal(a.sparse_indices["default"], b.sparse_indices["default"])
+        assert torch.equal(a.sparse_values["default"], b.sparse_values["default"])
+        assert torch.equal(a.sparse_ages["default"], b.sparse_ages["default"])
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, expected)
+
+
+def test_merge_and_unload_equals_the_adapted_forward_and_unload_restores_the_base():
+    base = tiny_qwen3_moe()
+    x = inputs()
+    with torch.no_grad():
+        plain = base(x).logits
+    model = get_peft_model(copy.deepcopy(base), SparseFTConfig(target_parameters=EXPERT_PARAMETERS, density=0.2))
+    randomize_values(model, scale=0.1)
+    with torch.no_grad():
+        adapted = model(x).logits
+        assert not torch.allclose(adapted, plain)
+        merged = copy.deepcopy(model).merge_and_unload()
+        assert not any(isinstance(m, SparseParameter) for m in merged.modules())
+        assert {n for n, _ in merged.named_parameters()} == {n for n, _ in base.named_parameters()}
+        torch.testing.assert_close(merged(x).logits, adapted, rtol=1e-5, atol=1e-6)
+        assert torch.equal(model.unload()(x).logits, plain)
+
+
+def test_two_adapters_compose_into_their_sum(tmp_path):
+    base = tiny_mixtral()
+    model = get_peft_model(copy.deepcopy(base), SparseFTConfig(target_parameters=EXPERT_PARAMETERS, density=0.1, seed=1), adapter_name="one")
+    model.add_adapter("two", SparseFTConfig(target_parameters=EXPERT_PARAMETERS, target_modules=["q_proj"], density=0.1, seed=2))
+    randomize_values(model, "one", seed=1, scale=0.1)
+    randomize_values(model, "two", seed=2, scale=0.1)
+    model.add_weighted_adapter(["one", "two"], [1.0, 0.5], "both")
+    config = model.peft_config["both"]
+    assert config.target_parameters == sorted({layer.parameter_key for layer in slices(model, "both")})
+    assert config.target_modules == "|".join(f"model\\.layers\\.{i}\\.self_attn\\.q_proj" for i in range(2))
+    model.set_adapter("both")
+    x = inputs()
+    with torch.no_grad():
+        composed = model(x).logits
+    # the reference: θ + δ_a + 0.5·δ_b, dense
+    one, two = dense_deltas(model, "one"), dense_deltas(model, "two")
+    reference = reference_with(base, {k: one[k] + 0.5 * two[k] for k in one})
+    for layer in [m for m in model.modules() if hasattr(m, "sparse_values") and "two" in m.sparse_values and not isinstance(m, SparseSlice)]:
+        weight = reference.get_submodule(layer.module_name).weight  # (q_proj: adapter "two" only)
+        weight.data.view(-1).index_add_(0, layer.sparse_indices["two"].long(), 0.5 * layer.sparse_values["two"].detach())
+    with torch.no_grad():
+        torch.testing.assert_close(composed, reference(x).logits, rtol=1e-5, atol=1e-6)
+    model.save_pretrained(tmp_path, selected_adapters=["both"])
+    loaded = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "both")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, composed, rtol=0, atol=0)
+
+
+def test_mixed_adapter_batches_are_refused_as_for_lora():
+    model = get_peft_model(tiny_mixtral(), SparseFTConfig(target_parameters=EXPERT_PARAMETERS, density=0.1)).eval()
+    with pytest.raises(ValueError, match="mixed adapter batches.*target_parameters"):
+        model(inputs(), adapter_names=["default", "__base__"])
+
+
+def test_bad_targets_are_refused_by_name():
+    with pytest.raises(ValueError, match="target_parameters must be a list"):
+        SparseFTConfig(target_parameters="mlp.experts.gate_up_proj", density=0.1)
+    with pytest.raises(TypeError, match="input_layernorm.weight.*2-D"):
+        get_peft_model(tiny_mixtral(), SparseFTConfig(target_parameters=["input_layernorm.weight"], density=0.1))
+    with pytest.raises(ValueError, match=r"block_shape=\(5, 5\) does not tile target parameter"):
+        get_peft_model(tiny_mixtral(), SparseFTConfig(target_parameters=EXPERT_PARAMETERS, density=0.1, block_shape=(5, 5)))
+
+
+def test_layers_to_transform_selects_the_experts_of_those_layers():
+    model = get_peft_model(tiny_mixtral(), SparseFTConfig(target_parameters=EXPERT_PARAMETERS, density=0.1, layers_to_transform=[1]))
+    assert {layer.module_name.split(".")[2] for layer in slices(model)} == {"1"}
+    assert not isinstance(model.base_model.model.model.layers[0].mlp.experts, SparseParameter)
+
+
+# ------------------------------------------------------------------------------------------ training
+def _dataset(n=32, length=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 97, (n, length), generator=g)
+    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist(), "attention_mask": [[1] * length] * n})
+
+
+def _state(model):
+    return [(l.sparse_indices["default"].clone(), l.sparse_values["default"].detach().clone()) for l in slices(model)]
+
+
+CONFIGS = {
+    "spiel-ag": lambda: SpIELConfig(target_parameters=EXPERT_PARAMETERS, density=0.1, reselection_steps=3, gradient_estimation_steps=2),
+    "spiel-ma": lambda: SpIELConfig(target_parameters=EXPERT_PARAMETERS, density=0.1, growth="ma", reselection_steps=3),
+    "sft": lambda: SparseFTConfig(target_parameters=EXPERT_PARAMETERS, density=0.1),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", CONFIGS)
+def test_trainer_trains_the_experts(family, method, tmp_path):
+    model = get_peft_model(FAMILIES[family](), CONFIGS[method]())
+    before = _state(model)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=7, learning_rate=1e-2,
+                             logging_steps=1, report_to="none", use_cpu=True, seed=0, save_strategy="no")  # fmt: skip
+    callbacks = [SpIELCallback()] if method.startswith("spiel") else []
+    trainer = Trainer(model=model, args=args, train_dataset=_dataset(), callbacks=callbacks)
+    trainer.train()
+    after = _state(model)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 7 and all(torch.isfinite(torch.tensor(losses)))
+    assert any(not torch.equal(b[1], a[1]) for b, a in zip(before, after))  # values trained
+    changed = sum(not torch.equal(b[0], a[0]) for b, a in zip(before, after))
+    if method.startswith("spiel"):
+        assert [h["step"] for h in trainer.state.log_history if "spiel/replaced" in h]
+        assert changed > 0  # indices reselected
+    else:
+        assert changed == 0
+
+
+@pytest.mark.parametrize("method", ["spiel-ag", "spiel-ma", "sft"])
+def test_trl_sft_trainer_trains_the_experts(method, tmp_path):
+    from trl import SFTConfig, SFTTrainer
+
+    data = Dataset.from_dict({"input_ids": _dataset()["input_ids"]})
+    args = SFTConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=7, learning_rate=1e-2, logging_steps=1,
+        report_to="none", use_cpu=True, bf16=False, save_strategy="no", dataset_kwargs={"skip_prepare_dataset": True},
+        remove_unused_columns=False,
+    )  # fmt: skip
+
+    def collate(rows):
+        ids = torch.tensor([r["input_ids"] for r in rows])
+        return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+    callbacks = [SpIELCallback()] if method.startswith("spiel") else []
+    trainer = SFTTrainer(model=tiny_qwen3_moe(), args=args, train_dataset=data, peft_config=CONFIGS[method](), callbacks=callbacks,
+                         data_collator=collate, processing_class=tiny_tokenizer())  # fmt: skip
+    before = _state(trainer.model)
+    trainer.train()
+    after = _state(trainer.model)
+    assert any(not torch.equal(b[1], a[1]) for b, a in zip(before, after))
+    if method.startswith("spiel"):
+        assert any(not torch.equal(b[0], a[0]) for b, a in zip(before, after))
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert min(losses[-3:]) < losses[0]
+
+
+def test_plain_loop_loss_goes_down_with_spiel_ma_under_sm3():
+    model = get_peft_model(tiny_mixtral(), CONFIGS["spiel-ma"]())
+    optimizer = SM3([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    scheduler = SpIELScheduler(model, optimizer, total_steps=9)
+    x = inputs(batch=4, length=10)
+    model.train()
+    losses = []
+    for _ in range(9):
+        loss = model(x, labels=x).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.1
+    # SM3's row and column accumulators are per expert slice: (rows,) and (cols,) of its (rows, cols) matrix
+    state = optimizer.state[slices(model)[0].sparse_values["default"]]
+    assert state["row_accumulator"].shape == (48,) and state["col_accumulator"].shape == (32,)
+
+
+def test_lt_sft_selects_within_each_expert():
+    model = get_peft_model(tiny_mixtral(), LTSFTConfig(target_parameters=EXPERT_PARAMETERS, density=0.1, dense_steps=2, sparse_steps=2))
+    scheduler = LTSFTScheduler(model)
+    optimizer = scheduler.attach(torch.optim.AdamW(scheduler.trainable_parameters(), lr=1e-2))
+    x = inputs()
+    model.train()
+    assert all(l.sparse_values["default"].numel() == l.numel for l in slices(model))  # the dense phase
+    for _ in range(4):
+        model(x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    counts = model.peft_config["default"].tunable_weights_per_module
+    assert all(l.sparse_values["default"].numel() == counts[l.module_name] < l.numel for l in slices(model))
