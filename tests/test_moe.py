@@ -3,7 +3,6 @@ and a tiny Qwen3-MoE — against a dense reference, through saving, merging and 
 TRL, with the budget split per expert and SpIEL's no-token rule under a forced router."""
 
 import copy
-import gc
 
 import pytest
 import torch
@@ -90,23 +89,44 @@ def test_one_sparse_layer_per_expert_and_a_2d_parameter_as_one():
     assert trainable and all(".sparse_values." in n for n in trainable)
 
 
-def test_the_wrapped_parameter_is_not_kept_for_backward():
-    """What the experts' operations save of P' is rebuilt in backward: after a training forward pass no tensor of an
-    expert tensor's shape is alive besides the parameters themselves (a rebuilt copy is gone after backward too)."""
-    base = tiny_mixtral(experts_implementation="grouped_mm")
-    model = get_peft_model(base, SparseFTConfig(target_parameters=EXPERT_PARAMETERS, density=0.1))
-    shapes = {tuple(p.shape) for n, p in model.named_parameters() if "experts" in n and "deltas" not in n}
-    params = {id(p) for p in model.parameters()}
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_the_wrapped_parameter_is_saved_as_a_recipe_and_rebuilt_once(implementation, monkeypatch):
+    """What the experts' operations save of P' (P' itself, its transpose, one expert's slice) is saved as a recipe —
+    never as a tensor that holds P''s storage — and backward rebuilds each P' it needs once (layer 0's gate_up_proj
+    is not needed: nothing before it trains, so no input gradient is formed there). ``batched_mm`` gathers a copy of
+    each token's expert weights and saves that: nothing of P' itself is saved there."""
+    from peft_sparse.core import experts
 
-    def alive():
-        gc.collect()
-        return [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and tuple(t.shape) in shapes and id(t) not in params]
+    produced, kept, packed, rebuilt = [], [], set(), []
+    original_pack, original_get = experts._pack, experts._Rebuild.get
 
+    def pack(t):
+        out = original_pack(t)
+        if isinstance(out, experts._Saved):
+            packed.add(out.recipe)
+        else:
+            kept.append(t.untyped_storage().data_ptr())
+        return out
+
+    def get(recipe):
+        if recipe.kept is None:
+            rebuilt.append(recipe)
+        return original_get(recipe)
+
+    monkeypatch.setattr(experts, "_pack", pack)
+    monkeypatch.setattr(experts._Rebuild, "get", get)
+    original_apply = experts.ParameterDelta.apply
+    monkeypatch.setattr(experts.ParameterDelta, "apply", lambda *a: produced.append(original_apply(*a)) or produced[-1])
+    model = get_peft_model(tiny_mixtral(experts_implementation=implementation), SparseFTConfig(target_parameters=EXPERT_PARAMETERS, density=0.1))
     x = inputs()
     loss = model(x, labels=x).loss
-    assert alive() == []
+    storages = {p.untyped_storage().data_ptr() for p in produced}
+    assert len(produced) == 4 and not storages & set(kept)
+    produced.clear()
     loss.backward()
-    assert alive() == []
+    expected = 0 if implementation == "batched_mm" else 3
+    assert len(packed) == expected and len(rebuilt) == expected and set(rebuilt) == packed
+    assert all(recipe.kept is None for recipe in rebuilt)  # (dropped once backward is done)
     assert all(layer.sparse_values["default"].grad is not None for layer in slices(model))
 
 
@@ -312,3 +332,85 @@ def test_lt_sft_selects_within_each_expert():
         scheduler.step()
     counts = model.peft_config["default"].tunable_weights_per_module
     assert all(l.sparse_values["default"].numel() == counts[l.module_name] < l.numel for l in slices(model))
+
+
+# ------------------------------------------------------------------------------------------ routing
+def force_router(model, experts=(0, 1)):
+    """Route every token of every MoE layer to ``experts``, with equal weights."""
+    for module in model.modules():
+        if type(module).__name__.endswith("TopKRouter"):
+
+            def forward(hidden, module=module):
+                hidden = hidden.reshape(-1, module.hidden_dim)
+                chosen = torch.tensor(experts).expand(hidden.shape[0], -1)
+                return torch.nn.functional.linear(hidden, module.weight), torch.full(chosen.shape, 1 / len(experts)), chosen
+
+            module.forward = forward
+
+
+def _train_forced(config, steps, optimizer_cls=torch.optim.AdamW, rule=True, monkeypatch=None):
+    """``steps`` SpIEL steps with every token routed to experts 0 and 1; returns the model and its slices'
+    (indices, values) before and after."""
+    from peft_sparse.methods.spiel import routing
+
+    if not rule:
+        monkeypatch.setattr(routing.RoutedTokens, "idle", lambda self: set())
+    model = get_peft_model(tiny_mixtral(), config)
+    randomize_values(model, scale=0.05)
+    force_router(model)
+    optimizer = optimizer_cls([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+    scheduler = SpIELScheduler(model, optimizer, total_steps=steps)
+    before = _state(model)
+    x = inputs(batch=4, length=10)
+    model.train()
+    reports = []
+    for _ in range(steps):
+        model(x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reports.append(scheduler.step())
+    assert any(reports)
+    return model, before, _state(model)
+
+
+def _idle(layer) -> bool:
+    return layer.module_name.rsplit(".", 1)[-1] in ("2", "3")
+
+
+RULE_CONFIGS = {
+    "ag": lambda: SpIELConfig(target_parameters=EXPERT_PARAMETERS, density=0.1, reselection_steps=2, gradient_estimation_steps=1),
+    "ma": lambda: SpIELConfig(target_parameters=EXPERT_PARAMETERS, density=0.1, growth="ma", reselection_steps=2),
+    "ag-adaptive": lambda: SpIELConfig(target_parameters=EXPERT_PARAMETERS, density=0.1, reselection_steps=2, gradient_estimation_steps=1,
+                                       budget_split="adaptive"),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("growth", RULE_CONFIGS)
+def test_an_expert_no_token_reached_keeps_its_indices_and_values(growth, monkeypatch):
+    model, before, after = _train_forced(RULE_CONFIGS[growth](), steps=5)
+    for layer, (idx0, val0), (idx1, val1) in zip(slices(model), before, after):
+        if _idle(layer):
+            assert torch.equal(idx0, idx1) and torch.equal(val0, val1), layer.module_name
+    routed = [(b, a) for layer, b, a in zip(slices(model), before, after) if not _idle(layer)]
+    assert any(b[0].numel() != a[0].numel() or not torch.equal(b[0], a[0]) for b, a in routed)  # the others are reselected
+    # without the rule the idle experts' indices are replaced on ties of zero scores (AG) or stale ones (MA)
+    model, before, after = _train_forced(RULE_CONFIGS[growth](), steps=5, rule=False, monkeypatch=monkeypatch)
+    idle = [(b, a) for layer, b, a in zip(slices(model), before, after) if _idle(layer)]
+    assert any(b[0].numel() != a[0].numel() or not torch.equal(b[0], a[0]) for b, a in idle)
+
+
+def test_routed_tokens_are_counted_per_expert_and_saved_with_the_scheduler(tmp_path):
+    model = get_peft_model(tiny_mixtral(), RULE_CONFIGS["ag"]())
+    force_router(model, experts=(1, 3))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    scheduler = SpIELScheduler(model, optimizer, total_steps=6)
+    x = inputs(batch=2, length=5)
+    model.train()
+    model(x, labels=x).loss.backward()
+    wrappers = scheduler.routing.wrappers
+    assert len(wrappers) == 4 and all(w.routed_tokens.tolist() == [0, 10, 0, 10] for w in wrappers)
+    assert scheduler.routing.idle() == {l.module_name for l in slices(model) if l.module_name[-1] in "02"}
+    scheduler.save(tmp_path)
+    again = SpIELScheduler(model, optimizer, total_steps=6)
+    again.load(tmp_path)
+    assert all(w.routed_tokens.tolist() == [0, 10, 0, 10] for w in again.routing.wrappers)
