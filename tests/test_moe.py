@@ -414,3 +414,42 @@ def test_routed_tokens_are_counted_per_expert_and_saved_with_the_scheduler(tmp_p
     again = SpIELScheduler(model, optimizer, total_steps=6)
     again.load(tmp_path)
     assert all(w.routed_tokens.tolist() == [0, 10, 0, 10] for w in again.routing.wrappers)
+
+
+def test_s4_masks_per_expert_and_routed_updates(tmp_path):
+    from peft_sparse import S4Config, S4Router, build_s4_model, detect_language_masks
+    from peft_sparse.methods.s4 import language_masks
+
+    loaders = {lang: [{"input_ids": inputs(seed=10 * j + i), "labels": inputs(seed=10 * j + i)} for i in range(2)] for j, lang in enumerate("ab")}
+    config = S4Config(target_parameters=EXPERT_PARAMETERS, density=0.2, languages=["a", "b"], importance_batches=2)
+    base = tiny_qwen3_moe()
+    masks = detect_language_masks(base, loaders, config)
+    # each expert's top 20% by |∂L/∂h·h|, from the gradient of the fused tensor: the reference, computed here
+    base.zero_grad()
+    gate_up = base.model.layers[1].mlp.experts.gate_up_proj
+    gate_up.requires_grad_(True)
+    for batch in loaders["b"]:
+        base(**batch).loss.backward()
+    score = (gate_up.grad[2] * gate_up.detach()[2]).abs().reshape(-1)
+    expected = torch.topk(score, round(0.2 * score.numel())).indices.sort().values
+    assert torch.equal(torch.as_tensor(masks["b"]["model.layers.1.mlp.experts.gate_up_proj.2"]).long(), expected)
+    gate_up.requires_grad_(False)
+    model = build_s4_model(tiny_qwen3_moe(), config, masks)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+    router = S4Router(model, optimizer)
+    layers, per_language = slices(model), list(language_masks(model).values())
+    before = [l.sparse_values["default"].detach().clone() for l in layers]
+    x = inputs(seed=5)
+    model(input_ids=x, labels=x, language=["a", "a"]).loss.backward()
+    optimizer.step()
+    moved = 0
+    for layer, mask, old in zip(layers, per_language, before):
+        new = layer.sparse_values["default"].detach()
+        assert torch.equal(new[~mask[0]], old[~mask[0]]), layer.module_name
+        moved += int((new != old).sum())
+    assert moved > 0
+    router.remove()
+    model.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(tiny_qwen3_moe(), tmp_path)
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, model(x).logits)
