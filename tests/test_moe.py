@@ -453,3 +453,29 @@ def test_s4_masks_per_expert_and_routed_updates(tmp_path):
     loaded = PeftModel.from_pretrained(tiny_qwen3_moe(), tmp_path)
     with torch.no_grad():
         assert torch.equal(loaded(x).logits, model(x).logits)
+
+
+def test_peft_alone_loads_an_expert_adapter_without_the_import(tmp_path):
+    """The ``peft_sparse_autoload.pth`` hook registers the sparse types when PEFT loads an adapter of one of them."""
+    from .test_autoload import INSTALLED, _run
+
+    if not INSTALLED:
+        pytest.skip("the package was installed without its .pth file (pip install -e . installs it)")
+    tiny_mixtral().save_pretrained(tmp_path / "base")
+    model = get_peft_model(tiny_mixtral(), SpIELConfig(target_parameters=EXPERT_PARAMETERS, target_modules=["q_proj"], density=0.1))
+    randomize_values(model)
+    model.peft_config["default"].base_model_name_or_path = str(tmp_path / "base")
+    model.save_pretrained(tmp_path / "adapter")
+    torch.save(inputs(), tmp_path / "x.pt")
+    with torch.no_grad():
+        expected = model(inputs()).logits
+    done = _run(f"""
+        import sys, torch
+        from peft import AutoPeftModelForCausalLM
+        model = AutoPeftModelForCausalLM.from_pretrained({str(tmp_path / "adapter")!r})
+        assert "peft_sparse" in sys.modules  # (imported by the hook, not by this script)
+        with torch.no_grad():
+            torch.save(model(torch.load({str(tmp_path / "x.pt")!r})).logits, {str(tmp_path / "y.pt")!r})
+    """)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert torch.equal(torch.load(tmp_path / "y.pt"), expected)
