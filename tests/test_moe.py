@@ -479,3 +479,42 @@ def test_peft_alone_loads_an_expert_adapter_without_the_import(tmp_path):
     """)
     assert done.returncode == 0, done.stderr[-2000:]
     assert torch.equal(torch.load(tmp_path / "y.pt"), expected)
+
+
+def test_generate_merges_for_the_call_and_matches_the_merged_model():
+    model = get_peft_model(tiny_mixtral(), SparseFTConfig(target_parameters=EXPERT_PARAMETERS, density=0.2)).eval()
+    randomize_values(model, scale=0.2)
+    x = inputs(batch=1)
+    kept = [p.detach().clone() for n, p in model.named_parameters() if "experts" in n and "deltas" not in n]
+    tokens = model.generate(input_ids=x, max_new_tokens=6, do_sample=False)
+    assert all(torch.equal(a, p) for a, p in zip(kept, (p for n, p in model.named_parameters() if "experts" in n and "deltas" not in n)))
+    merged = copy.deepcopy(model).merge_and_unload()
+    assert torch.equal(tokens, merged.generate(input_ids=x, max_new_tokens=6, do_sample=False))
+
+
+def test_merge_sparse_adapters_and_inspect_read_expert_files(tmp_path):
+    from peft_sparse import merge_sparse_adapters
+    from peft_sparse.core.compose import adapter_file_summary
+
+    model = get_peft_model(tiny_mixtral(), SpIELConfig(target_parameters=EXPERT_PARAMETERS, density=0.1)).eval()
+    randomize_values(model, scale=0.1)
+    model.save_pretrained(tmp_path)
+    summary = adapter_file_summary(tmp_path)
+    assert set(summary["modules"]) == set(model.peft_config["default"].tunable_weights_per_module)
+    assert summary["modules"]["model.layers.1.mlp.experts.down_proj.2"]["shape"] == [32, 24]
+    x = inputs()
+    with torch.no_grad():
+        expected = copy.deepcopy(model).merge_and_unload()(x).logits
+        merged = merge_sparse_adapters(tiny_mixtral(), [tmp_path])
+        torch.testing.assert_close(merged(x).logits, expected, rtol=0, atol=0)
+
+
+def test_block_masks_select_whole_blocks_of_each_expert():
+    config = SpIELConfig(target_parameters=EXPERT_PARAMETERS, density=0.25, block_shape=(8, 8), reselection_steps=2, gradient_estimation_steps=1)
+    model, before, after = _train_forced(config, steps=4)
+    from peft_sparse.core.selection import BlockGrid
+
+    for layer, (idx, _) in zip(slices(model), after):
+        grid = BlockGrid(layer.out_features, layer.in_features, (8, 8))
+        assert grid.units(idx).numel() * 64 == idx.numel()  # whole blocks
+    assert any(not torch.equal(b[0], a[0]) for b, a in zip(before, after))
