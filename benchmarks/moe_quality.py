@@ -143,7 +143,7 @@ def adapter(arm: str, base, budget: int, rank: int, seed: int, train: list):
         sizes, weights = {}, {}
         for i in range(layers):
             for name in EXPERTS:
-                param = base.get_submodule(f"model.layers.{i}.{name}")
+                param = base.get_parameter(f"model.layers.{i}.{name}")
                 for e in range(param.shape[0]):
                     key = f"model.layers.{i}.{name}.{e}"
                     sizes[key] = param[e].numel()
@@ -206,11 +206,17 @@ def run_one(arm: str, seed: int, lr: float, args, folder: Path) -> dict:
                 reselections += 1
                 idle_reselections += bool(idle)
     seconds = time.time() - start
+    from peft_sparse.core.experts import SparseSlice
+
+    counts = [m.sparse_values["default"].numel() for m in model.modules() if isinstance(m, SparseSlice)]
+    share = routed_share(MixtralForCausalLM.from_pretrained(folder), train).values()
     eval_loss, exact = evaluate(model.merge_and_unload(), test)
     return {
         "arm": arm, "seed": seed, "lr": lr, "steps": args.steps, "batch": args.batch, "rank": args.rank,
         "trainable": sum(p.numel() for p in trainable), "eval_loss": eval_loss, "exact_match": exact,
         "reselections": reselections, "reselections_with_idle_expert": idle_reselections, "seconds": round(seconds, 1),
+        "expert_count_min": min(counts, default=None), "expert_count_max": max(counts, default=None),
+        "routed_share_min": min(share), "routed_share_max": max(share),
         "machine": platform.machine(), "torch": torch.__version__,
     }  # fmt: skip
 
