@@ -518,3 +518,44 @@ def test_block_masks_select_whole_blocks_of_each_expert():
         grid = BlockGrid(layer.out_features, layer.in_features, (8, 8))
         assert grid.units(idx).numel() * 64 == idx.numel()  # whole blocks
     assert any(not torch.equal(b[0], a[0]) for b, a in zip(before, after))
+
+
+class _Stacked(torch.nn.Module):
+    """A module that reads a 3-D parameter itself and receives no routing indices."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stack = torch.nn.Parameter(torch.randn(3, 6, 5))
+
+    def forward(self, x):
+        return torch.einsum("bc,erc->ber", x, self.stack).sum()
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Stacked()
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_a_3d_parameter_outside_moe_trains_and_the_no_token_rule_steps_aside_with_a_warning():
+    model = get_peft_model(_Holder(), SpIELConfig(target_parameters=["inner.stack"], density=0.5, reselection_steps=2, gradient_estimation_steps=1))
+    assert len(slices(model)) == 3
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    scheduler = SpIELScheduler(model, optimizer, total_steps=4)
+    model.train()
+    with pytest.warns(UserWarning, match="receives no routing indices"):
+        model(torch.randn(4, 5)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    scheduler.step()
+    assert scheduler.routing.idle() == set()  # (nothing counted: the rule does not apply)
+    for _ in range(3):
+        model(torch.randn(4, 5)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    assert all(layer.sparse_values["default"].abs().sum() > 0 for layer in slices(model))

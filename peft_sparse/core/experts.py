@@ -27,6 +27,7 @@ tokens routed to each expert from the ``top_k_index`` its module receives, for t
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Optional
 
 import torch
@@ -153,6 +154,7 @@ class SparseParameter(nn.Module):
             delta = SparseSlice(ParameterSlice(owner, parameter_name, None), key, key)
         self.deltas = nn.ModuleDict({parameter_name: delta})
         self.routed_tokens: Optional[torch.Tensor] = None  # (E,) tokens routed to each expert while counting
+        self.unrouted = False  # True once a pass came without routing indices: nothing is counted from then on
         self._global_indices: dict = {}  # adapter → (key of the slices' indices, their concatenation, offset)
 
     # ------------------------------------------------------------------------------ structure
@@ -197,18 +199,19 @@ class SparseParameter(nn.Module):
 
     # ------------------------------------------------------------------------------ routing
     def count_routed_tokens(self) -> None:
-        """Start counting, from zero, the tokens routed to each expert (3-D parameters)."""
+        """Start counting, from zero, the tokens routed to each expert (3-D parameters of a module that receives
+        routing indices, ``top_k_index``; otherwise counting stops at the first pass, with a warning)."""
         param = self.owner()._parameters[self.parameter_name]
-        if param.dim() == 3:
+        if param.dim() == 3 and not self.unrouted:
             self.routed_tokens = torch.zeros(param.shape[0], dtype=torch.long, device=param.device)
 
     def _count(self, args: tuple, kwargs: dict) -> None:
         ids = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex():
-            raise TypeError(
-                f"{self.key}: counting the tokens routed to each expert needs the routing indices (top_k_index) "
-                f"the experts module receives; {type(self.owner()).__name__} was called without them"
-            )
+            warnings.warn(f"{self.key}: {type(self.owner()).__name__} receives no routing indices (top_k_index), so the "
+                          "tokens routed to each expert are not counted and SpIEL's no-token rule does not apply to it")  # fmt: skip
+            self.routed_tokens, self.unrouted = None, True
+            return
         experts = self.routed_tokens.numel()
         self.routed_tokens += torch.bincount(ids.reshape(-1).long().clamp(0, experts), minlength=experts + 1)[:experts]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from dataclasses import dataclass
@@ -170,31 +169,6 @@ class SpIELScheduler(SchedulerState):
             "under DeepSpeed or FSDP with flattened parameters). Create the scheduler after accelerator.prepare, "
             "with the prepared model and optimizer"
         )
-
-    def _check_ranks_agree(self) -> None:
-        """Identical selections on every rank need identical inputs: the same config, total_steps and initial indices.
-        Compared once, at creation (one small all-gather); a difference is an error naming it and the ranks."""
-
-        def plain(value):
-            return sorted(value) if isinstance(value, (set, frozenset)) else str(value)
-
-        config = {k: v for k, v in self.config.to_dict().items() if k not in ("base_model_name_or_path", "revision", "peft_version")}
-        mine = {f"config.{k}": json.dumps(v, sort_keys=True, default=plain) for k, v in config.items()}
-        mine["total_steps"] = str(self.total_steps)
-        for m in self.layers:  # (a checksum of each layer's indices: their count, sum and sum of squares)
-            idx = m.sparse_indices[self.adapter_name].long()
-            mine[f"indices of {m.module_name}"] = f"{idx.numel()}:{int(idx.sum())}:{int((idx.double() ** 2).sum())}"
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        for rank, other in enumerate(everyone):
-            differs = sorted(k for k in set(other) | set(everyone[0]) if other.get(k) != everyone[0].get(k))
-            if differs:
-                key = differs[0]
-                raise ValueError(
-                    f"ranks disagree on the SpIEL setup, so their reselections would differ: rank {rank} has {key}="
-                    f"{other.get(key)} but rank 0 has {everyone[0].get(key)} ({len(differs)} difference(s); e.g. a different "
-                    "seed, config or total_steps per rank — build the same adapter and scheduler on every rank)"
-                )
 
     def _attach_guard(self, tuner) -> None:
         guard = self._guard = tuner.__dict__.get("_guard") if isinstance(tuner, SpIELModel) else None

@@ -1,10 +1,13 @@
 """Saving and restoring a ``SpIELScheduler`` exactly: step, open window statistics (AG's, or MA's input/output sums), AG seeds still waiting for
-the next optimizer step, and φ₀ for ``drop_criterion='change'`` — JSON plus safetensors, no pickle."""
+the next optimizer step, φ₀ for ``drop_criterion='change'`` and the tokens routed to each expert — JSON plus safetensors, no pickle;
+and, on several processes, the check that every rank starts from the same state."""
 
 from __future__ import annotations
 
 import json
 import os
+
+import torch.distributed as dist
 
 from safetensors.torch import load_file, save_file
 
@@ -20,6 +23,31 @@ def _world_size() -> int:
 
 class SchedulerState:
     """The state methods of :class:`~peft_sparse.methods.spiel.scheduler.SpIELScheduler` (a mixin)."""
+
+    def _check_ranks_agree(self) -> None:
+        """Identical selections on every rank need identical inputs: the same config, total_steps and initial indices.
+        Compared once, at creation (one small all-gather); a difference is an error naming it and the ranks."""
+
+        def plain(value):
+            return sorted(value) if isinstance(value, (set, frozenset)) else str(value)
+
+        config = {k: v for k, v in self.config.to_dict().items() if k not in ("base_model_name_or_path", "revision", "peft_version")}
+        mine = {f"config.{k}": json.dumps(v, sort_keys=True, default=plain) for k, v in config.items()}
+        mine["total_steps"] = str(self.total_steps)
+        for m in self.layers:  # (a checksum of each layer's indices: their count, sum and sum of squares)
+            idx = m.sparse_indices[self.adapter_name].long()
+            mine[f"indices of {m.module_name}"] = f"{idx.numel()}:{int(idx.sum())}:{int((idx.double() ** 2).sum())}"
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        for rank, other in enumerate(everyone):
+            differs = sorted(k for k in set(other) | set(everyone[0]) if other.get(k) != everyone[0].get(k))
+            if differs:
+                key = differs[0]
+                raise ValueError(
+                    f"ranks disagree on the SpIEL setup, so their reselections would differ: rank {rank} has {key}="
+                    f"{other.get(key)} but rank 0 has {everyone[0].get(key)} ({len(differs)} difference(s); e.g. a different "
+                    "seed, config or total_steps per rank — build the same adapter and scheduler on every rank)"
+                )
 
     def state_dict(self) -> dict:
         """Step, window statistics and seeds still waiting for the next optimizer step (tensors by module)."""
