@@ -10,6 +10,10 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from peft_sparse import SparseLayer
@@ -38,6 +42,31 @@ def tiny_bert(seed: int = 0):
     )  # fmt: skip
     return BertForSequenceClassification(config).eval()
 
+
+def tiny_mixtral(seed: int = 0, experts_implementation: str = "grouped_mm", experts: int = 4):
+    """A tiny MixtralForCausalLM: per layer ``mlp.experts.gate_up_proj`` (E, 48, 32) and ``down_proj`` (E, 32, 24)."""
+    torch.manual_seed(seed)
+    config = MixtralConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=experts, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    config._experts_implementation = experts_implementation
+    return MixtralForCausalLM(config).eval()
+
+
+def tiny_qwen3_moe(seed: int = 0, experts_implementation: str = "grouped_mm"):
+    """A tiny Qwen3MoeForCausalLM: per layer ``mlp.experts.gate_up_proj`` (4, 32, 32) and ``down_proj`` (4, 32, 16)."""
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[],
+    )  # fmt: skip
+    config._experts_implementation = experts_implementation
+    return Qwen3MoeForCausalLM(config).eval()
+
+
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 # name → (builder, target_modules, output accessor)
 MODELS = {

@@ -9,18 +9,23 @@ sparse methods be composed, switched and merged in one model.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 from collections.abc import Sequence
 from typing import Optional, Union
 
 from peft import PeftModel, get_peft_model
 from ..registry import PEFT_TYPE_TO_CONFIG_MAPPING
+import torch
 from peft.utils import load_peft_weights, set_peft_model_state_dict
 from torch import nn
 
 from . import storage
 from .config import SparseConfig, read_adapter_config
 from .base import add_delta_to_base, index_dtype, logical_shape, supported_base_layer
+from .experts import ParameterSlice, SparseSlice, logical_name, parameter_slice
+from .layer import SparseLayer
 from .selection import check_sparse_tensors
 
 PathLike = Union[str, os.PathLike]
@@ -111,16 +116,17 @@ def merge_sparse_adapters(model: nn.Module, adapter_dirs: Sequence[PathLike], we
         for key, indices in tqdm(tensors.items(), desc=f"merging {os.path.basename(str(adapter_dir))}", unit="tensor", disable=None, leave=False):
             if not key.endswith(suffix):
                 continue
-            module_name = key.removeprefix("base_model.model.")[: -len(suffix)]
+            module_name = logical_name(key.removeprefix("base_model.model.")[: -len(suffix)])
             values = tensors.get(key[: -len(suffix)] + ".sparse_values")
             where = f"{adapter_dir}: {module_name}"
             if values is None:
                 raise ValueError(f"{where}: indices without values")
+            module = parameter_slice(model, module_name)  # (a parameter, or an expert of one: target_parameters)
             try:
-                module = model.get_submodule(module_name)
+                module = module if module is not None else model.get_submodule(module_name)
             except AttributeError:
                 raise ValueError(f"{where}: the model has no such module") from None
-            if not supported_base_layer(module):
+            if not supported_base_layer(module) and not isinstance(module, ParameterSlice):
                 raise TypeError(f"{where}: cannot merge into a {type(module).__name__}")
             out_features, in_features = logical_shape(module)
             numel = out_features * in_features
@@ -147,7 +153,7 @@ def adapter_file_summary(adapter_dir: PathLike) -> dict:
     modules = {}
     for key, indices in tensors.items():
         if key.endswith(".sparse_indices"):
-            name = key.removeprefix("base_model.model.")[: -len(".sparse_indices")]
+            name = logical_name(key.removeprefix("base_model.model.")[: -len(".sparse_indices")])
             shape = shapes.get(name)
             modules[name] = {
                 "count": int(indices.numel()),
@@ -165,3 +171,66 @@ def adapter_file_summary(adapter_dir: PathLike) -> dict:
         "tensors": tensors,
     }
 
+
+def add_weighted_adapter(tuner, adapters: list[str], weights: list[float], adapter_name: str) -> None:
+    """``tuner.add_weighted_adapter``: a new adapter δ = Σ wᵢ·δᵢ, on each sparse layer the union of the indices
+    with the weighted values summed.
+
+    Its config is the first adapter's, with ``init='external'``, exactly the layers the adapters hold (their modules
+    as ``target_modules``, their parameters as ``target_parameters``) and the union's exact counts; it is saved and
+    loaded like any other adapter. Merging it (``merge_and_unload(adapter_names=[name])``) gives θ + Σ wᵢ·δᵢ.
+    """
+    if not adapters:
+        raise ValueError("adapters must name at least one adapter")
+    if len(weights) != len(adapters):
+        raise ValueError(f"got {len(adapters)} adapters but {len(weights)} weights")
+    for name in adapters:
+        if name not in tuner.peft_config:
+            raise ValueError(f"adapter {name!r} does not exist; existing adapters: {sorted(tuner.peft_config)}")
+        if tuner.peft_config[name].modules_to_save:
+            raise ValueError(
+                f"adapter {name!r} has modules_to_save={tuner.peft_config[name].modules_to_save}; dense modules "
+                "cannot be combined into a sparse adapter"
+            )
+    if adapter_name in tuner.peft_config:
+        raise ValueError(f"adapter {adapter_name!r} already exists")
+
+    composed: dict[str, tuple[SparseLayer, torch.Tensor, torch.Tensor]] = {}
+    for layer in tuner.model.modules():
+        if not isinstance(layer, SparseLayer):
+            continue
+        present = [(a, w) for a, w in zip(adapters, weights) if a in layer.sparse_values]
+        if not present:
+            continue
+        idx = torch.cat([layer.sparse_indices[a].long() for a, _ in present])
+        val = torch.cat([float(w) * layer.sparse_values[a].detach().double() for a, w in present])
+        union, inverse = torch.unique(idx, sorted=True, return_inverse=True)
+        summed = torch.zeros(union.numel(), dtype=torch.float64, device=val.device).index_add_(0, inverse, val)
+        composed[layer.module_name] = (layer, union, summed)
+
+    first = tuner.peft_config[adapters[0]]
+    counts = {name: int(union.numel()) for name, (_, union, _) in composed.items()}
+    modules = [n for n, (layer, _, _) in composed.items() if not isinstance(layer, SparseSlice)]
+    parameters = sorted({layer.parameter_key for layer, _, _ in composed.values() if isinstance(layer, SparseSlice)})
+    config = dataclasses.replace(
+        first,
+        init="external",
+        target_modules="|".join(re.escape(n) for n in modules) if modules else None,  # exactly these modules
+        target_parameters=parameters or None,  # and these parameters
+        exclude_modules=None,
+        layers_to_transform=None,
+        layers_pattern=None,
+        modules_to_save=None,
+        density=None,
+        num_tunable_weights=sum(counts.values()),
+        tunable_weights_per_module=counts,
+        inference_mode=True,
+    )
+    tuner.peft_config[adapter_name] = config
+    tuner.inject_adapter(tuner.model, adapter_name)
+    for layer, union, summed in composed.values():
+        layer.sparse_indices[adapter_name] = union.to(index_dtype(layer.numel))
+        values = layer.sparse_values[adapter_name]
+        values.data = summed.to(device=values.device, dtype=values.dtype)
+        layer._indices_pending.discard(adapter_name)
+    tuner.set_adapter(tuner.active_adapters, inference_mode=True)

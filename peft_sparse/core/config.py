@@ -67,9 +67,6 @@ class SparseConfig(PortableBaseModel, PeftConfig):
     saved config rebuilds tensors of identical shapes.
     """
 
-    # PEFT's target matching reads this attribute; sparse methods target modules, never bare parameters.
-    target_parameters = None
-
     target_modules: Optional[Union[list[str], str]] = field(
         default=None,
         metadata={
@@ -77,6 +74,18 @@ class SparseConfig(PortableBaseModel, PeftConfig):
                 "Names of the modules to adapt, as in LoRA: a list matched exactly or as a suffix "
                 "(e.g. ['q_proj', 'v_proj']), a regex string, or 'all-linear'. None uses PEFT's LoRA "
                 "defaults for the architecture."
+            )
+        },
+    )
+    target_parameters: Optional[list[str]] = field(
+        default=None,
+        metadata={
+            "help": (
+                "Names of parameters to adapt directly, as in LoRA (PEFT's target_parameters): e.g. "
+                "['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'] for the fused expert tensors of a mixture-of-"
+                "experts model, matched exactly or as a suffix. A 3-D parameter (experts, rows, cols) gets one sparse "
+                "delta per expert (each its own share of the budget); a 2-D one a single delta. With target_modules=None "
+                "only these parameters are adapted."
             )
         },
     )
@@ -253,6 +262,12 @@ class SparseConfig(PortableBaseModel, PeftConfig):
             raise ValueError(f"init must be one of {[*self.init_choices, 'external']}, got init={self.init!r}")
         if isinstance(self.target_modules, list):
             self.target_modules = set(self.target_modules)
+        if self.target_parameters is not None:
+            if isinstance(self.target_parameters, str) or not all(isinstance(n, str) and n for n in self.target_parameters):
+                raise ValueError(
+                    f"target_parameters must be a list of parameter names, got target_parameters={self.target_parameters!r}"
+                )
+            self.target_parameters = sorted(set(self.target_parameters))
         if isinstance(self.exclude_modules, list):
             self.exclude_modules = set(self.exclude_modules)
         if (self.density is None) == (self.num_tunable_weights is None):
@@ -328,7 +343,7 @@ class SparseConfig(PortableBaseModel, PeftConfig):
     def sparse_fields(self) -> dict:
         """The fields every sparse config shares, e.g. to re-express an adapter as another sparse type."""
         names = [
-            "target_modules", "exclude_modules", "layers_to_transform", "layers_pattern", "modules_to_save",
+            "target_modules", "target_parameters", "exclude_modules", "layers_to_transform", "layers_pattern", "modules_to_save",
             "seed", "init_weights", "budget_split", "values_dtype", "index_storage", "slow_fast", "tunable_weights_per_module", "module_shapes", "block_shape", "base_model_name_or_path", "revision",
             "task_type", "inference_mode",
         ]  # fmt: skip

@@ -4,7 +4,7 @@ model configs that may tie word embeddings."""
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Iterator, Optional
 
 from peft.tuners.tuners_utils import check_target_module_exists
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
@@ -49,8 +49,9 @@ def target_matches(config: SparseConfig, key: str):
 
 def resolve_default_targets(config: SparseConfig, model_type: Optional[str]) -> SparseConfig:
     """``target_modules=None``: PEFT's default target modules for the architecture, the same as LoRA's
-    (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``); a clear error where PEFT has none."""
-    if config.target_modules is None:
+    (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``); a clear error where PEFT has none. With
+    ``target_parameters`` set, None means no module (as for LoRA)."""
+    if config.target_modules is None and not config.target_parameters:
         defaults = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
         if defaults is None:
             raise ValueError(
@@ -61,6 +62,34 @@ def resolve_default_targets(config: SparseConfig, model_type: Optional[str]) -> 
         config.target_modules = defaults if isinstance(defaults, str) else set(defaults)
     return config
 
+
+def _without_base_layers(name: str) -> str:
+    """A module name as the model had it before any adapter wrapped it (PEFT's rule: every ".base_layer" removed)."""
+    while ".base_layer" in name:
+        prefix, _, suffix = name.rpartition(".base_layer")
+        name = prefix + suffix
+    return name
+
+
+def parameter_targets(config: SparseConfig, model: nn.Module, skip: tuple = ()) -> Iterator[tuple[str, nn.Module, str]]:
+    """(key, owning module, parameter name) of every parameter ``config.target_parameters`` names, in model order:
+    the key is the parameter's name in the unwrapped model, matched exactly or as a suffix as PEFT matches it;
+    ``layers_to_transform`` applies to it as to module names. Modules under the names in ``skip`` (adapter
+    layers' own tensors) are not searched."""
+    targets = config.target_parameters or []
+    for module_name, module in model.named_modules():
+        if any(module_name == s or module_name.startswith(s + ".") for s in skip):
+            continue
+        unwrapped = _without_base_layers(module_name)
+        for name, _ in module.named_parameters(recurse=False):
+            key = f"{unwrapped}.{name}" if unwrapped else name
+            if not (key in targets or any(key.endswith(f".{t}") for t in targets)):
+                continue
+            if config.layers_to_transform is not None:
+                wanted = config.layers_to_transform
+                if _layer_index(config, key) not in ([wanted] if isinstance(wanted, int) else wanted):
+                    continue
+            yield key, module, name
 
 
 def _model_configs(model: nn.Module) -> list:

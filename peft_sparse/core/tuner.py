@@ -9,8 +9,6 @@ files on load and composes adapters (``add_weighted_adapter``). A method subclas
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import re
 import weakref
 from abc import abstractmethod
 
@@ -25,11 +23,12 @@ from . import dispatch, storage
 from .budget import split_budget, split_weights, total_budget
 from .config import SparseConfig, dtype_name
 from .embedding import SparseEmbedding
+from .experts import SparseParameter, slice_names, unsupported_parameter_reason
 from .base import index_dtype, logical_shape, supported_base_layer, unsupported_embedding_reason
 from .layer import SparseLayer, SparseLinear
 from .merging import merged_for_inference
 from .selection import BlockGrid, check_sparse_tensors, module_generator
-from .targets import _display_name, _model_configs, resolve_default_targets, target_matches  # noqa: F401 (re-exported)
+from .targets import _display_name, _model_configs, parameter_targets, resolve_default_targets, target_matches  # noqa: F401 (re-exported)
 
 
 def initial_values(config: SparseConfig, count: int) -> torch.Tensor:
@@ -76,7 +75,7 @@ class SparseTuner(BaseTuner):
 
     def _matched_modules(self, config: SparseConfig, model: nn.Module) -> dict[str, nn.Module]:
         """The modules this adapter will wrap, in model order (same rules as PEFT's injection loop)."""
-        existing = [key + "." for key, module in model.named_modules() if isinstance(module, BaseTunerLayer)]
+        existing = [key + "." for key, module in model.named_modules() if isinstance(module, (BaseTunerLayer, SparseParameter))]
         matched = {}
         for key, module in model.named_modules():
             if not key or any(key.startswith(prefix) for prefix in existing):
@@ -85,6 +84,25 @@ class SparseTuner(BaseTuner):
             if result and not isinstance(result, ExcludedModule):
                 matched[key] = module
         return matched
+
+    @staticmethod
+    def _matched_parameters(config: SparseConfig, model: nn.Module) -> tuple[dict, dict]:
+        """({slice name: size}, {slice name: [rows, cols]}) of the parameters ``target_parameters`` names: one slice
+        per expert of a 3-D parameter, one for a 2-D parameter (:mod:`.experts`)."""
+        sizes, shapes = {}, {}
+        inside = tuple(key for key, m in model.named_modules() if isinstance(m, SparseLayer))
+        for key, owner, name in parameter_targets(config, model, skip=inside):
+            param = owner._parameters[name]
+            reason = unsupported_parameter_reason(param)
+            if reason:
+                raise TypeError(f"target parameter {key!r} {reason}")
+            rows, cols = (int(n) for n in param.shape[-2:])
+            bh, bw = config.block_shape
+            if rows % bh or cols % bw:
+                raise ValueError(f"block_shape={config.block_shape} does not tile target parameter {key!r}, whose slices are ({rows}, {cols})")
+            for name_ in slice_names(key, param):
+                sizes[name_], shapes[name_] = rows * cols, [rows, cols]
+        return sizes, shapes
 
     def _prepare_adapter_config(self, peft_config, model_config: dict):
         return resolve_default_targets(peft_config, model_config.get("model_type"))
@@ -126,7 +144,7 @@ class SparseTuner(BaseTuner):
             if isinstance(embeddings, nn.Embedding):
                 peft_config.base_vocab_size = embeddings.num_embeddings
         matched = self._matched_modules(peft_config, model)
-        sizes, shapes = {}, {}
+        sizes, shapes = self._matched_parameters(peft_config, model)
         for key, module in matched.items():
             base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
             if not supported_base_layer(base):
@@ -146,7 +164,7 @@ class SparseTuner(BaseTuner):
                 )
             sizes[key] = out_features * in_features
             shapes[key] = [out_features, in_features]
-        if not matched:
+        if not sizes:
             return  # PEFT raises its own "target modules not found" error
         counts = peft_config.tunable_weights_per_module
         if counts is None:
@@ -181,23 +199,53 @@ class SparseTuner(BaseTuner):
                 f"num_tunable_weights={peft_config.num_tunable_weights}"
             )
 
-    def _create_and_replace(self, peft_config, adapter_name, target, target_name, parent, current_key, **kwargs):
-        count = peft_config.tunable_weights_per_module[current_key]
+    def _create_and_replace(self, peft_config, adapter_name, target, target_name, parent, current_key, **kwargs) -> list:
+        """Wrap ``target`` (or, with ``parameter_name``, its parameter of that name: :mod:`.experts`) and add the
+        adapter; returns the sparse layers that received it."""
+        if kwargs.get("parameter_name") is not None:
+            return self._create_and_replace_parameter(peft_config, adapter_name, target, target_name, parent, current_key, kwargs["parameter_name"])
         if isinstance(target, SparseLayer):
             layer = target
         elif isinstance(target, nn.Embedding):
             layer = SparseEmbedding(target, module_name=current_key)
         else:
             layer = SparseLinear(target, module_name=current_key)
-        # lets the layer check, whenever it would merge in place, that no other parameter shares the base weight
-        layer._model_ref = weakref.ref(self.model)
         if peft_config.training_merge:
             layer.merge_for_training = True
+        self._add_adapter(peft_config, adapter_name, layer, current_key, fresh=layer is not target)
+        if layer is not target:
+            self._replace_module(parent, target_name, layer, target)
+        return [layer]
+
+    def _create_and_replace_parameter(self, peft_config, adapter_name, target, target_name, parent, current_key, name) -> list:
+        """``target_parameters``: the wrapper of ``target``'s parameter ``name`` (nested over wrappers of its other
+        parameters, or the one an earlier adapter made) gets the adapter on each of its slices."""
+        counts = peft_config.tunable_weights_per_module
+        wrapper = self.model.get_submodule(current_key.rpartition(".")[0])
+        while isinstance(wrapper, SparseParameter) and wrapper.parameter_name != name:
+            wrapper = wrapper.base_layer
+        fresh = not isinstance(wrapper, SparseParameter)
+        if fresh:
+            owner = target.owner() if isinstance(target, SparseParameter) else target
+            if any(key not in counts for key in slice_names(current_key, owner._parameters[name])):
+                return []  # (left out by layers_to_transform)
+            wrapper = SparseParameter(target, name, current_key)
+            setattr(parent, target_name, wrapper)
+        for layer in wrapper.slices:
+            self._add_adapter(peft_config, adapter_name, layer, layer.module_name, fresh)
+        return list(wrapper.slices)
+
+    def _add_adapter(self, peft_config, adapter_name: str, layer: SparseLayer, key: str, fresh: bool) -> None:
+        """Give ``layer`` the adapter: its count from the config, initial indices from the policy, zero values
+        (``fresh``: a layer made for it, frozen unless the adapter is active)."""
+        count = peft_config.tunable_weights_per_module[key]
+        # lets the layer check, whenever it would merge in place, that no other parameter shares the base weight
+        layer._model_ref = weakref.ref(self.model)
         external = peft_config.init == "external"
         if external:  # placeholders until the adapter file is loaded (see SparseLayer._check_ready)
             indices = torch.arange(count, dtype=torch.long)
         else:
-            indices = self.initial_indices(peft_config, layer, current_key, count)
+            indices = self.initial_indices(peft_config, layer, key, count)
         layer.update_layer(
             adapter_name,
             indices,
@@ -213,10 +261,8 @@ class SparseTuner(BaseTuner):
             values = layer.sparse_values[adapter_name]
             with torch.no_grad():
                 values.copy_(initial_values(peft_config, values.numel()))
-        if layer is not target:
-            if adapter_name not in self.active_adapters:
-                layer.requires_grad_(False)
-            self._replace_module(parent, target_name, layer, target)
+        if fresh and adapter_name not in self.active_adapters:
+            layer.requires_grad_(False)
 
     def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
         # PEFT would upcast float16/bfloat16 adapter weights to float32; the values keep values_dtype instead. An
@@ -239,6 +285,12 @@ class SparseTuner(BaseTuner):
                 if param.dtype != wanted:
                     layer.sparse_values[adapter_name] = nn.Parameter(param.data.to(wanted), requires_grad=param.requires_grad)
                     layer._register_values(adapter_name)
+
+    def _replace_module(self, parent, child_name, new_module, child) -> None:
+        if isinstance(child, SparseParameter):  # (unloading: the module that owns the parameter goes back as it is)
+            setattr(parent, child_name, new_module)
+            return
+        super()._replace_module(parent, child_name, new_module, child)
 
     def _unload_and_optionally_merge(self, *args, **kwargs):
         # unload()/merge_and_unload() hand the base layers back: θ₀ first where an adapter is merged for training
@@ -274,6 +326,10 @@ class SparseTuner(BaseTuner):
             raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
         if isinstance(adapter_names, str) or not all(isinstance(n, str) for n in adapter_names):
             raise TypeError(f"adapter_names must be a list of adapter names, one per row, got {adapter_names!r}")
+        wrapped = [m.key for m in self.model.modules() if isinstance(m, SparseParameter)]
+        if wrapped:
+            raise ValueError(f"mixed adapter batches (adapter_names) are not supported for target_parameters (nor by PEFT's "
+                             f"LoRA there), e.g. {wrapped[0]}: run one adapter per batch, or merge")  # fmt: skip
         layers = [m for m in self.model.modules() if isinstance(m, SparseLayer)]
         known = {a for layer in layers for a in layer.sparse_values}
         unknown = sorted({n for n in adapter_names if n != "__base__"} - known)
@@ -340,7 +396,7 @@ class SparseTuner(BaseTuner):
         for name, layer in model.named_modules():
             if not isinstance(layer, SparseLayer) or adapter_name not in layer.sparse_values:
                 continue
-            where = _display_name(name)
+            where = layer.module_name
             idx_key, val_key = f"{name}.sparse_indices.{adapter_name}", f"{name}.sparse_values.{adapter_name}"
             if idx_key not in state_dict or val_key not in state_dict:
                 raise ValueError(f"{where}: the adapter file holds no indices/values for this module")
@@ -369,60 +425,8 @@ class SparseTuner(BaseTuner):
 
     # ------------------------------------------------------------------------------- composition
     def add_weighted_adapter(self, adapters: list[str], weights: list[float], adapter_name: str) -> None:
-        """New adapter δ = Σ wᵢ·δᵢ: on each module the union of the indices, with the weighted values summed.
+        """New adapter δ = Σ wᵢ·δᵢ: on each sparse layer the union of the indices, with the weighted values summed
+        (:func:`peft_sparse.core.compose.add_weighted_adapter`). Merging it gives θ + Σ wᵢ·δᵢ."""
+        from .compose import add_weighted_adapter
 
-        Its config is the first adapter's, with ``init='external'`` and the union's exact counts; it is
-        saved and loaded like any other adapter. Merging it (``merge_and_unload(adapter_names=[name])``)
-        gives θ + Σ wᵢ·δᵢ.
-        """
-        if not adapters:
-            raise ValueError("adapters must name at least one adapter")
-        if len(weights) != len(adapters):
-            raise ValueError(f"got {len(adapters)} adapters but {len(weights)} weights")
-        for name in adapters:
-            if name not in self.peft_config:
-                raise ValueError(f"adapter {name!r} does not exist; existing adapters: {sorted(self.peft_config)}")
-            if self.peft_config[name].modules_to_save:
-                raise ValueError(
-                    f"adapter {name!r} has modules_to_save={self.peft_config[name].modules_to_save}; dense modules "
-                    "cannot be combined into a sparse adapter"
-                )
-        if adapter_name in self.peft_config:
-            raise ValueError(f"adapter {adapter_name!r} already exists")
-
-        composed: dict[str, tuple[SparseLayer, torch.Tensor, torch.Tensor]] = {}
-        for layer in self.model.modules():
-            if not isinstance(layer, SparseLayer):
-                continue
-            present = [(a, w) for a, w in zip(adapters, weights) if a in layer.sparse_values]
-            if not present:
-                continue
-            idx = torch.cat([layer.sparse_indices[a].long() for a, _ in present])
-            val = torch.cat([float(w) * layer.sparse_values[a].detach().double() for a, w in present])
-            union, inverse = torch.unique(idx, sorted=True, return_inverse=True)
-            summed = torch.zeros(union.numel(), dtype=torch.float64, device=val.device).index_add_(0, inverse, val)
-            composed[layer.module_name] = (layer, union, summed)
-
-        first = self.peft_config[adapters[0]]
-        counts = {name: int(union.numel()) for name, (_, union, _) in composed.items()}
-        config = dataclasses.replace(
-            first,
-            init="external",
-            target_modules="|".join(re.escape(n) for n in counts),  # exactly these modules
-            exclude_modules=None,
-            layers_to_transform=None,
-            layers_pattern=None,
-            modules_to_save=None,
-            density=None,
-            num_tunable_weights=sum(counts.values()),
-            tunable_weights_per_module=counts,
-            inference_mode=True,
-        )
-        self.peft_config[adapter_name] = config
-        self.inject_adapter(self.model, adapter_name)
-        for layer, union, summed in composed.values():
-            layer.sparse_indices[adapter_name] = union.to(index_dtype(layer.numel))
-            values = layer.sparse_values[adapter_name]
-            values.data = summed.to(device=values.device, dtype=values.dtype)
-            layer._indices_pending.discard(adapter_name)
-        self.set_adapter(self.active_adapters, inference_mode=True)
+        add_weighted_adapter(self, adapters, weights, adapter_name)

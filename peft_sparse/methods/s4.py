@@ -30,9 +30,10 @@ from peft.utils import PeftType
 from ..core import edit
 from ..core.config import SparseConfig
 from ..core.base import logical_shape, supported_base_layer
+from ..core.experts import ParameterSlice, slice_names
 from ..core.layer import SparseLayer
 from ..core.selection import global_top_k, top_indices
-from ..core.tuner import SparseTuner, initial_values, resolve_default_targets, target_matches
+from ..core.tuner import SparseTuner, initial_values, parameter_targets, resolve_default_targets, target_matches
 from ..data import check_single_language
 from ..optim.surgery import hold_slots, release_slots, unwrap_optimizer
 from ..registry import ExcludedModule, include_all_linear_layers
@@ -98,11 +99,12 @@ class S4Model(SparseTuner):
         raise RuntimeError("S⁴ indices come from detect_language_masks: use build_s4_model")
 
     def _create_and_replace(self, peft_config, adapter_name, target, target_name, parent, current_key, **kwargs):
-        super()._create_and_replace(peft_config, adapter_name, target, target_name, parent, current_key, **kwargs)
-        layer = parent.get_submodule(target_name)
-        count = peft_config.tunable_weights_per_module[current_key]
-        values = layer.sparse_values[adapter_name]
-        layer.sparse_masks[adapter_name] = torch.zeros(len(peft_config.languages), math.ceil(count / 8), dtype=torch.uint8, device=values.device)
+        layers = super()._create_and_replace(peft_config, adapter_name, target, target_name, parent, current_key, **kwargs)
+        for layer in layers:
+            count = peft_config.tunable_weights_per_module[layer.module_name]
+            values = layer.sparse_values[adapter_name]
+            layer.sparse_masks[adapter_name] = torch.zeros(len(peft_config.languages), math.ceil(count / 8), dtype=torch.uint8, device=values.device)
+        return layers
 
 
 # ---------------------------------------------------------------------------------------------- bits
@@ -131,14 +133,31 @@ def _targets(model, config: S4Config) -> dict:
             if not supported_base_layer(module):
                 raise TypeError(f"target module {key!r} is a {type(module).__name__}, which S⁴ does not support")
             found[key] = module
+    for key, owner, name in parameter_targets(config, model):  # (target_parameters: one tensor per expert)
+        param = owner._parameters[name]
+        for e, slice_name in enumerate(slice_names(key, param)):
+            found[slice_name] = ParameterSlice(owner, name, e if param.dim() == 3 else None)
     if not found:
-        raise ValueError(f"target_modules={config.target_modules!r} matches no module of the model")
+        raise ValueError(f"target_modules={config.target_modules!r} and target_parameters={config.target_parameters!r} match nothing in the model")
     return found
+
+
+def _leaf(module) -> torch.Tensor:
+    """The parameter whose gradient holds the target's: its weight, or the whole parameter an expert slice views."""
+    return module.parameter() if isinstance(module, ParameterSlice) else module.weight
+
+
+def _size(module) -> int:
+    rows, cols = logical_shape(module)
+    return rows * cols
 
 
 def _importance(module, w: torch.Tensor, config: S4Config) -> torch.Tensor:
     """Ω = |∂L/∂h · h| of one tensor (Eq. 2), float32 on the CPU in logical (out, in) order, column-normalised if asked."""
-    score = (w.grad * w.detach()).abs()
+    grad, w = w.grad, w.detach()
+    if isinstance(module, ParameterSlice) and module.index is not None:  # (one expert of a fused tensor)
+        grad, w = grad[module.index], w[module.index]
+    score = (grad * w).abs()
     if type(module).__name__ == "Conv1D":
         score = score.t()  # (logical (out, in) order)
     if config.score_normalization == "column":  # Ω_ij / RMS_i(Ω_ij): every input column j on one scale
@@ -154,7 +173,7 @@ def detect_language_masks(model, loaders: Mapping[str, object], config: S4Config
     if missing:
         raise ValueError(f"no data for languages {missing}: detect_language_masks needs a loader per language")
     targets = _targets(model, config)
-    weights = {k: m.weight for k, m in targets.items()}
+    weights = {k: _leaf(m) for k, m in targets.items()}
     was = {k: w.requires_grad for k, w in weights.items()}
     training = model.training
     model.eval()  # (no dropout in the scores)
@@ -175,10 +194,10 @@ def detect_language_masks(model, loaders: Mapping[str, object], config: S4Config
                 raise ValueError(f"language {lang!r} has no data: its loader yielded no batch")
             scores = {key: (lambda key=key: _importance(targets[key], weights[key], config).reshape(-1)) for key in targets}
             if config.selection == "global":  # p of all the targeted weights, one tensor's scores in memory at a time
-                total = sum(w.numel() for w in weights.values())
+                total = sum(_size(m) for m in targets.values())
                 masks[lang] = global_top_k(scores, round(config.density * total))
             else:
-                masks[lang] = {key: top_indices(score(), round(config.density * weights[key].numel())) for key, score in scores.items()}
+                masks[lang] = {key: top_indices(score(), round(config.density * _size(targets[key]))) for key, score in scores.items()}
             for w in weights.values():
                 w.grad = None
     finally:

@@ -55,11 +55,14 @@ def reselect_adaptive(scheduler, t: int) -> dict:
         return {}
     device = values[0].device
     inf = float("inf")
+    idle = scheduler.routing.idle()  # experts no token reached: nothing dropped, nothing grown (.routing)
     # DROP scores, each tensor's largest kept out of reach (every tensor keeps a weight)
     drop_scores = []
     for layer, v in zip(layers, values):
         score = (v.detach() - scheduler.drop_reference[layer.module_name] if c.drop_criterion == "change" else v.detach()).abs().float()
-        if score.numel():
+        if layer.module_name in idle:
+            score.fill_(inf)
+        elif score.numel():
             score.index_fill_(0, score.argmax().view(1), inf)
         drop_scores.append(score.to(device))
     all_drop = torch.cat(drop_scores)
@@ -76,6 +79,8 @@ def reselect_adaptive(scheduler, t: int) -> dict:
         at_element += layer.numel
     for at, layer in enumerate(layers):
         stats = scheduler.statistics.get(layer.module_name)
+        if layer.module_name in idle:
+            continue
         if stats is None or stats.candidates is None:
             warnings.warn(f"SpIEL: {layer.module_name} got no gradient in the estimation window; it grows nothing")
             continue

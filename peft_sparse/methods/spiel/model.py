@@ -119,10 +119,12 @@ class SpIELModel(SparseTuner):
         return grid.expand(random_indices(grid.numel, count // grid.unit, module_generator(config.seed, module_name)))
 
     def _create_and_replace(self, peft_config, adapter_name, target, target_name, parent, current_key, **kwargs):
-        super()._create_and_replace(peft_config, adapter_name, target, target_name, parent, current_key, **kwargs)
+        layers = super()._create_and_replace(peft_config, adapter_name, target, target_name, parent, current_key, **kwargs)
         if "_guard" not in self.__dict__:
             self.__dict__["_guard"] = _UnscheduledTrainingGuard()
         guard = self.__dict__["_guard"]
         first = peft_config.earliest_first_reselection()
         guard.first_reselection = first if guard.first_reselection is None else min(guard.first_reselection, first)
-        self.model.get_submodule(current_key).training_observer = guard
+        for layer in layers:
+            layer.training_observer = guard
+        return layers

@@ -94,11 +94,12 @@ class Reselections:
             for s, part in zip(live, both.split([s.row_sum.numel() + s.col_sum.numel() for s in live])):
                 s.row_sum.copy_(part[: s.row_sum.numel()])
                 s.col_sum.copy_(part[s.row_sum.numel() :])
+        idle = self.routing.idle()  # experts no token reached in the window keep their indices (.routing)
         grids = [SparseTuner.grid(c, layer) for layer in self.layers]
         units = [layer.sparse_values[name].numel() // grid.unit for layer, grid in zip(self.layers, grids)]
         for layer, grid, k in zip(self.layers, grids, self.replacement_counts(t, units)):
             values, indices = layer.sparse_values[name], layer.sparse_indices[name]
-            if k == 0 or values.numel() == 0:
+            if k == 0 or values.numel() == 0 or layer.module_name in idle:
                 continue
             item = TensorReselection(values, indices, k, grid, self._active_units(layer, grid))
             if c.drop_criterion == "change":  # Algorithm 2, line 10: |φ − φ₀|, the change since the last reselection

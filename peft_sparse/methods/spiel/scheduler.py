@@ -21,6 +21,7 @@ from .adaptive import uniform_quotas
 from .checks import SchedulerChecks, find_spiel_adapter, spiel_layers
 from .model import SpIELModel
 from .reselect import Reselections
+from .routing import RoutedTokens
 from .seeding import DeferredSeeding
 from .state import SchedulerState
 from .statistics import InputOutputStatistics, RowColumnAccumulators, _WindowStatistics, _end_steps, distributed
@@ -85,6 +86,8 @@ class SpIELScheduler(SchedulerChecks, Reselections, SchedulerState):
                 raise ValueError("budget_split='adaptive' resizes the values, which DDP and FSDP buckets cannot follow; use 'uniform' or 'lora' on several processes")
             self._check_ranks_agree()
         self._attach_guard(tuner)
+        self.routing = RoutedTokens(self.model, self.layers)  # experts of fused MoE tensors: the no-token rule (.routing)
+        self.routing.start()
         self._arm_if_window(1)
 
     def _accumulate_under_zero(self) -> None:
@@ -121,6 +124,7 @@ class SpIELScheduler(SchedulerChecks, Reselections, SchedulerState):
     def _arm_if_window(self, next_t: int) -> None:
         if self._in_window(next_t) and not self.statistics:
             self.steps_in_window = 0
+            self.routing.start()
             if self.config.growth == "ma":  # ma_signal='io': Σ (∂L/∂Y)² per row and Σ X² per column, per tensor
                 for layer in self.layers:
                     values = layer.sparse_values[self.adapter_name]
@@ -154,6 +158,7 @@ class SpIELScheduler(SchedulerChecks, Reselections, SchedulerState):
         """Stop feeding statistics and remove the hooks (e.g. at the end of training); training the adapter on
         without a scheduler is watched again (the unscheduled-training warning)."""
         self._disarm()
+        self.routing.stop()
         if self.seeding is not None:
             self.seeding.pending = {}
             self.seeding.remove()
@@ -180,6 +185,7 @@ class SpIELScheduler(SchedulerChecks, Reselections, SchedulerState):
         if is_reselection_step(t, self.S, self.gamma, self.total_steps):
             self.last_statistics = self._reselect(t)
             self._disarm()
+            self.routing.start()
             if self.config.drop_criterion == "change":
                 self._snapshot_drop_reference()
         self._arm_if_window(t + 1)

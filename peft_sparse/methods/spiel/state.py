@@ -1,6 +1,7 @@
 """Saving and restoring a ``SpIELScheduler`` exactly: step, open window statistics (AG's, or MA's input/output sums), AG seeds still waiting for
-the next optimizer step, φ₀ for ``drop_criterion='change'`` and every index's age (the step it was last grown at, which
-a saved adapter holds only when asked: :mod:`peft_sparse.core.storage`) — JSON plus safetensors, no pickle."""
+the next optimizer step, φ₀ for ``drop_criterion='change'``, every index's age (the step it was last grown at, which
+a saved adapter holds only when asked: :mod:`peft_sparse.core.storage`) and the tokens routed to each expert — JSON
+plus safetensors, no pickle."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class SchedulerState:
             "drop_reference": {name: {"values": v} for name, v in self.drop_reference.items()},
             "ma_accumulators": self.ma_accumulators.tensors() if self.ma_accumulators is not None else {},
             "ages": {m.module_name: {"ages": m.sparse_ages[self.adapter_name].clone()} for m in self.layers if self.adapter_name in m.sparse_ages},
+            "routed_tokens": self.routing.tensors(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -105,6 +107,7 @@ class SchedulerState:
             if set(reference) != set(layers):
                 raise ValueError("scheduler state holds no φ₀ of every tensor (drop_criterion='change'); it was saved with another drop criterion")
             self.drop_reference = {name: t["values"].to(device_of(name), copy=True) for name, t in reference.items()}
+        self.routing.load(state.get("routed_tokens") or {})
         saved_accumulators = state.get("ma_accumulators") or {}
         if self.ma_accumulators is not None:
             self.ma_accumulators.load(saved_accumulators)
@@ -134,7 +137,7 @@ class SchedulerState:
                 for name, t in state.get("pending_seeds", {}).items()
             }
 
-    _TENSOR_GROUPS = ("statistics", "pending_seeds", "drop_reference", "ma_accumulators", "ages")
+    _TENSOR_GROUPS = ("statistics", "pending_seeds", "drop_reference", "ma_accumulators", "ages", "routed_tokens")
 
     def save(self, directory: str) -> None:
         """Write the state as ``spiel_scheduler.json`` + ``spiel_scheduler.safetensors`` (no pickle)."""
