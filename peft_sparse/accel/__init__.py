@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 
 from ..core import dispatch, kernels
-from . import gpu, inference, input_rebuild, internals, nf4, steady, training_merge  # noqa: F401 (gpu: the kernels)
+from . import gpu, inference, input_rebuild, internals, nf4, steady, training_merge, transient_merge  # noqa: F401 (gpu: the kernels)
 
 
 def enabled() -> bool:
@@ -66,6 +66,8 @@ class _FastPathState(dispatch.Listener):
 
     def release(self, layers: list, weight_only: bool) -> None:
         for layer in layers:  # (a loop, not a list: this runs in every reference pass, mostly for one layer)
+            if layer._writing_thread is not None:  # another thread is inside the layer's product (transient_merge)
+                transient_merge.check_not_writing(layer)
             if layer._training_merge is not None:
                 # θ₀ back, one launch per group of like tensors
                 training_merge.release_training_merges([merged for merged in layers if merged._training_merge is not None])
@@ -79,6 +81,7 @@ class _FastPathState(dispatch.Listener):
                 layer._nf4_rebuild = None
 
     def forget(self, layer, adapter) -> None:
+        layer._weight_alias = None
         if adapter is None:
             layer._delta_csr.clear()
         else:
@@ -107,6 +110,8 @@ for _name, _initial, _copied in (
     ("_nf4_rebuild", lambda: None, True),  # the last single-adapter fused NF4 launch, to repeat (nf4.py)
     ("_delta_csr", dict, False),  # adapter → (key, indices, values, its CSR delta) for passes without gradients
     ("_inference_memo", lambda: None, False),  # the single active adapter's CSR delta and its checks (inference.py)
+    ("_weight_alias", lambda: None, False),  # (weight, address, shape, its storage as a flat alias) (transient_merge.py)
+    ("_writing_thread", lambda: None, False),  # the thread inside the layer's product with W' written (transient_merge.py)
 ):
     dispatch.register_layer_state(_name, _initial, _copied)
 
@@ -114,6 +119,7 @@ for _name, _initial, _copied in (
 dispatch.register("linear", inference.inference_forward, memo=True)
 dispatch.register("linear", steady.steady_forward, memo=True)
 dispatch.register("linear", training_merge.training_merge_pass)
+dispatch.register("linear", transient_merge.transient_merge_pass)
 dispatch.register("quantized", inference.inference_forward, memo=True)
 dispatch.register("quantized", steady.steady_forward, memo=True)
 dispatch.register("quantized", steady.quantized_training_pass)
