@@ -168,7 +168,7 @@ class _WeightWatch(TorchDispatchMode):
 def _assert_unseen(watch: _WeightWatch) -> None:
     assert watch.seen and not watch.outside, watch.outside[:5]
     # inside the product: θ₀ read at η, W' written, the product (and its views of W), θ₀ written back
-    assert watch.inside <= {"index_select", "index_put_", "add", "_to_copy", "t", "mm", "addmm", "view", "_unsafe_view", "matmul", "linear", "expand", "transpose", "reshape", "bmm", "unsqueeze", "squeeze"}, watch.inside
+    assert watch.inside <= {"index_select", "index_add_", "index_put_", "add", "_to_copy", "t", "mm", "addmm", "view", "_unsafe_view", "matmul", "linear", "expand", "transpose", "reshape", "bmm", "unsqueeze", "squeeze"}, watch.inside
     assert {"index_put_"} <= watch.inside and watch.inside & {"mm", "addmm", "bmm"}
 
 

@@ -6,7 +6,8 @@ The reference (:func:`peft_sparse.core.passes.linear_pass`) builds W' = W + Σ_a
 and backward instead
 
 1. read θ₀ at η (d_φ entries, kept by the pass),
-2. write θ₀[η] + φ at η in the base weight's storage — the copy's rounding, so W' holds the copy's bits,
+2. write θ₀[η] + φ at η in the base weight's storage — the copy's rounding, so W' holds the copy's bits
+   (on CUDA steps 1 and 2 are one Triton launch, and so is step 4),
 3. multiply: Y = X·W'ᵀ + b in forward, ∂L/∂X = G·W' in backward,
 4. write the saved θ₀[η] back at η (a copy of the entries read: the same bits, not a subtraction),
 
@@ -27,7 +28,7 @@ X, managed by a sharding wrapper (FSDP, DeepSpeed ZeRO-3, DTensor), in an ``nn.D
 replicas of one device share it and run in threads), under autocast to another dtype than the weight's, while
 ``torch.compile`` traces or functorch transforms run, and on layers merged for training (opt-in). A pass of
 the layer in another thread while one is between steps 2 and 4 is refused with an error naming the layer
-(:class:`_Writing` marks the layer for that time); a thread that reads the base weight directly, not through
+(:func:`write` marks the layer for that time); a thread that reads the base weight directly, not through
 the layer, while the layer runs a training pass in another thread can see W' there, as it could see a
 sharding wrapper's gathered weight: such readers must not run beside training, or the fast paths must be off
 (``peft_sparse.fast_paths(False)``, ``PEFT_SPARSE_FAST=0``).
@@ -41,7 +42,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..core import kernels
+from ..core import dispatch, kernels
 from ..core.base import managed_by_sharding
 from ..core.functional import SparseDeltaLinear, backward_pass, first_order_only, input_gradient, keep_for_backward, values_need_grad
 from . import internals
@@ -75,40 +76,56 @@ def writable(layer, weight: torch.Tensor, x: torch.Tensor) -> bool:
     )
 
 
-class _Writing:
-    """Steps 2–4 of the module docstring for one pass: enter writes W' (θ₀ at η kept), exit writes θ₀ back.
-    While inside, the layer's ``_writing_thread`` names the thread (a pass of the layer from another thread is
-    refused: :func:`check_not_writing`)."""
+def _kernels_for(flat: torch.Tensor, values) -> Optional[object]:
+    """The Triton kernels' module where it writes and restores ``flat`` (a CUDA tensor of a type they compute), else None."""
+    if not flat.is_cuda or not dispatch.ON or flat.dtype not in kernels.KERNEL_FLOAT_TYPES or any(v.dtype not in kernels.KERNEL_FLOAT_TYPES for v in values):
+        return None
+    return kernels.triton()
 
-    __slots__ = ("layer", "flat", "indices", "values", "saved")
 
-    def __init__(self, layer, flat: torch.Tensor, indices, values):
-        self.layer, self.flat, self.indices, self.values, self.saved = layer, flat, indices, values, []
+def write(layer, flat: torch.Tensor, indices, values) -> list:
+    """Steps 1–2 of the module docstring: W' = W + Σ_a scatter(η_a, φ_a) written into ``flat`` (the base weight's
+    storage), adapter after adapter as the reference's copy adds them; returns what each adapter's write found at
+    its indices, for :func:`restore`. The layer's ``_writing_thread`` names this thread until then (a pass of the
+    layer from another thread is refused meanwhile: :func:`check_not_writing`)."""
+    check_not_writing(layer)
+    # (past nn.Module.__setattr__, which costs host time; _base_weight_held: a reference pass of the layer in another
+    # thread asks the listeners before it reads the weight, and is refused)
+    state = layer.__dict__
+    state["_writing_thread"], state["_base_weight_held"] = threading.get_ident(), True
+    saved: list = []
+    try:
+        triton = _kernels_for(flat, values)
+        for idx, val in zip(indices, values):
+            if triton is not None:  # one launch: θ₀[η] kept, θ₀[η] + φ written
+                with kernels.on_device(flat):
+                    saved.append(triton.swap_in(flat, idx, val))
+                continue
+            base = flat.index_select(0, idx)  # θ₀ at η (plus earlier adapters' deltas where they overlap): (d_φ,)
+            saved.append(base)
+            if flat.device.type == "cpu":  # W[η] += φ: the same single rounding of W[η] + φ as the copy's (and faster)
+                flat.index_add_(0, idx, val if val.dtype == flat.dtype else val.to(flat.dtype))
+            else:
+                kernels.scatter_sum_into(flat, idx, base, val)
+    except BaseException:
+        restore(layer, flat, indices, saved)
+        raise
+    return saved
 
-    def __enter__(self):
-        layer = self.layer
-        check_not_writing(layer)
-        # (past nn.Module.__setattr__, which costs host time; _base_weight_held: a reference pass of the layer in
-        # another thread asks the listeners before it reads the weight, and is refused)
+
+def restore(layer, flat: torch.Tensor, indices, saved: list) -> None:
+    """Step 4 of the module docstring: what :func:`write` found at each adapter's indices written back, the last
+    adapter's first (a copy of the entries read: the same bits, not a subtraction); the layer's mark cleared."""
+    try:
+        triton = _kernels_for(flat, ())
+        for idx, base in zip(reversed(indices[: len(saved)]), reversed(saved)):
+            if triton is not None:
+                with kernels.on_device(flat):
+                    triton.scatter_copy(flat, idx, base)
+            else:
+                flat.index_put_((idx,), base)
+    finally:
         state = layer.__dict__
-        state["_writing_thread"], state["_base_weight_held"] = threading.get_ident(), True
-        try:
-            flat = self.flat
-            for idx, val in zip(self.indices, self.values):
-                base = flat.index_select(0, idx)  # θ₀ at η (plus earlier adapters' deltas where they overlap): (d_φ,)
-                self.saved.append(base)
-                kernels.scatter_sum_into(flat, idx, base, val)  # W'[η] = W[η] + φ, rounded as the reference's copy
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        flat = self.flat
-        for idx, base in zip(reversed(self.indices[: len(self.saved)]), reversed(self.saved)):
-            flat.index_put_((idx,), base)  # θ₀ back: the entries read, copied (no subtraction)
-        self.saved = []
-        state = self.layer.__dict__
         state["_writing_thread"], state["_base_weight_held"] = None, False
 
 
@@ -136,12 +153,16 @@ class TransientMergeLinear(SparseDeltaLinear):
         dtype = weight.dtype
         x_in = x if x.dtype == dtype else x.to(dtype)  # (..., in)
         b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
-        with _Writing(layer, _alias(layer, weight), indices, values):
+        flat = _alias(layer, weight)
+        saved = write(layer, flat, indices, values)
+        try:
             if torch.is_autocast_enabled(x.device.type):  # (autocast to the weight's own dtype: the reference's product)
                 with torch.autocast(x.device.type, enabled=False):
                     y = F.linear(x_in, weight, b)  # (..., out)
             else:
                 y = F.linear(x_in, weight, b)  # (..., out)
+        finally:
+            restore(layer, flat, indices, saved)
         del x_in
         ctx.spec, ctx.dtype, ctx.generation = spec, dtype, None
         ctx.x_meta = (x.shape, x.dtype)
@@ -163,8 +184,12 @@ def _written_input_gradient(ctx, g2, indices, values, x_shape, x_dtype) -> torch
     weight = ctx.spec[0]()  # θ₀: (out, in)
     if weight.dtype != ctx.dtype or not writable(layer, weight, g2):
         return input_gradient(ctx, g2, indices, values, x_shape, x_dtype)
-    with _Writing(layer, _alias(layer, weight), indices, values):
+    flat = _alias(layer, weight)
+    saved = write(layer, flat, indices, values)
+    try:
         grad_x = g2.mm(weight)  # (tokens, out)·(out, in) → (tokens, in)
+    finally:
+        restore(layer, flat, indices, saved)
     grad_x = grad_x.view(*x_shape[:-1], x_shape[-1])
     return grad_x if grad_x.dtype == x_dtype else grad_x.to(x_dtype)
 
