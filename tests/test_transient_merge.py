@@ -266,8 +266,7 @@ def test_a_pending_backward_that_saved_the_weight_stays_valid():
 
 
 def test_a_failing_product_leaves_theta0(monkeypatch):
-    """An error inside the product (here: an input of the wrong width) propagates, with θ₀ back in the weight."""
-    taken = _count_passes(monkeypatch)
+    """An error inside the product propagates, with θ₀ back in the weight; the next pass runs as usual."""
     model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules=["q_proj"], density=0.2))
     randomize_values(model, scale=0.1)
     layer = sparse_layers(model)[0]
@@ -286,8 +285,12 @@ def test_a_failing_product_leaves_theta0(monkeypatch):
     assert calls == [False]  # (it ran with W' written)
     assert torch.equal(layer.get_base_layer().weight, theta0) and layer._writing_thread is None
     monkeypatch.setattr(transient_merge.F, "linear", real_linear)
-    layer(torch.randn(3, layer.in_features, requires_grad=True)).sum().backward()
-    assert taken and torch.equal(layer.get_base_layer().weight, theta0)
+    x = torch.randn(3, layer.in_features, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    with peft_sparse.fast_paths(False):
+        assert torch.equal(y, layer(x))
+    assert torch.equal(layer.get_base_layer().weight, theta0)
 
 
 def test_another_thread_is_refused_by_name_while_the_weight_is_written():
@@ -403,3 +406,92 @@ def test_ddp_trains_as_the_reference_and_shows_theta0():
         assert "index_put_" in out[True][2] and not out[False][2]
         for a, b in zip(out[False][1], out[True][1]):
             assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def test_steady_passes_skip_the_lookups_but_see_every_change(monkeypatch):
+    """A training pass like the layer's last one reuses its decisions (no lookups, no adapter checks); anything that
+    changes one of them sends the pass through the full path. Outputs always equal the reference's."""
+    from .models import record_full_passes
+
+    model = get_peft_model(tiny_llama(), SpIELConfig(target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], density=0.2))
+    randomize_values(model, scale=0.1)
+    model.add_adapter("other", SpIELConfig(target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], density=0.1))
+    randomize_values(model, adapter_name="other", seed=3, scale=0.1)
+    model.base_model.set_adapter("default")
+    for layer in sparse_layers(model):
+        layer.training_observer = None  # (no scheduler here: no unscheduled-training warning)
+    layers = sparse_layers(model)
+    x = inputs()
+    model.train()
+    full_passes = record_full_passes(monkeypatch)
+
+    def check(steady, expect_full=None):
+        full_passes.clear()
+        out = model(x).logits
+        assert full_passes == (expect_full if expect_full is not None else ([] if steady else layers))
+        with peft_sparse.fast_paths(False):
+            assert torch.equal(out, model(x).logits)
+
+    check(steady=False)
+    check(steady=True)
+    with torch.no_grad():
+        check(steady=False)
+    check(steady=True)  # (a pass without gradients leaves the memo as it was)
+    with model.disable_adapter():
+        full_passes.clear()
+        model(x)
+        assert not full_passes
+    check(steady=False)  # (the disabled pass released the layers: what they kept is forgotten)
+    model.base_model.set_adapter("other")
+    check(steady=False)
+    model.base_model.set_adapter("default")
+    check(steady=False)
+    check(steady=True)
+    with torch.no_grad():  # an in-place edit of the indices (same values): their version moves
+        idx = layers[0].sparse_indices["default"]
+        idx.copy_(idx)
+    check(steady=False, expect_full=[layers[0]])
+    layers[1].sparse_indices["default"] = layers[1].sparse_indices["default"].clone()  # a new indices tensor
+    check(steady=False, expect_full=[layers[1]])
+    layers[2].sparse_values["default"] = torch.nn.Parameter(layers[2].sparse_values["default"].detach() * 2)
+    check(steady=False, expect_full=[layers[2]])
+    check(steady=True)
+    base = layers[3].get_base_layer()
+    base.weight = torch.nn.Parameter(base.weight.detach().clone(), requires_grad=False)  # a new weight object
+    check(steady=False, expect_full=[layers[3]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float32 weights, bf16 compute: the reference's copy
+        full_passes.clear()
+        out = model(x).logits
+        assert full_passes == layers
+        with peft_sparse.fast_paths(False):
+            assert torch.equal(out, model(x).logits)
+    check(steady=False)  # (the autocast passes were the reference's: remembered nothing)
+    layers[0].merge_for_training = True
+    full_passes.clear()
+    model(x)
+    assert full_passes[0] is layers[0]
+    layers[0].release_training_merge()
+    layers[0].merge_for_training = False
+    check(steady=False, expect_full=[layers[0]])
+
+
+def test_a_steady_layer_is_freed_without_the_cycle_collector():
+    """What a layer remembers of its last default training pass holds no reference back to it: deleting the model
+    frees its layers at once, not at the next collection."""
+    import gc
+    import weakref
+
+    model = get_peft_model(tiny_llama(), SparseFTConfig(target_modules=["q_proj"], density=0.2))
+    model.train()
+    model(inputs(), labels=inputs()).loss.backward()
+    layer = sparse_layers(model)[0]
+    assert layer._transient_steady is not None
+    layer_ref, weight_ref = weakref.ref(layer), weakref.ref(layer.get_base_layer().weight)
+    del layer
+    gc.collect()
+    gc.disable()
+    try:
+        del model
+        assert layer_ref() is None and weight_ref() is None
+    finally:
+        gc.enable()

@@ -77,6 +77,8 @@ class _FastPathState(dispatch.Listener):
         for layer in layers:  # the last pass's decisions and fused launch hold the layer's tensors
             if layer._steady is not None:
                 layer._steady = None
+            if layer._transient_steady is not None:
+                layer._transient_steady = None
             if layer._nf4_rebuild is not None:
                 layer._nf4_rebuild = None
 
@@ -88,6 +90,7 @@ class _FastPathState(dispatch.Listener):
             layer._delta_csr.pop(adapter, None)
         layer._inference_memo = None
         layer._steady = None
+        layer._transient_steady = None
 
     def reindex(self, layers: list, change):
         merged_anew = training_merge.reseat_training_merges(layers, change)
@@ -112,12 +115,14 @@ for _name, _initial, _copied in (
     ("_inference_memo", lambda: None, False),  # the single active adapter's CSR delta and its checks (inference.py)
     ("_weight_alias", lambda: None, False),  # (weight, address, shape, its storage as a flat alias) (transient_merge.py)
     ("_writing_thread", lambda: None, False),  # the thread inside the layer's product with W' written (transient_merge.py)
+    ("_transient_steady", lambda: None, False),  # the last default training pass's decisions (transient_merge.py)
 ):
     dispatch.register_layer_state(_name, _initial, _copied)
 
 # kind → memos (tried before the layer checks its tensors), then implementations, in this order
 dispatch.register("linear", inference.inference_forward, memo=True)
 dispatch.register("linear", steady.steady_forward, memo=True)
+dispatch.register("linear", transient_merge.steady_transient_forward, memo=True)
 dispatch.register("linear", training_merge.training_merge_pass)
 dispatch.register("linear", transient_merge.transient_merge_pass)
 dispatch.register("quantized", inference.inference_forward, memo=True)

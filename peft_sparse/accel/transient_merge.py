@@ -216,4 +216,56 @@ def transient_merge_pass(layer, x: torch.Tensor, active: list) -> Optional[torch
     indices = [layer.sparse_indices[a] for a in active]  # η_a: (d_φ,) each
     values = [layer.sparse_values[a] for a in active]  # φ_a: (d_φ,) each
     blocks = [layer.block_metadata(a) for a in active]
-    return transient_apply(x, base.bias, (layer._stored_weight, False, layer, blocks, None, len(active)), *indices, *values)
+    spec = (layer._stored_weight, False, layer, blocks, None, len(active))
+    if len(active) == 1:
+        _remember(layer, active[0], values[0], indices[0], weight, blocks)
+    return transient_apply(x, base.bias, spec, *indices, *values)
+
+
+def _remember(layer, name: str, values: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor, blocks: list) -> None:
+    """Keep the decisions of this single-adapter pass for the next one (:func:`steady_transient_forward`): nothing
+    that refers back to the layer (no cycle for the collector to find)."""
+    current = layer._active_adapter
+    current = current if isinstance(current, str) else list(current)  # (a copy: compared by value)
+    base_layer = layer._modules["base_layer"]
+    base = layer.get_base_layer()
+    layer.__dict__["_transient_steady"] = (
+        current, name, values, values.dtype, indices, internals.version(indices), indices.data_ptr(), base_layer, base, weight,
+        base._parameters.get("bias"), blocks,
+    )  # fmt: skip
+
+
+def steady_transient_forward(layer, x: torch.Tensor, active: list) -> Optional[torch.Tensor]:
+    """A pass like the layer's last one of :func:`transient_merge_pass` (a memo, tried before the layer checks its
+    tensors): every decision of the full path checked again directly — the same active adapter, values (that passed
+    the layer's checks), indices (object, address, version), base layer, weight and bias objects; gradients on, the
+    weight frozen, autocast off or to the weight's dtype, no tracing or transform — without its lookups (the host time
+    of a layer call bounds a training step when kernels are short). Returns the output, or None: the full path."""
+    kept = layer._transient_steady
+    if kept is None or not torch.is_grad_enabled():  # (a pass without gradients: not this one's, the memo stays)
+        return None
+    current, name, values, dtype, indices, version, address, base_layer, base, weight, bias, blocks = kept
+    if (
+        layer._active_adapter == current
+        and not layer._disable_adapters
+        and not layer.merged_adapters
+        and not layer.merge_for_training
+        and layer._modules["base_layer"] is base_layer
+        and base._parameters.get("weight") is weight
+        and base._parameters.get("bias") is bias
+        and layer._modules["sparse_values"]._parameters.get(name) is values
+        and layer._ready.get(name) is values
+        and values.dtype is dtype
+        and layer._modules["sparse_indices"]._buffers.get(name) is indices
+        and internals.version(indices) == version
+        and indices.data_ptr() == address
+        and not weight.requires_grad
+        and weight.device == x.device
+        and not _compiling()
+        and not _transforms_active()
+    ):
+        device = x.device.type
+        if not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) == weight.dtype:
+            return transient_apply(x, bias, (layer._stored_weight, False, layer, blocks, None, 1), indices, values)
+    layer.__dict__["_transient_steady"] = None
+    return None
