@@ -149,11 +149,13 @@ def run_one(args, trainer_kind: str, variant: str, device: str) -> dict:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, vocab, ((args.warmup + args.steps) * args.bs, args.seq), generator=g)
     ends: list = []
+    cpu_ends: list = []  # (this process's CPU time: on a shared host less disturbed by the others than the wall clock)
 
     def stamp(state):
         if device == "cuda":
             torch.cuda.synchronize()
         ends.append(time.perf_counter())
+        cpu_ends.append(time.process_time())
 
     callbacks = [step_callback(stamp)] + ([peft_sparse.SpIELCallback()] if variant != "lora" else [])
     total = args.warmup + args.steps
@@ -200,11 +202,14 @@ def run_one(args, trainer_kind: str, variant: str, device: str) -> dict:
         wall = time.perf_counter() - start
         if profiler is not None:
             profiler.disable()
-    steps = [b - a for a, b in zip(ends[args.warmup - 1 :], ends[args.warmup :])] if args.warmup >= 1 else [b - a for a, b in zip(ends, ends[1:])]
+    first = max(args.warmup - 1, 0)
+    steps = [b - a for a, b in zip(ends[first:], ends[first + 1 :])]
+    cpu_steps = [b - a for a, b in zip(cpu_ends[first:], cpu_ends[first + 1 :])]
     record = {
         "trainer": trainer_kind, "variant": variant, "size": args.size, "weights": weights, "device": device,
         "gpu": torch.cuda.get_device_name() if device == "cuda" else None, "threads": torch.get_num_threads(),
         "step_s_median": statistics.median(steps), "step_s_mean": statistics.fmean(steps), "step_s_all": [round(s, 5) for s in steps],
+        "cpu_s_median": statistics.median(cpu_steps), "cpu_s_mean": statistics.fmean(cpu_steps),
         "train_wall_s": wall, "trainable": trainable, "budget": budget, "bs": args.bs, "seq": args.seq, "warmup": args.warmup,
         "steps": args.steps, "logging_steps": args.logging_steps, "block": args.block if variant.endswith("-block") else None,
         "optimizer": type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer).__name__,
@@ -270,17 +275,19 @@ def main() -> None:
                         f.write(json.dumps(record) + "\n")
                 reads = f" host reads/step {record['host_reads_per_step']}" if "host_reads_per_step" in record else ""
                 print(f"{trainer_kind:<8}{variant:<16}median {record['step_s_median'] * 1e3:8.2f} ms  mean {record['step_s_mean'] * 1e3:8.2f} ms"
-                      f"  trainable {record['trainable']:,}{reads}", flush=True)  # fmt: skip
+                      f"  CPU median {record['cpu_s_median'] * 1e3:8.2f} ms  trainable {record['trainable']:,}{reads}", flush=True)  # fmt: skip
     print(f"\n{args.size}, {device}, {args.bs}×{args.seq} tokens per step; median over rounds of each run's median and mean")
-    print(f"{'trainer':<8}{'variant':<16}{'median ms':>10}{'× LoRA':>8}{'mean ms':>10}{'× LoRA':>8}")
+    print(f"{'trainer':<8}{'variant':<16}{'median ms':>10}{'× LoRA':>8}{'mean ms':>10}{'× LoRA':>8}{'CPU med ms':>11}{'× LoRA':>8}")
     for trainer_kind in trainers:
         rows = {v: [r for r in records if r["trainer"] == trainer_kind and r["variant"] == v] for v in variants}
-        med = {v: statistics.median(r["step_s_median"] for r in rs) for v, rs in rows.items()}
-        mean = {v: statistics.median(r["step_s_mean"] for r in rs) for v, rs in rows.items()}
+        stat = {key: {v: statistics.median(r[key] for r in rs) for v, rs in rows.items()} for key in ("step_s_median", "step_s_mean", "cpu_s_median")}
+        line = f"{trainer_kind:<8}{{v:<16}}"
         for v in variants:
-            xl = f"{med[v] / med['lora']:.2f}" if "lora" in med else "-"
-            xm = f"{mean[v] / mean['lora']:.2f}" if "lora" in mean else "-"
-            print(f"{trainer_kind:<8}{v:<16}{med[v] * 1e3:>10.2f}{xl:>8}{mean[v] * 1e3:>10.2f}{xm:>8}")
+            cells = []
+            for key in stat:
+                ratio = f"{stat[key][v] / stat[key]['lora']:.2f}" if "lora" in stat[key] else "-"
+                cells.append(f"{stat[key][v] * 1e3:>{11 if key == 'cpu_s_median' else 10}.2f}{ratio:>8}")
+            print(line.format(v=v) + "".join(cells))
 
 
 if __name__ == "__main__":

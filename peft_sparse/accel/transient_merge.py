@@ -122,6 +122,8 @@ def restore(layer, flat: torch.Tensor, indices, saved: list) -> None:
             if triton is not None:
                 with kernels.on_device(flat):
                     triton.scatter_copy(flat, idx, base)
+            elif flat.device.type == "cpu":  # (index_copy_ takes int64 positions; faster than index_put_ there)
+                flat.index_copy_(0, idx if idx.dtype == torch.int64 else idx.long(), base)
             else:
                 flat.index_put_((idx,), base)
     finally:
