@@ -4,6 +4,9 @@ The plain path — scatter W + δ, the autograd function, the value gradient by 
 SDDMM, the per-tensor drop/grow of :mod:`peft_sparse.methods.spiel.selection` — is the reference: it
 is what the fast paths must reproduce. The fast paths are
 
+* the **default training pass** of a plain linear layer: W + scatter(η, φ) written into the base weight's storage
+  for the length of each matrix product only (forward and backward), θ₀ written back right after, no weight-sized
+  copy; its decisions repeated from a memo while they hold (:mod:`.transient_merge`);
 * the **training merge**: W + scatter(η, φ) kept in the base weight's storage while one adapter trains
   (opt-in per layer, ``merge_for_training``), rewritten after each optimizer step;
 * **steady-pass memos**: a layer's, and SM3's, decisions of the last pass reused after cheap checks;
