@@ -93,6 +93,7 @@ def peft_model(model, variant: str, budget: int, block: int):
         return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS))
     growth = "ma" if "-ma" in variant else "ag"
     block_shape = (block, block) if variant.endswith("-block") else (1, 1)
+    budget -= budget % (block_shape[0] * block_shape[1])  # (a whole number of blocks: LoRA's count rounded down)
     config = peft_sparse.SpIELConfig(target_modules=TARGETS, num_tunable_weights=budget, growth=growth, reselection_steps=20,
                                      gradient_estimation_steps=5, block_shape=block_shape)  # fmt: skip
     return get_peft_model(model, config)
