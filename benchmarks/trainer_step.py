@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -268,6 +269,9 @@ def main() -> None:
         for trainer_kind in trainers:
             for variant in variants:
                 record = run_one(args, trainer_kind, variant, device)
+                gc.collect()  # (the run's model and Trainer gone before the next is built)
+                if device == "cuda":
+                    torch.cuda.empty_cache()
                 record["round"] = round_
                 records.append(record)
                 if args.out:
