@@ -5,6 +5,7 @@ Produces BENCHMARKS.md, "NVIDIA H200 (141 GB)": the TinyLlama and Llama-2-7B ste
     python benchmarks/bench_step.py --variant spiel-ag                         # one variant (what the batch runs)
     python benchmarks/bench_step.py --variants qfloor,qspiel-ma --rounds 3     # interleaved rounds of a batch
     python benchmarks/bench_step.py --variants floor,spiel-ma-block --block 32  # 32×32 blocks (default 64×64)
+    python benchmarks/bench_step.py --variants floor,spiel-ag,spiel-ag-merge --rounds 3  # default and opt-in merge
 
 With ``--rounds 3`` or more, it also prints each variant's full-cycle mean taken over each step position's
 median over the rounds: host stalls that hit one round at one step (they hit the floor's runs too) are out,
@@ -65,7 +66,10 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 VARIANTS = [
     "floor", "qfloor", "lora", "lora-ckpt", "qlora", "shira", "supertuning", "full",
     "spiel-ag", "spiel-ma", "spiel-ag-block", "spiel-ma-block", "qspiel-ag", "qspiel-ma",
+    "spiel-ag-merge", "spiel-ma-merge", "spiel-ag-block-merge", "spiel-ma-block-merge",
 ]  # fmt: skip
+# (a "-merge" variant is its SpIEL variant with the opt-in training merge, training_merge=True: default and opt-in
+# side by side in one interleaved batch)
 BLOCK = 64  # block variants' square block side (--block): 64×64 gave the fastest block steps on an H200 (docs/perf-log.md, rounds s20 and s21)
 S, GAMMA = 20, 5  # the paper's reselection interval and estimation window (thesis Table 7.1)
 
@@ -131,8 +135,10 @@ def prepare(variant: str, size: str, total_steps: int, block: int = BLOCK, train
         targeted = sum(m.weight.numel() for n, m in model.named_modules() if n.split(".")[-1] in TARGETS)
         model = get_peft_model(model, SupertuningConfig(sparsity=1 - budget / targeted, target_modules=TARGETS))
     elif "spiel" in variant:
-        growth = "ma" if variant.endswith("-ma") or "-ma-" in variant else "ag"
-        block_shape = (block, block) if variant.endswith("-block") else (1, 1)
+        training_merge = training_merge or variant.endswith("-merge")
+        name = variant.removesuffix("-merge")
+        growth = "ma" if name.endswith("-ma") or "-ma-" in name else "ag"
+        block_shape = (block, block) if name.endswith("-block") else (1, 1)
         config = peft_sparse.SpIELConfig(
             target_modules=TARGETS, num_tunable_weights=budget, growth=growth, reselection_steps=S,
             gradient_estimation_steps=GAMMA, block_shape=block_shape, training_merge=training_merge,
@@ -143,7 +149,7 @@ def prepare(variant: str, size: str, total_steps: int, block: int = BLOCK, train
         raise ValueError(f"unknown variant {variant!r}")
     params = [p for p in model.parameters() if p.requires_grad]
     trainable = sum(p.numel() for p in params)
-    if variant.endswith("-ma") or variant.endswith("-ma-block"):
+    if variant.removesuffix("-merge").endswith(("-ma", "-ma-block")):
         # --sm3-ema: the moving-average form with momentum, the recipe runner's default for SpIEL-MA
         sm3_form = {"momentum": 0.9, "beta2": 0.999} if os.environ.get("BENCH_SM3_EMA") == "1" else {}
         optimizer = peft_sparse.SM3(params, lr=1e-3, **sm3_form)
@@ -235,6 +241,7 @@ def host_description() -> dict:
 SLOW_CALLS = (
     ("peft_sparse.core.passes", "sparse_delta_linear", "layer forward, full path"),  # (the reference pass)
     ("peft_sparse.accel.training_merge", "sparse_delta_linear", "layer forward, full path"),  # (a merged pass, not steady)
+    ("peft_sparse.accel.transient_merge", "_remember", "layer forward, full path"),  # (a default training pass, not steady)
     ("peft_sparse.core.layer", "SparseLayer._check_ready", "adapter checks"),
     ("peft_sparse.core.functional", "SparseDeltaLinear.backward", "generic backward"),
     ("peft_sparse.accel.triton_kernels", "block_sddmm_into", "block launch planned anew"),
@@ -348,7 +355,7 @@ def run_one(args) -> dict:
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
         "gpu": torch.cuda.get_device_name(),
         "size": args.size,
-        "training_merge": args.training_merge,
+        "training_merge": args.training_merge or args.variant.endswith("-merge"),
         "ma_signal": model.peft_config["default"].ma_signal if "spiel-ma" in args.variant else None,
         "sm3_ema": os.environ.get("BENCH_SM3_EMA") == "1",
         "seq": args.seq,

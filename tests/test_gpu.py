@@ -169,6 +169,38 @@ def test_training_merged_in_place_on_cuda_is_bit_identical(growth):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("growth, block_shape", [("ag", (1, 1)), ("ma", (1, 1)), ("ag", (16, 16)), ("ma", (16, 16))])
+def test_default_training_pass_on_cuda_is_bit_identical(growth, block_shape, monkeypatch):
+    """bf16 on CUDA: the default pass's Triton write (swap_in) and restore (scatter_copy) give the copy's bits: the
+    same losses and values as with that pass unregistered (the reference's copy, the other fast paths on), θ₀ intact."""
+    from peft_sparse.accel import transient_merge
+
+    entry = dispatch._KINDS["linear"]
+    runs, applied = [], []
+    apply = transient_merge.transient_apply
+    monkeypatch.setattr(transient_merge, "transient_apply", lambda *args: applied.append(1) or apply(*args))
+    for registered in (True, False):
+        if not registered:
+            monkeypatch.setattr(entry, "memos", [f for f in entry.memos if f is not transient_merge.steady_transient_forward])
+            monkeypatch.setattr(entry, "implementations", [f for f in entry.implementations if f is not transient_merge.transient_merge_pass])
+        config = SpIELConfig(target_modules=["q_proj", "gate_proj", "down_proj"], density=0.2, growth=growth,
+                             reselection_steps=3, gradient_estimation_steps=2, block_shape=block_shape)  # fmt: skip
+        model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128, dtype=torch.bfloat16), config).cuda()
+        theta0 = [layer.get_base_layer().weight.detach().clone() for layer in sparse_layers(model)]
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = SM3(params, lr=1e-2) if growth == "ma" else torch.optim.AdamW(params, lr=1e-2)
+        x = torch.randint(0, 97, (2, 9), device="cuda")
+        applied.clear()
+        losses = train_on(model, opt, SpIELScheduler(model, opt, total_steps=8), x, 8)
+        assert bool(applied) == registered
+        for layer, w in zip(sparse_layers(model), theta0):
+            assert torch.equal(layer.get_base_layer().weight, w)
+        runs.append((losses, [layer.sparse_values["default"].detach().clone() for layer in sparse_layers(model)]))
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(a, b)
+
+
 def test_layer_inputs_rebuilt_on_cuda_are_bit_identical(monkeypatch):
     """The rebuilt inputs (the RMSNorm outputs by the fused Triton pass) give the value gradients of kept inputs."""
     from .test_functional import _inputs_kept_case

@@ -1008,3 +1008,27 @@ def test_evict_oldest_keeps_the_newest_entries(tk):
     empty: dict = {}
     tk._evict_oldest(empty, 0)
     assert empty == {}
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_swap_in_and_scatter_copy_write_and_restore_bit_for_bit(tk, out_dtype):
+    """swap_in keeps W[η] and writes W[η] + φ as scatter_sum_reference rounds it; scatter_copy writes the kept
+    entries back: W's bits as before, −0.0 and subnormals included (the default training pass's write and restore)."""
+    g = torch.Generator().manual_seed(7)
+    dev = _device()
+    n, nnz = 5000, 1100
+    w = torch.randn(n, generator=g).to(out_dtype)
+    idx = random_indices(n, nnz, g).to(torch.int32)
+    w[idx[:4].long()] = torch.tensor([-0.0, 0.0, torch.finfo(out_dtype).tiny / 4, -torch.finfo(out_dtype).tiny / 4]).to(out_dtype)
+    vals = torch.randn(nnz, generator=g)
+    want = kernels.scatter_sum_reference(w.clone(), idx, w[idx.long()], vals)
+    flat = w.clone().to(dev)
+    saved = tk.swap_in(flat, idx.to(dev), vals.to(dev))
+    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(saved.cpu().view(bits), w[idx.long()].view(bits))
+    if dev == "cuda" or out_dtype == torch.float32:
+        assert torch.equal(flat.cpu(), want)
+    else:  # the interpreter's own 16-bit rounding (see test_scatter_add_matches_reference)
+        torch.testing.assert_close(flat.cpu(), want, rtol=2**-6, atol=2**-4)
+    tk.scatter_copy(flat, idx.to(dev), saved)
+    assert torch.equal(flat.cpu().view(bits), w.view(bits))

@@ -4,6 +4,9 @@ The plain path — scatter W + δ, the autograd function, the value gradient by 
 SDDMM, the per-tensor drop/grow of :mod:`peft_sparse.methods.spiel.selection` — is the reference: it
 is what the fast paths must reproduce. The fast paths are
 
+* the **default training pass** of a plain linear layer: W + scatter(η, φ) written into the base weight's storage
+  for the length of each matrix product only (forward and backward), θ₀ written back right after, no weight-sized
+  copy; its decisions repeated from a memo while they hold (:mod:`.transient_merge`);
 * the **training merge**: W + scatter(η, φ) kept in the base weight's storage while one adapter trains
   (opt-in per layer, ``merge_for_training``), rewritten after each optimizer step;
 * **steady-pass memos**: a layer's, and SM3's, decisions of the last pass reused after cheap checks;
@@ -30,7 +33,7 @@ from __future__ import annotations
 import os
 
 from ..core import dispatch, kernels
-from . import gpu, inference, input_rebuild, internals, nf4, steady, training_merge  # noqa: F401 (gpu: the kernels)
+from . import gpu, inference, input_rebuild, internals, nf4, steady, training_merge, transient_merge  # noqa: F401 (gpu: the kernels)
 
 
 def enabled() -> bool:
@@ -66,6 +69,8 @@ class _FastPathState(dispatch.Listener):
 
     def release(self, layers: list, weight_only: bool) -> None:
         for layer in layers:  # (a loop, not a list: this runs in every reference pass, mostly for one layer)
+            if layer._writing_thread is not None:  # another thread is inside the layer's product (transient_merge)
+                transient_merge.check_not_writing(layer)
             if layer._training_merge is not None:
                 # θ₀ back, one launch per group of like tensors
                 training_merge.release_training_merges([merged for merged in layers if merged._training_merge is not None])
@@ -75,16 +80,20 @@ class _FastPathState(dispatch.Listener):
         for layer in layers:  # the last pass's decisions and fused launch hold the layer's tensors
             if layer._steady is not None:
                 layer._steady = None
+            if layer._transient_steady is not None:
+                layer._transient_steady = None
             if layer._nf4_rebuild is not None:
                 layer._nf4_rebuild = None
 
     def forget(self, layer, adapter) -> None:
+        layer._weight_alias = None
         if adapter is None:
             layer._delta_csr.clear()
         else:
             layer._delta_csr.pop(adapter, None)
         layer._inference_memo = None
         layer._steady = None
+        layer._transient_steady = None
 
     def reindex(self, layers: list, change):
         merged_anew = training_merge.reseat_training_merges(layers, change)
@@ -107,13 +116,18 @@ for _name, _initial, _copied in (
     ("_nf4_rebuild", lambda: None, True),  # the last single-adapter fused NF4 launch, to repeat (nf4.py)
     ("_delta_csr", dict, False),  # adapter → (key, indices, values, its CSR delta) for passes without gradients
     ("_inference_memo", lambda: None, False),  # the single active adapter's CSR delta and its checks (inference.py)
+    ("_weight_alias", lambda: None, False),  # (weight, address, shape, its storage as a flat alias) (transient_merge.py)
+    ("_writing_thread", lambda: None, False),  # the thread inside the layer's product with W' written (transient_merge.py)
+    ("_transient_steady", lambda: None, False),  # the last default training pass's decisions (transient_merge.py)
 ):
     dispatch.register_layer_state(_name, _initial, _copied)
 
 # kind → memos (tried before the layer checks its tensors), then implementations, in this order
 dispatch.register("linear", inference.inference_forward, memo=True)
 dispatch.register("linear", steady.steady_forward, memo=True)
+dispatch.register("linear", transient_merge.steady_transient_forward, memo=True)
 dispatch.register("linear", training_merge.training_merge_pass)
+dispatch.register("linear", transient_merge.transient_merge_pass)
 dispatch.register("quantized", inference.inference_forward, memo=True)
 dispatch.register("quantized", steady.steady_forward, memo=True)
 dispatch.register("quantized", steady.quantized_training_pass)

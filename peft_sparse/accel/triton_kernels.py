@@ -1006,6 +1006,46 @@ def scatter_sum_into(out: torch.Tensor, indices: torch.Tensor, base: torch.Tenso
 
 
 @triton.jit
+def _swap_in_kernel(OUT, IDX, SAVED, VAL, nnz, BLOCK: tl.constexpr):
+    # SAVED[j] = OUT[i_j]; OUT[i_j] = SAVED[j] + VAL[j] (rounded as _scatter_sum_kernel rounds)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < nnz
+    i = tl.load(IDX + offs, mask=m, other=0).to(tl.int64)
+    old = tl.load(OUT + i, mask=m, other=0.0)
+    tl.store(SAVED + offs, old, mask=m)
+    v = _round_to(tl.load(VAL + offs, mask=m, other=0.0).to(tl.float32), OUT).to(tl.float32)
+    tl.store(OUT + i, _round_to(old.to(tl.float32) + v, OUT), mask=m)
+
+
+def swap_in(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``saved = out[indices]``, then ``out[indices] = saved + values.to(out.dtype)`` (``out`` flat, sorted distinct
+    ``indices``), one launch: :func:`scatter_sum_into` with ``base`` read from ``out`` itself. Returns ``saved``."""
+    nnz = indices.numel()
+    saved = torch.empty(nnz, dtype=out.dtype, device=out.device)
+    if nnz:
+        block = 1024
+        launch(_swap_in_kernel, (triton.cdiv(nnz, block),), out, indices, saved, values, nnz, BLOCK=block)
+    return saved
+
+
+@triton.jit
+def _scatter_copy_kernel(OUT, IDX, SRC, nnz, BLOCK: tl.constexpr):
+    # OUT[i_j] = SRC[j], the bits as they are
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < nnz
+    i = tl.load(IDX + offs, mask=m, other=0).to(tl.int64)
+    tl.store(OUT + i, tl.load(SRC + offs, mask=m), mask=m)
+
+
+def scatter_copy(out: torch.Tensor, indices: torch.Tensor, source: torch.Tensor) -> None:
+    """``out[indices] = source`` bit for bit (``out`` flat, ``source`` of its dtype), one launch."""
+    nnz = indices.numel()
+    if nnz:
+        block = 1024
+        launch(_scatter_copy_kernel, (triton.cdiv(nnz, block),), out, indices, source, nnz, BLOCK=block)
+
+
+@triton.jit
 def _gather_kernel(SRC, IDX, OUT, n, BLOCK: tl.constexpr):
     # OUT[j] = SRC[IDX[j]] converted to OUT's element type
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

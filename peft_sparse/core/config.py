@@ -191,9 +191,10 @@ class SparseConfig(PortableBaseModel, PeftConfig):
         metadata={
             "help": (
                 "Opt-in speed-up for GPU training: while one adapter trains on a plain nn.Linear, keep θ + δ in the base "
-                "weight's own storage instead of building a merged copy in every forward and backward pass. The base "
-                "weight then reads θ + δ through named_parameters() during training (state_dict(), eval(), merging and "
-                "saving still see θ); off by default, so base weights never change (PEFT's invariant)."
+                "weight's own storage between optimizer steps, written once per step. By default a layer writes θ + δ there "
+                "only for the length of its own forward and backward products and writes θ back right after, so nothing "
+                "else ever sees it (PEFT's invariant: base weights never change); with this option the base weight reads "
+                "θ + δ through named_parameters() during training (state_dict(), eval(), merging and saving still see θ)."
             )
         },
     )

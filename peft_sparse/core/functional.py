@@ -169,28 +169,35 @@ class SparseDeltaLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        first_order_only()
-        saved = ctx.saved_tensors
-        x, rest = (saved[0], saved[1:]) if ctx.x_saved else (None, saved)  # X: (..., in), or rebuilt below
-        n = ctx.spec[5]
-        indices, values = rest[:n], rest[n:]
-        x_shape, x_dtype = ctx.x_meta
-        out_features, in_features = grad_out.shape[-1], x_shape[-1]
-        needs = ctx.needs_input_grad  # (x, bias, spec, *indices, *values)
-        need_x, need_bias = needs[0], needs[len(needs) - 2 * n - 2]
-        need_values = needs[len(needs) - n :]
-        g2 = grad_out.reshape(-1, out_features)  # G: (tokens, out)
-        if g2.dtype != ctx.dtype:
-            g2 = g2.to(ctx.dtype)
-        grad_x = _input_gradient(ctx, g2, indices, values, x_shape, x_dtype) if need_x else None  # (..., in)
-        value_grads = [None] * n
-        if any(need_values):
-            value_grads = _values_gradients(ctx, g2, x, indices, values, need_values, out_features, in_features, x_dtype)
-        grad_bias = g2.sum(0).to(grad_out.dtype) if need_bias else None  # (out,)
-        return (grad_x, grad_bias, None, *([None] * n), *value_grads)
+        return backward_pass(ctx, grad_out, input_gradient)
 
 
-def _input_gradient(ctx, g2, indices, values, x_shape, x_dtype) -> torch.Tensor:
+def backward_pass(ctx, grad_out, input_gradient_fn: Callable) -> tuple:
+    """:class:`SparseDeltaLinear`'s backward, with ∂L/∂X = G·W' from ``input_gradient_fn`` (:func:`input_gradient`
+    or an implementation that forms G·W' another way, bit for bit): (∂L/∂X, ∂L/∂b, None for the spec and each
+    indices tensor, ∂L/∂φ_a for each adapter)."""
+    first_order_only()
+    saved = ctx.saved_tensors
+    x, rest = (saved[0], saved[1:]) if ctx.x_saved else (None, saved)  # X: (..., in), or rebuilt below
+    n = ctx.spec[5]
+    indices, values = rest[:n], rest[n:]
+    x_shape, x_dtype = ctx.x_meta
+    out_features, in_features = grad_out.shape[-1], x_shape[-1]
+    needs = ctx.needs_input_grad  # (x, bias, spec, *indices, *values)
+    need_x, need_bias = needs[0], needs[len(needs) - 2 * n - 2]
+    need_values = needs[len(needs) - n :]
+    g2 = grad_out.reshape(-1, out_features)  # G: (tokens, out)
+    if g2.dtype != ctx.dtype:
+        g2 = g2.to(ctx.dtype)
+    grad_x = input_gradient_fn(ctx, g2, indices, values, x_shape, x_dtype) if need_x else None  # (..., in)
+    value_grads = [None] * n
+    if any(need_values):
+        value_grads = values_gradients(ctx, g2, x, indices, values, need_values, out_features, in_features, x_dtype)
+    grad_bias = g2.sum(0).to(grad_out.dtype) if need_bias else None  # (out,)
+    return (grad_x, grad_bias, None, *([None] * n), *value_grads)
+
+
+def input_gradient(ctx, g2, indices, values, x_shape, x_dtype) -> torch.Tensor:
     """∂L/∂X = G·W' (..., in): W' read in place while the forward's merge still holds, else built again —
     from θ₀ (a later forward pass may have merged the layer in place since: the layer writes θ₀ back first)."""
     weight_fn, owned, hooks, _, premerged, _ = ctx.spec
@@ -207,7 +214,7 @@ def _input_gradient(ctx, g2, indices, values, x_shape, x_dtype) -> torch.Tensor:
     return grad_x if grad_x.dtype == x_dtype else grad_x.to(x_dtype)
 
 
-def _values_gradients(ctx, g2, x, indices, values, need_values, out_features: int, in_features: int, x_dtype) -> list:
+def values_gradients(ctx, g2, x, indices, values, need_values, out_features: int, in_features: int, x_dtype) -> list:
     """∂L/∂φ_a = (Gᵀ·X)[η_a] for every adapter that needs it (Eq. 7.4 / E.5), and the layer's dense-gradient
     consumer served on the way (module docstring): an AG window whose candidates are known blocks gets their
     block gradients, a consumer taking dW's factors gets G and X, any other gets dW itself once (the values'
