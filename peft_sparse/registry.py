@@ -121,7 +121,12 @@ def wrap_save_pretrained() -> None:
                     f"save_pretrained: values_dtype={values_dtype!r} is not supported; use one of float32, bfloat16, "
                     "float16, float64"
                 ) from None
-        ours = {n: c for n, c in self.peft_config.items() if getattr(c.peft_type, "value", c.peft_type) in OUR_TYPES}
+        from .core.config import SparseConfig
+
+        ours = {n: c for n, c in self.peft_config.items() if isinstance(c, SparseConfig)}  # (sparse deltas: MAD-G and bottleneck adapters have no values)
+        if not ours and (values_dtype is not None or allow_lossy_cast or save_ages):
+            raise ValueError("save_pretrained: values_dtype, allow_lossy_cast and save_ages apply to sparse adapters, and "
+                             f"this model holds none (its adapters: {sorted(self.peft_config)})")  # fmt: skip
         recorded = {n: c.values_dtype for n, c in ours.items()}
         from .core.config import VALUES_DTYPES
 
