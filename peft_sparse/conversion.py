@@ -48,6 +48,15 @@ def _check(model: torch.nn.Module, adapter_name: str) -> None:
         raise ValueError(f"convert_to_lora: adapter_name={adapter_name!r} is not an adapter of this model; it holds {sorted(configs)}")
     if configs is None and adapter_name not in held:
         raise ValueError(f"convert_to_lora: no sparse layer holds adapter_name={adapter_name!r}; the sparse layers hold {held}")
+    from .core.experts import SparseParameter
+
+    experts = [n for n, m in model.named_modules() if isinstance(m, SparseParameter)]
+    if experts:
+        raise TypeError(
+            f"convert_to_lora: the adapter reaches parameters through target_parameters (e.g. {experts[0]!r}), and PEFT's "
+            "LoRA conversion writes modules only (its own LoRA on parameters cannot be converted either); merge the adapter "
+            "instead (merge_and_unload), the exact route"
+        )
     other = [(n, type(m).__name__) for n, m in model.named_modules() if isinstance(m, BaseTunerLayer) and not isinstance(m, SparseLayer)]
     other = [(n, t) for n, t in other if not model.get_submodule(n).supports_lora_conversion(adapter_name)]
     if other:

@@ -56,7 +56,7 @@ from transformers import BartConfig, BartForConditionalGeneration, Qwen2Config, 
 
 from peft_sparse import LTSFTConfig, S4Config, SparseFTConfig, SpIELConfig, build_s4_model, detect_language_masks
 
-from .models import tiny_bert, tiny_gpt2, tiny_llama
+from .models import EXPERT_PARAMETERS, tiny_bert, tiny_gpt2, tiny_llama, tiny_mixtral
 
 VOCAB = 97
 
@@ -118,6 +118,7 @@ class Family:
     modules_to_save: Optional[list] = None
     generates: bool = False
     positional_generate_raises: bool = False  # PeftModelForSeq2SeqLM.generate takes keyword arguments only
+    target_parameters: Optional[list] = None  # parameters adapted beside the modules (a MoE model's fused experts)
 
 
 def _mlp_inputs(seed: int = 1) -> dict:
@@ -132,6 +133,8 @@ FAMILIES = {
     "bert": Family(tiny_bert, ["query", "key", "value", "dense"], "SEQ_CLS", _lm_inputs, lambda b: {**b, "labels": torch.tensor([0, 2])}),
     "bart": Family(tiny_bart, "all-linear", "SEQ_2_SEQ_LM", _seq2seq_inputs, lambda b: {**b, "labels": b["decoder_input_ids"]},
                    generates=True, positional_generate_raises=True),  # fmt: skip
+    "mixtral": Family(tiny_mixtral, ["q_proj", "v_proj"], "CAUSAL_LM", _lm_inputs,
+                      lambda b: {**b, "labels": b["input_ids"]}, generates=True, target_parameters=EXPERT_PARAMETERS),  # fmt: skip
     "qwen2": Family(tiny_qwen2, ["q_proj", "k_proj", "v_proj", "o_proj"], "CAUSAL_LM", _lm_inputs, lambda b: {**b, "labels": b["input_ids"]}, generates=True),
 }
 
@@ -200,6 +203,10 @@ _NO_LOSS = "S⁴ detects its masks from the model's loss on each language's data
 _MTS_COMBINE = "a dense modules_to_save copy cannot be combined into a weighted adapter (LoRA refuses overlapping ones too)"
 _NO_LAYERS = "the MLP has no numbered layers for layers_to_transform"
 _NOT_TRANSFORMERS = "the custom MLP is not a transformers model: it has no generate, no input embeddings, no gradient checkpointing"
+_PARAMETER_MIXED = ("PEFT runs no mixed adapter_names batch through target_parameters (LoRA's ParamWrapper refuses it); the "
+                    "sparse adapters refuse it by name as well (tests/test_moe.py)")
+_PARAMETER_CONVERSION = ("PEFT's convert_to_lora writes modules only: adapters on target_parameters, LoRA's as well, report "
+                         "no conversion support (merge is the route; tests/test_moe.py)")
 _CLASSIFIER = "a sequence classifier (BertForSequenceClassification) does not generate"
 
 # (method, family, targets, scenario) patterns (fnmatch) → reason; the first match wins
@@ -215,6 +222,10 @@ SKIPS = {
     ("*", "bert", "*", "generate*"): _CLASSIFIER,
     ("*", "mlp-mts", "*", "weighted_combination"): _MTS_COMBINE,
     ("*", "bert", "*", "weighted_combination"): _MTS_COMBINE,  # (SEQ_CLS: PEFT saves the classifier as modules_to_save)
+    ("*", "mixtral", "*", "mixed_adapter_batches"): _PARAMETER_MIXED,
+    ("*", "mixtral", "*", "generate_mixed_batches_beam_search"): _PARAMETER_MIXED,
+    ("*", "mixtral", "*", "lora_conversion"): _PARAMETER_CONVERSION,
+    ("lora", "mixtral", "*", "weighted_combination"): "PEFT's add_weighted_adapter refuses LoRA adapters on nn.Parameter targets",
 }
 # scenarios that make a second adapter from the row's config (add_adapter) carry this tag for the skip table
 SECOND_ADAPTER = {"selected_adapters", "adapter_name_substring", "merge_multi", "delete_adapter", "weighted_combination",
@@ -223,7 +234,7 @@ SECOND_ADAPTER = {"selected_adapters", "adapter_name_substring", "merge_multi", 
 # which cells run (module docstring): scenarios on every row; rows with every scenario; rows with the subset
 EVERY_CELL = {"save_pretrained[safetensors]", "merge", "training"}
 FULL_ROWS = {("mlp", "explicit"), ("llama", "default"), ("gpt2", "explicit")}
-SUBSET_ROWS = {("mlp-mts", "explicit"), ("bert", "default"), ("bart", "default"), ("qwen2", "default")}
+SUBSET_ROWS = {("mlp-mts", "explicit"), ("bert", "default"), ("bart", "default"), ("qwen2", "default"), ("mixtral", "default")}
 SUBSET = {"from_pretrained_is_trainable", "selected_adapters", "merge_multi", "safe_merge_nan", "gradient_checkpointing[non-reentrant]",
           "generate", "generate_mixed_batches_beam_search", "disable_adapter", "inputs_embeds", "weighted_combination", "delete_adapter[active]",
           "unload", "lora_conversion", "model_attributes", "mixed_adapter_batches"}  # fmt: skip
@@ -249,6 +260,8 @@ class Cell:
         fields = {"target_modules": None if self.targets == "default" else fam.targets, "task_type": fam.task_type}
         if fam.modules_to_save:
             fields["modules_to_save"] = list(fam.modules_to_save)
+        if fam.target_parameters:
+            fields["target_parameters"] = list(fam.target_parameters)
         return METHODS[self.method].config(**{**fields, **overrides})
 
     def peft(self, model=None, config=None, adapter_name="default"):

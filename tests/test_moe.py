@@ -559,3 +559,14 @@ def test_a_3d_parameter_outside_moe_trains_and_the_no_token_rule_steps_aside_wit
         optimizer.zero_grad()
         scheduler.step()
     assert all(layer.sparse_values["default"].abs().sum() > 0 for layer in slices(model))
+
+
+def test_expert_adapters_refuse_lora_conversion_by_name():
+    """PEFT's conversion writes modules only: an adapter on expert tensors says so (PEFT's own function refuses it as it
+    refuses LoRA on parameters) instead of failing inside PEFT with no target found."""
+    import peft_sparse
+
+    model = get_peft_model(tiny_mixtral(), SparseFTConfig(target_parameters=EXPERT_PARAMETERS, target_modules=["q_proj"], density=0.1))
+    assert not model.supports_lora_conversion()
+    with pytest.raises(TypeError, match="target_parameters"):
+        peft_sparse.convert_to_lora(model, rank=2)

@@ -132,6 +132,10 @@ class SparseSlice(nn.Module, SparseLayer):
         raise RuntimeError(f"{self.module_name}: the delta of a parameter slice is applied by its SparseParameter, "
                            "when the module that owns the parameter runs")  # fmt: skip
 
+    def supports_lora_conversion(self, adapter_name: str = "default") -> bool:
+        """False: PEFT's LoRA conversion writes modules only (its LoRA on parameters reports False as well)."""
+        return False
+
     def _weight_is_shared(self, weight: torch.Tensor) -> bool:
         # the slice is a view: whether another parameter shares the whole parameter's storage
         return SparseLayer._weight_is_shared(self, self.get_base_layer().parameter())
