@@ -102,8 +102,11 @@ def trainable_summary(model) -> str:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
     parts = [f"trainable parameters: {trainable:,} = {trainable / max(1, total):.2%} of all {total:,} parameters (the adapter's own included)"]
-    configs = getattr(model, "peft_config", {})
-    for name in getattr(model, "active_adapters", []):
+    configs = getattr(model, "peft_config", None)
+    if not configs:  # (no adapter: full fine-tuning; transformers' models have an active_adapters method of their own)
+        return "; ".join(parts)
+    names = model.active_adapters
+    for name in names() if callable(names) else names:
         config = configs.get(name)
         if not isinstance(config, SparseConfig) or not config.module_shapes or not config.tunable_weights_per_module:
             continue

@@ -319,6 +319,9 @@ def test_the_trainable_count_names_its_denominators(tmp_path, capsys):
     lora = get_peft_model(tiny_llama(), LoraConfig(target_modules=["q_proj"], r=2))
     trainable, total = lora.get_nb_trainable_parameters()
     assert trainable_summary(lora) == f"trainable parameters: {trainable:,} = {trainable / total:.2%} of all {total:,} parameters (the adapter's own included)"
+    full = tiny_llama()  # full fine-tuning: a transformers model, whose active_adapters is a method
+    n = sum(p.numel() for p in full.parameters())
+    assert trainable_summary(full) == f"trainable parameters: {n:,} = 100.00% of all {n:,} parameters (the adapter's own included)"
     # the recipe prints it (not PEFT's unlabelled trainable%)
     model_dir = tmp_path / "model"
     tiny_llama().save_pretrained(model_dir)

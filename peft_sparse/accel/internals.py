@@ -145,3 +145,9 @@ def triton_device_caches(kernel):
     """A Triton ``JITFunction``'s per-device cache of compiled kernels (what a kept launch reuses), or None
     where this Triton keeps none where we look: launches then go through Triton's own path."""
     return getattr(kernel, "device_caches", None)
+
+
+def functorch_transforms_active() -> bool:
+    """Whether a functorch transform (vmap, grad, jvp) is tracing the current call (False where torch cannot say)."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active()) if active is not None else False

@@ -48,7 +48,7 @@ from ..core.functional import SparseDeltaLinear, backward_pass, first_order_only
 from . import internals
 
 _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
-_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+_transforms_active = internals.functorch_transforms_active
 
 
 def _alias(layer, weight: torch.Tensor) -> torch.Tensor:
