@@ -140,24 +140,32 @@ def example(skill: str, prompt: str, answer: str) -> dict:
     }
 
 
-def generate(per_skill_train: int = 50, per_skill_test: int = 10, seed: int = 2024, skills: dict = SKILLS) -> tuple[list, list]:
-    """Held-out items first, then training items, per skill; no prompt appears twice. A skill with few
-    distinct prompts (capitals) gets fewer training items."""
-    rng = random.Random(seed)
+def draw(skills: dict, per_skill_train: int, per_skill_test: int, rng: random.Random, attempts: int = 10_000,
+         complete: bool = False) -> tuple[list, list]:
+    """Held-out items first, then training items, skill by skill; no prompt appears twice. A skill that runs out of
+    distinct prompts within ``attempts`` draws gets fewer items, or (``complete``) raises naming it."""
     train, test, seen = [], [], set()
     for skill, make in skills.items():
         for split, n in ((test, per_skill_test), (train, per_skill_train)):
-            made, attempts = 0, 0
-            while made < n and attempts < 10_000:
-                attempts += 1
+            made, tried = 0, 0
+            while made < n and tried < attempts:
+                tried += 1
                 prompt, answer = make(rng)
                 if prompt in seen:
                     continue
                 seen.add(prompt)
                 split.append(example(skill, prompt, answer))
                 made += 1
+            if complete and made < n:
+                raise ValueError(f"skill {skill!r} ran out of distinct prompts after {made} of {n}")
     rng.shuffle(train)
     return train, test
+
+
+def generate(per_skill_train: int = 50, per_skill_test: int = 10, seed: int = 2024, skills: dict = SKILLS) -> tuple[list, list]:
+    """The skills' examples from ``seed`` (:func:`draw`); a skill with few distinct prompts (capitals) gets fewer
+    training items."""
+    return draw(skills, per_skill_train, per_skill_test, random.Random(seed))
 
 
 def write(rows: list, path: Path) -> None:

@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import Callable
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from make_skills import draw as _draw, example  # noqa: E402 (the bundled skills' drawing and row format)
 
 WORDS = [
     "apple", "river", "garden", "pencil", "window", "orange", "silver", "market", "planet", "forest",
@@ -68,34 +70,10 @@ LETTERS = string.ascii_lowercase
 VOWELS = set("aeiou")
 
 
-def example(skill: str, prompt: str, answer: str) -> dict:
-    return {
-        "prompt": [{"role": "user", "content": prompt}],
-        "completion": [{"role": "assistant", "content": answer}],
-        "skill": skill,
-        "answer": answer,
-    }
-
-
 def draw(skills: dict, per_skill_train: int, per_skill_test: int, rng: random.Random) -> tuple[list, list]:
-    """Held-out items first, then training items, skill by skill; no prompt appears twice (a skill that runs out of
-    distinct prompts gets fewer items: the family's builder asks for no more than it has)."""
-    train, test, seen = [], [], set()
-    for skill, make in skills.items():
-        for split, n in ((test, per_skill_test), (train, per_skill_train)):
-            made, attempts = 0, 0
-            while made < n and attempts < 20_000:
-                attempts += 1
-                prompt, answer = make(rng)
-                if prompt in seen:
-                    continue
-                seen.add(prompt)
-                split.append(example(skill, prompt, answer))
-                made += 1
-            if made < n:
-                raise ValueError(f"skill {skill!r} ran out of distinct prompts after {made} of {n}")
-    rng.shuffle(train)
-    return train, test
+    """make_skills' drawing, every item asked for or an error naming the skill (a family's builder asks for no more
+    distinct prompts than it has)."""
+    return _draw(skills, per_skill_train, per_skill_test, rng, attempts=20_000, complete=True)
 
 
 # ------------------------------------------------------------------ sequences: sequence manipulation
