@@ -1,0 +1,44 @@
+#!/bin/bash
+# The GPU speed tables of BENCHMARKS.md in two calls of at most ten minutes on one warm machine (same lease):
+#
+#   bash benchmarks/speed_plan.sh a   # GPU tests; TinyLlama step table (default pass, opt-in merge, LoRA);
+#                                     # the Trainer/SFTTrainer table at TinyLlama and SmolLM2 shapes
+#   bash benchmarks/speed_plan.sh b   # Llama-2-7B step table (block and unstructured, default and opt-in); MoE shapes
+#
+# Needs the wheels of peft, trl, datasets, gguf in .whl (carry it). Results are JSON lines under $OUT
+# (default /tmp/speed-out); each benchmark prints its table at the end. STAGE=1 also copies .dev_model/part-aa to
+# /tmp/pm for benchmarks/quality_plan.sh run on the same machine.
+set -u
+START=$(date +%s)
+MODE=${1:-a}
+OUT=${OUT:-/tmp/speed-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "wheel install failed (carry .whl)"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, transformers, peft, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'triton', triton.__version__)"
+if [ -n "${STAGE:-}" ]; then mkdir -p /tmp/pm && cp .dev_model/part-aa /tmp/pm/ && echo "staged part-aa"; fi
+left() { echo $(( ${LIMIT:-585} - ($(date +%s) - START) )); }
+run() {  # run SECONDS CMD...: at most SECONDS, never past the call's limit
+  local s=$1; shift
+  local l; l=$(left); (( l < s )) && s=$l
+  (( s < 20 )) && { echo "skipped (no time left): $*"; return; }
+  echo "== [t=$(( $(date +%s) - START )) s, limit ${s} s] $*"
+  timeout "$s" "$@" 2>&1 | grep -v "^Loading weights\|FutureWarning\|warnings.warn"
+}
+if [ "$MODE" = a ]; then
+  run 110 python3 -m pytest tests/test_gpu.py tests/test_triton_kernels.py tests/test_transient_merge.py -q -p no:cacheprovider --maxfail=5
+  run 260 python3 benchmarks/bench_step.py --size tinyllama \
+    --variants floor,spiel-ag-block,spiel-ag-block-merge,spiel-ma-block,spiel-ma-block-merge,spiel-ag,spiel-ag-merge,spiel-ma,lora \
+    --batch-id speed-a-tl --out "$OUT/bench-tinyllama.jsonl"
+  run 110 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 40 --out "$OUT/trainer-tinyllama.jsonl"
+  run 80 python3 benchmarks/trainer_step.py --size smollm2-135m --bs 8 --seq 128 --steps 60 --out "$OUT/trainer-smollm2.jsonl"
+else
+  run 400 python3 benchmarks/bench_step.py --size llama2-7b \
+    --variants floor,spiel-ag-block,spiel-ag-block-merge,spiel-ma-block,spiel-ag \
+    --batch-id speed-b-7b --out "$OUT/bench-7b.jsonl"
+  run 150 python3 benchmarks/moe_step.py --out "$OUT/moe.jsonl"
+  [ -f "$OUT/moe.jsonl" ] && python3 benchmarks/moe_step.py --table "$OUT/moe.jsonl"
+fi
+echo "done after $(( $(date +%s) - START )) s"
