@@ -218,8 +218,6 @@ def test_mixed_adapter_batches_are_refused_as_for_lora():
 def test_bad_targets_are_refused_by_name():
     with pytest.raises(ValueError, match="target_parameters must be a list"):
         SparseFTConfig(target_parameters="mlp.experts.gate_up_proj", density=0.1)
-    with pytest.raises(TypeError, match="input_layernorm.weight.*2-D"):
-        get_peft_model(tiny_mixtral(), SparseFTConfig(target_parameters=["input_layernorm.weight"], density=0.1))
     with pytest.raises(ValueError, match=r"block_shape=\(5, 5\) does not tile target parameter"):
         get_peft_model(tiny_mixtral(), SparseFTConfig(target_parameters=EXPERT_PARAMETERS, density=0.1, block_shape=(5, 5)))
 

@@ -141,6 +141,7 @@ def steady_forward(layer, x: torch.Tensor, active: list) -> Optional[torch.Tenso
         and layer._modules["base_layer"] is base
         and base._parameters.get("weight") is weight
         and layer._modules["sparse_values"]._parameters.get(name) is values
+        and "bias" not in base.__dict__  # (a bias with its own delta, read through base.bias: the full path)
         and layer._ready.get(name) is values
         and values.dtype is dtype
         and layer._modules["sparse_indices"]._buffers.get(name) is indices

@@ -255,6 +255,7 @@ def steady_transient_forward(layer, x: torch.Tensor, active: list) -> Optional[t
         and layer._modules["base_layer"] is base_layer
         and base._parameters.get("weight") is weight
         and base._parameters.get("bias") is bias
+        and "bias" not in base.__dict__  # (a bias with its own delta, read through base.bias: the full path)
         and layer._modules["sparse_values"]._parameters.get(name) is values
         and layer._ready.get(name) is values
         and values.dtype is dtype

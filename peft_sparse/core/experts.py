@@ -1,5 +1,6 @@
 r"""Sparse deltas over parameters a module reads itself (PEFT's ``target_parameters``): the fused expert tensors of
-mixture-of-experts models, or any other 2-D or 3-D parameter.
+mixture-of-experts models, or any other 1-D, 2-D or 3-D parameter — a bias is one row, and may be adapted beside the
+weight of the same module, whose sparse layer the bias's wrapper then wraps.
 
 In transformers 5 the experts of Mixtral, Qwen3-MoE and similar models are one module per layer holding 3-D
 parameters — ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I) — which its forward pass reads as
@@ -37,19 +38,35 @@ from .functional import compose_weight, first_order_only
 from .internals import current_saved_tensor_hooks, version
 from .kernels import gather_as
 from .layer import SparseLayer
+from .targets import parameter_targets
 
 
 def unsupported_parameter_reason(param: torch.Tensor) -> Optional[str]:
-    if param.dim() not in (2, 3):
-        return f"has shape {tuple(param.shape)}: sparse adapters adapt 2-D (rows, cols) and 3-D (experts, rows, cols) parameters"
+    if param.dim() not in (1, 2, 3):
+        return (f"has shape {tuple(param.shape)}: sparse adapters adapt 1-D (a bias: one row), 2-D (rows, cols) and 3-D "
+                "(experts, rows, cols) parameters")
     if not param.dtype.is_floating_point:
         return f"is of dtype {param.dtype}: sparse adapters adapt floating-point parameters"
     return None
 
 
 def slice_names(key: str, param: torch.Tensor) -> list[str]:
-    """The names of a parameter's sparse layers: ``key`` for a 2-D parameter, ``key.e`` for expert e of a 3-D one."""
-    return [key] if param.dim() == 2 else [f"{key}.{e}" for e in range(param.shape[0])]
+    """The names of a parameter's sparse layers: ``key`` for a 1-D or 2-D parameter, ``key.e`` for expert e of a 3-D
+    one."""
+    return [f"{key}.{e}" for e in range(param.shape[0])] if param.dim() == 3 else [key]
+
+
+def slice_shape(param: torch.Tensor) -> tuple[int, int]:
+    """(rows, cols) of each of a parameter's slices: a 1-D parameter (a bias) is one row."""
+    return (1, int(param.shape[0])) if param.dim() == 1 else (int(param.shape[-2]), int(param.shape[-1]))
+
+
+def parameter_owner(module: nn.Module) -> nn.Module:
+    """The module that holds a parameter under any wrappers: nested :class:`SparseParameter` wrappers and a sparse
+    layer of the same module (a bias adapted beside the weight its sparse layer adapts)."""
+    while isinstance(module, (SparseParameter, SparseLayer)) and not isinstance(module, SparseSlice):
+        module = module.base_layer
+    return module
 
 
 def logical_name(path: str) -> str:
@@ -78,9 +95,28 @@ def parameter_slice(model: nn.Module, name: str) -> Optional["ParameterSlice"]:
         except AttributeError:
             continue
         param = owner._parameters.get(parameter)
-        if param is not None and param.dim() == (2 if index is None else 3) and (index is None or index < param.shape[0]):
+        if param is not None and (param.dim() in (1, 2) if index is None else param.dim() == 3 and index < param.shape[0]):
             return ParameterSlice(owner, parameter, index)
     return None
+
+
+def matched_parameters(config, model: nn.Module) -> tuple[dict, dict]:
+    """({slice name: size}, {slice name: [rows, cols]}) of the parameters ``config.target_parameters`` names: one
+    slice per expert of a 3-D parameter, one for a 2-D parameter, one row for a 1-D one."""
+    sizes, shapes = {}, {}
+    layers = tuple(key for key, m in model.named_modules() if isinstance(m, SparseLayer))
+    for key, owner, name in parameter_targets(config, model, skip=layers):
+        param = owner._parameters[name]
+        reason = unsupported_parameter_reason(param)
+        if reason:
+            raise TypeError(f"target parameter {key!r} {reason}")
+        rows, cols = slice_shape(param)
+        bh, bw = config.block_shape
+        if rows % bh or cols % bw:
+            raise ValueError(f"block_shape={config.block_shape} does not tile target parameter {key!r}, whose slices are ({rows}, {cols})")
+        for slice_name in slice_names(key, param):
+            sizes[slice_name], shapes[slice_name] = rows * cols, [rows, cols]
+    return sizes, shapes
 
 
 class ParameterSlice(nn.Module):
@@ -93,7 +129,7 @@ class ParameterSlice(nn.Module):
         object.__setattr__(self, "owner", owner)
         self.parameter_name = parameter_name
         self.index = index
-        self.out_features, self.in_features = (int(n) for n in owner._parameters[parameter_name].shape[-2:])
+        self.out_features, self.in_features = slice_shape(owner._parameters[parameter_name])
 
     def parameter(self) -> nn.Parameter:
         return self.owner._parameters[self.parameter_name]
@@ -101,6 +137,8 @@ class ParameterSlice(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         param = self.parameter()
+        if param.dim() == 1:
+            return param.view(1, -1)  # (a bias as one row: a view, so merging writes the parameter)
         return param if self.index is None else param[self.index]
 
     def forward(self, *args, **kwargs):
@@ -169,11 +207,8 @@ class SparseParameter(nn.Module):
         return list(delta) if isinstance(delta, nn.ModuleList) else [delta]
 
     def owner(self) -> nn.Module:
-        """The module that holds the parameter (under any nested wrappers)."""
-        module = self.base_layer
-        while isinstance(module, SparseParameter):
-            module = module.base_layer
-        return module
+        """The module that holds the parameter (under any nested wrappers, and the sparse layer of its weight)."""
+        return parameter_owner(self.base_layer)
 
     def get_base_layer(self) -> nn.Module:
         return self.owner()
@@ -199,6 +234,11 @@ class SparseParameter(nn.Module):
             if merge:
                 module.merge(safe_merge=safe_merge, adapter_names=adapter_names)
             module = module.base_layer
+        if isinstance(module, SparseLayer):  # (the sparse layer of the same module's weight, under its bias's wrapper)
+            module.release_training_merge()
+            if merge:
+                module.merge(safe_merge=safe_merge, adapter_names=adapter_names)
+            module = module.get_base_layer()
         return module
 
     # ------------------------------------------------------------------------------ routing
@@ -271,7 +311,7 @@ class SparseParameter(nn.Module):
         if all(layer.dense_grad_consumer is None for layer in layers):
             return
         grad = grad.contiguous()
-        parts = [grad] if grad.dim() == 2 else grad.unbind(0)  # (rows, cols) each
+        parts = [grad.view(1, -1)] if grad.dim() == 1 else [grad] if grad.dim() == 2 else grad.unbind(0)  # (rows, cols) each
         for layer, part in zip(layers, parts):
             consumer = layer.dense_grad_consumer
             if consumer is not None:

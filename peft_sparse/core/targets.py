@@ -74,22 +74,35 @@ def _without_base_layers(name: str) -> str:
 def parameter_targets(config: SparseConfig, model: nn.Module, skip: tuple = ()) -> Iterator[tuple[str, nn.Module, str]]:
     """(key, owning module, parameter name) of every parameter ``config.target_parameters`` names, in model order:
     the key is the parameter's name in the unwrapped model, matched exactly or as a suffix as PEFT matches it;
-    ``layers_to_transform`` applies to it as to module names. Modules under the names in ``skip`` (adapter
-    layers' own tensors) are not searched."""
+    ``layers_to_transform`` applies to it as to module names. Modules under the names in ``skip`` (sparse layers)
+    are not searched but for the module each wraps, whose parameters other than the adapted weight (its bias) may
+    be targeted."""
     targets = config.target_parameters or []
     for module_name, module in model.named_modules():
-        if any(module_name == s or module_name.startswith(s + ".") for s in skip):
-            continue
+        inside = [s for s in skip if module_name == s or module_name.startswith(s + ".")]
+        if inside and not all(_is_base_chain(module_name, s) for s in inside):
+            continue  # (an adapter layer's own tensors)
         unwrapped = _without_base_layers(module_name)
         for name, _ in module.named_parameters(recurse=False):
             key = f"{unwrapped}.{name}" if unwrapped else name
             if not (key in targets or any(key.endswith(f".{t}") for t in targets)):
                 continue
+            if inside and name == "weight":
+                raise ValueError(
+                    f"target_parameters names {key!r}, the weight of a module that target_modules adapts already: "
+                    "adapt it one way, e.g. leave it out of target_parameters (a bias may be named beside it)"
+                )
             if config.layers_to_transform is not None:
                 wanted = config.layers_to_transform
                 if _layer_index(config, key) not in ([wanted] if isinstance(wanted, int) else wanted):
                     continue
             yield key, module, name
+
+
+def _is_base_chain(module_name: str, layer_name: str) -> bool:
+    """Whether ``module_name`` is the module ``layer_name``'s sparse layer wraps (``<layer>.base_layer``, repeated)."""
+    rest = module_name[len(layer_name):]
+    return rest != "" and rest.replace(".base_layer", "") == ""
 
 
 def _model_configs(model: nn.Module) -> list:

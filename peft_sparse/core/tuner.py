@@ -15,7 +15,7 @@ from abc import abstractmethod
 import torch
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
-from peft.utils.other import AuxiliaryTrainingWrapper
+from peft.utils.other import AuxiliaryTrainingWrapper, _get_submodules
 from torch import nn
 
 from ..registry import ExcludedModule, include_all_linear_layers
@@ -23,7 +23,7 @@ from . import dispatch, storage
 from .budget import split_budget, split_weights, total_budget
 from .config import SparseConfig, dtype_name
 from .embedding import SparseEmbedding
-from .experts import SparseParameter, slice_names, unsupported_parameter_reason
+from .experts import SparseParameter, matched_parameters, parameter_owner, slice_names
 from .base import index_dtype, logical_shape, supported_base_layer, unsupported_embedding_reason
 from .layer import SparseLayer, SparseLinear
 from .merging import merged_for_inference
@@ -85,25 +85,6 @@ class SparseTuner(BaseTuner):
                 matched[key] = module
         return matched
 
-    @staticmethod
-    def _matched_parameters(config: SparseConfig, model: nn.Module) -> tuple[dict, dict]:
-        """({slice name: size}, {slice name: [rows, cols]}) of the parameters ``target_parameters`` names: one slice
-        per expert of a 3-D parameter, one for a 2-D parameter (:mod:`.experts`)."""
-        sizes, shapes = {}, {}
-        inside = tuple(key for key, m in model.named_modules() if isinstance(m, SparseLayer))
-        for key, owner, name in parameter_targets(config, model, skip=inside):
-            param = owner._parameters[name]
-            reason = unsupported_parameter_reason(param)
-            if reason:
-                raise TypeError(f"target parameter {key!r} {reason}")
-            rows, cols = (int(n) for n in param.shape[-2:])
-            bh, bw = config.block_shape
-            if rows % bh or cols % bw:
-                raise ValueError(f"block_shape={config.block_shape} does not tile target parameter {key!r}, whose slices are ({rows}, {cols})")
-            for name_ in slice_names(key, param):
-                sizes[name_], shapes[name_] = rows * cols, [rows, cols]
-        return sizes, shapes
-
     def _prepare_adapter_config(self, peft_config, model_config: dict):
         return resolve_default_targets(peft_config, model_config.get("model_type"))
 
@@ -144,9 +125,15 @@ class SparseTuner(BaseTuner):
             if isinstance(embeddings, nn.Embedding):
                 peft_config.base_vocab_size = embeddings.num_embeddings
         matched = self._matched_modules(peft_config, model)
-        sizes, shapes = self._matched_parameters(peft_config, model)
+        sizes, shapes = matched_parameters(peft_config, model)
+        for key in matched:
+            if f"{key}.weight" in sizes:
+                raise ValueError(
+                    f"target_parameters names {key + '.weight'!r}, the weight of a module that target_modules adapts "
+                    "already: adapt it one way, e.g. leave it out of target_parameters (a bias may be named beside it)"
+                )
         for key, module in matched.items():
-            base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
+            base = parameter_owner(module)
             if not supported_base_layer(base):
                 reason = unsupported_embedding_reason(base)
                 if reason:
@@ -204,6 +191,9 @@ class SparseTuner(BaseTuner):
         adapter; returns the sparse layers that received it."""
         if kwargs.get("parameter_name") is not None:
             return self._create_and_replace_parameter(peft_config, adapter_name, target, target_name, parent, current_key, kwargs["parameter_name"])
+        holder = None  # the innermost wrapper of the module's bias (target_parameters), when there is one
+        while isinstance(target, SparseParameter):
+            holder, parent, target_name, target = target, target, "base_layer", target.base_layer
         if isinstance(target, SparseLayer):
             layer = target
         elif isinstance(target, nn.Embedding):
@@ -214,8 +204,24 @@ class SparseTuner(BaseTuner):
             layer.merge_for_training = True
         self._add_adapter(peft_config, adapter_name, layer, current_key, fresh=layer is not target)
         if layer is not target:
-            self._replace_module(parent, target_name, layer, target)
+            if holder is not None:  # (under the bias's wrapper, which reads the owner through it)
+                holder.base_layer = layer
+            else:
+                self._replace_module(parent, target_name, layer, target)
         return [layer]
+
+    def _inject_parameters(self, peft_config, model: nn.Module, adapter_name: str, low_cpu_mem_usage: bool) -> list[str]:
+        """``target_parameters``: PEFT's matching (exact name or suffix, wrappers' ``base_layer`` left out of the name),
+        with a bias of a module whose weight a sparse layer adapts allowed (its wrapper wraps that layer)."""
+        layers = tuple(key for key, m in model.named_modules() if isinstance(m, SparseLayer))
+        found = list(parameter_targets(peft_config, model, skip=layers))
+        for key, _, name in found:
+            module_name = key.rpartition(".")[0]
+            if not module_name:
+                raise ValueError(f"target_parameters: {key!r} is a parameter of the top-level module, which cannot be wrapped")
+            parent, target, target_name = _get_submodules(model, module_name)
+            self._create_and_replace(peft_config, adapter_name, target, target_name, parent, current_key=key, parameter_name=name)
+        return [key for key, _, _ in found]
 
     def _create_and_replace_parameter(self, peft_config, adapter_name, target, target_name, parent, current_key, name) -> list:
         """``target_parameters``: the wrapper of ``target``'s parameter ``name`` (nested over wrappers of its other
@@ -226,7 +232,7 @@ class SparseTuner(BaseTuner):
             wrapper = wrapper.base_layer
         fresh = not isinstance(wrapper, SparseParameter)
         if fresh:
-            owner = target.owner() if isinstance(target, SparseParameter) else target
+            owner = parameter_owner(target)
             if any(key not in counts for key in slice_names(current_key, owner._parameters[name])):
                 return []  # (left out by layers_to_transform)
             wrapper = SparseParameter(target, name, current_key)

@@ -26,7 +26,8 @@ Plain loop::
         lt.step()   # after step D: K values selected, rewound; the optimizer now holds them (fresh state)
 
 ``reference="authors"`` selects as the authors' released code does (one global threshold at the ⌊density·N⌋-th
-largest |φ|, ties at it kept, no L1 term; see ``docs/differences.md``).
+largest |φ|, ties at it kept, no L1 term, the targeted modules' biases ranked with their weights; see
+``docs/differences.md``).
 
 The optimizer is re-pointed in place at the switch (its param groups take the new values Parameters, the
 old ones' state is dropped, ``sparse_learning_rate`` becomes the groups' base rate, under the same
@@ -47,10 +48,12 @@ from peft.utils import PeftType
 from ..core import edit
 from ..core.budget import split_budget, split_weights, total_budget
 from ..core.config import SparseConfig
+from ..core.experts import parameter_owner
 from ..core.layer import SparseLayer
 from ..core.selection import global_top_k, top_indices
 from ..core.tuner import SparseTuner
 from ..optim.surgery import repoint_parameters, unwrap_optimizer
+from ..registry import include_all_linear_layers
 
 PHASES = ("dense", "sparse")
 SELECTIONS = ("per_tensor", "global")
@@ -98,9 +101,9 @@ class LTSFTConfig(SparseConfig):
                 "(composable-sft; docs/differences.md): K = ⌊density · the targeted weights⌋ chosen by one global threshold, "
                 "keeping every weight whose |θ₁ − θ₀| ties the K-th (so more than K may be kept), and no L1 term: as "
                 "released, θ₀ is copied with gradient history, so the penalty's gradient cancels and training runs without "
-                "it (l1_reg must stay 0). The released code also ranks biases, embeddings and the pooler; here only the "
-                "targeted modules' weights are eligible (target embeddings and the pooler to include them; biases cannot "
-                "be targeted yet)."
+                "it (l1_reg must stay 0). As the released code ranks every parameter that trains, the bias of every "
+                "targeted module is ranked with the weights (added to target_parameters); target the embeddings and the "
+                "pooler to include them too."
             )
         },
     )
@@ -159,6 +162,8 @@ class LTSFTModel(SparseTuner):
     prefix: str = "sparse_"
 
     def _prepare_model(self, peft_config: LTSFTConfig, model) -> None:
+        if peft_config.reference == "authors":
+            _target_biases(self, peft_config, model)
         if not peft_config.freeze_layer_norm:
             norms = [name for name, module in model.named_modules() if _is_norm(module)]
             if not norms:
@@ -191,6 +196,20 @@ class LTSFTModel(SparseTuner):
                     "PeftModel.from_pretrained(base, path, is_trainable=True) (also to resume a Trainer checkpoint)"
                 ) from error
             raise
+
+
+def _target_biases(tuner: "LTSFTModel", config: LTSFTConfig, model) -> None:
+    """``reference='authors'``: the bias of every targeted module joins ``target_parameters`` by its full name, so
+    the lottery ranks it with the weights (the released code ranks every parameter that trains). Saved with the
+    config, so a loaded adapter has the same tensors."""
+    include_all_linear_layers(config, model)
+    biases = []
+    for key, module in tuner._matched_modules(config, model).items():
+        bias = parameter_owner(module)._parameters.get("bias")
+        if bias is not None and bias.dim() == 1:
+            biases.append(f"{key}.bias")
+    if biases:
+        config.target_parameters = sorted(set(config.target_parameters or []) | set(biases))
 
 
 def _at_or_above_kth(moved: dict, k: int) -> dict:
