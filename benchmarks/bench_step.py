@@ -287,6 +287,10 @@ def run_one(args) -> dict:
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = True
+    if args.no_transient_cuda:  # (the fast paths' composed pass instead of W + δ written for each product)
+        from peft_sparse.accel import transient_merge
+
+        transient_merge.ON_CUDA = False
     model, optimizer, hook, block_shape, trainable = prepare(args.variant, args.size, args.warmup + args.steps, args.block, args.training_merge, args.ma_signal)
     model.train()
     slow: dict = {}  # label → calls in the current step
@@ -356,6 +360,7 @@ def run_one(args) -> dict:
         "gpu": torch.cuda.get_device_name(),
         "size": args.size,
         "training_merge": args.training_merge or args.variant.endswith("-merge"),
+        "transient_cuda": not args.no_transient_cuda,
         "ma_signal": model.peft_config["default"].ma_signal if "spiel-ma" in args.variant else None,
         "sm3_ema": os.environ.get("BENCH_SM3_EMA") == "1",
         "seq": args.seq,
@@ -404,6 +409,9 @@ def main():
     parser.add_argument("--block", type=int, default=BLOCK, help="square block side of the -block variants")
     parser.add_argument("--warmup", type=int, default=6)
     parser.add_argument("--training-merge", action="store_true", help="SpIEL variants: the opt-in training merge (training_merge=True)")
+    parser.add_argument("--no-transient-cuda", action="store_true",
+                        help="SpIEL variants without the training merge: the fast paths' composed pass on CUDA instead of "
+                             "the default transient merge (W + δ written into the base weight for each product)")
     parser.add_argument("--ma-signal", choices=("sm3", "io"), default=None,
                         help="SpIEL-MA variants: growth ranked by SM3's accumulators or the windows' input/output sums "
                              "(default: the config's, 'io' for blocks and 'sm3' otherwise)")  # fmt: skip
@@ -497,6 +505,8 @@ def run_child(args, variant: str, batch_id: str, out: Optional[str]):
         cmd.append("--gc-freeze")
     if args.training_merge:
         cmd.append("--training-merge")
+    if args.no_transient_cuda:
+        cmd.append("--no-transient-cuda")
     if args.ma_signal:
         cmd += ["--ma-signal", args.ma_signal]
     if out:

@@ -1,9 +1,10 @@
 #!/bin/bash
-# The GPU speed tables of BENCHMARKS.md in two calls of at most ten minutes on one warm machine (same lease):
+# The GPU speed tables of BENCHMARKS.md in three calls of at most ten minutes on one warm machine (same lease):
 #
-#   bash benchmarks/speed_plan.sh a   # GPU tests; TinyLlama step table (default pass, opt-in merge, LoRA);
+#   bash benchmarks/speed_plan.sh a   # GPU tests; TinyLlama step table (default pass, opt-in merge, LoRA)
+#   bash benchmarks/speed_plan.sh b   # TinyLlama with the composed pass instead of the transient merge (same lease as a);
 #                                     # the Trainer/SFTTrainer table at TinyLlama and SmolLM2 shapes
-#   bash benchmarks/speed_plan.sh b   # Llama-2-7B step table (block and unstructured, default and opt-in); MoE shapes
+#   bash benchmarks/speed_plan.sh c   # Llama-2-7B step table (block and unstructured, default and opt-in); MoE shapes
 #
 # Needs the wheels of peft, trl, datasets, gguf in .whl (carry it). Results are JSON lines under $OUT
 # (default /tmp/speed-out); each benchmark prints its table at the end. STAGE=1 also copies .dev_model/part-aa to
@@ -28,16 +29,19 @@ run() {  # run SECONDS CMD...: at most SECONDS, never past the call's limit
   timeout "$s" "$@" 2>&1 | grep -v "^Loading weights\|FutureWarning\|warnings.warn"
 }
 if [ "$MODE" = a ]; then
-  run 110 python3 -m pytest tests/test_gpu.py tests/test_triton_kernels.py tests/test_transient_merge.py -q -p no:cacheprovider --maxfail=5
+  run 220 python3 -m pytest tests/test_gpu.py tests/test_triton_kernels.py tests/test_transient_merge.py -q -p no:cacheprovider --maxfail=5
   run 260 python3 benchmarks/bench_step.py --size tinyllama \
     --variants floor,spiel-ag-block,spiel-ag-block-merge,spiel-ma-block,spiel-ma-block-merge,spiel-ag,spiel-ag-merge,spiel-ma,lora \
     --batch-id speed-a-tl --out "$OUT/bench-tinyllama.jsonl"
-  run 110 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 40 --out "$OUT/trainer-tinyllama.jsonl"
-  run 80 python3 benchmarks/trainer_step.py --size smollm2-135m --bs 8 --seq 128 --steps 60 --out "$OUT/trainer-smollm2.jsonl"
+elif [ "$MODE" = b ]; then
+  run 160 python3 benchmarks/bench_step.py --size tinyllama --no-transient-cuda \
+    --variants floor,spiel-ag-block,spiel-ma-block,spiel-ag,spiel-ma --batch-id speed-b-tl-composed --out "$OUT/bench-tinyllama-composed.jsonl"
+  run 200 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 40 --out "$OUT/trainer-tinyllama.jsonl"
+  run 150 python3 benchmarks/trainer_step.py --size smollm2-135m --bs 8 --seq 128 --steps 60 --out "$OUT/trainer-smollm2.jsonl"
 else
   run 400 python3 benchmarks/bench_step.py --size llama2-7b \
     --variants floor,spiel-ag-block,spiel-ag-block-merge,spiel-ma-block,spiel-ag \
-    --batch-id speed-b-7b --out "$OUT/bench-7b.jsonl"
+    --batch-id speed-c-7b --out "$OUT/bench-7b.jsonl"
   run 150 python3 benchmarks/moe_step.py --out "$OUT/moe.jsonl"
   [ -f "$OUT/moe.jsonl" ] && python3 benchmarks/moe_step.py --table "$OUT/moe.jsonl"
 fi

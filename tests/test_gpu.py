@@ -179,6 +179,7 @@ def test_default_training_pass_on_cuda_is_bit_identical(growth, block_shape, mon
 
     entry = dispatch._KINDS["linear"]
     runs, applied = [], []
+    monkeypatch.setattr(transient_merge, "ON_CUDA", True)  # (the default; a benchmark switch turns it off)
     apply = transient_merge.transient_apply
     monkeypatch.setattr(transient_merge, "transient_apply", lambda *args: applied.append(1) or apply(*args))
     for registered in (True, False):

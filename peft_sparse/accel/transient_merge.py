@@ -51,6 +51,11 @@ _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: F
 _transforms_active = internals.functorch_transforms_active
 
 
+# Off: the pass is not taken on CUDA (benchmarks/bench_step.py --no-transient-cuda, for a comparison in one lease
+# with the fast paths' composed pass; the transient pass was host-bound for block adapters on an H200, BENCHMARKS.md).
+ON_CUDA = True
+
+
 def _alias(layer, weight: torch.Tensor) -> torch.Tensor:
     """The base weight's storage as a flat tensor with its own version counter (``weight.data``), kept on the
     layer while the weight keeps that object, address and shape."""
@@ -202,8 +207,10 @@ transient_apply = internals.direct_apply(TransientMergeLinear)
 def transient_merge_pass(layer, x: torch.Tensor, active: list) -> Optional[torch.Tensor]:
     """A pass with gradients of a plain linear layer (module docstring: which are taken): the reference's output
     and gradients, bit for bit, with W' written into the base weight only for each product. None for any other
-    pass."""
+    pass, and on CUDA when :data:`ON_CUDA` is off."""
     if not active or layer.merge_for_training or not torch.is_grad_enabled() or layer.quantization_backend is not None or layer.fan_in_fan_out:
+        return None
+    if x.is_cuda and not ON_CUDA:
         return None
     if getattr(layer, "_is_replica", False):  # an nn.DataParallel replica: its device's replicas share the weight
         return None
