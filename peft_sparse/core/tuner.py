@@ -193,7 +193,7 @@ class SparseTuner(BaseTuner):
             return self._create_and_replace_parameter(peft_config, adapter_name, target, target_name, parent, current_key, kwargs["parameter_name"])
         holder = None  # the innermost wrapper of the module's bias (target_parameters), when there is one
         while isinstance(target, SparseParameter):
-            holder, parent, target_name, target = target, target, "base_layer", target.base_layer
+            holder, target = target, target.base_layer
         if isinstance(target, SparseLayer):
             layer = target
         elif isinstance(target, nn.Embedding):
