@@ -21,7 +21,8 @@ PEFT's SHiRA, full fine-tuning, a fixed random or magnitude mask (``SparseFTConf
 ``budget_split="adaptive"``, weight decay ``auto_weight_decay`` for the schedule) and SpIEL-MA (SM3 in the form the
 recipe runner picks by run length), also on 64×64 blocks. ``--reference authors`` runs the SpIEL methods with
 ``reference="authors"`` (the authors' released selection and optimizer-state rules: AgedAdamW for AG, SM3's sums
-without momentum for MA), beside the defaults; the rows record it.
+without momentum for MA), beside the defaults; the rows record it. ``--released-rule NAME`` switches on one of those
+rules alone over the defaults (``peft_sparse.methods.spiel.rules``), the measured-effect column of docs/differences.md.
 
     python benchmarks/quality.py run --tasks test --methods lora spiel-ag --seeds 0 1 2 --trainer loop --schedule constant
     python benchmarks/quality.py run --task skills --method spiel-ag --reference authors --steps 150
@@ -273,7 +274,7 @@ def check_reference_supported(reference: str | None, methods) -> None:
         )
 
 
-def build(method: str, model, budget: int, rank: int, seed: int, overrides: dict, reference: str | None = None):
+def build(method: str, model, budget: int, rank: int, seed: int, overrides: dict, reference: str | None = None, rules=()):
     """(peft or plain model, trainable parameters) for ``method`` at ``budget`` trainable weights."""
     import peft
 
@@ -295,6 +296,10 @@ def build(method: str, model, budget: int, rank: int, seed: int, overrides: dict
             unit = fields["block_shape"][0] * fields["block_shape"][1]
             budget = budget // unit * unit  # whole blocks: LoRA r16's 4,884,480 → 4,882,432 (1,192 blocks of 64×64)
         config = peft_sparse.SpIELConfig(target_modules=TARGETS, num_tunable_weights=budget, seed=seed, **fields)
+        if rules:  # (one row of docs/differences.md at a time: the released rule over the defaults)
+            from peft_sparse.methods.spiel.rules import with_released_rules
+
+            with_released_rules(config, rules)
     wrapped = peft.get_peft_model(model, config)
     return wrapped, [p for p in wrapped.parameters() if p.requires_grad]
 
@@ -452,7 +457,8 @@ def run_one(args, task: str, method: str, seed: int, model_and_tokenizer, data) 
     budget = lora_budget(model, args.budget_rank)
     overrides = dict(args.set or {})
     reference = args.reference if method in REFERENCE_VARIANTS else None
-    wrapped, params = build(method, model, budget, args.budget_rank, seed, overrides, reference)
+    rules = tuple(args.released_rule or ()) if method in SPIEL_VARIANTS else ()
+    wrapped, params = build(method, model, budget, args.budget_rank, seed, overrides, reference, rules)
     config = getattr(wrapped, "peft_config", {}).get("default")
     S_gamma = list(config.steps_for(args.steps)) if hasattr(config, "steps_for") else None  # (SpIEL: S, γ resolved)
     reselect = method in SPIEL_VARIANTS and not args.no_reselection
@@ -460,7 +466,7 @@ def run_one(args, task: str, method: str, seed: int, model_and_tokenizer, data) 
     if uses_sm3(method) and reselect:  # (SpIEL-MA: its growth signal and first replacement as resolved)
         ma_setup = {"ma_signal": config.ma_signal, "first_full_replacement": config.first_replacement_is_full(args.steps)}
     optimizer_kind = args.optimizer or ("sm3" if uses_sm3(method) else "adamw")
-    if reference and method == "spiel-ag" and args.optimizer is None:
+    if (reference or "seeds" in rules) and method == "spiel-ag" and args.optimizer is None:
         optimizer_kind = "aged_adamw"  # (the released SpIEL-AG optimizer: a per-index age in Adam's bias correction)
     lr = resolved_lr(args, method)
     decay = resolved_weight_decay(args, method, lr)
@@ -494,7 +500,8 @@ def run_one(args, task: str, method: str, seed: int, model_and_tokenizer, data) 
     eval_seconds = time.perf_counter() - start_eval
     rates = trained["rates"]
     return {
-        "task": task, "split": TASKS[task].split, "method": method, "reference": reference, "lr": lr, "seed": seed,
+        "task": task, "split": TASKS[task].split, "method": method, "reference": reference, "released_rules": sorted(rules) or None,
+        "lr": lr, "seed": seed,
         "steps": args.steps, "batch_size": args.batch_size, "trainer": args.trainer, "schedule": args.schedule,
         "warmup_steps": warmup_steps(args), "cooldown_fraction": args.cooldown_fraction if args.schedule == "wsd" else None,
         "budget_rank": args.budget_rank, "trainable": n_trainable,
@@ -706,6 +713,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reference", choices=("authors",), default=None,
                         help="SpIEL with reference='authors': the authors' released selection and optimizer-state rules "
                              "(AgedAdamW for AG, SM3's sums without momentum for MA)")
+    parser.add_argument("--released-rule", nargs="+", default=None, metavar="RULE",
+                        help="SpIEL with the defaults and these of the authors' released rules (one row of docs/differences.md each: "
+                             "budget, count, windows, cosine_first, keep_regrown, no_regrowth, seeds; seeds trains AG with AgedAdamW)")
     parser.add_argument("--no-reselection", action="store_true", help="SpIEL without a scheduler: the initial mask kept")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--max-length", type=int, default=128)

@@ -37,11 +37,13 @@ def trainer_of(r: dict) -> str:
 def method_of(r: dict) -> str:
     """The method with its reference mode: 'spiel-ag' or 'spiel-ag (authors)'."""
     ref = r.get("reference") or (r.get("set") or {}).get("reference")
+    if r.get("released_rules"):
+        return f"{r['method']} (released {'+'.join(r['released_rules'])})"
     return f"{r['method']} ({ref})" if ref else r["method"]
 
 
 def default_optimizer(r: dict) -> str:
-    if r.get("reference") and r["method"] == "spiel-ag":
+    if (r.get("reference") or "seeds" in (r.get("released_rules") or ())) and r["method"] == "spiel-ag":
         return "aged_adamw"
     return DEFAULT_OPTIMIZER.get(r["method"], "adamw")
 

@@ -5,6 +5,10 @@
 #   bash benchmarks/speed_plan.sh b   # TinyLlama with the composed pass instead of the transient merge (same lease as a);
 #                                     # the Trainer/SFTTrainer table at TinyLlama and SmolLM2 shapes
 #   bash benchmarks/speed_plan.sh c   # Llama-2-7B step table (block and unstructured, default and opt-in); MoE shapes
+#   OLD=<tree> bash benchmarks/speed_plan.sh r
+#                                     # before/after: the SpIEL and block rows of an older checkout's library and
+#                                     # bench_step.py (OLD, e.g. a `git worktree` of the commit before a change) against
+#                                     # this tree's, default pass and composed pass, interleaved in rounds at TinyLlama shapes
 #
 # Needs the wheels of peft, trl, datasets, gguf in .whl (carry it). Results are JSON lines under $OUT
 # (default /tmp/speed-out); each benchmark prints its table at the end. STAGE=1 also copies .dev_model/part-aa to
@@ -38,6 +42,39 @@ elif [ "$MODE" = b ]; then
     --variants floor,spiel-ag-block,spiel-ma-block,spiel-ag,spiel-ma --batch-id speed-b-tl-composed --out "$OUT/bench-tinyllama-composed.jsonl"
   run 200 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 40 --out "$OUT/trainer-tinyllama.jsonl"
   run 150 python3 benchmarks/trainer_step.py --size smollm2-135m --bs 8 --seq 128 --steps 60 --out "$OUT/trainer-smollm2.jsonl"
+elif [ "$MODE" = r ]; then
+  [ -f "${OLD:-}/benchmarks/bench_step.py" ] || { echo "OLD must name an older tree with benchmarks/bench_step.py (carry it)"; exit 1; }
+  round=0
+  while (( $(left) > 290 )); do  # (a round: the floor and 3 variants × 3 trees, ~25 s a run; the trees' order reversed each round)
+    round=$((round + 1))
+    run 60 python3 benchmarks/bench_step.py --size tinyllama --variant floor --batch-id "r$round" --out "$OUT/refactor-floor.jsonl"
+    for v in spiel-ag spiel-ag-block spiel-ma-block; do
+      trees="old composed default"; (( round % 2 == 0 )) && trees="default composed old"
+      for tree in $trees; do
+        case $tree in
+          old) run 60 python3 "$OLD/benchmarks/bench_step.py" --size tinyllama --variant "$v" --batch-id "r$round" --out "$OUT/refactor-old.jsonl" ;;
+          composed) run 60 python3 benchmarks/bench_step.py --size tinyllama --variant "$v" --no-transient-cuda --batch-id "r$round" --out "$OUT/refactor-composed.jsonl" ;;
+          default) run 60 python3 benchmarks/bench_step.py --size tinyllama --variant "$v" --batch-id "r$round" --out "$OUT/refactor-default.jsonl" ;;
+        esac
+      done
+    done
+  done
+  python3 - "$OUT" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+def rows(name):
+    path = out / f"refactor-{name}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+floor = {r["batch_id"]: r["step_s_median"] for r in rows("floor")}
+print("median step × that round's floor (median over rounds; each round's value in brackets)")
+for v in ("spiel-ag", "spiel-ag-block", "spiel-ma-block"):
+    cells = []
+    for tree in ("old", "composed", "default"):
+        ratios = [r["step_s_median"] / floor[r["batch_id"]] for r in rows(tree) if r["variant"] == v and r["batch_id"] in floor]
+        cells.append(f"{tree} {statistics.median(ratios):.3f} [{' '.join(f'{x:.3f}' for x in ratios)}]" if ratios else f"{tree} -")
+    print(f"{v:<16}" + "   ".join(cells))
+PY
 else
   run 400 python3 benchmarks/bench_step.py --size llama2-7b \
     --variants floor,spiel-ag-block,spiel-ag-block-merge,spiel-ma-block,spiel-ag \

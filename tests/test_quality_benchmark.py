@@ -195,6 +195,7 @@ def test_summary_means_and_sds_over_seeds_and_families(capsys):
         _row(test[0], "lora", 0, 0.5), _row(test[0], "lora", 1, 0.7),
         _row(test[1], "lora", 0, 0.9), _row(test[1], "lora", 1, 0.8, trainer="plain"),  # (a legacy name: the loop)
         _row(test[0], "spiel-ag", 0, 0.6, reference="authors"),
+        _row(test[0], "spiel-ag", 0, 0.7, released_rules=["seeds"], optimizer="aged_adamw"),
     ]  # fmt: skip
     cells = {s["task"]: s for s in quality_summary.summarize(rows) if s["method"] == "lora"}
     assert cells[test[0]]["mean"] == pytest.approx(0.6) and cells[test[0]]["sd"] == pytest.approx(statistics.stdev([0.5, 0.7]))
@@ -204,19 +205,24 @@ def test_summary_means_and_sds_over_seeds_and_families(capsys):
     assert quality_summary.family_mean(cells, test + ["x"]) == "72.5 [2/3]"  # ((60 + 85) / 2)
     text = "\n".join(quality_summary.family_tables(rows) + quality_summary.paths_tables(rows))
     assert f"{test[0]} (test)" in text and "spiel-ag (authors)" in text and "loop + linear" in text
+    assert "spiel-ag (released seeds)" in text and "optimizer aged_adamw" not in text  # (the rule's own optimizer)
 
 
-@pytest.mark.parametrize("method", ["spiel-ag", "spiel-ma"])
-def test_spiel_reselects_identically_in_the_loop_and_under_the_trainer(method):
+@pytest.mark.parametrize("method,rules", [("spiel-ag", ()), ("spiel-ma", ()), ("spiel-ag", ("windows",)), ("spiel-ma", ("no_regrowth",))])
+def test_spiel_reselects_identically_in_the_loop_and_under_the_trainer(method, rules):
     """SpIEL with reselections (every 3 steps) and weight decay: SpIELScheduler stepped after each optimizer step in the
     loop and SpIELCallback under the Trainer give the same losses and the same reselections (AG: AdamW, decay on the
-    values in both; MA: SM3)."""
+    values in both; MA: SM3), also with a released rule switched on (``--released-rule``), which the wrapped model's
+    config carries to the callback."""
+    from peft_sparse.methods.spiel.rules import released
+
     args = _args(steps=9, warmup_steps=1)
     train = _data(12)
     fields = {"reselection_steps": 3, "gradient_estimation_steps": 1}
     runs = []
     for path in ("loop", "trainer"):
-        wrapped, params = quality.build(method, tiny_llama(), 600, 4, 0, dict(fields))
+        wrapped, params = quality.build(method, tiny_llama(), 600, 4, 0, dict(fields), rules=rules)
+        assert [r for r in ("windows", "no_regrowth") if released(wrapped.peft_config["default"], r)] == list(rules)
         kind, form = ("sm3", {"momentum": 0.0, "beta2": None}) if quality.uses_sm3(method) else ("adamw", None)
         if path == "loop":
             runs.append(quality.train_loop(args, wrapped, params, quality.make_optimizer(kind, params, 1e-2, 0.1, form), True, train, 1, 0))

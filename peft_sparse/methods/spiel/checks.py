@@ -12,8 +12,9 @@ import torch.distributed as dist
 from ...core.layer import SparseLayer
 from ...optim.aged_adamw import AgedAdamW
 from ...optim.sm3 import SM3
-from ...schedules.reselection import is_reselection_step, released_replacement_count
+from ...schedules.reselection import is_reselection_step
 from .config import SpIELConfig
+from .rules import released
 
 
 def find_spiel_adapter(model, adapter_name: Optional[str]):
@@ -61,17 +62,18 @@ class SchedulerChecks:
                              "(the scheduler keeps the accumulators), or use DDP / FSDP2")  # fmt: skip
 
     def _check_reference_optimizer(self) -> None:
-        """``reference='authors'``: the released code's optimizer, and room for MA's growth outside the active units."""
-        if self.config.reference != "authors":
-            return
+        """``reference='authors'`` (or the released rules ``seeds`` and ``no_regrowth`` alone): the released code's
+        optimizer, and room for MA's growth outside the active units."""
         opt = self.optimizer
-        if self.config.growth == "ag" and not isinstance(opt, AgedAdamW):
+        if self.config.growth == "ag" and released(self.config, "seeds") and not isinstance(opt, AgedAdamW):
             raise TypeError(
-                f"SpIEL-AG with reference='authors' seeds grown weights with a per-index age in Adam's bias correction, which "
-                f"{type(opt).__name__} cannot hold: train with peft_sparse.AgedAdamW (Trainer: optimizer_cls_and_kwargs="
+                f"SpIEL-AG with reference='authors' (or the released rule 'seeds') seeds grown weights with a per-index age in "
+                f"Adam's bias correction, which {type(opt).__name__} cannot hold: train with peft_sparse.AgedAdamW (Trainer: optimizer_cls_and_kwargs="
                 "(peft_sparse.AgedAdamW, {'lr': ...}))"
             )
-        if self.config.growth == "ma":
+        if self.config.growth == "ma" and released(self.config, "no_regrowth") and self.config.reference != "authors":
+            self._check_room_to_grow()
+        if self.config.growth == "ma" and self.config.reference == "authors":
             if not isinstance(opt, SM3):
                 raise TypeError(f"SpIEL-MA with reference='authors' ranks growth by SM3's own accumulators, as the released code "
                                 f"does: train with peft_sparse.SM3, not {type(opt).__name__}")  # fmt: skip
@@ -87,14 +89,13 @@ class SchedulerChecks:
     def _check_room_to_grow(self) -> None:
         """The released MA never grows a unit that was active before the reselection, so every tensor needs k(t)
         inactive units at each reselection (at a full replacement: d_φ of them, a density of at most 1/2)."""
-        c = self.config
         steps = [t for t in range(1, self.total_steps) if is_reselection_step(t, self.S, self.gamma, self.total_steps)]
         for layer in self.layers:
             d = layer.sparse_values[self.adapter_name].numel()
-            most = max((released_replacement_count(t, self.total_steps, d, c.initial_reselection_rate, c.schedule, self.gamma) for t in steps), default=0)
+            most = max((self.replacement_counts(t, [d])[0] for t in steps), default=0)
             if layer.numel - d < most:
                 raise ValueError(
-                    f"SpIEL-MA with reference='authors' grows only weights that were inactive before a reselection: "
+                    f"SpIEL-MA with reference='authors' (or the released rule 'no_regrowth') grows only weights that were inactive before a reselection: "
                     f"{layer.module_name} holds {d} of {layer.numel} weights, too few inactive ones for the {most} it replaces "
                     "(the released code fails there); lower density"
                 )

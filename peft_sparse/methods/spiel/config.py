@@ -9,6 +9,7 @@ from typing import ClassVar, Optional, Union
 from peft.utils import PeftType
 
 from ...core.config import SparseConfig, removed_fields
+from .rules import released
 
 
 # first_full_replacement='auto' with ma_signal='io': the full replacement at t = γ pays only with at least this many
@@ -236,7 +237,7 @@ class SpIELConfig(SparseConfig):
                 f"gradient_estimation_steps={self.gradient_estimation_steps!r} and reselection_steps={self.reselection_steps!r} give "
                 f"γ={gamma} ≥ S={S} for total_steps={total_steps}; γ must stay below S"
             )
-        if authors and gamma == S - 1:  # (the released trainer opens each later window after step kS − 1)
+        if released(self, "windows") and gamma == S - 1:  # (the released trainer opens each later window after step kS − 1)
             raise ValueError(
                 f"reference='authors' with γ={gamma} = S − 1 (S={S}): the released trainer opens a window after step S − 1 = γ, "
                 "which empties the first window at its own reselection; use γ ≤ S − 2"
@@ -248,7 +249,7 @@ class SpIELConfig(SparseConfig):
         for 'auto' True unless MA ranks growth by ``ma_signal='io'`` and fewer than
         :data:`IO_FULL_REPLACEMENT_MIN_FOLLOWING` reselections (at t = γ + kS < T) follow the first. With
         ``reference='authors'``: the released rule, full with the linear schedule (Eq. 7.6), not with the cosine one."""
-        if self.reference == "authors":
+        if released(self, "cosine_first"):
             return self.schedule == "linear"
         if self.first_full_replacement != "auto":
             return bool(self.first_full_replacement)

@@ -12,6 +12,7 @@ from ...core.layer import SparseLayer
 from ...core.selection import module_generator, random_indices
 from ...core.tuner import SparseTuner
 from .config import SpIELConfig
+from .rules import released
 
 
 class _UnscheduledTrainingGuard:
@@ -108,7 +109,7 @@ class SpIELModel(SparseTuner):
     def _prepare_model(self, peft_config: SpIELConfig, model) -> None:
         fresh = peft_config.tunable_weights_per_module is None
         super()._prepare_model(peft_config, model)
-        if fresh and peft_config.reference == "authors" and peft_config.module_shapes:
+        if fresh and released(peft_config, "budget") and peft_config.module_shapes:
             counts = released_budget(peft_config, model)
             peft_config.tunable_weights_per_module = counts
             if peft_config.num_tunable_weights is not None:  # (the per-tensor floors may leave a few weights unused)

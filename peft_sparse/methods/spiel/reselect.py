@@ -18,6 +18,7 @@ from ...core.tuner import SparseTuner
 from ...schedules.reselection import released_replacement_count, replacement_count
 from .adaptive import reselect_adaptive
 from .batched import AllReselections, TensorReselection, _starts, reselect_all
+from .rules import released
 from .selection import reselect_ag, reselect_ma
 from .statistics import distributed
 
@@ -48,7 +49,7 @@ class Reselections:
         """k(i, t) of every tensor at reselection step t, in units (weights, or blocks): Eq. 7.6 (or E.1) per tensor,
         or the released code's floating-point count with ``reference='authors'``."""
         c = self.config
-        if c.reference == "authors":
+        if released(c, "count"):
             return [released_replacement_count(t, self.total_steps, u, c.initial_reselection_rate, c.schedule, self.gamma) for u in units]
         return [replacement_count(t, self.total_steps, u, c.initial_reselection_rate, c.schedule, self.gamma, self.first_full) for u in units]
 
@@ -130,7 +131,7 @@ class Reselections:
         results = []  # (group, result, ok: a bool, or the device flag its edits are conditioned on)
         for group in by_device.values():
             items = [item for _, item, _ in group]
-            if not accel.ON or c.reference == "authors":  # Algorithms 2–3 tensor by tensor (the batched selection is a fast path)
+            if not accel.ON or released(c, "keep_regrown") or released(c, "no_regrowth"):  # Algorithms 2–3 tensor by tensor (the batched selection is a fast path)
                 results.append((group, self._per_tensor(group), True))
                 continue
             result = reselect_all(items, c.growth)
@@ -153,7 +154,7 @@ class Reselections:
                 edits[at].undo()
                 edits[at] = self._apply_all(t, results[at][0], self._per_tensor(results[at][0]), None)
             report, _ = self._report(t, edits, [])
-        if self.seeding is not None and c.reference == "authors":
+        if self.seeding is not None and released(c, "seeds"):
             self.seeding.apply_now()  # (the released code seeds when it reselects, from the raw window statistics)
         return report
 
@@ -161,15 +162,14 @@ class Reselections:
         """The group's reselection tensor by tensor (:mod:`.selection`), checked: fewer eligible AG candidates
         than k shrink k (reported as a shortfall); a non-finite score raises, nothing edited."""
         items = [it for _, it, _ in group]
-        released = self.config.reference == "authors"
         per_tensor = []
         for it in items:
             ranked = it.values if it.drop_values is None else it.drop_values  # (what DROP ranks by magnitude)
             if self.config.growth == "ag":
                 per_tensor.append(reselect_ag(ranked, it.indices, it.k, it.candidates, it.score.abs(), it.grid, it.units, it.candidate_units,
-                                              keep_regrown=released))  # fmt: skip
+                                              keep_regrown=released(self.config, "keep_regrown")))  # fmt: skip
             else:
-                per_tensor.append(reselect_ma(ranked, it.indices, it.k, it.row_acc, it.col_acc, it.grid, it.units, exclude_active=released))
+                per_tensor.append(reselect_ma(ranked, it.indices, it.k, it.row_acc, it.col_acc, it.grid, it.units, exclude_active=released(self.config, "no_regrowth")))
         return AllReselections.of_tensors(items, per_tensor)
 
     def _apply_all(self, t: int, group: list, result: AllReselections, condition: Optional[torch.Tensor]) -> _GroupEdit:

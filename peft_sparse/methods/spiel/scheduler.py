@@ -22,6 +22,7 @@ from .checks import SchedulerChecks, find_spiel_adapter, spiel_layers
 from .model import SpIELModel
 from .reselect import Reselections
 from .routing import RoutedTokens
+from .rules import released
 from .seeding import DeferredSeeding
 from .state import SchedulerState
 from .statistics import InputOutputStatistics, RowColumnAccumulators, _WindowStatistics, _end_steps, distributed
@@ -75,7 +76,7 @@ class SpIELScheduler(SchedulerChecks, Reselections, SchedulerState):
         self.seeding = None
         if self.config.growth == "ag":  # Adam's second moment of grown weights (reference='authors': both, with ages)
             self.seeding = DeferredSeeding(self.optimizer, [m.sparse_values[self.adapter_name] for m in self.layers],
-                                           first_moment=self.config.reference == "authors")  # fmt: skip
+                                           first_moment=released(self.config, "seeds"))  # fmt: skip
         self.last_statistics: dict = {}
         # φ₀ of each tensor (drop_criterion="change"): its values right after the last reselection
         self.drop_reference: dict[str, torch.Tensor] = {}
@@ -118,7 +119,7 @@ class SpIELScheduler(SchedulerChecks, Reselections, SchedulerState):
     def _in_window(self, t: int) -> bool:
         """Whether the backward passes of step t feed a window: the γ steps before each reselection, or with
         ``reference='authors'`` the released trainer's windows (γ + 1 steps after the first)."""
-        window = released_in_estimation_window if self.config.reference == "authors" else in_estimation_window
+        window = released_in_estimation_window if released(self.config, "windows") else in_estimation_window
         return self.uses_windows and window(t, self.S, self.gamma, self.total_steps)
 
     def _arm_if_window(self, next_t: int) -> None:
@@ -140,7 +141,7 @@ class SpIELScheduler(SchedulerChecks, Reselections, SchedulerState):
                 d = quotas[layer.module_name] if quotas else layer.sparse_indices[self.adapter_name].numel()  # (adaptive: the uniform quota; indices: never partitioned)
                 num_units = math.ceil(self.config.candidate_ratio * (d // grid.unit))  # K = ⌈ratio·d_φ⌉ (in units)
                 stats = _WindowStatistics(min(grid.numel, num_units), grid, dtype, self.config.score_normalization,
-                                          micro_batches=self.config.reference == "authors")  # fmt: skip
+                                          micro_batches=released(self.config, "seeds"))  # fmt: skip
                 self.statistics[layer.module_name] = stats
                 layer.dense_grad_consumer = stats
 
