@@ -19,7 +19,8 @@ Two training paths, each with the schedule of ``--schedule`` (``linear`` decay t
 Methods (``--methods``) run with their recommended settings unless flags say otherwise (``RECOMMENDED``): LoRA r16,
 PEFT's SHiRA, full fine-tuning, a fixed random or magnitude mask (``SparseFTConfig``), SpIEL-AG (the README's settings:
 ``budget_split="adaptive"``, weight decay ``auto_weight_decay`` for the schedule) and SpIEL-MA (SM3 in the form the
-recipe runner picks by run length), also on 64×64 blocks. ``--reference authors`` runs the SpIEL methods with
+recipe runner picks by run length), also on 64×64 blocks, and LT-SFT (the run's first half dense at full fine-tuning's
+rate, the second half sparse on the K weights that moved most, at the method's rate). ``--reference authors`` runs the SpIEL methods with
 ``reference="authors"`` (the authors' released selection and optimizer-state rules: AgedAdamW for AG, SM3's sums
 without momentum for MA), beside the defaults; the rows record it. ``--released-rule NAME`` switches on one of those
 rules alone over the defaults (``peft_sparse.methods.spiel.rules``), the measured-effect column of docs/differences.md.
@@ -97,7 +98,11 @@ SPIEL_VARIANTS = {
     "spiel-ma-block": {"growth": "ma", "block_shape": (64, 64)},
 }
 REFERENCE_VARIANTS = {"spiel-ag": {"growth": "ag"}, "spiel-ma": {"growth": "ma"}}
-METHODS = ("lora", "shira", "sft-random", "sft-magnitude", *SPIEL_VARIANTS, "full")
+REFERENCE_METHODS = (*REFERENCE_VARIANTS, "lt-sft")
+METHODS = ("lora", "shira", "sft-random", "sft-magnitude", *SPIEL_VARIANTS, "lt-sft", "full")
+# LT-SFT (thesis ch. 4, Algorithm 1): the run's first half dense (every targeted weight, at full fine-tuning's rate),
+# the K = budget weights that moved most kept and rewound, the second half sparse at the method's rate
+LT_SFT_DENSE_LR = 3e-5
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SCHEDULES = ("linear", "cosine", "constant", "wsd")
 # transformers' lr_scheduler_type of each schedule (both paths; 'constant' keeps the warm-up; 'wsd': constant, then a
@@ -131,6 +136,7 @@ RECOMMENDED = {
     "spiel-ag-block": Recipe(1e-3, "auto"),
     "spiel-ma": Recipe(5e-4, 0.0, lr_short=3e-3),
     "spiel-ma-block": Recipe(2e-3, 0.0),
+    "lt-sft": Recipe(1e-3),
     "full": Recipe(3e-5),
 }
 # learning rates tried per method on one seed by ``sweep`` (AdamW unless noted; SpIEL-MA: SM3)
@@ -266,15 +272,16 @@ def check_reference_supported(reference: str | None, methods) -> None:
         )
     if any(m == "spiel-ag" for m in methods) and not hasattr(peft_sparse, "AgedAdamW"):
         raise SystemExit(f"--reference {reference} with spiel-ag needs peft_sparse.AgedAdamW, which the installed peft_sparse lacks")
-    other = [m for m in methods if m not in REFERENCE_VARIANTS]
+    other = [m for m in methods if m not in REFERENCE_METHODS]
     if other:
         raise SystemExit(
-            f"--reference {reference} applies to {sorted(REFERENCE_VARIANTS)} (single weights); got --methods {other}: "
+            f"--reference {reference} applies to {sorted(REFERENCE_METHODS)} (single weights); got --methods {other}: "
             "run the other methods without --reference"
         )
 
 
-def build(method: str, model, budget: int, rank: int, seed: int, overrides: dict, reference: str | None = None, rules=()):
+def build(method: str, model, budget: int, rank: int, seed: int, overrides: dict, reference: str | None = None, rules=(),
+          steps: int | None = None, lr: float | None = None):
     """(peft or plain model, trainable parameters) for ``method`` at ``budget`` trainable weights."""
     import peft
 
@@ -286,6 +293,11 @@ def build(method: str, model, budget: int, rank: int, seed: int, overrides: dict
         config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=TARGETS, **overrides)
     elif method == "shira":
         config = peft.ShiraConfig(r=rank, target_modules=TARGETS, random_seed=seed, **overrides)
+    elif method == "lt-sft":  # (steps: the whole run, dense then sparse; lr: the sparse phase's rate)
+        fields = {"reference": reference, **overrides} if reference else overrides
+        config = peft_sparse.LTSFTConfig(target_modules=TARGETS, num_tunable_weights=budget, seed=seed, dense_steps=steps // 2,
+                                         sparse_steps=steps - steps // 2, dense_learning_rate=LT_SFT_DENSE_LR, sparse_learning_rate=lr,
+                                         **fields)  # fmt: skip
     elif method.startswith("sft-"):
         config = peft_sparse.SparseFTConfig(target_modules=TARGETS, num_tunable_weights=budget, init=method[4:], seed=seed, **overrides)
     else:
@@ -352,12 +364,15 @@ def lr_schedule(args, optimizer):
                          scheduler_specific_kwargs=schedule_kwargs(args))  # fmt: skip
 
 
-def train_loop(args, wrapped, params, optimizer, reselect: bool, train: list, seed: int, pad_id: int) -> dict:
-    """The plain loop: forward, backward, clip, optimizer step, LR schedule step, SpIEL scheduler step."""
+def train_loop(args, wrapped, params, optimizer, reselect: bool, train: list, seed: int, pad_id: int, lt_sft: bool = False) -> dict:
+    """The plain loop: forward, backward, clip, optimizer step, LR schedule step, SpIEL (or LT-SFT) scheduler step."""
     import peft_sparse
 
     schedule = lr_schedule(args, optimizer)
     scheduler = peft_sparse.SpIELScheduler(wrapped, optimizer, total_steps=args.steps) if reselect else None
+    lt = peft_sparse.LTSFTScheduler(wrapped) if lt_sft else None
+    if lt is not None:
+        lt.attach(optimizer, schedule)  # (the phases' rates as the schedule's base rates; the L1 gradient before each step)
     wrapped.train()
     losses, reselections, step_times, rates = [], [], [], []
     scheduler_seconds = 0.0  # time inside scheduler.step(): the reselections and the windows' bookkeeping
@@ -372,6 +387,8 @@ def train_loop(args, wrapped, params, optimizer, reselect: bool, train: list, se
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
         losses.append(loss.item())  # (a read of the device each step: the step times below are complete)
+        if lt is not None and lt.step():  # (selected and rewound: the optimizer now holds the sparse phase's values)
+            params = lt.trainable_parameters()
         if scheduler is not None:
             at = time.perf_counter()
             report = scheduler.step()
@@ -388,7 +405,7 @@ def train_loop(args, wrapped, params, optimizer, reselect: bool, train: list, se
 
 
 def train_trainer(args, wrapped, lr: float, decay: float, optimizer_kind: str, sm3_form, reselect: bool, train: list,
-                  seed: int, pad_id: int) -> dict:  # fmt: skip
+                  seed: int, pad_id: int, lt_sft: bool = False) -> dict:  # fmt: skip
     """transformers' Trainer as a user runs it: its own AdamW (decay on all but biases and norms), or SM3 / AgedAdamW
     through ``optimizer_cls_and_kwargs``, its schedule from ``lr_scheduler_type``, its clipping, ``SpIELCallback``
     for SpIEL; the batches are the loop's (an iterable dataset in that order)."""
@@ -429,7 +446,7 @@ def train_trainer(args, wrapped, lr: float, decay: float, optimizer_kind: str, s
         )  # fmt: skip
         trainer = Trainer(
             model=wrapped, args=targs, train_dataset=Ordered(), data_collator=lambda rows: collate(rows, pad_id),
-            callbacks=[Clock()] + ([peft_sparse.SpIELCallback()] if reselect else []),
+            callbacks=[Clock()] + ([peft_sparse.SpIELCallback()] if reselect else []) + ([peft_sparse.LTSFTCallback()] if lt_sft else []),
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
         )  # fmt: skip
         trainer.remove_callback(PrinterCallback)
@@ -456,9 +473,10 @@ def run_one(args, task: str, method: str, seed: int, model_and_tokenizer, data) 
     torch.manual_seed(seed)
     budget = lora_budget(model, args.budget_rank)
     overrides = dict(args.set or {})
-    reference = args.reference if method in REFERENCE_VARIANTS else None
+    reference = args.reference if method in REFERENCE_METHODS else None
     rules = tuple(args.released_rule or ()) if method in SPIEL_VARIANTS else ()
-    wrapped, params = build(method, model, budget, args.budget_rank, seed, overrides, reference, rules)
+    lr = resolved_lr(args, method)
+    wrapped, params = build(method, model, budget, args.budget_rank, seed, overrides, reference, rules, steps=args.steps, lr=lr)
     config = getattr(wrapped, "peft_config", {}).get("default")
     S_gamma = list(config.steps_for(args.steps)) if hasattr(config, "steps_for") else None  # (SpIEL: S, γ resolved)
     reselect = method in SPIEL_VARIANTS and not args.no_reselection
@@ -468,7 +486,6 @@ def run_one(args, task: str, method: str, seed: int, model_and_tokenizer, data) 
     optimizer_kind = args.optimizer or ("sm3" if uses_sm3(method) else "adamw")
     if (reference or "seeds" in rules) and method == "spiel-ag" and args.optimizer is None:
         optimizer_kind = "aged_adamw"  # (the released SpIEL-AG optimizer: a per-index age in Adam's bias correction)
-    lr = resolved_lr(args, method)
     decay = resolved_weight_decay(args, method, lr)
     sm3_form = None
     if optimizer_kind == "sm3":  # ('auto': the recipe runner's SpIEL-MA form for this run length; the reference: the sums)
@@ -485,9 +502,12 @@ def run_one(args, task: str, method: str, seed: int, model_and_tokenizer, data) 
         test = test[: args.eval_limit]
     if args.trainer == "loop":
         optimizer = make_optimizer(optimizer_kind, params, lr, decay, sm3_form)
-        trained = train_loop(args, wrapped, params, optimizer, reselect, train, seed, tokenizer.pad_token_id)
+        trained = train_loop(args, wrapped, params, optimizer, reselect, train, seed, tokenizer.pad_token_id, lt_sft=method == "lt-sft")
     else:
-        trained = train_trainer(args, wrapped, lr, decay, optimizer_kind, sm3_form, reselect, train, seed, tokenizer.pad_token_id)
+        trained = train_trainer(args, wrapped, lr, decay, optimizer_kind, sm3_form, reselect, train, seed, tokenizer.pad_token_id,
+                                lt_sft=method == "lt-sft")  # fmt: skip
+    if method == "lt-sft":  # (the sparse phase's values: K, or more with the released rule's ties)
+        n_trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     losses, step_times, start = trained["losses"], trained["step_times"], trained["start"]
     train_seconds = step_times[-1] - start
     if method != "full":

@@ -249,3 +249,30 @@ def test_summary_pools_spiel_ag_at_its_recommended_decay_across_schedules():
     assert labels[0] == labels[1] == "" and labels[2] != ""
     table = quality_summary.paths_tables(rows)
     assert sum(line.startswith("| spiel-ag |") for line in table) == 2
+
+
+@pytest.mark.parametrize("fields", [{}, {"reference": "authors"}])
+def test_lt_sft_runs_its_phases_identically_in_the_loop_and_under_the_trainer(fields):
+    """LT-SFT in the benchmark: the first half of the run dense at full fine-tuning's rate, the second sparse at the
+    method's rate on the K weights that moved most; the plain loop (LTSFTScheduler attached to the schedule) and the
+    Trainer (LTSFTCallback) give the same losses and the same rates, and the selected adapter holds K values."""
+    args = _args(steps=8, warmup_steps=1)
+    train = _data(12)
+    runs, kept = [], []
+    for path in ("loop", "trainer"):
+        reference = fields.get("reference")
+        wrapped, params = quality.build("lt-sft", tiny_llama(), 300, 4, 0, {}, reference=reference, steps=8, lr=1e-2)
+        if path == "loop":
+            runs.append(quality.train_loop(args, wrapped, params, quality.make_optimizer("adamw", params, 1e-2, 0.0, None), False, train,
+                                           1, 0, lt_sft=True))  # fmt: skip
+        else:
+            runs.append(quality.train_trainer(args, wrapped, 1e-2, 0.0, "adamw", None, False, train, 1, 0, lt_sft=True))
+        kept.append(sum(p.numel() for p in wrapped.parameters() if p.requires_grad))
+        assert wrapped.peft_config["default"].phase == "sparse"
+    loop, trainer = runs
+    assert loop["losses"] == pytest.approx(trainer["losses"], rel=1e-4)
+    assert loop["rates"] == pytest.approx(trainer["rates"], rel=1e-6)
+    factor = [1.0 - max(0, s - 1) / 7 if s >= 1 else 0.0 for s in range(8)]  # (linear: warm-up of 1, decay to 0 at 8)
+    assert loop["rates"][:4] == pytest.approx([quality.LT_SFT_DENSE_LR * f for f in factor[:4]], rel=1e-6)
+    assert loop["rates"][4:] == pytest.approx([1e-2 * f for f in factor[4:]], rel=1e-6)
+    assert kept[0] == kept[1] >= 300 and (kept[0] == 300 or fields)
