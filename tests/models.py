@@ -117,12 +117,13 @@ def tiny_tokenizer():
 
 
 def train_on(model, optimizer, scheduler, x, steps: int, after_step=None) -> list:
-    """``steps`` training steps on the same batch (labels = inputs), the scheduler stepped after each
-    optimizer step, then ``after_step(step)`` if given; returns the losses."""
+    """``steps`` training steps on the batch ``x`` (or ``x(step)`` where ``x`` is a function of the step; labels =
+    inputs), the scheduler stepped after each optimizer step, then ``after_step(step)`` if given; returns the losses."""
     model.train()
     losses = []
     for step in range(steps):
-        loss = model(x, labels=x).loss
+        batch = x(step) if callable(x) else x
+        loss = model(batch, labels=batch).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

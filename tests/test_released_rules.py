@@ -13,7 +13,7 @@ from peft_sparse import SM3, AgedAdamW, SpIELConfig, SpIELScheduler
 from peft_sparse.methods.spiel.model import released_budget
 from peft_sparse.methods.spiel.rules import RULES, released, with_released_rules
 
-from .models import inputs, sparse_layers, tiny_llama
+from .models import inputs, sparse_layers, tiny_llama, train_on
 
 # what reference='authors' fixes beside its rules (S and γ: the paper's 20 and 5, here a short run's)
 FIXED = dict(score_normalization="none", budget_split="uniform", reselection_steps=5, gradient_estimation_steps=2)
@@ -33,14 +33,7 @@ def _run(growth: str, rules=None, reference=None, steps=13, **fields):
         opt = AgedAdamW(params, lr=1e-2)
     else:
         opt = torch.optim.AdamW(params, lr=1e-2)
-    scheduler = SpIELScheduler(model, opt, total_steps=steps)
-    model.train()
-    for step in range(steps):
-        x = inputs(seed=step, batch=2, length=9)
-        model(x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        scheduler.step()
+    train_on(model, opt, SpIELScheduler(model, opt, total_steps=steps), lambda step: inputs(seed=step, batch=2, length=9), steps)
     return {k: v.detach().clone() for k, v in model.state_dict().items() if "sparse_" in k}, model
 
 

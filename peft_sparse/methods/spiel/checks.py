@@ -67,12 +67,10 @@ class SchedulerChecks:
         opt = self.optimizer
         if self.config.growth == "ag" and released(self.config, "seeds") and not isinstance(opt, AgedAdamW):
             raise TypeError(
-                f"SpIEL-AG with reference='authors' (or the released rule 'seeds') seeds grown weights with a per-index age in "
-                f"Adam's bias correction, which {type(opt).__name__} cannot hold: train with peft_sparse.AgedAdamW (Trainer: optimizer_cls_and_kwargs="
-                "(peft_sparse.AgedAdamW, {'lr': ...}))"
+                f"SpIEL-AG with reference='authors' (or the released rule 'seeds') seeds grown weights with a per-index age "
+                f"in Adam's bias correction, which {type(opt).__name__} cannot hold: train with peft_sparse.AgedAdamW (Trainer: "
+                "optimizer_cls_and_kwargs=(peft_sparse.AgedAdamW, {'lr': ...}))"
             )
-        if self.config.growth == "ma" and released(self.config, "no_regrowth") and self.config.reference != "authors":
-            self._check_room_to_grow()
         if self.config.growth == "ma" and self.config.reference == "authors":
             if not isinstance(opt, SM3):
                 raise TypeError(f"SpIEL-MA with reference='authors' ranks growth by SM3's own accumulators, as the released code "
@@ -84,6 +82,7 @@ class SchedulerChecks:
                         f"momentum={group.get('momentum')!r}, beta2={group.get('beta2')!r} (the released selector moves values "
                         "without their momentum, so no faithful run with momentum exists): use SM3(momentum=0, beta2=None)"
                     )
+        if self.config.growth == "ma" and released(self.config, "no_regrowth"):
             self._check_room_to_grow()
 
     def _check_room_to_grow(self) -> None:
@@ -95,9 +94,9 @@ class SchedulerChecks:
             most = max((self.replacement_counts(t, [d])[0] for t in steps), default=0)
             if layer.numel - d < most:
                 raise ValueError(
-                    f"SpIEL-MA with reference='authors' (or the released rule 'no_regrowth') grows only weights that were inactive before a reselection: "
-                    f"{layer.module_name} holds {d} of {layer.numel} weights, too few inactive ones for the {most} it replaces "
-                    "(the released code fails there); lower density"
+                    f"SpIEL-MA with reference='authors' (or the released rule 'no_regrowth') grows only weights that were "
+                    f"inactive before a reselection: {layer.module_name} holds {d} of {layer.numel} weights, too few inactive ones "
+                    f"for the {most} it replaces (the released code fails there); lower density"
                 )
 
     def _check_optimizer_holds_values(self, created: bool = False) -> None:

@@ -129,9 +129,10 @@ class Reselections:
                 item.row_acc, item.col_acc = state["row_accumulator"], state["col_accumulator"]
             by_device.setdefault(values.device, []).append((layer, item, stats))
         results = []  # (group, result, ok: a bool, or the device flag its edits are conditioned on)
+        released_selection = released(c, "keep_regrown") or released(c, "no_regrowth")  # (rules of the per-tensor selection)
         for group in by_device.values():
             items = [item for _, item, _ in group]
-            if not accel.ON or released(c, "keep_regrown") or released(c, "no_regrowth"):  # Algorithms 2–3 tensor by tensor (the batched selection is a fast path)
+            if not accel.ON or released_selection:  # Algorithms 2–3 tensor by tensor (the batched selection is a fast path)
                 results.append((group, self._per_tensor(group), True))
                 continue
             result = reselect_all(items, c.growth)
@@ -162,14 +163,15 @@ class Reselections:
         """The group's reselection tensor by tensor (:mod:`.selection`), checked: fewer eligible AG candidates
         than k shrink k (reported as a shortfall); a non-finite score raises, nothing edited."""
         items = [it for _, it, _ in group]
+        keep_regrown, exclude_active = released(self.config, "keep_regrown"), released(self.config, "no_regrowth")
         per_tensor = []
         for it in items:
             ranked = it.values if it.drop_values is None else it.drop_values  # (what DROP ranks by magnitude)
             if self.config.growth == "ag":
                 per_tensor.append(reselect_ag(ranked, it.indices, it.k, it.candidates, it.score.abs(), it.grid, it.units, it.candidate_units,
-                                              keep_regrown=released(self.config, "keep_regrown")))  # fmt: skip
+                                              keep_regrown=keep_regrown))  # fmt: skip
             else:
-                per_tensor.append(reselect_ma(ranked, it.indices, it.k, it.row_acc, it.col_acc, it.grid, it.units, exclude_active=released(self.config, "no_regrowth")))
+                per_tensor.append(reselect_ma(ranked, it.indices, it.k, it.row_acc, it.col_acc, it.grid, it.units, exclude_active=exclude_active))
         return AllReselections.of_tensors(items, per_tensor)
 
     def _apply_all(self, t: int, group: list, result: AllReselections, condition: Optional[torch.Tensor]) -> _GroupEdit:
