@@ -90,7 +90,7 @@ def test_recommended_weight_decay_follows_the_schedule():
     assert quality.resolved_weight_decay(constant, "spiel-ag", 1e-3) < 1.6
     assert quality.resolved_weight_decay(linear, "lora", 1e-3) == 0.0
     assert quality.resolved_weight_decay(_args(weight_decay=0.5), "spiel-ag", 1e-3) == 0.5
-    assert quality.resolved_lr(_args(steps=150), "spiel-ma") == 5e-4 and quality.resolved_lr(_args(steps=60), "spiel-ma") == 3e-3
+    assert quality.resolved_lr(_args(steps=150), "spiel-ma") == 1e-3 and quality.resolved_lr(_args(steps=60), "spiel-ma") == 3e-3
     assert quality.resolved_lr(_args(lr=2e-3), "spiel-ma") == 2e-3
 
 
