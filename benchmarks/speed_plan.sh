@@ -5,6 +5,8 @@
 #   bash benchmarks/speed_plan.sh b   # TinyLlama with the composed pass instead of the transient merge (same lease as a);
 #                                     # the Trainer/SFTTrainer table at TinyLlama and SmolLM2 shapes
 #   bash benchmarks/speed_plan.sh c   # Llama-2-7B step table (block and unstructured, default and opt-in); MoE shapes
+#   bash benchmarks/speed_plan.sh g   # the default-settings goals only, no tests: TinyLlama floor, block AG/MA and AG
+#                                     # default and opt-in, LoRA, in 2 interleaved rounds after 60 s of settling
 #   OLD=<tree> bash benchmarks/speed_plan.sh r
 #                                     # before/after: the SpIEL and block rows of an older checkout's library and
 #                                     # bench_step.py (OLD, e.g. a `git worktree` of the commit before a change) against
@@ -37,6 +39,10 @@ if [ "$MODE" = a ]; then
   run 260 python3 benchmarks/bench_step.py --size tinyllama \
     --variants floor,spiel-ag-block,spiel-ag-block-merge,spiel-ma-block,spiel-ma-block-merge,spiel-ag,spiel-ag-merge,spiel-ma,lora \
     --batch-id speed-a-tl --out "$OUT/bench-tinyllama.jsonl"
+elif [ "$MODE" = g ]; then
+  run 560 python3 benchmarks/bench_step.py --size tinyllama --rounds 2 --settle 60 \
+    --variants floor,spiel-ag-block,spiel-ag-block-merge,spiel-ma-block,spiel-ma-block-merge,spiel-ag,spiel-ag-merge,lora \
+    --batch-id speed-g-tl --out "$OUT/bench-tinyllama-rounds.jsonl"
 elif [ "$MODE" = b ]; then
   run 160 python3 benchmarks/bench_step.py --size tinyllama --no-transient-cuda \
     --variants floor,spiel-ag-block,spiel-ma-block,spiel-ag,spiel-ma --batch-id speed-b-tl-composed --out "$OUT/bench-tinyllama-composed.jsonl"
