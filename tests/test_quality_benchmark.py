@@ -118,6 +118,27 @@ def test_gpu_plan_puts_every_path_of_seed_0_first_on_test_families():
     assert [a.seeds[0] for a in every[: 3 * per_seed]] == sorted(a.seeds[0] for a in every[: 3 * per_seed])
 
 
+@pytest.mark.parametrize("name", ["reference_queue.txt", "quality_constant_lr.txt", "ma_dev_queue.txt"])
+def test_bundled_queue_files_hold_single_runs_that_the_queue_accepts(name):
+    """Every line of a bundled plan is one task, one method, one seed whose settings check out (a bad line would
+    otherwise surface only as a FAILED run on the GPU); the MA defaults' queue never touches a test family."""
+    import shlex
+
+    parser = quality.build_parser()
+    path = quality.HERE / name
+    lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    assert lines and len(lines) == len(set(lines))
+    for line in lines:
+        run = parser.parse_intermixed_args(["run", *shlex.split(line)])
+        run.set = quality.parse_sets(parser, run.set)
+        tasks, methods, seeds = quality.resolve_selection(parser, run)
+        assert len(tasks) * len(methods) * len(seeds) == 1, line
+        quality.check_run_args(parser, run)
+        quality.check_reference_supported(run.reference, methods)
+        if name == "ma_dev_queue.txt":
+            assert quality.TASKS[tasks[0]].split == "dev", line
+
+
 def test_a_shared_plan_is_claimed_once_per_line(tmp_path):
     lines = [f"line {i}" for i in range(5)]
     counter = tmp_path / "plan.claims"
