@@ -239,8 +239,8 @@ class SpIELConfig(SparseConfig):
             )
         if released(self, "windows") and gamma == S - 1:  # (the released trainer opens each later window after step kS − 1)
             raise ValueError(
-                f"reference='authors' (or the released rule 'windows') with γ={gamma} = S − 1 (S={S}): the released trainer opens a window after step S − 1 = γ, "
-                "which empties the first window at its own reselection; use γ ≤ S − 2"
+                f"reference='authors' (or the released rule 'windows') with γ={gamma} = S − 1 (S={S}): the released trainer "
+                "opens a window after step S − 1 = γ, which empties the first window at its own reselection; use γ ≤ S − 2"
             )
         return S, gamma
 

@@ -171,7 +171,8 @@ class Reselections:
                 per_tensor.append(reselect_ag(ranked, it.indices, it.k, it.candidates, it.score.abs(), it.grid, it.units, it.candidate_units,
                                               keep_regrown=keep_regrown))  # fmt: skip
             else:
-                per_tensor.append(reselect_ma(ranked, it.indices, it.k, it.row_acc, it.col_acc, it.grid, it.units, exclude_active=exclude_active))
+                per_tensor.append(reselect_ma(ranked, it.indices, it.k, it.row_acc, it.col_acc, it.grid, it.units,
+                                              exclude_active=exclude_active))  # fmt: skip
         return AllReselections.of_tensors(items, per_tensor)
 
     def _apply_all(self, t: int, group: list, result: AllReselections, condition: Optional[torch.Tensor]) -> _GroupEdit:
