@@ -1032,3 +1032,15 @@ def test_swap_in_and_scatter_copy_write_and_restore_bit_for_bit(tk, out_dtype):
         torch.testing.assert_close(flat.cpu(), want, rtol=2**-6, atol=2**-4)
     tk.scatter_copy(flat, idx.to(dev), saved)
     assert torch.equal(flat.cpu().view(bits), w.view(bits))
+    # the same sizes again with other tensors (a kept launch repeated): each call reads and writes its own
+    w2 = torch.randn(n, generator=g).to(out_dtype)
+    vals2 = torch.randn(nnz, generator=g)
+    flat2 = w2.clone().to(dev)
+    saved2 = tk.swap_in(flat2, idx.to(dev), vals2.to(dev))
+    assert torch.equal(saved2.cpu().view(bits), w2[idx.long()].view(bits))
+    assert torch.equal(flat.cpu().view(bits), w.view(bits))
+    want2 = kernels.scatter_sum_reference(w2.clone(), idx, w2[idx.long()], vals2)
+    if dev == "cuda" or out_dtype == torch.float32:
+        assert torch.equal(flat2.cpu(), want2)
+    tk.scatter_copy(flat2, idx.to(dev), saved2)
+    assert torch.equal(flat2.cpu().view(bits), w2.view(bits))

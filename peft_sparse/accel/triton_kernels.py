@@ -110,9 +110,10 @@ def _launch(kernel, grid: tuple, args: tuple, kwargs: dict, slot: Optional[str])
     return LaunchPlan(kernel, device, grid3, compiled, params, slots)
 
 
-# (kernel, key) → a LaunchPlan whose slots are all the launch's tensors (see launch_kept)
+# (kernel, key) → a LaunchPlan whose slots are all the launch's tensors (see launch_kept); room for a few kernels
+# per layer of a large model, whose layers' budgets all differ (a plan holds no tensor: a few hundred bytes each)
 _KEPT_LAUNCHES: dict = {}
-_KEPT_LAUNCHES_MAX = 256
+_KEPT_LAUNCHES_MAX = 4096
 
 
 def launch_kept(kernel, grid: tuple, key: tuple, slots: tuple, tensors: tuple, *args, **kwargs) -> None:
@@ -1005,6 +1006,9 @@ def scatter_sum_into(out: torch.Tensor, indices: torch.Tensor, base: torch.Tenso
     return out
 
 
+_SWAP_BLOCK = 1024
+
+
 @triton.jit
 def _swap_in_kernel(OUT, IDX, SAVED, VAL, nnz, BLOCK: tl.constexpr):
     # SAVED[j] = OUT[i_j]; OUT[i_j] = SAVED[j] + VAL[j] (rounded as _scatter_sum_kernel rounds)
@@ -1022,9 +1026,10 @@ def swap_in(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> t
     ``indices``), one launch: :func:`scatter_sum_into` with ``base`` read from ``out`` itself. Returns ``saved``."""
     nnz = indices.numel()
     saved = torch.empty(nnz, dtype=out.dtype, device=out.device)
-    if nnz:
-        block = 1024
-        launch(_swap_in_kernel, (triton.cdiv(nnz, block),), out, indices, saved, values, nnz, BLOCK=block)
+    if nnz:  # (kept per sizes and types: a layer's write and write-back repeat every pass of every step)
+        key = (nnz, out.numel(), out.dtype, indices.dtype, values.dtype)
+        launch_kept(_swap_in_kernel, (triton.cdiv(nnz, _SWAP_BLOCK),), key, ("OUT", "IDX", "SAVED", "VAL"), (out, indices, saved, values),
+                    out, indices, saved, values, nnz, BLOCK=_SWAP_BLOCK)  # fmt: skip
     return saved
 
 
@@ -1041,8 +1046,9 @@ def scatter_copy(out: torch.Tensor, indices: torch.Tensor, source: torch.Tensor)
     """``out[indices] = source`` bit for bit (``out`` flat, ``source`` of its dtype), one launch."""
     nnz = indices.numel()
     if nnz:
-        block = 1024
-        launch(_scatter_copy_kernel, (triton.cdiv(nnz, block),), out, indices, source, nnz, BLOCK=block)
+        key = (nnz, out.numel(), out.dtype, indices.dtype, source.dtype)
+        launch_kept(_scatter_copy_kernel, (triton.cdiv(nnz, _SWAP_BLOCK),), key, ("OUT", "IDX", "SRC"), (out, indices, source),
+                    out, indices, source, nnz, BLOCK=_SWAP_BLOCK)  # fmt: skip
 
 
 @triton.jit
