@@ -2,8 +2,8 @@
 # The GPU speed tables of BENCHMARKS.md in three calls of at most ten minutes on one warm machine (same lease):
 #
 #   bash benchmarks/speed_plan.sh a   # GPU tests; TinyLlama step table (default pass, opt-in merge, LoRA)
-#   bash benchmarks/speed_plan.sh b   # TinyLlama with the composed pass instead of the transient merge (same lease as a);
-#                                     # the Trainer/SFTTrainer table at TinyLlama and SmolLM2 shapes
+#   bash benchmarks/speed_plan.sh b   # the Trainer/SFTTrainer table at TinyLlama and SmolLM2 shapes
+#   bash benchmarks/speed_plan.sh k   # TinyLlama with the fast paths' composed pass instead of the default pass
 #   bash benchmarks/speed_plan.sh c   # Llama-2-7B step table (block and unstructured, default and opt-in); MoE shapes
 #   bash benchmarks/speed_plan.sh g   # the default-settings goals only, no tests: TinyLlama floor, block AG/MA and AG
 #                                     # default and opt-in, LoRA, in 2 interleaved rounds after 60 s of settling
@@ -44,10 +44,11 @@ elif [ "$MODE" = g ]; then
     --variants floor,spiel-ag-block,spiel-ag-block-merge,spiel-ma-block,spiel-ma-block-merge,spiel-ag,spiel-ag-merge,lora \
     --batch-id speed-g-tl --out "$OUT/bench-tinyllama-rounds.jsonl"
 elif [ "$MODE" = b ]; then
-  run 160 python3 benchmarks/bench_step.py --size tinyllama --no-transient-cuda \
-    --variants floor,spiel-ag-block,spiel-ma-block,spiel-ag,spiel-ma --batch-id speed-b-tl-composed --out "$OUT/bench-tinyllama-composed.jsonl"
-  run 200 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 40 --out "$OUT/trainer-tinyllama.jsonl"
-  run 150 python3 benchmarks/trainer_step.py --size smollm2-135m --bs 8 --seq 128 --steps 60 --out "$OUT/trainer-smollm2.jsonl"
+  run 300 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 40 --out "$OUT/trainer-tinyllama.jsonl"
+  run 270 python3 benchmarks/trainer_step.py --size smollm2-135m --bs 8 --seq 128 --steps 60 --out "$OUT/trainer-smollm2.jsonl"
+elif [ "$MODE" = k ]; then
+  run 200 python3 benchmarks/bench_step.py --size tinyllama --no-transient-cuda \
+    --variants floor,spiel-ag-block,spiel-ma-block,spiel-ag,spiel-ma --batch-id speed-k-tl-composed --out "$OUT/bench-tinyllama-composed.jsonl"
 elif [ "$MODE" = r ]; then
   [ -f "${OLD:-}/benchmarks/bench_step.py" ] || { echo "OLD must name an older tree with benchmarks/bench_step.py (carry it)"; exit 1; }
   round=0
