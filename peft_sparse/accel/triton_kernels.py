@@ -111,7 +111,7 @@ def _launch(kernel, grid: tuple, args: tuple, kwargs: dict, slot: Optional[str])
 
 
 # (kernel, key) → a LaunchPlan whose slots are all the launch's tensors (see launch_kept); room for a few kernels
-# per layer of a large model, whose layers' budgets all differ (a plan holds no tensor: a few hundred bytes each)
+# per layer of a large model, whose layers' budgets may all differ (a plan holds no tensor: a few hundred bytes each)
 _KEPT_LAUNCHES: dict = {}
 _KEPT_LAUNCHES_MAX = 4096
 
