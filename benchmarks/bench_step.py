@@ -34,11 +34,13 @@ not on a path the code took.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import gc
 import itertools
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -161,25 +163,6 @@ def prepare(variant: str, size: str, total_steps: int, block: int = BLOCK, train
         scheduler = peft_sparse.SpIELScheduler(model, optimizer, total_steps=total_steps)
         hook = scheduler.step
     return model, optimizer, hook, block_shape, trainable
-
-
-def profiling_setup(rows: int):
-    """Command line (variant, --rows, --size) and a prepared variant with one benchmark batch, for the
-    profiling scripts: (args, model, optimizer, per-step hook, input ids)."""
-    import torch
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("variant", choices=VARIANTS)
-    parser.add_argument("--rows", type=int, default=rows, help="table rows to print")
-    parser.add_argument("--size", choices=sorted(SIZES), default="tinyllama")
-    parser.add_argument("--kernel-table", help="profile_step.py: write every GPU kernel's time per step to this file")
-    parser.add_argument("--host-profile", action="store_true", help="profile_cycle.py: window and reselection steps under cProfile")
-    parser.add_argument("--pstats", help="profile_step.py: also write the cProfile statistics to this file (pstats format)")
-    args = parser.parse_args()
-    model, optimizer, hook, _, _ = prepare(args.variant, args.size, total_steps=2 * S + GAMMA + 1)
-    model.train()
-    ids = torch.randint(0, SIZES[args.size]["vocab_size"], (8, 1024), device="cuda")
-    return args, model, optimizer, hook, ids
 
 
 def train_step(model, optimizer, hook, ids, phase_events=None) -> list:
@@ -318,6 +301,7 @@ def run_one(args) -> dict:
 
     gc.callbacks.append(on_gc)
     load = []  # the host's 1-minute load average at the start and the end of the timed steps
+    profiler = None
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             torch.cuda.synchronize()
@@ -325,6 +309,9 @@ def run_one(args) -> dict:
             load.append(os.getloadavg()[0])
             if args.gc_freeze:
                 gc.freeze()
+            if args.host_profile:  # (its own cost slows every Python call: the step times of such a run are not comparable)
+                profiler = cProfile.Profile()
+                profiler.enable()
         ids = batches[step % len(batches)]
         torch.cuda.synchronize()
         gc_clock["total"] = 0.0
@@ -342,6 +329,8 @@ def run_one(args) -> dict:
             slow_steps.append(dict(slow))
     gc.callbacks.remove(on_gc)
     load.append(os.getloadavg()[0])
+    if profiler is not None:
+        profiler.disable()
     return {
         "variant": args.variant,
         "step_s_median": statistics.median(times),
@@ -377,7 +366,20 @@ def run_one(args) -> dict:
         "torch": torch.__version__,
         "date": datetime.date.today().isoformat(),
         "batch_id": args.batch_id,
+        "host_profile": host_profile_rows(profiler, args.host_profile, args.steps) if profiler is not None else None,
     }
+
+
+def host_profile_rows(profiler, rows: int, steps: int) -> list:
+    """cProfile's ``rows`` functions with the most own time over the timed steps: [function, calls per step,
+    own ms per step, cumulative ms per step], most own time first."""
+    stats = pstats.Stats(profiler).stats
+    table = []
+    for (path, line, name), (_, calls, own, cumulative, _) in stats.items():
+        where = f"{Path(path).name}:{line}({name})" if path != "~" else name
+        table.append([where, round(calls / steps, 2), round(own / steps * 1e3, 3), round(cumulative / steps * 1e3, 3)])
+    table.sort(key=lambda row: -row[2])
+    return table[:rows]
 
 
 def results_path(gpu: str) -> Path:
@@ -423,6 +425,9 @@ def main():
                         help="SpIEL-MA variants: SM3 with momentum 0.9 and beta2 0.999 (the recipe runner's default) instead of the sums")
     parser.add_argument("--batch-id", default=None)
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after warm-up (diagnosis of collector pauses)")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="--variant: cProfile over the timed steps, the N functions with the most own time per step "
+                             "printed and recorded (host_profile); the profiler slows the host, so the step times are not comparable")
     parser.add_argument("--out", default=None, help="JSONL file (default benchmarks/results/<date>-<gpu>.jsonl)")
     parser.add_argument("--rounds", type=int, default=1, help="run the batch this many times, interleaved (one record per run)")
     parser.add_argument("--full-record", action="store_true", help=argparse.SUPPRESS)  # (a batch's child: step times included)
@@ -443,7 +448,11 @@ def main():
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        print(json.dumps(record if args.full_record else {k: v for k, v in record.items() if k != "step_s_all"}))
+        print(json.dumps(record if args.full_record else {k: v for k, v in record.items() if k not in ("step_s_all", "host_profile")}))
+        if record["host_profile"]:
+            print(f"{'own ms/step':>12}{'cum ms/step':>12}{'calls/step':>11}  function")
+            for where, calls, own, cumulative in record["host_profile"]:
+                print(f"{own:>12.3f}{cumulative:>12.3f}{calls:>11.2f}  {where}")
         return
     variants = chosen
     unknown = sorted(set(variants) - set(VARIANTS))
