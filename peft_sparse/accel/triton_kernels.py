@@ -40,6 +40,12 @@ _COMPILED: dict = {}
 _FAST_LAUNCH: list = []  # [whether this Triton's internals are the ones launch uses], once known
 
 
+def _cdiv(a: int, b: int) -> int:
+    """⌈a / b⌉ for the host's grid sizes (``triton.cdiv`` is a constexpr function whose wrapper costs microseconds
+    per call: several hundred calls in a training step's launches)."""
+    return -(-a // b)
+
+
 def _hook_set(hook) -> bool:
     return bool(getattr(hook, "calls", hook))  # a hook chain's calls (Triton 3.5+), else the hook itself
 
@@ -252,7 +258,7 @@ def sddmm(grad_out2d: torch.Tensor, x2d: torch.Tensor, rows: torch.Tensor, cols:
     gt = grad_out2d.t().contiguous()  # (out, tokens)
     xt = x2d.t().contiguous()  # (in, tokens)
     block_n, block_t = 64, 64
-    grid = (triton.cdiv(nnz, block_n),)
+    grid = (_cdiv(nnz, block_n),)
     _sddmm_kernel[grid](gt, xt, rows, cols, out, nnz, tokens, gt.stride(0), xt.stride(0), BLOCK_N=block_n, BLOCK_T=block_t)
     return out
 
@@ -866,7 +872,7 @@ def top_magnitudes(dense: torch.Tensor, k: int, index_dtype: torch.dtype) -> tup
     dev = dense.device
     flat = dense.view(-1)
     hist = torch.zeros(_HIGH_BINS + _LOW_BINS, dtype=torch.int64, device=dev)  # (a bin may hold 2³¹ entries or more)
-    chunks = triton.cdiv(n, _SELECT_BLOCK)
+    chunks = _cdiv(n, _SELECT_BLOCK)
     consts = dict(HIGH=_HIGH_BINS, LOW=_LOW_BINS, BLOCK=_SELECT_BLOCK)
     for level in (0, 1):
         launch(_magnitude_histogram_kernel, (chunks,), flat, n, hist, k, LEVEL=level, **consts)
@@ -979,7 +985,7 @@ def scatter_add_into(out: torch.Tensor, indices: torch.Tensor, values: torch.Ten
     source = source.reshape(-1) if source is not None else None
     if source is not None and not source.is_contiguous():
         source = source.contiguous()
-    grid = (triton.cdiv(numel, _COMPOSE_BLOCK),)
+    grid = (_cdiv(numel, _COMPOSE_BLOCK),)
     launch(_compose_kernel, grid,
         source if source is not None else out, out, indices, values, numel, nnz, _search_rounds(nnz, _SEARCH_K),
         COPY=source is not None, BLOCK=_COMPOSE_BLOCK, CHUNK=_COMPOSE_CHUNK, SBLOCK=512, K=_SEARCH_K, num_warps=8,
@@ -1002,7 +1008,7 @@ def scatter_sum_into(out: torch.Tensor, indices: torch.Tensor, base: torch.Tenso
     nnz = indices.numel()
     if nnz:
         block = 1024
-        launch(_scatter_sum_kernel, (triton.cdiv(nnz, block),), out, indices, base, values, nnz, BLOCK=block)
+        launch(_scatter_sum_kernel, (_cdiv(nnz, block),), out, indices, base, values, nnz, BLOCK=block)
     return out
 
 
@@ -1028,7 +1034,7 @@ def swap_in(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> t
     saved = torch.empty(nnz, dtype=out.dtype, device=out.device)
     if nnz:  # (kept per sizes and types: a layer's write and write-back repeat every pass of every step)
         key = (nnz, out.numel(), out.dtype, indices.dtype, values.dtype)
-        launch_kept(_swap_in_kernel, (triton.cdiv(nnz, _SWAP_BLOCK),), key, ("OUT", "IDX", "SAVED", "VAL"), (out, indices, saved, values),
+        launch_kept(_swap_in_kernel, (_cdiv(nnz, _SWAP_BLOCK),), key, ("OUT", "IDX", "SAVED", "VAL"), (out, indices, saved, values),
                     out, indices, saved, values, nnz, BLOCK=_SWAP_BLOCK)  # fmt: skip
     return saved
 
@@ -1047,7 +1053,7 @@ def scatter_copy(out: torch.Tensor, indices: torch.Tensor, source: torch.Tensor)
     nnz = indices.numel()
     if nnz:
         key = (nnz, out.numel(), out.dtype, indices.dtype, source.dtype)
-        launch_kept(_scatter_copy_kernel, (triton.cdiv(nnz, _SWAP_BLOCK),), key, ("OUT", "IDX", "SRC"), (out, indices, source),
+        launch_kept(_scatter_copy_kernel, (_cdiv(nnz, _SWAP_BLOCK),), key, ("OUT", "IDX", "SRC"), (out, indices, source),
                     out, indices, source, nnz, BLOCK=_SWAP_BLOCK)  # fmt: skip
 
 
@@ -1071,7 +1077,7 @@ def gather_as(flat: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype) -> 
     out = torch.empty(n, dtype=dtype, device=flat.device)
     if n:
         key = (n, flat.numel(), flat.dtype, indices.dtype, dtype)  # (a kept launch checks every slot's size)
-        launch_kept(_gather_kernel, (triton.cdiv(n, _GATHER_BLOCK),), key, ("SRC", "IDX", "OUT"),
+        launch_kept(_gather_kernel, (_cdiv(n, _GATHER_BLOCK),), key, ("SRC", "IDX", "OUT"),
                     (flat, indices, out), flat, indices, out, n, BLOCK=_GATHER_BLOCK)  # fmt: skip
     return out
 
@@ -1318,7 +1324,7 @@ def scaled_product(scale: torch.Tensor, full: torch.Tensor, per_row: torch.Tenso
     out = torch.empty(full.shape, dtype=dtype, device=full.device)
     if out.numel():
         block_r, block_h = 16, 256
-        grid = (triton.cdiv(n_rows, block_r), triton.cdiv(h, block_h))
+        grid = (_cdiv(n_rows, block_r), _cdiv(h, block_h))
         # (kept per shape: one such rebuild per RMSNorm output in a training step's backward)
         launch_kept(_scaled_product_kernel, grid, (n_rows, h, dtype), ("OUT", "P", "Q", "S"), (out, full, per_row, scale),
                     out, full, per_row, scale, n_rows, h, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)  # fmt: skip
@@ -1451,7 +1457,7 @@ def compose_starts(indices: torch.Tensor, numel: int, out: Optional[torch.Tensor
     """For :func:`nf4_compose`'s ``starts``: where each program's range of the weight begins in the sorted
     ``indices`` (and where the last one ends), int32. ``out``: an earlier result for indices of this size
     into a weight of ``numel`` elements, rewritten in place (a kept launch that reads it stays valid)."""
-    bounds = torch.arange(0, triton.cdiv(numel, _NF4_BLOCK) + 1, device=indices.device, dtype=torch.int64) * _NF4_BLOCK
+    bounds = torch.arange(0, _cdiv(numel, _NF4_BLOCK) + 1, device=indices.device, dtype=torch.int64) * _NF4_BLOCK
     starts = torch.searchsorted(indices, bounds.clamp_(max=numel).to(indices.dtype))
     if out is None:
         return starts.to(torch.int32)
