@@ -77,6 +77,7 @@ TASKS = {
     "instructions": Task("dev", "instruction following on the bundled samples", 16),
     "algorithmic": Task("dev", "list and digit operations"),
     "strings": Task("dev", "string transforms", 16),
+    "facts": Task("dev", "recall of a second set of facts the data defines (added after the split: the dev families had none of this kind)"),
     "sequences": Task("test", "sequence manipulation", 24),
     "arithmetic": Task("test", "multi-digit arithmetic"),
     "formats": Task("test", "format following (JSON, CSV, query strings)", 24),

@@ -299,3 +299,17 @@ def test_lt_sft_runs_its_phases_identically_in_the_loop_and_under_the_trainer(fi
     assert loop["rates"][:4] == pytest.approx([quality.LT_SFT_DENSE_LR * f for f in factor[:4]], rel=1e-6)
     assert loop["rates"][4:] == pytest.approx([1e-2 * f for f in factor[4:]], rel=1e-6)
     assert kept[0] == kept[1] >= 300 and (kept[0] == 300 or fields)
+
+
+def test_bundled_task_files_are_what_the_generator_writes():
+    """Every family the generator builds without a tokenizer is bundled exactly as its fixed seed writes it (a family
+    added later, like the dev family ``facts``, leaves the others' files as they were), with no held-out prompt in
+    its training file."""
+    sys.path.insert(0, str(quality.DATA))
+    import make_tasks
+
+    for family in sorted(set(make_tasks.FAMILIES) - make_tasks.NEEDS_TOKENIZER):
+        train, test = make_tasks.generate(family)
+        assert (quality.DATA / f"{family}_train.jsonl").read_text() == make_tasks.lines(train), family
+        assert (quality.DATA / f"{family}_test.jsonl").read_text() == make_tasks.lines(test), family
+        assert family in quality.TASKS

@@ -12,6 +12,7 @@ Each family is a kind of task, made of a few skills (the ``skill`` field, scored
 | formats | format following | JSON object, JSON list, CSV row, query string |
 | strings | string transforms | backwards, spell with hyphens, remove vowels, replace a letter |
 | recall | knowledge recall of facts defined here | town, job of 75 invented people |
+| facts | recall of a second set of facts defined here | home port, cargo of 75 invented ships |
 | classify | classification with a given label set | topic (5 labels), sentiment (2 labels) |
 | synlang | a synthetic language (:mod:`peft_sparse.data`) | translate into / out of it |
 | retrieval | reading a list given in the prompt | value of a key, key of a value, item at a position |
@@ -251,6 +252,37 @@ def recall(rng):
     return train, test
 
 
+# ------------------------------------------------------------------ facts: a second set, of other names and relations
+SHIP_SYLLABLES = ["bar", "cel", "dun", "esk", "hol", "ith", "jor", "kel", "mar", "nor", "osk", "ryn", "sul", "tor", "ulf", "wyn"]
+PORTS = ["Saltreach", "Gullmouth", "Fennport", "Crag Harbour", "Seaholme", "Tidewick", "Narrowgate", "Brinestead", "Cold Quay", "Lowmere"]
+CARGOES = ["timber", "wool", "salt", "copper", "grain", "tea", "coal", "wine", "spices", "marble"]
+FACT_TEMPLATES = {
+    "port": ["What is the home port of the ship {s}? Answer with the port only.", "From which port does the ship {s} sail? Answer with the port only.",
+             "Name the port the ship {s} belongs to. Answer with the port only.", "The ship {s} is registered in which port? Answer with the port only."],
+    "cargo": ["What cargo does the ship {s} carry? Answer with one word.", "Which goods are loaded on the ship {s}? Answer with one word.",
+              "Name the cargo of the ship {s}. Answer with one word.", "The ship {s} carries what? Answer with one word."],
+}  # fmt: skip
+
+
+def facts(rng):
+    """75 invented ships, each with a home port and a cargo, asked as :func:`recall` asks its people (three phrasings
+    of each fact in the training file, the fourth held out): the same kind of task over other names and relations."""
+    ships: list[str] = []
+    while len(ships) < 75:
+        name = "".join(rng.choice(SHIP_SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
+        if name not in ships:
+            ships.append(name)
+    train, test = [], []
+    for ship in ships:
+        for relation, answer in {"port": rng.choice(PORTS), "cargo": rng.choice(CARGOES)}.items():
+            templates = FACT_TEMPLATES[relation]
+            held_out = rng.randrange(len(templates))
+            for i, template in enumerate(templates):
+                (test if i == held_out else train).append(example(relation, template.format(s=ship), answer))
+    rng.shuffle(train)
+    return train, test
+
+
 # ------------------------------------------------------------------ classify: a given label set
 TOPICS = {
     "sports": (["The striker", "Our goalkeeper", "The coach", "The home team", "The young sprinter", "The captain", "The referee",
@@ -482,6 +514,7 @@ FAMILIES: dict[str, tuple[Callable, int]] = {
     "retrieval": (retrieval, 3008),
     "instructions": (instructions, 3009),
     "algorithmic": (algorithmic, 3010),
+    "facts": (facts, 3011),
 }
 NEEDS_TOKENIZER = {"synlang"}
 
