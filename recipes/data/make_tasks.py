@@ -235,19 +235,24 @@ def recall(rng):
     """75 invented people, each with a town and a job. Every fact is asked in three of its four phrasings in the
     training file and in the fourth in the held-out file: a held-out item asks a fact the training taught, in a
     phrasing the training used for other facts."""
-    people: list[str] = []
-    while len(people) < 75:
-        p = _person(rng)
-        if p not in people:
-            people.append(p)
+    return _facts_about(rng, _person, {"town": TOWNS, "job": JOBS}, RECALL_TEMPLATES)
+
+
+def _facts_about(rng, invent, answers: dict, templates: dict, count: int = 75) -> tuple[list, list]:
+    """``count`` distinct names from ``invent(rng)``, each given one answer per relation (``answers``: relation → its
+    choices) and asked in every phrasing of ``templates[relation]`` (``{p}``: the name), one phrasing held out."""
+    names: list[str] = []
+    while len(names) < count:
+        name = invent(rng)
+        if name not in names:
+            names.append(name)
     train, test = [], []
-    for p in people:
-        facts = {"town": rng.choice(TOWNS), "job": rng.choice(JOBS)}
-        for relation, answer in facts.items():
-            templates = RECALL_TEMPLATES[relation]
-            held_out = rng.randrange(len(templates))
-            for i, template in enumerate(templates):
-                (test if i == held_out else train).append(example(relation, template.format(p=p), answer))
+    for name in names:
+        for relation, answer in {relation: rng.choice(choices) for relation, choices in answers.items()}.items():
+            phrasings = templates[relation]
+            held_out = rng.randrange(len(phrasings))
+            for i, template in enumerate(phrasings):
+                (test if i == held_out else train).append(example(relation, template.format(p=name), answer))
     rng.shuffle(train)
     return train, test
 
@@ -257,30 +262,21 @@ SHIP_SYLLABLES = ["bar", "cel", "dun", "esk", "hol", "ith", "jor", "kel", "mar",
 PORTS = ["Saltreach", "Gullmouth", "Fennport", "Crag Harbour", "Seaholme", "Tidewick", "Narrowgate", "Brinestead", "Cold Quay", "Lowmere"]
 CARGOES = ["timber", "wool", "salt", "copper", "grain", "tea", "coal", "wine", "spices", "marble"]
 FACT_TEMPLATES = {
-    "port": ["What is the home port of the ship {s}? Answer with the port only.", "From which port does the ship {s} sail? Answer with the port only.",
-             "Name the port the ship {s} belongs to. Answer with the port only.", "The ship {s} is registered in which port? Answer with the port only."],
-    "cargo": ["What cargo does the ship {s} carry? Answer with one word.", "Which goods are loaded on the ship {s}? Answer with one word.",
-              "Name the cargo of the ship {s}. Answer with one word.", "The ship {s} carries what? Answer with one word."],
+    "port": ["What is the home port of the ship {p}? Answer with the port only.", "From which port does the ship {p} sail? Answer with the port only.",
+             "Name the port the ship {p} belongs to. Answer with the port only.", "The ship {p} is registered in which port? Answer with the port only."],
+    "cargo": ["What cargo does the ship {p} carry? Answer with one word.", "Which goods are loaded on the ship {p}? Answer with one word.",
+              "Name the cargo of the ship {p}. Answer with one word.", "The ship {p} carries what? Answer with one word."],
 }  # fmt: skip
 
 
 def facts(rng):
     """75 invented ships, each with a home port and a cargo, asked as :func:`recall` asks its people (three phrasings
     of each fact in the training file, the fourth held out): the same kind of task over other names and relations."""
-    ships: list[str] = []
-    while len(ships) < 75:
-        name = "".join(rng.choice(SHIP_SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
-        if name not in ships:
-            ships.append(name)
-    train, test = [], []
-    for ship in ships:
-        for relation, answer in {"port": rng.choice(PORTS), "cargo": rng.choice(CARGOES)}.items():
-            templates = FACT_TEMPLATES[relation]
-            held_out = rng.randrange(len(templates))
-            for i, template in enumerate(templates):
-                (test if i == held_out else train).append(example(relation, template.format(s=ship), answer))
-    rng.shuffle(train)
-    return train, test
+    return _facts_about(rng, _ship, {"port": PORTS, "cargo": CARGOES}, FACT_TEMPLATES)
+
+
+def _ship(rng) -> str:
+    return "".join(rng.choice(SHIP_SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
 
 
 # ------------------------------------------------------------------ classify: a given label set
