@@ -11,7 +11,7 @@
 #                                                    # lines whose rows are in DONE.jsonl (earlier calls) are skipped
 #   bash benchmarks/quality_plan.sh time-one         # one SpIEL-AG run of 150 steps, alone, with where its time went
 #
-# Needs: the wheels in .whl (peft, trl, datasets, gguf, ...), the SmolLM2 GGUF file split in .dev_model/part-aa and
+# Needs: the wheels in .whl, or the folder WHEELS names (peft, trl, datasets, gguf, ...; bitsandbytes is not needed), the SmolLM2 GGUF file split in .dev_model/part-aa and
 # part-ab (`split -b 50000000 ~/.cache/peft_sparse/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
 # .dev_model/part-`): the file is larger than one call may carry, so call A carries part-aa and call B part-ab on the
 # same warm machine. Environment: WORKERS (default 12), LIMIT (seconds from the start after which workers are
@@ -33,8 +33,8 @@ M=$PEFT_SPARSE_CACHE/smollm2-135m-instruct
 GGUF=$M/SmolLM2-135M-Instruct.Q4_1.gguf
 
 if ! python3 -c "import peft, gguf" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed (carry .whl)"; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${WHEELS:-.whl}"/*.whl \
+    || { echo "wheel install failed (carry ${WHEELS:-.whl})"; exit 1; }
 fi
 
 if [ "$MODE" = stage ]; then
