@@ -18,8 +18,8 @@ Two training paths, each with the schedule of ``--schedule`` (``linear`` decay t
 
 Methods (``--methods``) run with their recommended settings unless flags say otherwise (``RECOMMENDED``): LoRA r16,
 PEFT's SHiRA, full fine-tuning, a fixed random or magnitude mask (``SparseFTConfig``), SpIEL-AG (the README's settings:
-``budget_split="adaptive"``, weight decay ``auto_weight_decay`` for the schedule) and SpIEL-MA (SM3 in the form the
-recipe runner picks by run length), also on 64×64 blocks, and LT-SFT (the run's first half dense at full fine-tuning's
+``budget_split="adaptive"``, weight decay ``auto_weight_decay`` for the schedule) and SpIEL-MA (beside AdamW; on
+blocks with SM3 in the form the recipe runner picks by run length), also on 64×64 blocks, and LT-SFT (the run's first half dense at full fine-tuning's
 rate, the second half sparse on the K weights that moved most, at the method's rate). ``--reference authors`` runs the SpIEL methods with
 ``reference="authors"`` (the authors' released selection and optimizer-state rules: AgedAdamW for AG, SM3's sums
 without momentum for MA), beside the defaults; the rows record it. ``--released-rule NAME`` switches on one of those
@@ -115,20 +115,16 @@ LEGACY_TRAINERS = {"plain": "loop", "hf": "trainer"}  # (names of earlier rows)
 
 @dataclass(frozen=True)
 class Recipe:
-    """A method's recommended learning rate (by run length where it depends on it) and weight decay ('auto':
-    peft_sparse.auto_weight_decay for the run's schedule)."""
+    """A method's recommended learning rate and weight decay ('auto': peft_sparse.auto_weight_decay for the run's
+    schedule)."""
 
     lr: float
     weight_decay: float | str = 0.0
-    lr_short: float | None = None  # the rate up to 100 steps, where it differs (SpIEL-MA: SM3's sums)
-
-    def rate(self, steps: int) -> float:
-        return self.lr_short if self.lr_short is not None and steps <= 100 else self.lr
 
 
-# The recommended settings (README; BENCHMARKS.md Quality): LoRA, masks and SpIEL-AG at lr 1e-3, SpIEL-MA's SM3 at
-# 1e-3 beyond 100 steps (3e-3 with the sums up to 100; 1e-3 over 5e-4 chosen on the dev families at 150 steps,
-# docs/quality-families.md), full fine-tuning 3e-5; weight decay for SpIEL-AG only.
+# The recommended settings (README; docs/quality-families.md): LoRA, masks, SpIEL-AG and SpIEL-MA (beside AdamW) at lr
+# 1e-3, block SpIEL-MA's SM3 at 2e-3, full fine-tuning 3e-5; weight decay for SpIEL-AG only. SpIEL-MA's optimizer and
+# rate were chosen on the dev families (150 steps, seeds 0-2).
 RECOMMENDED = {
     "lora": Recipe(1e-3),
     "shira": Recipe(1e-3),
@@ -136,7 +132,7 @@ RECOMMENDED = {
     "sft-magnitude": Recipe(1e-3),
     "spiel-ag": Recipe(1e-3, "auto"),
     "spiel-ag-block": Recipe(1e-3, "auto"),
-    "spiel-ma": Recipe(1e-3, 0.0, lr_short=3e-3),
+    "spiel-ma": Recipe(1e-3, 0.0),
     "spiel-ma-block": Recipe(2e-3, 0.0),
     "lt-sft": Recipe(1e-3),
     "full": Recipe(3e-5),
@@ -155,9 +151,17 @@ LR_GRID = {
 }
 
 
-def uses_sm3(method: str) -> bool:
-    """SM3 is SpIEL-MA's optimizer (the paper's pairing); every other method trains with AdamW."""
-    return SPIEL_VARIANTS.get(method, {}).get("growth") == "ma"
+def default_optimizer(method: str, reference: str | None = None, rules=()) -> str:
+    """The optimizer a method trains with unless ``--optimizer`` names one: AdamW (SpIEL-MA too: its accumulators
+    are then the scheduler's; chosen over SM3 on the dev families, docs/quality-families.md), SM3 for block SpIEL-MA
+    (its rate was chosen with SM3) and for SpIEL-MA's reference mode (the released optimizer: SM3's sums), AgedAdamW
+    for SpIEL-AG's reference mode and its released 'seeds' rule."""
+    growth = SPIEL_VARIANTS.get(method, {}).get("growth")
+    if method == "spiel-ag" and (reference or "seeds" in rules):
+        return "aged_adamw"
+    if growth == "ma" and (reference or method == "spiel-ma-block"):
+        return "sm3"
+    return "adamw"
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -331,7 +335,7 @@ def schedule_kwargs(args) -> dict:
 
 
 def resolved_lr(args, method: str) -> float:
-    return RECOMMENDED[method].rate(args.steps) if args.lr is None else args.lr
+    return RECOMMENDED[method].lr if args.lr is None else args.lr
 
 
 def resolved_weight_decay(args, method: str, lr: float) -> float:
@@ -483,11 +487,9 @@ def run_one(args, task: str, method: str, seed: int, model_and_tokenizer, data) 
     S_gamma = list(config.steps_for(args.steps)) if hasattr(config, "steps_for") else None  # (SpIEL: S, γ resolved)
     reselect = method in SPIEL_VARIANTS and not args.no_reselection
     ma_setup = None
-    if uses_sm3(method) and reselect:  # (SpIEL-MA: its growth signal and first replacement as resolved)
+    if SPIEL_VARIANTS.get(method, {}).get("growth") == "ma" and reselect:  # (its growth signal and first replacement as resolved)
         ma_setup = {"ma_signal": config.ma_signal, "first_full_replacement": config.first_replacement_is_full(args.steps)}
-    optimizer_kind = args.optimizer or ("sm3" if uses_sm3(method) else "adamw")
-    if (reference or "seeds" in rules) and method == "spiel-ag" and args.optimizer is None:
-        optimizer_kind = "aged_adamw"  # (the released SpIEL-AG optimizer: a per-index age in Adam's bias correction)
+    optimizer_kind = args.optimizer or default_optimizer(method, reference, rules)
     decay = resolved_weight_decay(args, method, lr)
     sm3_form = None
     if optimizer_kind == "sm3":  # ('auto': the recipe runner's SpIEL-MA form for this run length; the reference: the sums)
@@ -573,7 +575,7 @@ PLAN_METHODS = (("lora", None), ("sft-random", None), ("spiel-ag", None), ("spie
 
 def plan_line(task: str, method: str, seed: int, steps: int, trainer: str, schedule: str, reference: str | None) -> str:
     """The argument line of one run (its learning rate written out: the method's recommended rate)."""
-    lr = RECOMMENDED[method].rate(steps)
+    lr = RECOMMENDED[method].lr
     line = f"--task {task} --method {method} --lr {lr:g} --seeds {seed} --steps {steps} --trainer {trainer} --schedule {schedule}"
     return line + (f" --reference {reference}" if reference else "")
 
@@ -631,15 +633,24 @@ def append_row(path: Path, row: dict) -> None:
         f.flush()
 
 
+def line_optimizer(parser, line: str) -> str:
+    """The optimizer a plan line trains with today (``--optimizer``, or its method's default), so that a row of the
+    same line run under an earlier default is not taken for it."""
+    run_args = parser.parse_intermixed_args(["run", *shlex.split(line)])
+    methods = run_args.methods or []
+    rules = tuple(run_args.released_rule or ())
+    return run_args.optimizer or (default_optimizer(methods[0], run_args.reference, rules) if len(methods) == 1 else "")
+
+
 def run_queue(parser, args) -> None:
     """A worker over a plan file: claims lines one at a time (shared with other workers through ``<plan>.claims``),
     runs each (base model and task data loaded once), appends its row; lines whose exact text is the ``job`` of a row
-    in ``--skip-done`` files are left out. With ``--deadline`` (a Unix time) it claims no line whose run, timed like
+    in ``--skip-done`` files, run with the optimizer the line resolves to today, are left out. With ``--deadline`` (a Unix time) it claims no line whose run, timed like
     this worker's last run at that length, would end after it."""
     plan_path = Path(args.results[0])
     lines = [ln.strip() for ln in plan_path.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-    done = {r.get("job") for path in args.skip_done or [] if Path(path).exists() for r in read_jsonl(Path(path))}
-    lines = [ln for ln in lines if ln not in done]
+    done = {(r.get("job"), r.get("optimizer")) for path in args.skip_done or [] if Path(path).exists() for r in read_jsonl(Path(path))}
+    lines = [ln for ln in lines if (ln, line_optimizer(parser, ln)) not in done]
     counter = Path(str(plan_path) + ".claims")
     base, cache = None, {}
     last = {}  # steps → the wall seconds of this worker's last run at that length
@@ -723,8 +734,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="decoupled weight decay λ, auto (peft_sparse.auto_weight_decay for the schedule), or method: "
                              "the method's recommended decay (auto for SpIEL-AG, 0 otherwise)")
     parser.add_argument("--optimizer", choices=("adamw", "sm3", "aged_adamw"), default=None,
-                        help="default: SM3 for SpIEL-MA (the paper's pairing), AgedAdamW for SpIEL-AG with --reference authors, "
-                             "AdamW otherwise")
+                        help="default: SM3 for block SpIEL-MA and SpIEL-MA with --reference authors, AgedAdamW for SpIEL-AG "
+                             "with --reference authors, AdamW otherwise (SpIEL-MA included)")
     parser.add_argument("--sm3-momentum", type=lambda t: t if t == "auto" else float(t), default="auto",
                         help="SM3's momentum, or auto: the recipe runner's for SpIEL-MA at this run length (0 up to 100 steps, "
                              "0.9 beyond; 0 with --reference authors)")

@@ -22,10 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import quality  # noqa: E402
 from quality import HF_SCHEDULES, LEGACY_TRAINERS, METHODS, RECOMMENDED, SPLITS, TASKS, read_jsonl  # noqa: E402
 
 PRE_AUTO_MA_SETUP = {"ma_signal": "sm3", "first_full_replacement": True}
-DEFAULT_OPTIMIZER = {"spiel-ma": "sm3", "spiel-ma-block": "sm3"}
 
 
 def trainer_of(r: dict) -> str:
@@ -43,9 +43,8 @@ def method_of(r: dict) -> str:
 
 
 def default_optimizer(r: dict) -> str:
-    if (r.get("reference") or "seeds" in (r.get("released_rules") or ())) and r["method"] == "spiel-ag":
-        return "aged_adamw"
-    return DEFAULT_OPTIMIZER.get(r["method"], "adamw")
+    """The optimizer the row's method trains with by default today (rows that ran another show it as a setting)."""
+    return quality.default_optimizer(r["method"], r.get("reference") or (r.get("set") or {}).get("reference"), r.get("released_rules") or ())
 
 
 def recommended_decay(r: dict) -> float | None:

@@ -47,7 +47,7 @@ class Recipe:
     training_args: Any
     evaluation: dict = field(default_factory=dict)
     slow_fast: Optional[dict] = None  # slow-fast settings for LoRA / full fine-tuning (sparse configs record their own)
-    optim_given: bool = False  # training.optim set in the recipe (SpIEL-MA then trains with it, not SM3)
+    sm3: bool = False  # training.optim: sm3 (SpIEL-MA trains with peft_sparse.SM3 instead of the Trainer's optimizer)
 
 
 def _check_keys(section: str, got: dict, allowed: set[str]) -> None:
@@ -200,7 +200,17 @@ def load_recipe(path_or_mapping, overrides: Optional[dict] = None) -> Recipe:
         data[split] = p
     if "train" not in data:
         raise ValueError("recipe data.train is required")
-    peft_config, training_args = build_peft_config(raw["method"]), build_training_args(raw["training"])
+    peft_config = build_peft_config(raw["method"])
+    sm3 = raw["training"].get("optim") == SM3_OPTIM
+    if sm3:  # (not one of transformers' optimizer names: the recipe runner builds SM3 itself)
+        if getattr(peft_config, "growth", None) != "ma":
+            raise ValueError(
+                f"recipe training.optim={SM3_OPTIM!r} is SpIEL-MA's optimizer (method.peft_type: SPIEL, method.growth: ma); "
+                f"this recipe's method is {type(peft_config).__name__ if peft_config is not None else 'FULL'}"
+                + (f" with growth={peft_config.growth!r}" if hasattr(peft_config, "growth") else "")
+            )
+        raw["training"].pop("optim")
+    training_args = build_training_args(raw["training"])
     slow_fast = None
     if raw["slow_fast"]:  # slow-fast learning rates: recorded in a sparse adapter's config, applied by the callback
         from .core.config import SparseConfig
@@ -212,7 +222,7 @@ def load_recipe(path_or_mapping, overrides: Optional[dict] = None) -> Recipe:
             raise ValueError(f"recipe slow_fast: {exc}") from None
         if isinstance(peft_config, SparseConfig):
             peft_config.slow_fast, slow_fast = slow_fast, None
-    if getattr(peft_config, "growth", None) == "ma" and raw["training"].get("optim") is None:
+    if sm3:
         import torch
 
         from .optim import SM3
@@ -236,7 +246,7 @@ def load_recipe(path_or_mapping, overrides: Optional[dict] = None) -> Recipe:
         training_args=training_args,
         evaluation=raw["evaluation"],
         slow_fast=slow_fast,
-        optim_given=raw["training"].get("optim") is not None,
+        sm3=sm3,
     )
 
 
@@ -247,8 +257,13 @@ def method_callbacks(peft_config) -> list:
     return callbacks_for(peft_config)
 
 
-# SM3's settings for SpIEL-MA in a recipe unless training.optim_args names others, by the run's length T =
-# training.max_steps (BENCHMARKS.md, Quality; 5 seeds each on skills / skills2):
+# SpIEL-MA's optimizer in a recipe: the Trainer's (AdamW unless training.optim names another; the scheduler keeps MA's
+# row and column accumulators itself). Over the six dev families of the quality benchmark (150 steps, seeds 0-2, lr
+# 1e-3) MA beside AdamW at weight decay 0 scored 59.2 against 52.2 with SM3 (docs/quality-families.md). `training.optim:
+# sm3` trains with peft_sparse.SM3, the thesis's pairing (§7.3), in the form below unless training.optim_args names one.
+SM3_OPTIM = "sm3"
+# SM3's form for SpIEL-MA, by the run's length T = training.max_steps (BENCHMARKS.md, Quality; 5 seeds each on
+# skills / skills2):
 # * up to MA_SUMS_MAX_STEPS steps, SM3's sums without momentum, whose steps shrink as 1/√t: at 60 steps and lr 3e-3
 #   71.0 / 65.0 (AG 71.5 / 64.4), where the moving average with momentum reached at most 69.0 / 61.2 at lr 5e-4 to 4e-3;
 # * beyond, or with no max_steps (epochs), the moving-average form with momentum: at 150 steps 75.5 / 71.9 (lr 5e-4;
@@ -288,10 +303,10 @@ def ma_sm3_kwargs(optim_args: Optional[str], max_steps: Optional[int] = None) ->
 
 
 def _optimizer(recipe: Recipe):
-    """SpIEL-MA trains with SM3 (the paper's pairing: its accumulators rank the growth) unless the recipe names
-    ``training.optim`` (e.g. ``adamw_torch``: the scheduler then keeps SM3's accumulators itself); every other method
-    with the Trainer's optimizer. SM3's momentum, β₂ and eps: :func:`ma_sm3_kwargs` (by the run's length)."""
-    if getattr(recipe.peft_config, "growth", None) != "ma" or recipe.optim_given:
+    """SM3 for a recipe whose ``training.optim`` is ``sm3`` (SpIEL-MA only; its momentum, β₂ and eps from
+    :func:`ma_sm3_kwargs`, by the run's length); otherwise None: the Trainer builds its own optimizer (AdamW unless
+    ``training.optim`` names another), and a SpIEL-MA scheduler keeps the row and column accumulators itself."""
+    if not recipe.sm3:
         return None
     from .optim import SM3
 

@@ -200,12 +200,15 @@ def test_a_recipe_evaluates_before_training_on_the_model_as_the_trainer_placed_i
     assert all(float(v.abs().max()) == 0 for n, v in scored.named_parameters() if "sparse_values" in n)
 
 
-@pytest.mark.parametrize("optim, optim_args", [(None, None), (None, "momentum=0.5, beta2=0.99"), ("adamw_torch", None)])
-def test_a_spiel_ma_recipe_trains_with_sm3_unless_it_names_an_optimizer(tmp_path, optim, optim_args):
-    """SpIEL-MA's recipe default is SM3 (the paper's pairing), over this 6-step run in its sums form without momentum
+@pytest.mark.parametrize("optim, optim_args", [(None, None), ("sm3", None), ("sm3", "momentum=0.5, beta2=0.99"), ("adamw_torch", None)])
+def test_a_spiel_ma_recipe_trains_with_adamw_unless_it_names_sm3(tmp_path, optim, optim_args):
+    """SpIEL-MA's recipe default is the Trainer's optimizer (AdamW; or the one `training.optim` names), beside which
+    the scheduler keeps MA's row and column accumulators itself and reselects by them. `training.optim: sm3` trains
+    with peft_sparse.SM3 instead (the thesis's pairing), over this 6-step run in its sums form without momentum
     (ma_sm3_defaults: runs up to 100 steps); `training.optim_args` sets SM3's momentum and β₂ (here the moving
-    average); `training.optim` picks the Trainer's optimizer instead, and the scheduler then keeps SM3's accumulators
-    itself and reselects by them. The summary records the SM3 form that ran."""
+    average). The summary records the SM3 form that ran, None without SM3."""
+    import torch
+
     from peft_sparse import SM3
     from peft_sparse.callbacks import SpIELCallback
     from peft_sparse.recipe import load_recipe, run_recipe
@@ -245,17 +248,20 @@ def test_a_spiel_ma_recipe_trains_with_sm3_unless_it_names_an_optimizer(tmp_path
         summary = run_recipe(recipe)
     assert recipe.training_args.weight_decay == 3.0 and summary["weight_decay"] == 3.0
     scheduler = seen["scheduler"]
-    assert isinstance(scheduler.optimizer, SM3) == (optim is None)
-    if optim is None:
+    inner = getattr(scheduler.optimizer, "optimizer", scheduler.optimizer)
+    assert isinstance(inner, SM3) == (optim == "sm3")
+    if optim != "sm3":
+        assert isinstance(inner, torch.optim.AdamW) and inner.param_groups[0]["weight_decay"] == 3.0
+    if optim == "sm3":
         group = scheduler.optimizer.param_groups[0]
         assert (group["momentum"], group["beta2"], group["weight_decay"]) == ((0.5, 0.99, 3.0) if optim_args else (0.0, None, 3.0))
         assert summary["sm3"] == {"momentum": group["momentum"], "beta2": group["beta2"]}
         assert all(s["row_accumulator"].max() > 0 for s in scheduler.optimizer.state.values())
     else:
         assert summary["sm3"] is None
-    assert (scheduler.ma_accumulators is not None) == (optim is not None)
+    assert (scheduler.ma_accumulators is not None) == (optim != "sm3")
     assert scheduler.t == 6
-    if optim:
+    if optim != "sm3":
         assert any(bool((r > 0).any()) for r, _ in scheduler.ma_accumulators.views.values())
 
 
@@ -271,10 +277,33 @@ def test_spiel_ma_recipe_sm3_form_follows_the_run_length(tmp_path, max_steps, ex
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}))
     raw = {"model": {"source": "unused"}, "method": {"peft_type": "SPIEL", "growth": "ma", "target_modules": "all-linear", "density": 0.1},
            "data": {"train": str(data)},
-           "training": {"output_dir": str(tmp_path), "max_steps": max_steps, "use_cpu": True, "bf16": False, "learning_rate": 3e-3}}  # fmt: skip
+           "training": {"output_dir": str(tmp_path), "max_steps": max_steps, "use_cpu": True, "bf16": False, "learning_rate": 3e-3,
+                        "optim": "sm3"}}  # fmt: skip
     _, kwargs = _optimizer(load_recipe(raw))
     assert (kwargs["momentum"], kwargs["beta2"], kwargs["lr"]) == (*expected, 3e-3)
     assert ma_sm3_kwargs("beta2=0.99", max_steps) == {"momentum": expected[0], "beta2": 0.99}
+
+
+def test_recipe_sm3_is_refused_by_name_for_a_method_other_than_spiel_ma(tmp_path):
+    """`training.optim: sm3` names SpIEL-MA's optimizer; on another method the error names the field, the value and
+    the recipe's method instead of passing an unknown optimizer name to the Trainer. Without it, a SpIEL-MA recipe
+    leaves the optimizer to the Trainer (no SM3 built)."""
+    from peft_sparse.recipe import _optimizer, load_recipe
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}))
+
+    def raw(method, **training):
+        return {"model": {"source": "unused"}, "method": method, "data": {"train": str(data)},
+                "training": {"output_dir": str(tmp_path), "max_steps": 10, "use_cpu": True, "bf16": False, **training}}  # fmt: skip
+
+    ag = {"peft_type": "SPIEL", "growth": "ag", "target_modules": "all-linear", "density": 0.1}
+    with pytest.raises(ValueError, match=r"training.optim='sm3' is SpIEL-MA's optimizer .*SpIELConfig with growth='ag'"):
+        load_recipe(raw(ag, optim="sm3"))
+    with pytest.raises(ValueError, match=r"training.optim='sm3' .*this recipe's method is FULL"):
+        load_recipe(raw({"peft_type": "FULL"}, optim="sm3"))
+    ma = load_recipe(raw({**ag, "growth": "ma"}))
+    assert not ma.sm3 and _optimizer(ma) is None and ma.training_args.optim.value.startswith("adamw")
 
 
 def test_a_subset_that_matches_nothing_names_the_subsets_there_are(tmp_path):

@@ -90,8 +90,22 @@ def test_recommended_weight_decay_follows_the_schedule():
     assert quality.resolved_weight_decay(constant, "spiel-ag", 1e-3) < 1.6
     assert quality.resolved_weight_decay(linear, "lora", 1e-3) == 0.0
     assert quality.resolved_weight_decay(_args(weight_decay=0.5), "spiel-ag", 1e-3) == 0.5
-    assert quality.resolved_lr(_args(steps=150), "spiel-ma") == 1e-3 and quality.resolved_lr(_args(steps=60), "spiel-ma") == 3e-3
+    assert quality.resolved_lr(_args(steps=150), "spiel-ma") == 1e-3 and quality.resolved_lr(_args(steps=60), "spiel-ma") == 1e-3
     assert quality.resolved_lr(_args(lr=2e-3), "spiel-ma") == 2e-3
+
+
+def test_default_optimizers_follow_the_recommendations():
+    """SpIEL-MA trains beside AdamW by default (chosen on the dev families); block SpIEL-MA and MA's reference mode with
+    SM3 (the released optimizer); SpIEL-AG's reference mode and its released 'seeds' rule with AgedAdamW. The summary
+    labels a row by the optimizer it ran only where that differs from its method's default."""
+    assert [quality.default_optimizer(m) for m in ("lora", "spiel-ag", "spiel-ma", "spiel-ma-block", "spiel-ag-block")] == [
+        "adamw", "adamw", "adamw", "sm3", "adamw"]
+    assert quality.default_optimizer("spiel-ma", "authors") == "sm3" and quality.default_optimizer("spiel-ag", "authors") == "aged_adamw"
+    assert quality.default_optimizer("spiel-ag", None, ("seeds",)) == "aged_adamw"
+    fam = quality.SPLITS["test"][0]
+    sm3, adamw = _row(fam, "spiel-ma", 0, 0.5, optimizer="sm3"), _row(fam, "spiel-ma", 0, 0.6, optimizer="adamw")
+    assert quality_summary.settings_of(sm3)["optimizer"] == "sm3" and "optimizer" not in quality_summary.settings_of(adamw)
+    assert "optimizer" not in quality_summary.settings_of(_row(fam, "spiel-ma", 0, 0.5, optimizer="sm3", reference="authors"))
 
 
 def test_dev_and_test_families_are_disjoint_and_bundled():
@@ -118,7 +132,7 @@ def test_gpu_plan_puts_every_path_of_seed_0_first_on_test_families():
     assert [a.seeds[0] for a in every[: 3 * per_seed]] == sorted(a.seeds[0] for a in every[: 3 * per_seed])
 
 
-@pytest.mark.parametrize("name", ["reference_queue.txt", "quality_constant_lr.txt", "ma_dev_queue.txt"])
+@pytest.mark.parametrize("name", ["reference_queue.txt", "quality_constant_lr.txt", "ma_dev_queue.txt", "quality_queue_seeds.txt"])
 def test_bundled_queue_files_hold_single_runs_that_the_queue_accepts(name):
     """Every line of a bundled plan is one task, one method, one seed whose settings check out (a bad line would
     otherwise surface only as a FAILED run on the GPU); the MA defaults' queue never touches a test family."""
@@ -135,7 +149,7 @@ def test_bundled_queue_files_hold_single_runs_that_the_queue_accepts(name):
         assert len(tasks) * len(methods) * len(seeds) == 1, line
         quality.check_run_args(parser, run)
         quality.check_reference_supported(run.reference, methods)
-        if name == "ma_dev_queue.txt":
+        if name == "ma_dev_queue.txt" or "--tag ma-dev" in line:  # (the runs that chose MA's defaults)
             assert quality.TASKS[tasks[0]].split == "dev", line
 
 
@@ -151,15 +165,33 @@ def test_a_shared_plan_is_claimed_once_per_line(tmp_path):
 
 
 def test_queue_skips_lines_done_in_earlier_results(tmp_path, monkeypatch):
+    """A line is done when an earlier row has its text and ran with the optimizer the line resolves to today: a
+    SpIEL-MA line run with SM3 (the earlier default) runs again beside AdamW."""
     parser = quality.build_parser()
-    lines = quality.gpu_plan(seeds=(0,), families=["classify"])[:3]
+    lines = quality.gpu_plan(seeds=(0,), families=["classify"])[:4]
+    assert [quality.line_optimizer(parser, line) for line in lines] == ["adamw"] * 4 and "spiel-ma" in lines[3]
+    assert quality.line_optimizer(parser, lines[3] + " --optimizer sm3") == "sm3"
+    assert quality.line_optimizer(parser, lines[3] + " --reference authors") == "sm3"
     plan = tmp_path / "plan.txt"
     plan.write_text("\n".join(lines) + "\n")
+
+    class Loaded(BaseException):
+        pass
+
+    def load_base():
+        raise Loaded
+
+    monkeypatch.setattr(quality, "load_base", load_base)
     done = tmp_path / "done.jsonl"
-    done.write_text("".join(json.dumps({"job": line}) + "\n" for line in lines))
-    monkeypatch.setattr(quality, "load_base", lambda: pytest.fail("nothing left to run, yet the model was loaded"))
-    args = parser.parse_intermixed_args(["queue", str(plan), "--skip-done", str(done), "--out", str(tmp_path / "rows.jsonl")])
-    quality.run_queue(parser, args)
+    for ma_optimizer, runs in (("adamw", False), ("sm3", True)):
+        done.write_text("".join(json.dumps({"job": line, "optimizer": ma_optimizer if "spiel-ma" in line else "adamw"}) + "\n" for line in lines))
+        Path(str(plan) + ".claims").unlink(missing_ok=True)
+        args = parser.parse_intermixed_args(["queue", str(plan), "--skip-done", str(done), "--out", str(tmp_path / "rows.jsonl")])
+        if runs:
+            with pytest.raises(Loaded):  # (the SpIEL-MA line is left to run: the model is loaded for it)
+                quality.run_queue(parser, args)
+        else:
+            quality.run_queue(parser, args)
     assert not (tmp_path / "rows.jsonl").exists()
 
 
@@ -246,7 +278,7 @@ def test_spiel_reselects_identically_in_the_loop_and_under_the_trainer(method, r
     for path in ("loop", "trainer"):
         wrapped, params = quality.build(method, tiny_llama(), 600, 4, 0, dict(fields), rules=rules)
         assert [r for r in ("windows", "no_regrowth") if released(wrapped.peft_config["default"], r)] == list(rules)
-        kind, form = ("sm3", {"momentum": 0.0, "beta2": None}) if quality.uses_sm3(method) else ("adamw", None)
+        kind, form = ("sm3", {"momentum": 0.0, "beta2": None}) if method == "spiel-ma" else ("adamw", None)
         if path == "loop":
             runs.append(quality.train_loop(args, wrapped, params, quality.make_optimizer(kind, params, 1e-2, 0.1, form), True, train, 1, 0))
         else:

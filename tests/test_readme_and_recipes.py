@@ -67,6 +67,7 @@ def test_instruction_recipes_are_the_generator_output_at_the_thesis_settings(tmp
     ma = load_recipe(ROOT / "recipes/instruction/qspiel_ma-tulu_v2.yaml", overrides=cpu)
     assert (ag.training_args.learning_rate, ag.training_args.weight_decay, ag.peft_config.growth) == (1e-4, 30.0, "ag")
     assert (ma.training_args.learning_rate, ma.training_args.weight_decay, ma.model["quantization"]) == (1e-3, 0.3, "nf4")
+    assert ma.sm3 and not ag.sm3  # (MA with SM3, the thesis's pairing, named in the recipe)
     # LoRA r = 64 on all 7 projections of Llama-2-7B: r·(in + out) summed over the 32 blocks
     per_block = 4 * 64 * (4096 + 4096) + 3 * 64 * (4096 + 11008)
     assert ag.peft_config.num_tunable_weights == 32 * per_block
@@ -99,11 +100,11 @@ def test_instruction_recipes_are_the_generator_output_at_the_thesis_settings(tmp
         ({"training": {"weight_decay": "auto", "max_steps": 10, "learning_rate": 0.0}}, r"training.learning_rate=0.0.*positive finite"),
         ({"training": {"weight_decay": "lots"}}, r"training.weight_decay must be a number or 'auto', got training.weight_decay='lots'"),
         ({"method": {"peft_type": "SPIEL", "growth": "ma", "density": 0.1, "target_modules": "all-linear"},
-          "training": {"optim_args": "momentum=0.9,betas=0.99", "use_cpu": True, "bf16": False}}, r"optim_args='momentum=0.9,betas=0.99'.*takes momentum=, beta2= and eps=, got 'betas=0.99'"),
+          "training": {"optim": "sm3", "optim_args": "momentum=0.9,betas=0.99", "use_cpu": True, "bf16": False}}, r"optim_args='momentum=0.9,betas=0.99'.*takes momentum=, beta2= and eps=, got 'betas=0.99'"),
         ({"method": {"peft_type": "SPIEL", "growth": "ma", "density": 0.1, "target_modules": "all-linear"},
-          "training": {"optim_args": "beta2=1.0", "use_cpu": True, "bf16": False}}, r"optim_args='beta2=1.0' for SpIEL-MA's SM3: SM3: beta2 must be None .* got beta2=1.0"),
+          "training": {"optim": "sm3", "optim_args": "beta2=1.0", "use_cpu": True, "bf16": False}}, r"optim_args='beta2=1.0' for SpIEL-MA's SM3: SM3: beta2 must be None .* got beta2=1.0"),
         ({"method": {"peft_type": "SPIEL", "growth": "ma", "density": 0.1, "target_modules": "all-linear"},
-          "training": {"optim_args": "momentum=fast", "use_cpu": True, "bf16": False}}, r"momentum must be a number, got 'fast'"),
+          "training": {"optim": "sm3", "optim_args": "momentum=fast", "use_cpu": True, "bf16": False}}, r"momentum must be a number, got 'fast'"),
         ({"method": {"peft_type": "LT_SFT", "density": 0.01, "dense_steps": 10, "sparse_steps": 10},
           "training": {"max_steps": 60, "use_cpu": True, "bf16": False}},
          r"training.max_steps=60 must equal method.dense_steps \+ method.sparse_steps = 10 \+ 10"),

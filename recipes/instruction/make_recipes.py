@@ -66,6 +66,8 @@ def recipe(method: str, dataset: str, size: str) -> dict:
     }  # fmt: skip
     if method == "full":
         training.update({"gradient_checkpointing": True, "optim": "paged_adamw_32bit"})
+    if method.endswith("spiel_ma"):
+        training["optim"] = "sm3"  # (the thesis's pairing; the recipe runner's default for MA is AdamW)
     return {"model": model, "method": method_section(method, MODELS[size]["budget"]), "data": dict(DATASETS[dataset]), "training": training}
 
 
