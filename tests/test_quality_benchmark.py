@@ -261,12 +261,13 @@ def test_summary_means_and_sds_over_seeds_and_families(capsys):
     assert "spiel-ag (released seeds)" in text and "optimizer aged_adamw" not in text  # (the rule's own optimizer)
 
 
-@pytest.mark.parametrize("method,rules", [("spiel-ag", ()), ("spiel-ma", ()), ("spiel-ag", ("windows",)), ("spiel-ma", ("no_regrowth",))])
-def test_spiel_reselects_identically_in_the_loop_and_under_the_trainer(method, rules):
+@pytest.mark.parametrize("method,rules,kind", [("spiel-ag", (), "adamw"), ("spiel-ma", (), "adamw"), ("spiel-ma", (), "sm3"),
+                                               ("spiel-ag", ("windows",), "adamw"), ("spiel-ma", ("no_regrowth",), "sm3")])
+def test_spiel_reselects_identically_in_the_loop_and_under_the_trainer(method, rules, kind):
     """SpIEL with reselections (every 3 steps) and weight decay: SpIELScheduler stepped after each optimizer step in the
-    loop and SpIELCallback under the Trainer give the same losses and the same reselections (AG: AdamW, decay on the
-    values in both; MA: SM3), also with a released rule switched on (``--released-rule``), which the wrapped model's
-    config carries to the callback."""
+    loop and SpIELCallback under the Trainer give the same losses and the same reselections (AdamW with decay on the
+    values in both, MA's accumulators then the scheduler's; MA also beside SM3), also with a released rule switched on
+    (``--released-rule``), which the wrapped model's config carries to the callback."""
     from peft_sparse.methods.spiel.rules import released
 
     args = _args(steps=9, warmup_steps=1)
@@ -278,7 +279,7 @@ def test_spiel_reselects_identically_in_the_loop_and_under_the_trainer(method, r
     for path in ("loop", "trainer"):
         wrapped, params = quality.build(method, tiny_llama(), 600, 4, 0, dict(fields), rules=rules)
         assert [r for r in ("windows", "no_regrowth") if released(wrapped.peft_config["default"], r)] == list(rules)
-        kind, form = ("sm3", {"momentum": 0.0, "beta2": None}) if method == "spiel-ma" else ("adamw", None)
+        form = {"momentum": 0.0, "beta2": None} if kind == "sm3" else None
         if path == "loop":
             runs.append(quality.train_loop(args, wrapped, params, quality.make_optimizer(kind, params, 1e-2, 0.1, form), True, train, 1, 0))
         else:
