@@ -210,6 +210,12 @@ def load_recipe(path_or_mapping, overrides: Optional[dict] = None) -> Recipe:
                 + (f" with growth={peft_config.growth!r}" if hasattr(peft_config, "growth") else "")
             )
         raw["training"].pop("optim")
+    elif raw["training"].get("optim_args") and raw["training"].get("optim") in ADAMW_NAMES:
+        raise ValueError(
+            f"recipe training.optim_args={raw['training']['optim_args']!r} would be ignored: AdamW (training.optim="
+            f"{raw['training'].get('optim')!r}) reads no optim_args; they set SM3's form with training.optim: sm3 "
+            "(SpIEL-MA), or the arguments of another of transformers' optimizers"
+        )
     training_args = build_training_args(raw["training"])
     slow_fast = None
     if raw["slow_fast"]:  # slow-fast learning rates: recorded in a sparse adapter's config, applied by the callback
@@ -262,6 +268,7 @@ def method_callbacks(peft_config) -> list:
 # 1e-3) MA beside AdamW at weight decay 0 scored 59.2 against 52.2 with SM3 (docs/quality-families.md). `training.optim:
 # sm3` trains with peft_sparse.SM3, the thesis's pairing (§7.3), in the form below unless training.optim_args names one.
 SM3_OPTIM = "sm3"
+ADAMW_NAMES = (None, "adamw_torch", "adamw_torch_fused")  # training.optim values whose AdamW reads no optim_args
 # SM3's form for SpIEL-MA, by the run's length T = training.max_steps (BENCHMARKS.md, Quality; 5 seeds each on
 # skills / skills2):
 # * up to MA_SUMS_MAX_STEPS steps, SM3's sums without momentum, whose steps shrink as 1/√t: at 60 steps and lr 3e-3
