@@ -137,7 +137,7 @@ RECOMMENDED = {
     "lt-sft": Recipe(1e-3),
     "full": Recipe(3e-5),
 }
-# learning rates tried per method on one seed by ``sweep`` (AdamW unless noted; SpIEL-MA: SM3)
+# learning rates tried per method on one seed by ``sweep`` (each with its default optimizer: AdamW, block SpIEL-MA SM3)
 LR_GRID = {
     "lora": (3e-4, 1e-3, 3e-3),
     "shira": (3e-4, 1e-3, 3e-3),
