@@ -153,7 +153,7 @@ def prepare(variant: str, size: str, total_steps: int, block: int = BLOCK, train
     params = [p for p in model.parameters() if p.requires_grad]
     trainable = sum(p.numel() for p in params)
     if variant.removesuffix("-merge").endswith(("-ma", "-ma-block")):
-        # --sm3-ema: the moving-average form with momentum, the recipe runner's default for SpIEL-MA
+        # --sm3-ema: the moving-average form with momentum, SM3's form beyond 100 steps (ma_sm3_defaults)
         sm3_form = {"momentum": 0.9, "beta2": 0.999} if os.environ.get("BENCH_SM3_EMA") == "1" else {}
         optimizer = peft_sparse.SM3(params, lr=1e-3, **sm3_form)
     else:
@@ -422,7 +422,7 @@ def main():
                         help="SpIEL-MA variants: growth ranked by SM3's accumulators or the windows' input/output sums "
                              "(default: the config's, 'io' for blocks and 'sm3' otherwise)")  # fmt: skip
     parser.add_argument("--sm3-ema", action="store_true",
-                        help="SpIEL-MA variants: SM3 with momentum 0.9 and beta2 0.999 (the recipe runner's default) instead of the sums")
+                        help="SpIEL-MA variants: SM3 with momentum 0.9 and beta2 0.999 (SM3's form beyond 100 steps, ma_sm3_defaults) instead of the sums")
     parser.add_argument("--batch-id", default=None)
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after warm-up (diagnosis of collector pauses)")
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",

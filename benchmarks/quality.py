@@ -492,7 +492,7 @@ def run_one(args, task: str, method: str, seed: int, model_and_tokenizer, data) 
     optimizer_kind = args.optimizer or default_optimizer(method, reference, rules)
     decay = resolved_weight_decay(args, method, lr)
     sm3_form = None
-    if optimizer_kind == "sm3":  # ('auto': the recipe runner's SpIEL-MA form for this run length; the reference: the sums)
+    if optimizer_kind == "sm3":  # ('auto': ma_sm3_defaults, SM3's form for this run length; the reference: the sums)
         from peft_sparse.recipe import ma_sm3_defaults
 
         form = {"momentum": 0.0, "beta2": None} if reference else ma_sm3_defaults(args.steps)
