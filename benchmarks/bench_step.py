@@ -13,7 +13,7 @@ while the SpIEL cycle's windows and reselections, at the same positions in every
 ``--settle 180`` runs the floor untimed for that long first: a fresh machine's host got 2.3 times faster
 over its first minutes in round s18 (docs/perf-log.md), which moved the host-bound SpIEL steps with it.
 
-Setup (the issue's): Llama architecture with TinyLlama-1.1B shapes (or ``--size llama2-7b``), random
+Setup: Llama architecture with TinyLlama-1.1B shapes (or ``--size llama2-7b``), random
 init, bf16, 8×1024 tokens per step, all 7 linear projection types targeted, trainable budget = LoRA
 r=64 (50.46M for TinyLlama), AdamW (SM3 for SpIEL-MA), median and mean of 40 timed steps after 6
 warm-up steps. Peak memory is ``torch.cuda.max_memory_allocated()`` over the timed steps. Only
