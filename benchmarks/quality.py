@@ -18,7 +18,7 @@ Two training paths, each with the schedule of ``--schedule`` (``linear`` decay t
 
 Methods (``--methods``) run with their recommended settings unless flags say otherwise (``RECOMMENDED``): LoRA r16,
 PEFT's SHiRA, full fine-tuning, a fixed random or magnitude mask (``SparseFTConfig``), SpIEL-AG (the README's settings:
-``budget_split="adaptive"``, weight decay ``auto_weight_decay`` for the schedule) and SpIEL-MA (beside AdamW; on
+the uniform budget split, weight decay ``auto_weight_decay`` for the schedule) and SpIEL-MA (beside AdamW; on
 blocks with SM3 in the form the recipe runner picks by run length), also on 64×64 blocks, and LT-SFT (the run's first half dense at full fine-tuning's
 rate, the second half sparse on the K weights that moved most, at the method's rate). ``--reference authors`` runs the SpIEL methods with
 ``reference="authors"`` (the authors' released selection and optimizer-state rules: AgedAdamW for AG, SM3's sums
@@ -93,12 +93,41 @@ SPLITS["all"] = list(TASKS)
 # with reference="authors", which fixes budget_split, block_shape and the rest to the released code's (the config
 # refuses contradicting fields).
 SPIEL_VARIANTS = {
-    "spiel-ag": {"growth": "ag", "budget_split": "adaptive"},
+    "spiel-ag": {"growth": "ag"},
     "spiel-ma": {"growth": "ma"},
     "spiel-ag-block": {"growth": "ag", "block_shape": (64, 64)},
     "spiel-ma-block": {"growth": "ma", "block_shape": (64, 64)},
 }
 REFERENCE_VARIANTS = {"spiel-ag": {"growth": "ag"}, "spiel-ma": {"growth": "ma"}}
+# SpIEL-AG's preset held budget_split="adaptive" from the first rows with a training path ("trainer") until the uniform
+# split was chosen on the dev families (docs/quality-families.md); rows record the split they ran with since then.
+
+
+def budget_split_of(row: dict) -> str | None:
+    """The budget split a SpIEL row ran with: recorded in rows since the uniform split became SpIEL-AG's (the
+    config's default); before, SpIEL-AG rows with a training path and no ``--set budget_split`` ran the adaptive
+    preset, and rows older still the config's default. None for other methods."""
+    if row.get("method") not in SPIEL_VARIANTS:
+        return None
+    if row.get("budget_split"):
+        return row["budget_split"]
+    given = (row.get("set") or {}).get("budget_split")
+    if given:
+        return given
+    if row["method"] == "spiel-ag" and "trainer" in row and not row.get("reference"):
+        return "adaptive"
+    return "uniform"
+
+
+def line_budget_split(parser, line: str) -> str | None:
+    """The budget split a plan line runs with today (``--set budget_split``, else the config's default 'uniform';
+    the released rules' mode keeps it too), so that a row of the same line run under the adaptive preset is not
+    taken for it. None for other methods."""
+    run_args = parser.parse_intermixed_args(["run", *shlex.split(line)])
+    methods = run_args.methods or []
+    if len(methods) != 1 or methods[0] not in SPIEL_VARIANTS:
+        return None
+    return parse_sets(parser, run_args.set).get("budget_split", "uniform")
 REFERENCE_METHODS = (*REFERENCE_VARIANTS, "lt-sft")
 METHODS = ("lora", "shira", "sft-random", "sft-magnitude", *SPIEL_VARIANTS, "lt-sft", "full")
 # LT-SFT (thesis ch. 4, Algorithm 1): the run's first half dense (every targeted weight, at full fine-tuning's rate),
@@ -530,6 +559,7 @@ def run_one(args, task: str, method: str, seed: int, model_and_tokenizer, data) 
         "warmup_steps": warmup_steps(args), "cooldown_fraction": args.cooldown_fraction if args.schedule == "wsd" else None,
         "budget_rank": args.budget_rank, "trainable": n_trainable,
         "weight_decay": decay, "max_grad_norm": args.max_grad_norm, "set": overrides, "optimizer": optimizer_kind,
+        "budget_split": getattr(config, "budget_split", None) if method in SPIEL_VARIANTS else None,
         "sm3_momentum": (sm3_form or {}).get("momentum"), "sm3_beta2": (sm3_form or {}).get("beta2"),
         "no_reselection": args.no_reselection, "tag": args.tag, "eval_limit": args.eval_limit, "job": getattr(args, "job", None),
         "exact_match": score["accuracy"], "heldout_loss": loss_heldout, "per_skill": score["per_skill"],
@@ -645,12 +675,12 @@ def line_optimizer(parser, line: str) -> str:
 def run_queue(parser, args) -> None:
     """A worker over a plan file: claims lines one at a time (shared with other workers through ``<plan>.claims``),
     runs each (base model and task data loaded once), appends its row; lines whose exact text is the ``job`` of a row
-    in ``--skip-done`` files, run with the optimizer the line resolves to today, are left out. With ``--deadline`` (a Unix time) it claims no line whose run, timed like
+    in ``--skip-done`` files, run with the optimizer and budget split the line resolves to today, are left out. With ``--deadline`` (a Unix time) it claims no line whose run, timed like
     this worker's last run at that length, would end after it."""
     plan_path = Path(args.results[0])
     lines = [ln.strip() for ln in plan_path.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-    done = {(r.get("job"), r.get("optimizer")) for path in args.skip_done or [] if Path(path).exists() for r in read_jsonl(Path(path))}
-    lines = [ln for ln in lines if (ln, line_optimizer(parser, ln)) not in done]
+    done = {(r.get("job"), r.get("optimizer"), budget_split_of(r)) for path in args.skip_done or [] if Path(path).exists() for r in read_jsonl(Path(path))}
+    lines = [ln for ln in lines if (ln, line_optimizer(parser, ln), line_budget_split(parser, ln)) not in done]
     counter = Path(str(plan_path) + ".claims")
     base, cache = None, {}
     last = {}  # steps → the wall seconds of this worker's last run at that length

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import math
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -165,11 +166,16 @@ def test_a_shared_plan_is_claimed_once_per_line(tmp_path):
 
 
 def test_queue_skips_lines_done_in_earlier_results(tmp_path, monkeypatch):
-    """A line is done when an earlier row has its text and ran with the optimizer the line resolves to today: a
-    SpIEL-MA line run with SM3 (the earlier default) runs again beside AdamW."""
+    """A line is done when an earlier row has its text and ran with the optimizer and budget split the line resolves
+    to today: a SpIEL-MA line run with SM3 (the earlier default) runs again beside AdamW, and a SpIEL-AG line run under
+    the earlier adaptive preset runs again with the uniform split."""
     parser = quality.build_parser()
     lines = quality.gpu_plan(seeds=(0,), families=["classify"])[:4]
     assert [quality.line_optimizer(parser, line) for line in lines] == ["adamw"] * 4 and "spiel-ma" in lines[3]
+    methods = [parser.parse_intermixed_args(["run", *shlex.split(line)]).methods[0] for line in lines]
+    assert methods == ["lora", "sft-random", "spiel-ag", "spiel-ma"]
+    assert [quality.line_budget_split(parser, line) for line in lines] == [None, None, "uniform", "uniform"]
+    assert quality.line_budget_split(parser, lines[2] + " --set budget_split=adaptive") == "adaptive"
     assert quality.line_optimizer(parser, lines[3] + " --optimizer sm3") == "sm3"
     assert quality.line_optimizer(parser, lines[3] + " --reference authors") == "sm3"
     plan = tmp_path / "plan.txt"
@@ -183,12 +189,16 @@ def test_queue_skips_lines_done_in_earlier_results(tmp_path, monkeypatch):
 
     monkeypatch.setattr(quality, "load_base", load_base)
     done = tmp_path / "done.jsonl"
-    for ma_optimizer, runs in (("adamw", False), ("sm3", True)):
-        done.write_text("".join(json.dumps({"job": line, "optimizer": ma_optimizer if "spiel-ma" in line else "adamw"}) + "\n" for line in lines))
+    for ma_optimizer, ag_split, runs in (("adamw", "uniform", False), ("sm3", "uniform", True), ("adamw", None, True)):
+        rows = [{"job": line, "method": m, "trainer": "loop", "optimizer": ma_optimizer if m == "spiel-ma" else "adamw",
+                 "budget_split": (ag_split if m == "spiel-ag" else "uniform") if m.startswith("spiel") else None}
+                for line, m in zip(lines, methods)]  # fmt: skip
+        assert quality.budget_split_of(rows[2]) == (ag_split or "adaptive")  # (no field: the earlier preset)
+        done.write_text("".join(json.dumps(row) + "\n" for row in rows))
         Path(str(plan) + ".claims").unlink(missing_ok=True)
         args = parser.parse_intermixed_args(["queue", str(plan), "--skip-done", str(done), "--out", str(tmp_path / "rows.jsonl")])
         if runs:
-            with pytest.raises(Loaded):  # (the SpIEL-MA line is left to run: the model is loaded for it)
+            with pytest.raises(Loaded):  # (the SpIEL-MA or SpIEL-AG line is left to run: the model is loaded for it)
                 quality.run_queue(parser, args)
         else:
             quality.run_queue(parser, args)
@@ -215,7 +225,7 @@ def test_reference_switch_needs_the_config_field(monkeypatch):
     quality.check_reference_supported(None, ["lora"])
 
 
-def test_reference_mode_passes_reference_and_drops_the_adaptive_split(monkeypatch):
+def test_reference_mode_passes_reference_and_spiel_ag_takes_the_configs_split(monkeypatch):
     import peft
     import peft_sparse
 
@@ -231,13 +241,14 @@ def test_reference_mode_passes_reference_and_drops_the_adaptive_split(monkeypatc
     quality.build("spiel-ag", None, 1000, 16, 0, {})
     quality.build("spiel-ma", None, 1000, 16, 0, {"ma_regrow_dropped": False}, reference="authors")
     assert seen[0]["reference"] == "authors" and seen[0]["growth"] == "ag" and "budget_split" not in seen[0]
-    assert "reference" not in seen[1] and seen[1]["budget_split"] == "adaptive"
+    assert "reference" not in seen[1] and "budget_split" not in seen[1]  # (the uniform split, chosen on the dev families)
     assert seen[2]["reference"] == "authors" and seen[2]["growth"] == "ma" and seen[2]["ma_regrow_dropped"] is False
 
 
 def _row(task, method, seed, score, **fields):
     row = {"task": task, "method": method, "seed": seed, "exact_match": score, "steps": 150, "lr": 1e-3, "final_loss": 1.0,
-           "train_seconds": 1.0, "heldout_loss": 0.5, "trainer": "loop", "schedule": "linear", "device": "cpu"}  # fmt: skip
+           "train_seconds": 1.0, "heldout_loss": 0.5, "trainer": "loop", "schedule": "linear", "device": "cpu",
+           "budget_split": "uniform" if method in quality.SPIEL_VARIANTS else None}  # fmt: skip  (as rows record it)
     row.update(fields)
     return row
 
@@ -261,9 +272,30 @@ def test_summary_means_and_sds_over_seeds_and_families(capsys):
     assert "spiel-ag (released seeds)" in text and "optimizer aged_adamw" not in text  # (the rule's own optimizer)
 
 
-@pytest.mark.parametrize("method,rules,kind", [("spiel-ag", (), "adamw"), ("spiel-ma", (), "adamw"), ("spiel-ma", (), "sm3"),
-                                               ("spiel-ag", ("windows",), "adamw"), ("spiel-ma", ("no_regrowth",), "sm3")])
-def test_spiel_reselects_identically_in_the_loop_and_under_the_trainer(method, rules, kind):
+def test_summary_labels_spiel_ag_rows_by_the_split_they_ran_with():
+    """SpIEL-AG rows of the earlier adaptive preset (a training path, no split recorded) show their split; rows of the
+    uniform split pool, whether the line named it (``--set budget_split=uniform``) or took the default."""
+    family = quality.SPLITS["test"][0]
+    rows = [
+        _row(family, "spiel-ag", 0, 0.6, budget_split=None),  # (the adaptive preset: no split recorded)
+        _row(family, "spiel-ag", 0, 0.7, set={"budget_split": "uniform"}, budget_split="uniform"),
+        _row(family, "spiel-ag", 1, 0.9, budget_split="uniform"),
+        _row(family, "sft-random", 0, 0.5, set={"budget_split": "lora"}),
+    ]  # fmt: skip
+    for row in rows:  # (each at its method's recommended weight decay: no λ in the label)
+        row["weight_decay"] = quality_summary.recommended_decay(row) or 0.0
+    labels = {(s["method"], s["settings"]): s for s in quality_summary.summarize(rows)}
+    assert labels[("spiel-ag", "budget_split adaptive")]["n"] == 1
+    assert labels[("spiel-ag", "")]["n"] == 2 and labels[("spiel-ag", "")]["mean"] == pytest.approx(0.8)
+    assert ("sft-random", "budget_split lora") in labels
+    old = {k: v for k, v in _row(family, "spiel-ag", 0, 0.6, budget_split=None).items() if k != "trainer"}  # (before the preset: the default)
+    assert quality.budget_split_of(old) == "uniform" and quality.budget_split_of(_row(family, "lora", 0, 0.5)) is None
+
+
+@pytest.mark.parametrize("method,rules,kind,split", [("spiel-ag", (), "adamw", None), ("spiel-ag", (), "adamw", "adaptive"),
+                                                     ("spiel-ma", (), "adamw", None), ("spiel-ma", (), "sm3", None),
+                                                     ("spiel-ag", ("windows",), "adamw", None), ("spiel-ma", ("no_regrowth",), "sm3", None)])
+def test_spiel_reselects_identically_in_the_loop_and_under_the_trainer(method, rules, kind, split):
     """SpIEL with reselections (every 3 steps) and weight decay: SpIELScheduler stepped after each optimizer step in the
     loop and SpIELCallback under the Trainer give the same losses and the same reselections (AdamW with decay on the
     values in both, MA's accumulators then the scheduler's; MA also beside SM3), also with a released rule switched on
@@ -273,8 +305,8 @@ def test_spiel_reselects_identically_in_the_loop_and_under_the_trainer(method, r
     args = _args(steps=9, warmup_steps=1)
     train = _data(12)
     fields = {"reselection_steps": 3, "gradient_estimation_steps": 1}
-    if rules and method == "spiel-ag":  # (the released rules keep each tensor's share: the uniform split)
-        fields["budget_split"] = "uniform"
+    if split:
+        fields["budget_split"] = split
     runs = []
     for path in ("loop", "trainer"):
         wrapped, params = quality.build(method, tiny_llama(), 600, 4, 0, dict(fields), rules=rules)
