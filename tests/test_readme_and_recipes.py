@@ -191,3 +191,31 @@ def test_trainer_weight_decay_reaches_every_sparse_value():
     args = TrainingArguments(output_dir="unused", weight_decay=3.0, report_to="none", use_cpu=True)
     decayed = set(Trainer(model=model, args=args).get_decay_parameter_names(model))
     assert values <= decayed
+
+
+def test_the_main_recipe_trains_on_several_processes_as_the_multi_gpu_guide_launches_it(monkeypatch):
+    """docs/multi-gpu.md launches recipes/smollm2_spiel.yaml under DDP, FSDP2 and DeepSpeed: its method must be one
+    the scheduler takes on several processes (the adaptive split, which resizes the values, is refused there)."""
+    import dataclasses
+
+    import torch
+    from peft import get_peft_model
+
+    from peft_sparse import SpIELScheduler
+    from peft_sparse.methods.spiel import scheduler as spiel_scheduler
+
+    from .models import tiny_llama
+
+    method = load_recipe(ROOT / "recipes/smollm2_spiel.yaml").peft_config
+    assert method.budget_split == "uniform"
+    monkeypatch.setattr(spiel_scheduler, "distributed", lambda: True)  # (as under torchrun with 2 processes)
+    monkeypatch.setattr(spiel_scheduler.SpIELScheduler, "_check_ranks_agree", lambda self: None)
+    for split, refused in (("uniform", False), ("adaptive", True)):
+        config = dataclasses.replace(method, num_tunable_weights=None, density=0.1, budget_split=split)
+        model = get_peft_model(tiny_llama(), config)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        if refused:
+            with pytest.raises(ValueError, match="budget_split='adaptive'"):
+                SpIELScheduler(model, optimizer, total_steps=60)
+        else:
+            SpIELScheduler(model, optimizer, total_steps=60)
