@@ -99,10 +99,22 @@ SPIEL_VARIANTS = {
     "spiel-ma-block": {"growth": "ma", "block_shape": (64, 64)},
 }
 REFERENCE_VARIANTS = {"spiel-ag": {"growth": "ag"}, "spiel-ma": {"growth": "ma"}}
+REFERENCE_METHODS = (*REFERENCE_VARIANTS, "lt-sft")
+METHODS = ("lora", "shira", "sft-random", "sft-magnitude", *SPIEL_VARIANTS, "lt-sft", "full")
+# LT-SFT (thesis ch. 4, Algorithm 1): the run's first half dense (every targeted weight, at full fine-tuning's rate),
+# the K = budget weights that moved most kept and rewound, the second half sparse at the method's rate
+LT_SFT_DENSE_LR = 3e-5
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SCHEDULES = ("linear", "cosine", "constant", "wsd")
+# transformers' lr_scheduler_type of each schedule (both paths; 'constant' keeps the warm-up; 'wsd': constant, then a
+# linear decay to 0 over the last --cooldown-fraction of the steps, a diagnostic of what the final steps' rate does)
+HF_SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup", "wsd": "warmup_stable_decay"}
+TRAINERS = ("trainer", "loop")
+LEGACY_TRAINERS = {"plain": "loop", "hf": "trainer"}  # (names of earlier rows)
+
 # SpIEL-AG's preset held budget_split="adaptive" from the first rows with a training path ("trainer") until the uniform
-# split was chosen on the dev families (docs/quality-families.md); rows record the split they ran with since then.
-
-
+# split was chosen on the dev families (docs/quality-families.md); rows record the split they ran with since then
+# (budget_split_of reads both).
 def budget_split_of(row: dict) -> str | None:
     """The budget split a SpIEL row ran with: recorded in rows since the uniform split became SpIEL-AG's (the
     config's default); before, SpIEL-AG rows with a training path and no ``--set budget_split`` ran the adaptive
@@ -120,26 +132,13 @@ def budget_split_of(row: dict) -> str | None:
 
 
 def line_budget_split(parser, line: str) -> str | None:
-    """The budget split a plan line runs with today (``--set budget_split``, else the config's default 'uniform';
-    the released rules' mode keeps it too), so that a row of the same line run under the adaptive preset is not
-    taken for it. None for other methods."""
+    """The budget split a plan line runs with today (``--set budget_split``, else the config's default 'uniform'), so
+    that a row of the same line run under the adaptive preset is not taken for it. None for other methods."""
     run_args = parser.parse_intermixed_args(["run", *shlex.split(line)])
     methods = run_args.methods or []
     if len(methods) != 1 or methods[0] not in SPIEL_VARIANTS:
         return None
     return parse_sets(parser, run_args.set).get("budget_split", "uniform")
-REFERENCE_METHODS = (*REFERENCE_VARIANTS, "lt-sft")
-METHODS = ("lora", "shira", "sft-random", "sft-magnitude", *SPIEL_VARIANTS, "lt-sft", "full")
-# LT-SFT (thesis ch. 4, Algorithm 1): the run's first half dense (every targeted weight, at full fine-tuning's rate),
-# the K = budget weights that moved most kept and rewound, the second half sparse at the method's rate
-LT_SFT_DENSE_LR = 3e-5
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SCHEDULES = ("linear", "cosine", "constant", "wsd")
-# transformers' lr_scheduler_type of each schedule (both paths; 'constant' keeps the warm-up; 'wsd': constant, then a
-# linear decay to 0 over the last --cooldown-fraction of the steps, a diagnostic of what the final steps' rate does)
-HF_SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup", "wsd": "warmup_stable_decay"}
-TRAINERS = ("trainer", "loop")
-LEGACY_TRAINERS = {"plain": "loop", "hf": "trainer"}  # (names of earlier rows)
 
 
 @dataclass(frozen=True)
