@@ -34,7 +34,7 @@ def run(setting: str, recipe_path: Path) -> dict:
     finally:
         kernels.COST_MODEL.sddmm_relative_rate.clear()
         kernels.COST_MODEL.sddmm_relative_rate.update(saved)
-    return {"setting": setting, "train_runtime_s": summary["train_runtime_s"], "after": summary["after"]["accuracy"],
+    return {"setting": setting, "recipe": recipe_path.name, "train_runtime_s": summary["train_runtime_s"], "after": summary["after"]["accuracy"],
             "train_loss_last": summary["train_loss_last"], "threads": summary["torch_threads"]}  # fmt: skip
 
 
