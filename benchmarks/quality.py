@@ -126,7 +126,8 @@ def budget_split_of(row: dict) -> str | None:
     given = (row.get("set") or {}).get("budget_split")
     if given:
         return given
-    if row["method"] == "spiel-ag" and "trainer" in row and not row.get("reference"):
+    reference = row.get("reference") or (row.get("set") or {}).get("reference")
+    if row["method"] == "spiel-ag" and "trainer" in row and not reference:
         return "adaptive"
     return "uniform"
 

@@ -69,8 +69,9 @@ def settings_of(r: dict) -> dict:
     settings = {k: v for k, v in (r.get("set") or {}).items() if k != "reference"}
     if r["method"] in quality.SPIEL_VARIANTS:  # (the split as run: SpIEL-AG's rows under the earlier adaptive preset show it)
         settings.pop("budget_split", None)
-        if quality.budget_split_of(r) != "uniform":
-            settings["budget_split"] = quality.budget_split_of(r)
+        split = quality.budget_split_of(r)
+        if split != "uniform":
+            settings["budget_split"] = split
     for name, value in (r.get("ma_setup") or {}).items():  # (as resolved, where it differs from what rows without
         if value != PRE_AUTO_MA_SETUP[name]:  # it ran with: those predate block MA's 'io' and 'auto' defaults)
             settings[name] = value

@@ -83,13 +83,14 @@ for v in ("spiel-ag", "spiel-ag-block", "spiel-ma-block"):
         cells.append(f"{tree} {statistics.median(ratios):.3f} [{' '.join(f'{x:.3f}' for x in ratios)}]" if ratios else f"{tree} -")
     print(f"{v:<16}" + "   ".join(cells))
 PY
-else
-  if [ "$MODE" = c ]; then  # the default-settings goals at Llama-2-7B shapes: block rows, default and opt-in
-    run 570 python3 benchmarks/bench_step.py --size llama2-7b \
-      --variants floor,spiel-ag-block,spiel-ag-block-merge,spiel-ma-block,spiel-ma-block-merge,spiel-ag,spiel-ag-merge \
-      --batch-id speed-c-7b --out "$OUT/bench-7b.jsonl"
-  fi
-  [ "$MODE" = m ] && run 150 python3 benchmarks/moe_step.py --out "$OUT/moe.jsonl"
+elif [ "$MODE" = c ]; then  # the default-settings goals at Llama-2-7B shapes: block rows, default and opt-in
+  run 570 python3 benchmarks/bench_step.py --size llama2-7b \
+    --variants floor,spiel-ag-block,spiel-ag-block-merge,spiel-ma-block,spiel-ma-block-merge,spiel-ag,spiel-ag-merge \
+    --batch-id speed-c-7b --out "$OUT/bench-7b.jsonl"
+elif [ "$MODE" = m ]; then
+  run 150 python3 benchmarks/moe_step.py --out "$OUT/moe.jsonl"
   [ -f "$OUT/moe.jsonl" ] && python3 benchmarks/moe_step.py --table "$OUT/moe.jsonl"
+else
+  echo "unknown mode '$MODE': choose a, b, c, g, k, m or r"; exit 2
 fi
 echo "done after $(( $(date +%s) - START )) s"
