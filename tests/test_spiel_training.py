@@ -186,6 +186,85 @@ def test_spiel_ma_beside_adamw_starts_grown_weights_with_zero_moments():
     assert kept > 0 and grown_total > 0
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "aged_adamw"])
+def test_spiel_ma_seeds_grown_second_moments_from_the_sm3_cover(monkeypatch, optimizer):
+    """With MA's seeds on (the quality benchmark's ``--ma-seeds``), a grown slot (i, j) beside Adam starts with the
+    second moment SM3 would give it: min(R_i, C_j) / t of a dense SM3 reference of the accumulators, in Adam's stored
+    units (stock AdamW: × (1 − β₂ᵗ); AgedAdamW: × (1 − β₂ᵗ) with the slot's age set to t), the first moment at 0; kept
+    slots keep theirs. The next optimizer step then moves a grown weight by that optimizer's update from the seed."""
+    from peft_sparse import AgedAdamW
+
+    monkeypatch.setattr(SpIELScheduler, "_ma_seeds", True)
+    torch.manual_seed(0)
+    model = _spiel("ma", reselection_steps=4)
+    params = [p for p in model.parameters() if p.requires_grad]
+    beta2 = 0.99
+    kind = torch.optim.AdamW if optimizer == "adamw" else AgedAdamW
+    opt = kind(params, lr=1e-2, betas=(0.9, beta2), weight_decay=0.0)
+    scheduler = SpIELScheduler(model, opt, total_steps=12)
+    layers = sparse_layers(model)
+    rows = {m.module_name: torch.zeros(m.out_features) for m in layers}
+    cols = {m.module_name: torch.zeros(m.in_features) for m in layers}
+    model.train()
+    reselections = 0
+    for step in range(1, 12):
+        _loss(model, _batch(step)).backward()
+        _dense_sm3_accumulators(layers, rows, cols)
+        opt.step()
+        opt.zero_grad()
+        before = {m.module_name: (m.sparse_indices["default"].clone(), opt.state[m.sparse_values["default"]]["exp_avg_sq"].clone()) for m in layers}
+        reselections += bool(scheduler.step())
+        if reselections == 2:
+            break
+    grown_total = 0
+    for m in layers:
+        state = opt.state[m.sparse_values["default"]]
+        indices, ages = m.sparse_indices["default"], m.sparse_ages["default"]
+        grown = ages == step
+        r, c = indices.long() // m.in_features, indices.long() % m.in_features
+        cover = torch.minimum(rows[m.module_name][r], cols[m.module_name][c]) / step
+        expected = (cover.double() * (1 - beta2**step)).float()
+        assert torch.allclose(state["exp_avg_sq"][grown], expected[grown], rtol=1e-6, atol=0), m.module_name
+        assert bool((state["exp_avg"][grown] == 0).all())
+        if optimizer == "aged_adamw":
+            assert bool((state["age"][grown] == step).all())
+        old_indices, old_v = before[m.module_name]
+        assert torch.equal(state["exp_avg_sq"][~grown], old_v[torch.isin(old_indices, indices[~grown])])
+        grown_total += int(grown.sum())
+    assert grown_total > 0 and bool((torch.cat([opt.state[m.sparse_values["default"]]["exp_avg_sq"] for m in layers]) > 0).all())
+    # the next step: a grown weight moves by lr · m̂ / (√v̂ + ε), m and v from the seed and this step's gradient
+    m0 = layers[0]
+    values = m0.sparse_values["default"]
+    grown = m0.sparse_ages["default"] == step
+    v_seed, p_before = opt.state[values]["exp_avg_sq"].clone(), values.detach().clone()
+    _loss(model, _batch(99)).backward()
+    g = values.grad.detach().clone()
+    opt.step()
+    v = beta2 * v_seed.double() + (1 - beta2) * g.double() ** 2
+    m = (1 - 0.9) * g.double()
+    if optimizer == "adamw":  # (the step count is now t + 1; ε after the bias correction)
+        expected_move = -1e-2 * (m / (1 - 0.9 ** (step + 1))) / ((v / (1 - beta2 ** (step + 1))).sqrt() + 1e-8)
+    else:  # (the slot's age is t; ε before the bias correction)
+        expected_move = -1e-2 * m / ((v.sqrt() + 1e-8) * (1 - 0.9**step) / math.sqrt(1 - beta2**step))
+    moved = (values.detach() - p_before).double()
+    assert torch.allclose(moved[grown], expected_move[grown], rtol=1e-4, atol=1e-9)
+
+
+def test_spiel_ma_seeds_only_beside_adam_kept_accumulators(monkeypatch):
+    """The seeds need the scheduler's accumulators: beside SM3 (whose own cover already gives a new weight its second
+    moment) and with ``reference='authors'`` nothing is seeded, the run the same bits as without the switch."""
+    def run(seeds: bool):
+        monkeypatch.setattr(SpIELScheduler, "_ma_seeds", seeds)
+        torch.manual_seed(0)
+        model = _spiel("ma", reselection_steps=4)
+        opt = _optimizer(model, "ma")
+        scheduler = SpIELScheduler(model, opt, total_steps=12)
+        _run(model, opt, scheduler, 12)
+        return [m.sparse_values["default"].detach().clone() for m in sparse_layers(model)]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
+
+
 def test_scheduler_kept_ma_accumulators_equal_sm3s_own():
     """The accumulators the scheduler keeps beside another optimizer are SM3's: kept beside SM3 itself, they equal
     SM3's state bit for bit through training with reselections."""

@@ -15,6 +15,7 @@ from ...core import edit, kernels
 from ...core.layer import SparseLayer
 from ...core.selection import BlockGrid
 from ...core.tuner import SparseTuner
+from ...optim.surgery import seed_optimizer_states
 from ...schedules.reselection import released_replacement_count, replacement_count
 from .adaptive import reselect_adaptive
 from .batched import AllReselections, TensorReselection, _starts, reselect_all
@@ -194,6 +195,8 @@ class Reselections:
             layers, self.adapter_name, result.source, result.new_indices, optimizer=self.optimizer, step=t,
             block_units=result.units, block_layouts=result.block_metadata, condition=condition,
         )  # fmt: skip
+        if not ag and self._ma_seeds_on():
+            self._seed_ma(t, group, result, values)
         grown, old_ages = done.new, done.old_ages
         age_before = (t - old_ages.long()).sum()
         kept_age = torch.where(grown, 0, t - old_ages[done.source.clamp(min=0)].long()).sum()
@@ -217,6 +220,35 @@ class Reselections:
 
         sums = torch.stack([age_before - kept_age, kept_age, result.changed.to(age_before.device)])
         return _GroupEdit(sums, n_grown, result.shortfall, undo)
+
+    # SpIEL-MA beside Adam: seed the second moment of grown slots from the row and column accumulators (an ablation of
+    # the quality benchmark, ``--ma-seeds``, until the dev families choose it)
+    _ma_seeds = False
+
+    def _ma_seeds_on(self) -> bool:
+        return self._ma_seeds and self.ma_accumulators is not None and self.config.reference is None
+
+    def _seed_ma(self, t: int, group: list, result: AllReselections, values: list) -> None:
+        """Adam's second moment of SpIEL-MA's grown slots from SM3's cover of them: ŝ = min(R_i, C_j) / t, where R
+        and C sum t steps' squared gradients (:class:`.statistics.RowColumnAccumulators`: the gradients the
+        optimizer saw, so no clip factor applies). SM3 itself gives a new weight (i, j) exactly that cover as its
+        accumulated second moment; Adam without it starts the weight from zero moments, and the bias correction by
+        the global step then lets its first steps run to about 1.4× a settled weight's."""
+        n_grown = sum(result.dropped)
+        if n_grown == 0 or t <= 0:
+            return
+        slots = torch.nonzero_static(result.source < 0, size=n_grown).squeeze(1)
+        starts = _starts(result.sizes)
+        dev = slots.device
+        local = slots - torch.repeat_interleave(kernels.table(starts, dev), kernels.table(result.dropped, dev), output_size=n_grown)
+        flat = result.new_indices[slots]
+        seeds = []
+        for (layer, _, _), idx in zip(group, torch.split(flat, result.dropped)):
+            row_acc, col_acc = self.ma_accumulators.views[layer.module_name]  # (also under ma_signal='io')
+            rows, cols = kernels.rows_cols(idx, layer.in_features)
+            seeds.append(torch.minimum(row_acc[rows], col_acc[cols]) / t)
+        seed_optimizer_states(self.optimizer, values, list(torch.split(local, result.dropped)), seeds, seeds, first=False,
+                              ages=[t] * len(values))  # fmt: skip
 
     def _report(self, t: int, edits: list, flags: list) -> tuple[dict, list]:
         """The reselection's statistics and the positions of the groups whose flag (``flags``: (position,
