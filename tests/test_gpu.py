@@ -757,3 +757,18 @@ def test_a_reselected_layout_takes_over_the_kept_launches(tokens):
     assert launched == [True, True]
     assert torch.equal(got, tk.block_sddmm_into(go, x, new, torch.empty(n, device="cuda")))
     assert torch.equal(got_product, tk.block_sddmm_into(go, x, new, torch.empty(n, device="cuda"), x_factor=factor))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_io_statistics_read_half_precision_factors_once_on_cuda(dtype):
+    """SpIEL-MA's io window sums of a half-precision CUDA layer (one norm reduction per factor, no widened copies)
+    equal the widened sums of squares within float32 rounding, and the CPU keeps the widened sums."""
+    from peft_sparse.methods.spiel.statistics import InputOutputStatistics, column_square_sums
+
+    torch.manual_seed(0)
+    g, x = torch.randn(300, 48, dtype=dtype), torch.randn(300, 20, dtype=dtype)
+    stats = InputOutputStatistics(48, 20, "cuda")
+    stats.add_factors(g.cuda(), x.cuda())
+    assert torch.allclose(stats.row_sum.cpu(), (g.float() ** 2).sum(0), rtol=1e-5, atol=0)
+    assert torch.allclose(stats.col_sum.cpu(), (x.float() ** 2).sum(0), rtol=1e-5, atol=0)
+    assert torch.equal(column_square_sums(g, torch.float32), (g.float() * g.float()).sum(0))

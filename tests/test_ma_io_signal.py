@@ -328,3 +328,16 @@ def test_ma_io_adapter_config_round_trips(tmp_path):
     loaded = PeftConfig.from_pretrained(tmp_path)
     assert isinstance(loaded, SpIELConfig) and loaded.ma_signal == "io"
     assert isinstance(sparse_layers(model)[0], SparseLayer)
+
+
+def test_column_square_sums_widen_on_the_cpu_and_reduce_in_one_norm_form_alike():
+    """The io sums' column reduction: on the CPU (and for float32 anywhere) the widened Σ t²; the norm form used for
+    half precision on CUDA gives the same sums within float32 rounding (checked here on the CPU, where it can run)."""
+    from peft_sparse.methods.spiel.statistics import column_square_sums
+
+    torch.manual_seed(0)
+    t = torch.randn(257, 33, dtype=torch.bfloat16)
+    widened = (t.float() * t.float()).sum(0)
+    assert torch.equal(column_square_sums(t, torch.float32), widened)
+    assert torch.allclose(torch.linalg.vector_norm(t, 2, dim=0, dtype=torch.float32).square(), widened, rtol=1e-5, atol=0)
+    assert column_square_sums(t, torch.float64).dtype == torch.float64

@@ -179,6 +179,16 @@ def _end_steps(statistics: list) -> None:
         torch._foreach_zero_(step)
 
 
+def column_square_sums(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Σ over the rows of t² per column, in ``dtype``. A half-precision CUDA tensor is read once by one norm reduction
+    that accumulates in ``dtype`` (‖t_j‖², within a rounding of the sum itself); otherwise t is widened and squared
+    (two transient copies, which at 7B shapes cost a window step more than its products)."""
+    if t.is_cuda and t.dtype in (torch.float16, torch.bfloat16) and dtype in (torch.float32, torch.float64):
+        return torch.linalg.vector_norm(t, 2, dim=0, dtype=dtype).square_()
+    w = t.to(dtype)
+    return (w * w).sum(0)
+
+
 class InputOutputStatistics:
     """SpIEL-MA's growth signal with ``ma_signal='io'``: over one estimation window, per row i of a tensor
     A_i = Σ_tokens (∂L/∂Y_i)² and per column j B_j = Σ_tokens X_j² — the factors of every weight's gradient
@@ -197,11 +207,9 @@ class InputOutputStatistics:
         self.seen = 0  # backward passes added
 
     def add_factors(self, grad_out2d: torch.Tensor, x2d: torch.Tensor, x_factor: Optional[torch.Tensor] = None) -> None:
-        g = grad_out2d.to(self.row_sum.dtype)
         x = x2d if x_factor is None else x2d * x_factor  # (tokens, in), transient
-        x = x.to(self.col_sum.dtype)
-        self.row_sum += (g * g).sum(0)
-        self.col_sum += (x * x).sum(0)
+        self.row_sum += column_square_sums(grad_out2d, self.row_sum.dtype)
+        self.col_sum += column_square_sums(x, self.col_sum.dtype)
         self.seen += 1
 
     def __call__(self, layer, dense_grad: torch.Tensor) -> None:  # (embedding tables: the dense ∂L/∂E)
