@@ -4,7 +4,8 @@
 #   bash benchmarks/speed_plan.sh a   # GPU tests; TinyLlama step table (default pass, opt-in merge, LoRA)
 #   bash benchmarks/speed_plan.sh b   # the Trainer/SFTTrainer table at TinyLlama and SmolLM2 shapes
 #   bash benchmarks/speed_plan.sh k   # TinyLlama with the fast paths' composed pass instead of the default pass
-#   bash benchmarks/speed_plan.sh c   # Llama-2-7B step table (block and unstructured, default and opt-in)
+#   bash benchmarks/speed_plan.sh c   # Llama-2-7B step table (block and unstructured, default and opt-in; VARIANTS=a,b,...
+#                                     # for some of them, TESTS=<pytest -k expression> runs those GPU tests first)
 #   bash benchmarks/speed_plan.sh m   # MoE shapes
 #   bash benchmarks/speed_plan.sh g   # the default-settings goals only, no tests: TinyLlama floor, block AG/MA and AG
 #                                     # default and opt-in, LoRA, in 2 interleaved rounds after 60 s of settling
@@ -84,8 +85,9 @@ for v in ("spiel-ag", "spiel-ag-block", "spiel-ma-block"):
     print(f"{v:<16}" + "   ".join(cells))
 PY
 elif [ "$MODE" = c ]; then  # the default-settings goals at Llama-2-7B shapes: block rows, default and opt-in
+  [ -n "${TESTS:-}" ] && run 60 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "$TESTS"
   run 570 python3 benchmarks/bench_step.py --size llama2-7b \
-    --variants floor,spiel-ag-block,spiel-ag-block-merge,spiel-ma-block,spiel-ma-block-merge,spiel-ag,spiel-ag-merge \
+    --variants "${VARIANTS:-floor,spiel-ag-block,spiel-ag-block-merge,spiel-ma-block,spiel-ma-block-merge,spiel-ag,spiel-ag-merge}" \
     --batch-id speed-c-7b --out "$OUT/bench-7b.jsonl"
 elif [ "$MODE" = m ]; then
   run 150 python3 benchmarks/moe_step.py --out "$OUT/moe.jsonl"
