@@ -221,8 +221,8 @@ class Reselections:
         sums = torch.stack([age_before - kept_age, kept_age, result.changed.to(age_before.device)])
         return _GroupEdit(sums, n_grown, result.shortfall, undo)
 
-    # SpIEL-MA beside Adam: seed the second moment of grown slots from the row and column accumulators (an ablation of
-    # the quality benchmark, ``--ma-seeds``, until the dev families choose it)
+    # SpIEL-MA beside Adam: seed the second moment of grown slots from the row and column accumulators. An ablation of
+    # the quality benchmark (``--ma-seeds``), off: the dev families did not choose it (docs/quality-families.md)
     _ma_seeds = False
 
     def _ma_seeds_on(self) -> bool:
