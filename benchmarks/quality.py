@@ -519,11 +519,11 @@ def run_one(args, task: str, method: str, seed: int, model_and_tokenizer, data) 
     if SPIEL_VARIANTS.get(method, {}).get("growth") == "ma" and reselect:  # (its growth signal and first replacement as resolved)
         ma_setup = {"ma_signal": config.ma_signal, "first_full_replacement": config.first_replacement_is_full(args.steps)}
         if args.ma_seeds:
-            ma_setup["seeds"] = True
+            ma_setup["seeds"] = args.ma_seeds
     import peft_sparse
 
     # (an ablation: the second moment of MA's grown slots seeded from its accumulators; set for every run of a queue)
-    peft_sparse.SpIELScheduler._ma_seeds = bool(args.ma_seeds)
+    peft_sparse.SpIELScheduler._ma_seeds = args.ma_seeds
     optimizer_kind = args.optimizer or default_optimizer(method, reference, rules)
     decay = resolved_weight_decay(args, method, lr)
     sm3_form = None
@@ -786,8 +786,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="SpIEL with the defaults and these of the authors' released rules (one row of docs/differences.md each: "
                              "budget, count, windows, cosine_first, keep_regrown, no_regrowth, seeds; seeds trains AG with AgedAdamW)")
     parser.add_argument("--no-reselection", action="store_true", help="SpIEL without a scheduler: the initial mask kept")
-    parser.add_argument("--ma-seeds", action="store_true",
-                        help="SpIEL-MA beside Adam: seed the second moment of grown weights from the row and column accumulators")
+    parser.add_argument("--ma-seeds", nargs="?", const="cover", default=None, choices=("cover", "neighbours"),
+                        help="SpIEL-MA beside Adam: seed the second moment of grown weights from SM3's cover of them "
+                             "(cover, the bare flag) or from the kept weights of their row and column (neighbours)")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--set", nargs="*", metavar="FIELD=VALUE", help="extra config fields (ablations)")

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quality  # noqa: E402
 from quality import HF_SCHEDULES, LEGACY_TRAINERS, METHODS, RECOMMENDED, SPLITS, TASKS, read_jsonl  # noqa: E402
 
-PRE_AUTO_MA_SETUP = {"ma_signal": "sm3", "first_full_replacement": True}
+PRE_AUTO_MA_SETUP = {"ma_signal": "sm3", "first_full_replacement": True, "seeds": None}
 
 
 def trainer_of(r: dict) -> str:
@@ -72,8 +72,11 @@ def settings_of(r: dict) -> dict:
         split = quality.budget_split_of(r)
         if split != "uniform":
             settings["budget_split"] = split
-    for name, value in (r.get("ma_setup") or {}).items():  # (as resolved, where it differs from what rows without
-        if value != PRE_AUTO_MA_SETUP[name]:  # it ran with: those predate block MA's 'io' and 'auto' defaults)
+    setup = dict(r.get("ma_setup") or {})
+    if setup.get("seeds") is True:  # (--ma-seeds before it took a form: the cover)
+        setup["seeds"] = "cover"
+    for name, value in setup.items():  # (as resolved, where it differs from what rows without it ran with: those
+        if value != PRE_AUTO_MA_SETUP[name]:  # predate block MA's 'io' and 'auto' defaults and MA's seeds ablation)
             settings[name] = value
     decay, recommended = r.get("weight_decay") or 0.0, recommended_decay(r)
     if (decay != 0.0) if recommended is None else not math.isclose(decay, recommended, rel_tol=1e-9, abs_tol=1e-12):

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The GPU speed tables of BENCHMARKS.md in three calls of at most ten minutes on one warm machine (same lease):
+# The GPU speed tables of BENCHMARKS.md, each mode at most ten minutes, all on one machine:
 #
 #   bash benchmarks/speed_plan.sh a   # GPU tests; TinyLlama step table (default pass, opt-in merge, LoRA)
 #   bash benchmarks/speed_plan.sh b   # the Trainer/SFTTrainer table at TinyLlama and SmolLM2 shapes

@@ -768,7 +768,17 @@ def test_io_statistics_read_half_precision_factors_once_on_cuda(dtype):
     torch.manual_seed(0)
     g, x = torch.randn(300, 48, dtype=dtype), torch.randn(300, 20, dtype=dtype)
     stats = InputOutputStatistics(48, 20, "cuda")
-    stats.add_factors(g.cuda(), x.cuda())
+    norms = []
+    real_norm = torch.linalg.vector_norm
+
+    def counted(*args, **kwargs):
+        norms.append(args[0].dtype)
+        return real_norm(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.linalg, "vector_norm", counted)
+        stats.add_factors(g.cuda(), x.cuda())
+    assert norms == [dtype, dtype]  # (both factors reduced as they are, in half precision)
     assert torch.allclose(stats.row_sum.cpu(), (g.float() ** 2).sum(0), rtol=1e-5, atol=0)
     assert torch.allclose(stats.col_sum.cpu(), (x.float() ** 2).sum(0), rtol=1e-5, atol=0)
     assert torch.equal(column_square_sums(g, torch.float32), (g.float() * g.float()).sum(0))

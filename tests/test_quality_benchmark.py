@@ -109,6 +109,20 @@ def test_default_optimizers_follow_the_recommendations():
     assert "optimizer" not in quality_summary.settings_of(_row(fam, "spiel-ma", 0, 0.5, optimizer="sm3", reference="authors"))
 
 
+def test_summary_labels_spiel_ma_rows_by_their_seeds_ablation():
+    """SpIEL-MA rows of the ``--ma-seeds`` ablation pool apart from plain rows and by form; the first rows recorded
+    the flag as True (the cover, then its only form)."""
+    fam = quality.SPLITS["dev"][0]
+    setup = {"ma_signal": "sm3", "first_full_replacement": True}
+    plain = _row(fam, "spiel-ma", 0, 0.5, ma_setup=dict(setup))
+    first = _row(fam, "spiel-ma", 0, 0.5, ma_setup={**setup, "seeds": True})
+    cover = _row(fam, "spiel-ma", 0, 0.5, ma_setup={**setup, "seeds": "cover"})
+    neighbours = _row(fam, "spiel-ma", 0, 0.5, ma_setup={**setup, "seeds": "neighbours"})
+    assert "seeds" not in quality_summary.settings_of(plain)
+    assert quality_summary.settings_of(first)["seeds"] == quality_summary.settings_of(cover)["seeds"] == "cover"
+    assert quality_summary.settings_of(neighbours)["seeds"] == "neighbours"
+
+
 def test_dev_and_test_families_are_disjoint_and_bundled():
     dev, test = set(quality.SPLITS["dev"]), set(quality.SPLITS["test"])
     assert dev and test and not dev & test and dev | test == set(quality.TASKS)

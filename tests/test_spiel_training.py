@@ -194,7 +194,7 @@ def test_spiel_ma_seeds_grown_second_moments_from_the_sm3_cover(monkeypatch, opt
     slots keep theirs. The next optimizer step then moves a grown weight by that optimizer's update from the seed."""
     from peft_sparse import AgedAdamW
 
-    monkeypatch.setattr(SpIELScheduler, "_ma_seeds", True)
+    monkeypatch.setattr(SpIELScheduler, "_ma_seeds", "cover")
     torch.manual_seed(0)
     model = _spiel("ma", reselection_steps=4)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -250,10 +250,77 @@ def test_spiel_ma_seeds_grown_second_moments_from_the_sm3_cover(monkeypatch, opt
     assert torch.allclose(moved[grown], expected_move[grown], rtol=1e-4, atol=1e-9)
 
 
+def test_spiel_ma_neighbour_seeds_are_the_kept_weights_row_and_column_means(monkeypatch):
+    """``"neighbours"``: a grown slot (i, j) beside AdamW starts with √(r_i·c_j) of the mean bias-corrected second
+    moments of the weights kept in row i and in column j (one of them alone where the other holds no kept weight, the
+    tensor's mean where neither does), checked against a loop over the slots; the first moment at 0."""
+    monkeypatch.setattr(SpIELScheduler, "_ma_seeds", "neighbours")
+    torch.manual_seed(0)
+    model = _spiel("ma", reselection_steps=4)
+    params = [p for p in model.parameters() if p.requires_grad]
+    beta2 = 0.99
+    opt = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, beta2), weight_decay=0.0)
+    scheduler = SpIELScheduler(model, opt, total_steps=12)
+    layers = sparse_layers(model)
+    model.train()
+    reselections = 0
+    for step in range(1, 12):
+        _loss(model, _batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+        reselections += bool(scheduler.step())
+        if reselections == 2:
+            break
+    checked = 0
+    for m in layers:
+        state = opt.state[m.sparse_values["default"]]
+        indices, grown = m.sparse_indices["default"].long(), m.sparse_ages["default"] == step
+        s_hat = state["exp_avg_sq"].double() / (1 - beta2**step)
+        rows, cols = indices // m.in_features, indices % m.in_features
+        kept = ~grown
+        for slot in torch.nonzero(grown).squeeze(1)[:40].tolist():
+            in_row, in_col = kept & (rows == rows[slot]), kept & (cols == cols[slot])
+            if in_row.any() and in_col.any():
+                want = (s_hat[in_row].mean() * s_hat[in_col].mean()).sqrt()
+            elif in_row.any() or in_col.any():
+                want = s_hat[in_row | in_col].mean()
+            else:
+                want = s_hat[kept].mean()
+            assert torch.allclose(s_hat[slot], want, rtol=1e-5), (m.module_name, slot)
+            assert state["exp_avg"][slot] == 0
+            checked += 1
+    assert checked > 0
+
+
+def test_spiel_ma_neighbour_seeds_leave_a_fully_replaced_tensor_as_unseeded(monkeypatch):
+    """At the first full replacement no weight is kept, so ``"neighbours"`` has nothing to seed from: under AgedAdamW
+    the grown weights keep the unseeded run's zero moments and ages, bit for bit."""
+    from peft_sparse import AgedAdamW
+
+    def states(seeds):
+        monkeypatch.setattr(SpIELScheduler, "_ma_seeds", seeds)
+        torch.manual_seed(0)
+        model = _spiel("ma", reselection_steps=4)
+        opt = AgedAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, betas=(0.9, 0.99))
+        scheduler = SpIELScheduler(model, opt, total_steps=12)
+        model.train()
+        for step in range(1, 12):
+            _loss(model, _batch(step)).backward()
+            opt.step()
+            opt.zero_grad()
+            if scheduler.step():
+                break
+        assert scheduler.first_full
+        return [{k: v.clone() for k, v in opt.state[m.sparse_values["default"]].items()} for m in sparse_layers(model)]
+
+    for seeded, plain in zip(states("neighbours"), states(None)):
+        assert all(torch.equal(seeded[k], plain[k]) for k in plain)
+
+
 def test_spiel_ma_seeds_only_beside_adam_kept_accumulators(monkeypatch):
     """The seeds need the scheduler's accumulators: beside SM3 (whose own cover already gives a new weight its second
     moment) and with ``reference='authors'`` nothing is seeded, the run the same bits as without the switch."""
-    def run(seeds: bool):
+    def run(seeds):
         monkeypatch.setattr(SpIELScheduler, "_ma_seeds", seeds)
         torch.manual_seed(0)
         model = _spiel("ma", reselection_steps=4)
@@ -262,7 +329,9 @@ def test_spiel_ma_seeds_only_beside_adam_kept_accumulators(monkeypatch):
         _run(model, opt, scheduler, 12)
         return [m.sparse_values["default"].detach().clone() for m in sparse_layers(model)]
 
-    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
+    plain = run(None)
+    assert all(torch.equal(a, b) for a, b in zip(run("cover"), plain))
+    assert all(torch.equal(a, b) for a, b in zip(run("neighbours"), plain))
 
 
 def test_scheduler_kept_ma_accumulators_equal_sm3s_own():

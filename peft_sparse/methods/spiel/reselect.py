@@ -221,19 +221,22 @@ class Reselections:
         sums = torch.stack([age_before - kept_age, kept_age, result.changed.to(age_before.device)])
         return _GroupEdit(sums, n_grown, result.shortfall, undo)
 
-    # SpIEL-MA beside Adam: seed the second moment of grown slots from the row and column accumulators. An ablation of
-    # the quality benchmark (``--ma-seeds``), off: the dev families did not choose it (docs/quality-families.md)
-    _ma_seeds = False
+    # SpIEL-MA beside Adam: seed the second moment of grown slots. An ablation of the quality benchmark
+    # (``--ma-seeds FORM``), off by default: "cover" (SM3's cover of the weight) did not pass the dev families
+    # (docs/quality-families.md); "neighbours" (the kept weights of its row and column) has not been through them.
+    _ma_seeds: Optional[str] = None
 
     def _ma_seeds_on(self) -> bool:
-        return self._ma_seeds and self.ma_accumulators is not None and self.config.reference is None
+        return self._ma_seeds is not None and self.ma_accumulators is not None and self.config.reference is None
 
     def _seed_ma(self, t: int, group: list, result: AllReselections, values: list) -> None:
-        """Adam's second moment of SpIEL-MA's grown slots from SM3's cover of them: ŝ = min(R_i, C_j) / t, where R
-        and C sum t steps' squared gradients (:class:`.statistics.RowColumnAccumulators`: the gradients the
-        optimizer saw, so no clip factor applies). SM3 itself gives a new weight (i, j) exactly that cover as its
-        accumulated second moment; Adam without it starts the weight from zero moments, and the bias correction by
-        the global step then lets its first steps run to about 1.4× a settled weight's."""
+        """Adam's second moment ŝ of SpIEL-MA's grown slots (i, j), where Adam would start them from zero moments
+        and its bias correction by the global step then lets their first steps run to about 1.4 times the learning
+        rate (a weight with a steady gradient takes one). ``"cover"``: SM3's cover, min(R_i, C_j) / t, where R and C sum t steps' squared gradients as the
+        optimizer saw them (:class:`.statistics.RowColumnAccumulators`; SM3 itself gives a new weight exactly that
+        cover). ``"neighbours"``: √(r_i · c_j) of the mean bias-corrected second moments of the kept weights in row i
+        and in column j (the one that exists where the other has no kept weight; the tensor's mean where neither
+        has; nothing where no weight was kept)."""
         n_grown = sum(result.dropped)
         if n_grown == 0 or t <= 0:
             return
@@ -242,13 +245,49 @@ class Reselections:
         dev = slots.device
         local = slots - torch.repeat_interleave(kernels.table(starts, dev), kernels.table(result.dropped, dev), output_size=n_grown)
         flat = result.new_indices[slots]
-        seeds = []
-        for (layer, _, _), idx in zip(group, torch.split(flat, result.dropped)):
-            row_acc, col_acc = self.ma_accumulators.views[layer.module_name]  # (also under ma_signal='io')
+        seeded, where_seeded, seeds = [], [], []
+        for (layer, _, _), value, idx, where in zip(group, values, torch.split(flat, result.dropped), torch.split(local, result.dropped)):
+            if where.numel() == 0:
+                continue
             rows, cols = kernels.rows_cols(idx, layer.in_features)
-            seeds.append(torch.minimum(row_acc[rows], col_acc[cols]) / t)
-        seed_optimizer_states(self.optimizer, values, list(torch.split(local, result.dropped)), seeds, seeds, first=False,
-                              ages=[t] * len(values))  # fmt: skip
+            if self._ma_seeds == "cover":
+                row_acc, col_acc = self.ma_accumulators.views[layer.module_name]  # (also under ma_signal='io')
+                seed = torch.minimum(row_acc[rows], col_acc[cols]) / t
+            else:
+                seed = self._neighbour_seeds(layer, value, where, rows, cols)
+            if seed is not None:  # (None: no kept weight to seed from; the slots keep their zero moments and age)
+                seeded.append(value)
+                where_seeded.append(where)
+                seeds.append(seed)
+        if seeded:
+            seed_optimizer_states(self.optimizer, seeded, where_seeded, seeds, seeds, first=False, ages=[t] * len(seeded))
+
+    def _neighbour_seeds(self, layer, value, grown: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> Optional[torch.Tensor]:
+        """``"neighbours"`` seeds of one tensor's grown slots (see :meth:`_seed_ma`), in the dtype of its Adam state;
+        None where the tensor has no state yet or kept no weight."""
+        state = self.optimizer.state.get(value)
+        if not state or "exp_avg_sq" not in state:
+            return None
+        kept = torch.ones(state["exp_avg_sq"].numel(), dtype=torch.bool, device=grown.device)
+        kept[grown] = False
+        if grown.numel() == kept.numel():
+            return None
+        beta2 = next(g["betas"][1] for g in self.optimizer.param_groups if any(p is value for p in g["params"]))
+        v = state["exp_avg_sq"].double()
+        if "age" in state:  # AgedAdamW: a weight of age a has taken a − 1 steps
+            steps = (state["age"].double() - 1.0).clamp(min=1.0)
+        else:
+            steps = torch.as_tensor(state["step"], dtype=torch.float64).to(v.device)
+        s_hat = (v / (1.0 - beta2**steps))[kept]
+        all_rows, all_cols = kernels.rows_cols(layer.sparse_indices[self.adapter_name], layer.in_features)
+        means = []
+        for at, size, ours in ((all_rows[kept], layer.out_features, rows), (all_cols[kept], layer.in_features, cols)):
+            total = torch.zeros(size, dtype=torch.float64, device=v.device).index_add_(0, at, s_hat)
+            count = torch.zeros(size, dtype=torch.float64, device=v.device).index_add_(0, at, torch.ones_like(s_hat))
+            means += [(total / count.clamp(min=1))[ours], count[ours] > 0]
+        r, has_r, c, has_c = means
+        seed = torch.where(has_r & has_c, (r * c).sqrt(), torch.where(has_r, r, torch.where(has_c, c, s_hat.mean())))
+        return seed.to(state["exp_avg_sq"].dtype)
 
     def _report(self, t: int, edits: list, flags: list) -> tuple[dict, list]:
         """The reselection's statistics and the positions of the groups whose flag (``flags``: (position,
