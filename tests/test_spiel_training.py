@@ -50,6 +50,25 @@ def _loss(model, x, total_tokens=None):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum") / total
 
 
+def _train_to_reselection(model, opt, scheduler, count, after_backward=None, before_reselect=None):
+    """Plain steps until the scheduler's ``count``-th reselection; returns that step. ``after_backward`` runs after each
+    backward pass, ``before_reselect`` after each optimizer step, before the scheduler's."""
+    model.train()
+    reselections = 0
+    for step in range(1, scheduler.total_steps + 1):
+        _loss(model, _batch(step)).backward()
+        if after_backward is not None:
+            after_backward()
+        opt.step()
+        opt.zero_grad()
+        if before_reselect is not None:
+            before_reselect()
+        reselections += bool(scheduler.step())
+        if reselections == count:
+            return step
+    raise AssertionError(f"fewer than {count} reselections")
+
+
 # ------------------------------------------------------------------------------------------- optimizer state
 def test_stock_adamw_seeding_recovers_window_moments_and_next_update():
     torch.manual_seed(0)
@@ -205,17 +224,12 @@ def test_spiel_ma_seeds_grown_second_moments_from_the_sm3_cover(monkeypatch, opt
     layers = sparse_layers(model)
     rows = {m.module_name: torch.zeros(m.out_features) for m in layers}
     cols = {m.module_name: torch.zeros(m.in_features) for m in layers}
-    model.train()
-    reselections = 0
-    for step in range(1, 12):
-        _loss(model, _batch(step)).backward()
-        _dense_sm3_accumulators(layers, rows, cols)
-        opt.step()
-        opt.zero_grad()
-        before = {m.module_name: (m.sparse_indices["default"].clone(), opt.state[m.sparse_values["default"]]["exp_avg_sq"].clone()) for m in layers}
-        reselections += bool(scheduler.step())
-        if reselections == 2:
-            break
+    before = {}
+
+    def snapshot():
+        before.update({m.module_name: (m.sparse_indices["default"].clone(), opt.state[m.sparse_values["default"]]["exp_avg_sq"].clone()) for m in layers})
+
+    step = _train_to_reselection(model, opt, scheduler, 2, lambda: _dense_sm3_accumulators(layers, rows, cols), snapshot)
     grown_total = 0
     for m in layers:
         state = opt.state[m.sparse_values["default"]]
@@ -262,15 +276,7 @@ def test_spiel_ma_neighbour_seeds_are_the_kept_weights_row_and_column_means(monk
     opt = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, beta2), weight_decay=0.0)
     scheduler = SpIELScheduler(model, opt, total_steps=12)
     layers = sparse_layers(model)
-    model.train()
-    reselections = 0
-    for step in range(1, 12):
-        _loss(model, _batch(step)).backward()
-        opt.step()
-        opt.zero_grad()
-        reselections += bool(scheduler.step())
-        if reselections == 2:
-            break
+    step = _train_to_reselection(model, opt, scheduler, 2)
     checked = 0
     for m in layers:
         state = opt.state[m.sparse_values["default"]]
@@ -303,13 +309,7 @@ def test_spiel_ma_neighbour_seeds_leave_a_fully_replaced_tensor_as_unseeded(monk
         model = _spiel("ma", reselection_steps=4)
         opt = AgedAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, betas=(0.9, 0.99))
         scheduler = SpIELScheduler(model, opt, total_steps=12)
-        model.train()
-        for step in range(1, 12):
-            _loss(model, _batch(step)).backward()
-            opt.step()
-            opt.zero_grad()
-            if scheduler.step():
-                break
+        _train_to_reselection(model, opt, scheduler, 1)
         assert scheduler.first_full
         return [{k: v.clone() for k, v in opt.state[m.sparse_values["default"]].items()} for m in sparse_layers(model)]
 
