@@ -87,6 +87,7 @@ class _FastPathState(dispatch.Listener):
 
     def forget(self, layer, adapter) -> None:
         layer._weight_alias = None
+        layer._positions64 = []
         if adapter is None:
             layer._delta_csr.clear()
         else:
@@ -96,6 +97,8 @@ class _FastPathState(dispatch.Listener):
         layer._transient_steady = None
 
     def reindex(self, layers: list, change):
+        for layer in layers:  # the int64 copies of indices about to change (kept by version too, but a foreach
+            layer._positions64 = []  # copy under a TorchDispatchMode leaves the versions as they were)
         merged_anew = training_merge.reseat_training_merges(layers, change)
         if not merged_anew:
             return None
@@ -117,6 +120,7 @@ for _name, _initial, _copied in (
     ("_delta_csr", dict, False),  # adapter → (key, indices, values, its CSR delta) for passes without gradients
     ("_inference_memo", lambda: None, False),  # the single active adapter's CSR delta and its checks (inference.py)
     ("_weight_alias", lambda: None, False),  # (weight, address, shape, its storage as a flat alias) (transient_merge.py)
+    ("_positions64", list, False),  # [(indices, version, address, the same as int64 positions)] (transient_merge.py)
     ("_writing_thread", lambda: None, False),  # the thread inside the layer's product with W' written (transient_merge.py)
     ("_transient_steady", lambda: None, False),  # the last default training pass's decisions (transient_merge.py)
 ):
