@@ -142,6 +142,46 @@ def line_budget_split(parser, line: str) -> str | None:
     return parse_sets(parser, run_args.set).get("budget_split", "uniform")
 
 
+# SpIEL-MA beside Adam starts its grown weights' second moments from the kept weights of their row and column
+# ("neighbours") since that form passed the dev families' rule (docs/quality-families.md); rows record the form they
+# ran with (``ma_setup["seeds"]``), and MA rows beside Adam from before ran without ("none").
+def ma_seeds_form(method: str, optimizer: str, reference: str | None, given: str | None) -> str | None:
+    """The seeds a SpIEL-MA run beside Adam takes: ``given`` (``--ma-seeds``), else the scheduler's own form; None
+    where none apply (another method, MA beside SM3, the authors' mode)."""
+    if SPIEL_VARIANTS.get(method, {}).get("growth") != "ma" or optimizer == "sm3" or reference:
+        return None
+    if given:
+        return given
+    from peft_sparse.methods.spiel.reselect import Reselections
+
+    return Reselections._ma_seeds or "none"
+
+
+def ma_seeds_of(row: dict) -> str | None:
+    """The seeds a row's SpIEL-MA run took (:func:`ma_seeds_form`): as recorded; ``True`` (the flag before it took a
+    form) the cover; none recorded beside Adam, none; None for rows without MA's reselection setup or beside SM3."""
+    setup = row.get("ma_setup")
+    if not setup:
+        return None
+    seeds = setup.get("seeds")
+    if seeds is True:
+        return "cover"
+    if seeds:
+        return seeds
+    return None if row.get("optimizer") in (None, "sm3") or row.get("reference") else "none"
+
+
+def line_ma_seeds(parser, line: str) -> str | None:
+    """The seeds a plan line's run takes today (:func:`ma_seeds_form`), so that a row of the same line run with other
+    seeds (before they became MA's behaviour) is not taken for it."""
+    run_args = parser.parse_intermixed_args(["run", *shlex.split(line)])
+    methods = run_args.methods or []
+    if len(methods) != 1 or run_args.no_reselection:
+        return None
+    reference = run_args.reference if methods[0] in REFERENCE_METHODS else None
+    return ma_seeds_form(methods[0], line_optimizer(parser, line), reference, run_args.ma_seeds)
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A method's recommended learning rate and weight decay ('auto': peft_sparse.auto_weight_decay for the run's
@@ -515,16 +555,17 @@ def run_one(args, task: str, method: str, seed: int, model_and_tokenizer, data) 
     config = getattr(wrapped, "peft_config", {}).get("default")
     S_gamma = list(config.steps_for(args.steps)) if hasattr(config, "steps_for") else None  # (SpIEL: S, γ resolved)
     reselect = method in SPIEL_VARIANTS and not args.no_reselection
+    optimizer_kind = args.optimizer or default_optimizer(method, reference, rules)
+    seeds = ma_seeds_form(method, optimizer_kind, reference, args.ma_seeds)
     ma_setup = None
     if SPIEL_VARIANTS.get(method, {}).get("growth") == "ma" and reselect:  # (its growth signal and first replacement as resolved)
         ma_setup = {"ma_signal": config.ma_signal, "first_full_replacement": config.first_replacement_is_full(args.steps)}
-        if args.ma_seeds:
-            ma_setup["seeds"] = args.ma_seeds
+        if seeds:
+            ma_setup["seeds"] = seeds
     import peft_sparse
 
-    # (an ablation: the second moment of MA's grown slots seeded from its accumulators; set for every run of a queue)
-    peft_sparse.SpIELScheduler._ma_seeds = args.ma_seeds
-    optimizer_kind = args.optimizer or default_optimizer(method, reference, rules)
+    # (the second moment MA's grown slots start from beside Adam: set for every run of a queue)
+    peft_sparse.SpIELScheduler._ma_seeds = None if seeds in (None, "none") else seeds
     decay = resolved_weight_decay(args, method, lr)
     sm3_form = None
     if optimizer_kind == "sm3":  # ('auto': ma_sm3_defaults, SM3's form for this run length; the reference: the sums)
@@ -681,12 +722,13 @@ def line_optimizer(parser, line: str) -> str:
 def run_queue(parser, args) -> None:
     """A worker over a plan file: claims lines one at a time (shared with other workers through ``<plan>.claims``),
     runs each (base model and task data loaded once), appends its row; lines whose exact text is the ``job`` of a row
-    in ``--skip-done`` files, run with the optimizer and budget split the line resolves to today, are left out. With ``--deadline`` (a Unix time) it claims no line whose run, timed like
+    in ``--skip-done`` files, run with the optimizer, budget split and MA seeds the line resolves to today, are left out. With ``--deadline`` (a Unix time) it claims no line whose run, timed like
     this worker's last run at that length, would end after it."""
     plan_path = Path(args.results[0])
     lines = [ln.strip() for ln in plan_path.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-    done = {(r.get("job"), r.get("optimizer"), budget_split_of(r)) for path in args.skip_done or [] if Path(path).exists() for r in read_jsonl(Path(path))}
-    lines = [ln for ln in lines if (ln, line_optimizer(parser, ln), line_budget_split(parser, ln)) not in done]
+    done = {(r.get("job"), r.get("optimizer"), budget_split_of(r), ma_seeds_of(r)) for path in args.skip_done or [] if Path(path).exists()
+            for r in read_jsonl(Path(path))}  # fmt: skip
+    lines = [ln for ln in lines if (ln, line_optimizer(parser, ln), line_budget_split(parser, ln), line_ma_seeds(parser, ln)) not in done]
     counter = Path(str(plan_path) + ".claims")
     base, cache = None, {}
     last = {}  # steps → the wall seconds of this worker's last run at that length
@@ -786,9 +828,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="SpIEL with the defaults and these of the authors' released rules (one row of docs/differences.md each: "
                              "budget, count, windows, cosine_first, keep_regrown, no_regrowth, seeds; seeds trains AG with AgedAdamW)")
     parser.add_argument("--no-reselection", action="store_true", help="SpIEL without a scheduler: the initial mask kept")
-    parser.add_argument("--ma-seeds", nargs="?", const="cover", default=None, choices=("cover", "neighbours"),
-                        help="SpIEL-MA beside Adam: seed the second moment of grown weights from SM3's cover of them "
-                             "(cover, the bare flag) or from the kept weights of their row and column (neighbours)")
+    parser.add_argument("--ma-seeds", nargs="?", const="cover", default=None, choices=("none", "cover", "neighbours"),
+                        help="SpIEL-MA beside Adam: the second moment grown weights start from; by default the kept weights of "
+                             "their row and column (neighbours, MA's behaviour); ablations: none (zero moments) and SM3's "
+                             "cover of them (cover, the bare flag)")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--set", nargs="*", metavar="FIELD=VALUE", help="extra config fields (ablations)")

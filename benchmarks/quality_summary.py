@@ -73,8 +73,9 @@ def settings_of(r: dict) -> dict:
         if split != "uniform":
             settings["budget_split"] = split
     setup = dict(r.get("ma_setup") or {})
-    if setup.get("seeds") is True:  # (--ma-seeds before it took a form: the cover)
-        setup["seeds"] = "cover"
+    if setup:  # (MA's seeds as run: the cover for the flag before it took a form; none recorded or "none": without)
+        seeds = quality.ma_seeds_of(r)
+        setup["seeds"] = None if seeds == "none" else seeds
     for name, value in setup.items():  # (as resolved, where it differs from what rows without it ran with: those
         if value != PRE_AUTO_MA_SETUP[name]:  # predate block MA's 'io' and 'auto' defaults and MA's seeds ablation)
             settings[name] = value

@@ -109,18 +109,22 @@ def test_default_optimizers_follow_the_recommendations():
     assert "optimizer" not in quality_summary.settings_of(_row(fam, "spiel-ma", 0, 0.5, optimizer="sm3", reference="authors"))
 
 
-def test_summary_labels_spiel_ma_rows_by_their_seeds_ablation():
-    """SpIEL-MA rows of the ``--ma-seeds`` ablation pool apart from plain rows and by form; the first rows recorded
-    the flag as True (the cover, then its only form)."""
+def test_summary_labels_spiel_ma_rows_by_their_seeds():
+    """SpIEL-MA rows pool by the seeds they ran with: rows beside AdamW from before the seeds (none recorded) with the
+    ``--ma-seeds none`` ablation, apart from the cover (recorded as True by the first rows, then its only form) and
+    from the neighbours (MA's behaviour since), which the quality page labels as such."""
     fam = quality.SPLITS["dev"][0]
     setup = {"ma_signal": "sm3", "first_full_replacement": True}
-    plain = _row(fam, "spiel-ma", 0, 0.5, ma_setup=dict(setup))
-    first = _row(fam, "spiel-ma", 0, 0.5, ma_setup={**setup, "seeds": True})
-    cover = _row(fam, "spiel-ma", 0, 0.5, ma_setup={**setup, "seeds": "cover"})
-    neighbours = _row(fam, "spiel-ma", 0, 0.5, ma_setup={**setup, "seeds": "neighbours"})
-    assert "seeds" not in quality_summary.settings_of(plain)
+    plain = _row(fam, "spiel-ma", 0, 0.5, optimizer="adamw", ma_setup=dict(setup))
+    none = _row(fam, "spiel-ma", 0, 0.5, optimizer="adamw", ma_setup={**setup, "seeds": "none"})
+    first = _row(fam, "spiel-ma", 0, 0.5, optimizer="adamw", ma_setup={**setup, "seeds": True})
+    cover = _row(fam, "spiel-ma", 0, 0.5, optimizer="adamw", ma_setup={**setup, "seeds": "cover"})
+    neighbours = _row(fam, "spiel-ma", 0, 0.5, optimizer="adamw", ma_setup={**setup, "seeds": "neighbours"})
+    assert quality.ma_seeds_of(plain) == quality.ma_seeds_of(none) == "none"
+    assert quality_summary.settings_of(plain) == quality_summary.settings_of(none) and "seeds" not in quality_summary.settings_of(none)
     assert quality_summary.settings_of(first)["seeds"] == quality_summary.settings_of(cover)["seeds"] == "cover"
     assert quality_summary.settings_of(neighbours)["seeds"] == "neighbours"
+    assert quality.ma_seeds_of(_row(fam, "spiel-ma", 0, 0.5, optimizer="sm3", ma_setup=dict(setup))) is None
 
 
 def test_dev_and_test_families_are_disjoint_and_bundled():
@@ -180,9 +184,10 @@ def test_a_shared_plan_is_claimed_once_per_line(tmp_path):
 
 
 def test_queue_skips_lines_done_in_earlier_results(tmp_path, monkeypatch):
-    """A line is done when an earlier row has its text and ran with the optimizer and budget split the line resolves
-    to today: a SpIEL-MA line run with SM3 (the earlier default) runs again beside AdamW, and a SpIEL-AG line run under
-    the earlier adaptive preset runs again with the uniform split."""
+    """A line is done when an earlier row has its text and ran with the optimizer, budget split and MA seeds the line
+    resolves to today: a SpIEL-MA line run with SM3 (the earlier default) runs again beside AdamW, one run beside
+    AdamW without seeds runs again with them, and a SpIEL-AG line run under the earlier adaptive preset runs again with
+    the uniform split."""
     parser = quality.build_parser()
     lines = quality.gpu_plan(seeds=(0,), families=["classify"])[:4]
     assert [quality.line_optimizer(parser, line) for line in lines] == ["adamw"] * 4 and "spiel-ma" in lines[3]
@@ -192,6 +197,11 @@ def test_queue_skips_lines_done_in_earlier_results(tmp_path, monkeypatch):
     assert quality.line_budget_split(parser, lines[2] + " --set budget_split=adaptive") == "adaptive"
     assert quality.line_optimizer(parser, lines[3] + " --optimizer sm3") == "sm3"
     assert quality.line_optimizer(parser, lines[3] + " --reference authors") == "sm3"
+    assert [quality.line_ma_seeds(parser, line) for line in lines] == [None, None, None, "neighbours"]
+    assert quality.line_ma_seeds(parser, lines[3] + " --ma-seeds none") == "none"
+    assert quality.line_ma_seeds(parser, lines[3] + " --ma-seeds") == "cover"
+    assert quality.line_ma_seeds(parser, lines[3] + " --optimizer sm3") is None
+    assert quality.line_ma_seeds(parser, lines[3] + " --reference authors") is None
     plan = tmp_path / "plan.txt"
     plan.write_text("\n".join(lines) + "\n")
 
@@ -203,11 +213,15 @@ def test_queue_skips_lines_done_in_earlier_results(tmp_path, monkeypatch):
 
     monkeypatch.setattr(quality, "load_base", load_base)
     done = tmp_path / "done.jsonl"
-    for ma_optimizer, ag_split, runs in (("adamw", "uniform", False), ("sm3", "uniform", True), ("adamw", None, True)):
+    cases = (("adamw", "uniform", "neighbours", False), ("sm3", "uniform", None, True), ("adamw", None, "neighbours", True),
+             ("adamw", "uniform", None, True))  # fmt: skip
+    for ma_optimizer, ag_split, seeds, runs in cases:
         rows = [{"job": line, "method": m, "trainer": "loop", "optimizer": ma_optimizer if m == "spiel-ma" else "adamw",
                  "budget_split": (ag_split if m == "spiel-ag" else "uniform") if m.startswith("spiel") else None}
                 for line, m in zip(lines, methods)]  # fmt: skip
+        rows[3]["ma_setup"] = {"ma_signal": "sm3", "first_full_replacement": True, **({"seeds": seeds} if seeds else {})}
         assert quality.budget_split_of(rows[2]) == (ag_split or "adaptive")  # (no field: the earlier preset)
+        assert quality.ma_seeds_of(rows[3]) == (seeds or ("none" if ma_optimizer == "adamw" else None))  # (none recorded)
         done.write_text("".join(json.dumps(row) + "\n" for row in rows))
         Path(str(plan) + ".claims").unlink(missing_ok=True)
         args = parser.parse_intermixed_args(["queue", str(plan), "--skip-done", str(done), "--out", str(tmp_path / "rows.jsonl")])

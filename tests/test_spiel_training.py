@@ -171,9 +171,10 @@ def test_spiel_ma_beside_another_optimizer_keeps_sm3_accumulators_and_grows_by_t
     assert reselections >= 2
 
 
-def test_spiel_ma_beside_adamw_starts_grown_weights_with_zero_moments():
-    """At a reselection beside AdamW, a grown slot's Adam moments start at 0 (SpIEL-MA seeds nothing); kept slots
-    keep theirs, re-gathered."""
+def test_spiel_ma_beside_adamw_without_seeds_starts_grown_weights_with_zero_moments(monkeypatch):
+    """With the seeds off (the quality benchmark's ``--ma-seeds none``), a grown slot's Adam moments start at 0 at a
+    reselection beside AdamW; kept slots keep theirs, re-gathered."""
+    monkeypatch.setattr(SpIELScheduler, "_ma_seeds", None)
     torch.manual_seed(0)
     model = _spiel("ma", reselection_steps=4)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -264,11 +265,11 @@ def test_spiel_ma_seeds_grown_second_moments_from_the_sm3_cover(monkeypatch, opt
     assert torch.allclose(moved[grown], expected_move[grown], rtol=1e-4, atol=1e-9)
 
 
-def test_spiel_ma_neighbour_seeds_are_the_kept_weights_row_and_column_means(monkeypatch):
-    """``"neighbours"``: a grown slot (i, j) beside AdamW starts with √(r_i·c_j) of the mean bias-corrected second
-    moments of the weights kept in row i and in column j (one of them alone where the other holds no kept weight, the
-    tensor's mean where neither does), checked against a loop over the slots; the first moment at 0."""
-    monkeypatch.setattr(SpIELScheduler, "_ma_seeds", "neighbours")
+def test_spiel_ma_neighbour_seeds_are_the_kept_weights_row_and_column_means():
+    """By default (``"neighbours"``) a grown slot (i, j) beside AdamW starts with √(r_i·c_j) of the mean bias-corrected
+    second moments of the weights kept in row i and in column j (one of them alone where the other holds no kept
+    weight, the tensor's mean where neither does), checked against a loop over the slots; the first moment at 0."""
+    assert SpIELScheduler._ma_seeds == "neighbours"
     torch.manual_seed(0)
     model = _spiel("ma", reselection_steps=4)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -221,10 +221,11 @@ class Reselections:
         sums = torch.stack([age_before - kept_age, kept_age, result.changed.to(age_before.device)])
         return _GroupEdit(sums, n_grown, result.shortfall, undo)
 
-    # SpIEL-MA beside Adam: seed the second moment of grown slots. An ablation of the quality benchmark
-    # (``--ma-seeds FORM``), off by default: "cover" (SM3's cover of the weight) did not pass the dev families
-    # (docs/quality-families.md); "neighbours" (the kept weights of its row and column) has not been through them.
-    _ma_seeds: Optional[str] = None
+    # SpIEL-MA beside Adam: the second moment its grown slots start from. "neighbours" (the kept weights of the slot's
+    # row and column) passed the dev families' rule and is the behaviour; None (zero moments, Adam's own start) and
+    # "cover" (SM3's cover of the weight, which failed the rule) stay as the quality benchmark's ablations
+    # (``--ma-seeds none|cover``; docs/quality-families.md).
+    _ma_seeds: Optional[str] = "neighbours"
 
     def _ma_seeds_on(self) -> bool:
         return self._ma_seeds is not None and self.ma_accumulators is not None and self.config.reference is None
