@@ -69,6 +69,11 @@ def _train_to_reselection(model, opt, scheduler, count, after_backward=None, bef
     raise AssertionError(f"fewer than {count} reselections")
 
 
+def _snapshot_second_moments(layers, opt, into: dict) -> None:
+    """Each layer's indices and Adam second moments, into ``into`` by layer name (the state before a reselection)."""
+    into.update({m.module_name: (m.sparse_indices["default"].clone(), opt.state[m.sparse_values["default"]]["exp_avg_sq"].clone()) for m in layers})
+
+
 # ------------------------------------------------------------------------------------------- optimizer state
 def test_stock_adamw_seeding_recovers_window_moments_and_next_update():
     torch.manual_seed(0)
@@ -180,17 +185,10 @@ def test_spiel_ma_beside_adamw_without_seeds_starts_grown_weights_with_zero_mome
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.99))
     scheduler = SpIELScheduler(model, opt, total_steps=12)
-    model.train()
-    reselections = 0
-    for step in range(1, 12):  # (to the second reselection, t = γ + S: it keeps some slots, the first replaces all)
-        _loss(model, _batch(step)).backward()
-        opt.step()
-        opt.zero_grad()
-        layers = sparse_layers(model)
-        before = {m.module_name: (m.sparse_indices["default"].clone(), opt.state[m.sparse_values["default"]]["exp_avg_sq"].clone()) for m in layers}
-        reselections += bool(scheduler.step())
-        if reselections == 2:
-            break
+    layers = sparse_layers(model)
+    before = {}
+    # (to the second reselection, t = γ + S: it keeps some slots, the first replaces all)
+    step = _train_to_reselection(model, opt, scheduler, 2, before_reselect=lambda: _snapshot_second_moments(layers, opt, before))
     assert step == scheduler.gamma + scheduler.S
     grown_total = kept = 0
     for m in layers:
@@ -226,11 +224,8 @@ def test_spiel_ma_seeds_grown_second_moments_from_the_sm3_cover(monkeypatch, opt
     rows = {m.module_name: torch.zeros(m.out_features) for m in layers}
     cols = {m.module_name: torch.zeros(m.in_features) for m in layers}
     before = {}
-
-    def snapshot():
-        before.update({m.module_name: (m.sparse_indices["default"].clone(), opt.state[m.sparse_values["default"]]["exp_avg_sq"].clone()) for m in layers})
-
-    step = _train_to_reselection(model, opt, scheduler, 2, lambda: _dense_sm3_accumulators(layers, rows, cols), snapshot)
+    step = _train_to_reselection(model, opt, scheduler, 2, lambda: _dense_sm3_accumulators(layers, rows, cols),
+                                 lambda: _snapshot_second_moments(layers, opt, before))  # fmt: skip
     grown_total = 0
     for m in layers:
         state = opt.state[m.sparse_values["default"]]
