@@ -3,6 +3,8 @@
 #
 #   bash benchmarks/speed_plan.sh a   # GPU tests; TinyLlama step table (default pass, opt-in merge, LoRA)
 #   bash benchmarks/speed_plan.sh b   # the Trainer/SFTTrainer table at TinyLlama and SmolLM2 shapes
+#   bash benchmarks/speed_plan.sh t   # the Trainer and SFTTrainer rows at TinyLlama shapes, 2 interleaved rounds each, then
+#                                     # one SpIEL-MA Trainer run under cProfile (host time by function)
 #   bash benchmarks/speed_plan.sh k   # TinyLlama with the fast paths' composed pass instead of the default pass
 #   bash benchmarks/speed_plan.sh c   # Llama-2-7B step table (block and unstructured, default and opt-in; VARIANTS=a,b,...
 #                                     # for some of them, TESTS=<pytest -k expression> runs those GPU tests first)
@@ -48,6 +50,12 @@ elif [ "$MODE" = g ]; then
 elif [ "$MODE" = b ]; then
   run 300 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 40 --out "$OUT/trainer-tinyllama.jsonl"
   run 270 python3 benchmarks/trainer_step.py --size smollm2-135m --bs 8 --seq 128 --steps 60 --out "$OUT/trainer-smollm2.jsonl"
+elif [ "$MODE" = t ]; then
+  run 280 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 40 --rounds 2 --trainers trainer \
+    --out "$OUT/trainer-tinyllama-rounds.jsonl"
+  run 250 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 40 --rounds 2 --trainers sft \
+    --out "$OUT/trainer-tinyllama-rounds.jsonl"
+  run 50 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 20 --variants spiel-ma --trainers trainer --profile 30
 elif [ "$MODE" = k ]; then
   run 200 python3 benchmarks/bench_step.py --size tinyllama --no-transient-cuda \
     --variants floor,spiel-ag-block,spiel-ma-block,spiel-ag,spiel-ma --batch-id speed-k-tl-composed --out "$OUT/bench-tinyllama-composed.jsonl"

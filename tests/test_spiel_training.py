@@ -354,6 +354,33 @@ def test_scheduler_kept_ma_accumulators_equal_sm3s_own():
             assert torch.equal(r, state["row_accumulator"]) and torch.equal(c, state["col_accumulator"]), (step, m.module_name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_ma_accumulators_from_each_tensors_gradient_or_zeros(dtype):
+    """One update of the kept accumulators equals SM3's update of each tensor's own R and C from its gradient cast
+    to float32, a tensor without a gradient counting as zeros (half-precision values: the gradients joined first,
+    then cast once)."""
+    from peft_sparse.methods.spiel.statistics import RowColumnAccumulators
+    from peft_sparse.optim.sm3 import accumulate_sparse
+
+    torch.manual_seed(0)
+    model = _spiel("ma", dtype=dtype)
+    layers = sparse_layers(model)
+    kept = RowColumnAccumulators(layers, "default")
+    expected = {}
+    for step in range(2):
+        for i, m in enumerate(layers):
+            values = m.sparse_values["default"]
+            values.grad = None if (i + step) % 3 == 0 else torch.randn_like(values)
+            rows, cols = m.sparse_indices["default"] // m.in_features, m.sparse_indices["default"] % m.in_features
+            r, c = expected.setdefault(m.module_name, (torch.zeros(m.out_features), torch.zeros(m.in_features)))
+            g = torch.zeros(values.numel()) if values.grad is None else values.grad.float()
+            accumulate_sparse(r, c, rows.long(), cols.long(), g)
+        kept.update()
+        for m in layers:
+            r, c = kept.views[m.module_name]
+            assert torch.equal(r, expected[m.module_name][0]) and torch.equal(c, expected[m.module_name][1]), (step, m.module_name)
+
+
 def test_spiel_ma_beside_adamw_resumes_exactly(tmp_path):
     """The kept accumulators travel with the scheduler's state: save at step 5, close that scheduler (its hook
     goes), load the state into a new one, and the adapter after 12 steps equals the uninterrupted run's."""
