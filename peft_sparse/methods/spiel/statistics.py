@@ -289,10 +289,11 @@ class RowColumnAccumulators:
                 values = layer.sparse_values[name]
                 g = gradient(values)
                 grads.append(torch.zeros(getattr(values, "ds_numel", values.numel()), dtype=values.dtype, device=row.device) if g is None else g.reshape(-1))
-            # (one concatenation, then one cast to the accumulators' type where the gradients share a type: the
-            # same bits as a cast of each, in two launches instead of one per tensor)
-            joined = torch.cat(grads) if all(g.dtype == grads[0].dtype for g in grads) else torch.cat([g.to(row.dtype) for g in grads])
-            accumulate_sparse(row, col, group["rows"], group["cols"], joined.to(row.dtype))
+            if all(g.dtype == grads[0].dtype for g in grads):  # (one cast of the joined gradients: the same bits as a cast of each)
+                joined = torch.cat(grads).to(row.dtype)
+            else:
+                joined = torch.cat([g.to(row.dtype) for g in grads])
+            accumulate_sparse(row, col, group["rows"], group["cols"], joined)
 
     def tensors(self) -> dict:
         """{module name: {"row_accumulator", "col_accumulator"}} (views of the shared buffers)."""
