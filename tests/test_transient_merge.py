@@ -507,3 +507,64 @@ def test_a_steady_layer_is_freed_without_the_cycle_collector():
         assert layer_ref() is None and weight_ref() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("growth", ["ag", "ma"])
+def test_the_cpu_value_gradient_keeps_its_pattern_until_the_indices_change(monkeypatch, growth, threads):
+    """Value gradients by the SDDMM on the CPU: with the fast paths the indices' sampled pattern is kept between
+    steps (by_indices.py), and training is the reference's bit for bit through reselections and windows."""
+    from peft_sparse.core import kernels
+
+    runs = []
+    for fast in (False, True):
+        builds = []
+        real = kernels.sampled_pattern
+        model = _spiel(growth=growth)
+        for layer in sparse_layers(model):
+            layer.value_grad_method = "sddmm"
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "sampled_pattern", lambda *a: builds.append(a) or real(*a))
+            with peft_sparse.fast_paths(fast):
+                losses = _train(model, growth)
+        runs.append((losses, _state(model), len(builds)))
+    (ref_losses, ref_state, ref_builds), (losses, state, builds) = runs
+    assert losses == ref_losses
+    for a, b in zip(state, ref_state):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+    layers = len(ref_state)
+    assert ref_builds > 0 and ref_builds % layers == 0  # the reference: one pattern per value gradient
+    assert 0 < builds < ref_builds  # kept: one per layer for each indices tensor it trained with
+    assert builds % layers == 0
+
+
+def test_index_memos_follow_the_indices():
+    """What the fast paths keep of an adapter's indices is given back while they are the same tensor, address and
+    version, and built again after an in-place edit, for a new tensor, another key, or a core announcement."""
+    from peft_sparse.accel import by_indices
+    from peft_sparse.core import kernels
+
+    model = get_peft_model(tiny_llama(), SpIELConfig(target_modules=["q_proj"], density=0.2))
+    layer = sparse_layers(model)[0]
+    idx = layer.sparse_indices["default"]
+    out_features, in_features = layer.get_base_layer().weight.shape
+    pattern = by_indices.sampled_pattern(layer, idx, out_features, in_features, torch.float32)
+    rows, cols = kernels.rows_cols(idx, in_features)
+    assert torch.equal(pattern.crow_indices()[1:] - pattern.crow_indices()[:-1], torch.bincount(rows, minlength=out_features))
+    assert torch.equal(pattern.col_indices(), cols) and pattern.values().dtype == torch.float32
+    positions = by_indices.positions(layer, idx)
+    assert positions.dtype == torch.int64 and torch.equal(positions, idx.long())
+    assert by_indices.sampled_pattern(layer, idx, out_features, in_features, torch.float32) is pattern
+    assert by_indices.positions(layer, idx) is positions
+    assert by_indices.sampled_pattern(layer, idx, out_features, in_features, torch.float64).values().dtype == torch.float64
+    with torch.no_grad():
+        idx.copy_(idx.flip(0).sort().values)  # an in-place edit: the version moves
+    assert by_indices.sampled_pattern(layer, idx, out_features, in_features, torch.float32) is not pattern
+    pattern = by_indices.sampled_pattern(layer, idx, out_features, in_features, torch.float32)
+    assert by_indices.positions(layer, idx) is not positions
+    clone = idx.clone()
+    assert by_indices.sampled_pattern(layer, clone, out_features, in_features, torch.float32) is not pattern
+    dispatch.reindex([layer], lambda: None)  # the core announces new indices: everything kept is dropped
+    assert layer._by_indices == []
+    by_indices.positions(layer, idx)
+    dispatch.forget(layer, "default")
+    assert layer._by_indices == []

@@ -12,6 +12,8 @@ is what the fast paths must reproduce. The fast paths are
 * **steady-pass memos**: a layer's, and SM3's, decisions of the last pass reused after cheap checks;
 * **input rebuilds**: layer inputs rebuilt in backward from what autograd keeps anyway;
 * **inference memos**: a layer's CSR delta kept between passes without gradients (matrix-vector at one token);
+* **index memos**: what passes derive from an adapter's indices (int64 positions, the CPU value gradient's CSR
+  pattern) kept until the indices change (:mod:`.by_indices`);
 * **generation merges**: a causal-LM PeftModel's ``generate`` runs inside ``merged_for_inference`` (the adapters
   merged in place for the call, θ₀ written back bit for bit after; ``SparseTuner.generate``);
 * the **Triton kernels** (SDDMM, block products, the fused NF4 dequantize + delta, the fused SM3 step)
@@ -33,7 +35,7 @@ from __future__ import annotations
 import os
 
 from ..core import dispatch, kernels
-from . import gpu, inference, input_rebuild, internals, nf4, steady, training_merge, transient_merge  # noqa: F401 (gpu: the kernels)
+from . import by_indices, gpu, inference, input_rebuild, internals, nf4, steady, training_merge, transient_merge  # noqa: F401 (gpu: the kernels)
 
 
 def enabled() -> bool:
@@ -87,7 +89,7 @@ class _FastPathState(dispatch.Listener):
 
     def forget(self, layer, adapter) -> None:
         layer._weight_alias = None
-        layer._positions64 = []
+        layer._by_indices = []
         if adapter is None:
             layer._delta_csr.clear()
         else:
@@ -97,8 +99,8 @@ class _FastPathState(dispatch.Listener):
         layer._transient_steady = None
 
     def reindex(self, layers: list, change):
-        for layer in layers:  # the int64 copies of indices about to change (kept by version too, but a foreach
-            layer._positions64 = []  # copy under a TorchDispatchMode leaves the versions as they were)
+        for layer in layers:  # what is kept of indices about to change (kept by version too, but a foreach
+            layer._by_indices = []  # copy under a TorchDispatchMode leaves the versions as they were)
         merged_anew = training_merge.reseat_training_merges(layers, change)
         if not merged_anew:
             return None
@@ -120,7 +122,7 @@ for _name, _initial, _copied in (
     ("_delta_csr", dict, False),  # adapter → (key, indices, values, its CSR delta) for passes without gradients
     ("_inference_memo", lambda: None, False),  # the single active adapter's CSR delta and its checks (inference.py)
     ("_weight_alias", lambda: None, False),  # (weight, address, shape, its storage as a flat alias) (transient_merge.py)
-    ("_positions64", list, False),  # [(indices, version, address, the same as int64 positions)] (transient_merge.py)
+    ("_by_indices", list, False),  # [(indices, key, version, address, a tensor derived from them)] (by_indices.py)
     ("_writing_thread", lambda: None, False),  # the thread inside the layer's product with W' written (transient_merge.py)
     ("_transient_steady", lambda: None, False),  # the last default training pass's decisions (transient_merge.py)
 ):
@@ -140,6 +142,7 @@ dispatch.STEPS.base_output = inference.base_output
 dispatch.STEPS.fused_weight = nf4.fused_merged_weight
 dispatch.STEPS.input_rebuild = input_rebuild.input_rebuild
 dispatch.STEPS.delta_matrices = inference.kept_delta_matrices
+dispatch.STEPS.sampled_pattern = by_indices.sampled_pattern
 dispatch.STEPS.apply = steady.sparse_delta_apply
 dispatch.listen(_FastPathState())
 

@@ -89,7 +89,7 @@ class MergedDeltaLinear(SparseDeltaLinear):
             if factors is None:
                 x = ctx.x_rebuild.get()
         x2, x2_factor = (f.reshape(-1, in_features) for f in factors) if factors is not None else (x.reshape(-1, in_features), None)
-        return grad_x, None, None, None, values_gradient(g2, x2, x2_factor, block, indices, values, method)
+        return grad_x, None, None, None, values_gradient(g2, x2, x2_factor, block, indices, values, method, layer)
 
 
 sparse_delta_apply = internals.direct_apply(SparseDeltaLinear)

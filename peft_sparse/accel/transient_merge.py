@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from ..core import dispatch, kernels
 from ..core.base import managed_by_sharding
 from ..core.functional import SparseDeltaLinear, backward_pass, first_order_only, input_gradient, keep_for_backward, values_need_grad
-from . import internals
+from . import by_indices, internals
 
 _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 _transforms_active = internals.functorch_transforms_active
@@ -108,7 +108,7 @@ def write(layer, flat: torch.Tensor, indices, values) -> list:
                 continue
             if flat.device.type == "cpu" and torch.get_num_threads() > 1:
                 # take / put_ spread over the threads where index_select / index_add_ do not (int64 positions, kept)
-                positions = _positions(layer, idx)
+                positions = by_indices.positions(layer, idx)
                 base = flat.take(positions)  # θ₀ at η (plus earlier adapters' deltas where they overlap): (d_φ,)
                 saved.append(base)
                 flat.put_(positions, base + (val if val.dtype == flat.dtype else val.to(flat.dtype)))  # the copy's single rounding
@@ -135,7 +135,7 @@ def restore(layer, flat: torch.Tensor, indices, saved: list) -> None:
                 with kernels.on_device(flat):
                     triton.scatter_copy(flat, idx, base)
             elif flat.device.type == "cpu":  # (int64 positions; index_copy_ is faster than index_put_ on one thread)
-                positions = _positions(layer, idx)
+                positions = by_indices.positions(layer, idx)
                 if torch.get_num_threads() > 1:
                     flat.put_(positions, base)
                 else:
@@ -145,21 +145,6 @@ def restore(layer, flat: torch.Tensor, indices, saved: list) -> None:
     finally:
         state = layer.__dict__
         state["_writing_thread"], state["_base_weight_held"] = None, False
-
-
-def _positions(layer, idx: torch.Tensor) -> torch.Tensor:
-    """``idx`` as int64 positions (what ``take``, ``put_`` and ``index_copy_`` index with on the CPU), kept on the
-    layer while ``idx`` stays the same object, address and version (a reselection gives the layer new indices)."""
-    if idx.dtype == torch.int64:
-        return idx
-    version, address = internals.version(idx), idx.data_ptr()
-    kept = layer._positions64
-    for entry in kept:
-        if entry[0] is idx and entry[1] == version and entry[2] == address:
-            return entry[3]
-    positions = idx.long()
-    layer._positions64 = [e for e in kept if e[0] is not idx][-3:] + [(idx, version, address, positions)]  # (an adapter each)
-    return positions
 
 
 def check_not_writing(layer) -> None:

@@ -17,7 +17,7 @@ register here when ``peft_sparse`` is imported; this module never imports them. 
   neither touches ``SparseLayer.forward``;
 * **steps** (:data:`STEPS`): single steps of the reference that a fast path does faster — the base layer's
   own output, the 4-bit weight plus the delta in one launch, what backward keeps of X, the delta's CSR
-  matrices, the autograd function's ``apply``;
+  matrices, the value gradient's sampled pattern, the autograd function's ``apply``;
 * **listeners** (:func:`listen`): what the core calls when a layer changes, so that whatever a fast path
   keeps (a merged weight, memos of the last pass, kept kernel launches) or an optimizer keeps per slot
   follows the change: :func:`release`, :func:`forget`, :func:`reindex`, :func:`layouts_changed`,
@@ -113,6 +113,9 @@ class Steps:
     input_rebuild: Optional[Callable] = None
     #: ``(layer, active, indices, values) -> [CSR δ_a] | None``: the deltas as kept sparse matrices
     delta_matrices: Optional[Callable] = None
+    #: ``(layer, indices, out_features, in_features, dtype) -> CSR pattern``: the indices' sampled pattern
+    #: (``kernels.sampled_pattern``) for the CPU value gradient, kept while the indices stay as they are
+    sampled_pattern: Optional[Callable] = None
     #: ``(x, bias, spec, *indices, *values) -> Y``: ``SparseDeltaLinear.apply`` with less host time
     apply: Optional[Callable] = None
 

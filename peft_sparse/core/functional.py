@@ -267,7 +267,7 @@ def values_gradients(ctx, g2, x, indices, values, need_values, out_features: int
     else:
         for a in range(n):
             if need_values[a]:
-                value_grads[a] = values_gradient(g2, x2, x2_factor, blocks[a], indices[a], values[a], method)  # (d_φ,)
+                value_grads[a] = values_gradient(g2, x2, x2_factor, blocks[a], indices[a], values[a], method, hooks)  # (d_φ,)
     return value_grads
 
 
@@ -281,14 +281,21 @@ def chosen_block(block, method: str, g2: torch.Tensor, in_features: int, values:
     return block
 
 
-def values_gradient(g2, x2, x2_factor, block, indices, values, method: str) -> torch.Tensor:
+def values_gradient(g2, x2, x2_factor, block, indices, values, method: str, layer=None) -> torch.Tensor:
     """∂L/∂φ in the values' dtype from G (tokens, out) and X (tokens, in; X = x2 ⊙ x2_factor when a factor
     is given, block kernel only): the block kernel straight into the values' order, else
-    :func:`kernels.value_gradient` by ``method``."""
+    :func:`kernels.value_gradient` by ``method`` — given the indices' sampled pattern kept by ``layer``
+    (``STEPS.sampled_pattern``) where the SDDMM runs on the CPU."""
     if block is not None:
         grad = kernels.block_value_gradient(g2, x2, block, x_factor=x2_factor)
     else:
-        grad = kernels.value_gradient(g2, x2, indices, g2.shape[1], x2.shape[1], method)
+        out_features, in_features = g2.shape[1], x2.shape[1]
+        if method == "auto":
+            method = kernels.COST_MODEL.choose(g2.device, g2.shape[0], out_features, in_features, indices.numel())
+        pattern = None
+        if method == "sddmm" and layer is not None and dispatch.ON and STEPS.sampled_pattern is not None and kernels.sampled_product_applies(g2, x2):
+            pattern = STEPS.sampled_pattern(layer, indices, out_features, in_features, g2.dtype)
+        grad = kernels.value_gradient(g2, x2, indices, out_features, in_features, method, pattern)
     return grad if grad.dtype == values.dtype else grad.to(values.dtype)
 
 

@@ -263,8 +263,8 @@ def sddmm_reference(grad_out2d: torch.Tensor, x2d: torch.Tensor, rows: torch.Ten
     On CPU, for ascending row-major positions (what an adapter's indices give), torch's sampled dense-dense
     product over a CSR pattern computes it (one dot product over the tokens per position); elsewhere, chunks
     of gathered columns multiplied and summed."""
-    if grad_out2d.device.type == "cpu" and grad_out2d.dtype in (torch.float32, torch.float64) and x2d.dtype == grad_out2d.dtype:
-        return _sampled_product(grad_out2d, x2d, rows, cols)
+    if sampled_product_applies(grad_out2d, x2d):
+        return sampled_product(grad_out2d, x2d, sampled_pattern(rows, cols, grad_out2d.shape[1], x2d.shape[1], grad_out2d.dtype))
     tokens = grad_out2d.shape[0]
     nnz = rows.numel()
     acc = accumulation_dtype(grad_out2d.dtype)
@@ -280,10 +280,20 @@ def sddmm_reference(grad_out2d: torch.Tensor, x2d: torch.Tensor, rows: torch.Ten
     return out
 
 
-def _sampled_product(grad_out2d: torch.Tensor, x2d: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """(∂L/∂Y)ᵀX at (rows, cols), rows ascending (row-major order): ``torch.sparse.sampled_addmm`` over the
-    CSR pattern of the positions."""
-    pattern = csr_pattern(rows, cols, torch.zeros(rows.numel(), dtype=grad_out2d.dtype), (grad_out2d.shape[1], x2d.shape[1]))
+def sampled_product_applies(grad_out2d: torch.Tensor, x2d: torch.Tensor) -> bool:
+    """Whether :func:`sddmm_reference` computes with torch's sampled product (:func:`sampled_product`): CPU,
+    float32 or float64, G and X of one dtype."""
+    return grad_out2d.device.type == "cpu" and grad_out2d.dtype in (torch.float32, torch.float64) and x2d.dtype == grad_out2d.dtype
+
+
+def sampled_pattern(rows: torch.Tensor, cols: torch.Tensor, out_features: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """The (out, in) CSR pattern :func:`sampled_product` samples at: (rows, cols) ascending row-major, zeros of
+    ``dtype`` (G's) as values."""
+    return csr_pattern(rows, cols, torch.zeros(rows.numel(), dtype=dtype, device=rows.device), (out_features, in_features))
+
+
+def sampled_product(grad_out2d: torch.Tensor, x2d: torch.Tensor, pattern: torch.Tensor) -> torch.Tensor:
+    """(∂L/∂Y)ᵀX at ``pattern``'s positions (:func:`sampled_pattern`), in their order: ``torch.sparse.sampled_addmm``."""
     return torch.sparse.sampled_addmm(pattern, grad_out2d.t(), x2d, beta=0.0).values()
 
 
@@ -341,12 +351,17 @@ def value_gradient(
     out_features: int,
     in_features: int,
     method: str = "auto",
+    pattern: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """∂L/∂φ for flat indices into the (out, in) matrix (float32, or float64 for float64 inputs)."""
+    """∂L/∂φ for flat indices into the (out, in) matrix (float32, or float64 for float64 inputs). ``pattern``:
+    the indices' :func:`sampled_pattern` in G's dtype where the caller keeps one (used where
+    :func:`sampled_product_applies` and the SDDMM is chosen; built here otherwise)."""
     if method == "auto":
         method = COST_MODEL.choose(grad_out2d.device, grad_out2d.shape[0], out_features, in_features, indices.numel())
     if method == "dense":
         return gather_as(dense_weight_gradient(grad_out2d, x2d).view(-1), indices, accumulation_dtype(grad_out2d.dtype))
+    if method == "sddmm" and pattern is not None and sampled_product_applies(grad_out2d, x2d):
+        return sampled_product(grad_out2d, x2d, pattern)
     if method == "sddmm":
         rows, cols = rows_cols(indices, in_features)
         return sddmm(grad_out2d, x2d, rows, cols)
