@@ -550,7 +550,8 @@ def test_index_memos_follow_the_indices():
     pattern = by_indices.sampled_pattern(layer, idx, out_features, in_features, torch.float32)
     rows, cols = kernels.rows_cols(idx, in_features)
     assert torch.equal(pattern.crow_indices()[1:] - pattern.crow_indices()[:-1], torch.bincount(rows, minlength=out_features))
-    assert torch.equal(pattern.col_indices(), cols) and pattern.values().dtype == torch.float32
+    assert torch.equal(pattern.col_indices().long(), cols) and pattern.values().dtype == torch.float32
+    assert pattern.col_indices().dtype == pattern.crow_indices().dtype == torch.int32  # (8 bytes a position in all)
     positions = by_indices.positions(layer, idx)
     assert positions.dtype == torch.int64 and torch.equal(positions, idx.long())
     assert by_indices.sampled_pattern(layer, idx, out_features, in_features, torch.float32) is pattern

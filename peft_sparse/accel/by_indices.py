@@ -6,7 +6,8 @@ and as the CSR pattern the CPU value gradient samples at (``kernels.sampled_patt
 ``STEPS.sampled_pattern``). :func:`kept` builds each once and gives it back while the indices tensor is the same
 object, at the same address, with the same version counter; the listeners drop everything kept when the core
 announces new indices or replaced tensors (an in-place copy under a ``TorchDispatchMode`` can leave the version
-counter as it was). What is kept is the size of the indices (d_φ), never of the weight.
+counter as it was). What is kept is the size of the indices (d_φ), never of the weight: 8 bytes a position for
+the int64 positions and 8 for the pattern (int32 offsets and columns, and the zeros it samples into).
 """
 
 from __future__ import annotations
