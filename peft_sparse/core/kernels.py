@@ -290,10 +290,8 @@ def sampled_pattern(rows: torch.Tensor, cols: torch.Tensor, out_features: int, i
     """The (out, in) CSR pattern :func:`sampled_product` samples at: (rows, cols) ascending row-major, zeros of
     ``dtype`` (G's) as values; int32 row offsets and columns where they fit (8 bytes a position with the values)."""
     index_dtype = torch.int32 if rows.numel() < 2**31 and in_features < 2**31 else torch.int64
-    crow = torch.zeros(out_features + 1, dtype=index_dtype, device=rows.device)
-    crow[1:] = torch.bincount(rows, minlength=out_features).cumsum(0)
     zeros = torch.zeros(rows.numel(), dtype=dtype, device=rows.device)
-    return _csr(crow, cols.to(index_dtype), zeros, (out_features, in_features))
+    return csr_pattern(rows, cols, zeros, (out_features, in_features), index_dtype)
 
 
 def sampled_product(grad_out2d: torch.Tensor, x2d: torch.Tensor, pattern: torch.Tensor) -> torch.Tensor:
@@ -304,14 +302,12 @@ def sampled_product(grad_out2d: torch.Tensor, x2d: torch.Tensor, pattern: torch.
 _CSR_BETA_WARNED = [False]
 
 
-def csr_pattern(rows: torch.Tensor, cols: torch.Tensor, values: torch.Tensor, shape: tuple) -> torch.Tensor:
-    """A CSR matrix of ``shape`` with ``values`` at (rows, cols), rows ascending (row-major positions)."""
-    crow = torch.zeros(shape[0] + 1, dtype=torch.long, device=rows.device)
+def csr_pattern(rows: torch.Tensor, cols: torch.Tensor, values: torch.Tensor, shape: tuple, index_dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A CSR matrix of ``shape`` with ``values`` at (rows, cols), rows ascending (row-major positions); row offsets
+    and columns of ``index_dtype``."""
+    crow = torch.zeros(shape[0] + 1, dtype=index_dtype, device=rows.device)
     crow[1:] = torch.bincount(rows, minlength=shape[0]).cumsum(0)
-    return _csr(crow, cols.long(), values, shape)
-
-
-def _csr(crow: torch.Tensor, cols: torch.Tensor, values: torch.Tensor, shape: tuple) -> torch.Tensor:
+    cols = cols.to(index_dtype)
     if _CSR_BETA_WARNED[0]:
         return torch.sparse_csr_tensor(crow, cols, values, shape, check_invariants=False)
     with warnings.catch_warnings():  # torch's one-time notice that CSR support is in beta: our own, internal use
