@@ -331,6 +331,8 @@ def run_one(args) -> dict:
     load.append(os.getloadavg()[0])
     if profiler is not None:
         profiler.disable()
+    if profiler is not None and args.profile_out:
+        profiler.dump_stats(args.profile_out)
     return {
         "variant": args.variant,
         "step_s_median": statistics.median(times),
@@ -428,6 +430,8 @@ def main():
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
                         help="--variant: cProfile over the timed steps, the N functions with the most own time per step "
                              "printed and recorded (host_profile); the profiler slows the host, so the step times are not comparable")
+    parser.add_argument("--profile-out", default=None, metavar="FILE",
+                        help="--host-profile: also write cProfile's whole table to FILE (pstats' format)")
     parser.add_argument("--out", default=None, help="JSONL file (default benchmarks/results/<date>-<gpu>.jsonl)")
     parser.add_argument("--rounds", type=int, default=1, help="run the batch this many times, interleaved (one record per run)")
     parser.add_argument("--full-record", action="store_true", help=argparse.SUPPRESS)  # (a batch's child: step times included)

@@ -5,6 +5,8 @@
 #   bash benchmarks/speed_plan.sh b   # the Trainer/SFTTrainer table at TinyLlama and SmolLM2 shapes
 #   bash benchmarks/speed_plan.sh t   # the Trainer and SFTTrainer rows at TinyLlama shapes, 2 interleaved rounds each, then
 #                                     # one SpIEL-MA Trainer run under cProfile (host time by function)
+#   bash benchmarks/speed_plan.sh p   # host profiles (cProfile tables written under $OUT): LoRA, SpIEL-MA and block SpIEL-MA
+#                                     # in the Trainer at TinyLlama shapes, block SpIEL-AG/MA steps of bench_step.py
 #   bash benchmarks/speed_plan.sh k   # TinyLlama with the fast paths' composed pass instead of the default pass
 #   bash benchmarks/speed_plan.sh c   # Llama-2-7B step table (block and unstructured, default and opt-in; VARIANTS=a,b,...
 #                                     # for some of them, TESTS=<pytest -k expression> runs those GPU tests first)
@@ -56,6 +58,15 @@ elif [ "$MODE" = t ]; then
   run 250 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 40 --rounds 2 --trainers sft \
     --out "$OUT/trainer-tinyllama-rounds.jsonl"
   run 50 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 20 --variants spiel-ma --trainers trainer --profile 30
+elif [ "$MODE" = p ]; then
+  for v in lora spiel-ma spiel-ma-block spiel-ag-block; do
+    run 70 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 20 --variants "$v" --trainers trainer \
+      --profile 25 --profile-out "$OUT/prof" --out "$OUT/trainer-profiled.jsonl"
+  done
+  for v in spiel-ag-block spiel-ma-block floor; do
+    run 60 python3 benchmarks/bench_step.py --size tinyllama --variant "$v" --host-profile 30 --profile-out "$OUT/prof-step-$v.prof" \
+      --out "$OUT/step-profiled.jsonl"
+  done
 elif [ "$MODE" = k ]; then
   run 200 python3 benchmarks/bench_step.py --size tinyllama --no-transient-cuda \
     --variants floor,spiel-ag-block,spiel-ma-block,spiel-ag,spiel-ma --batch-id speed-k-tl-composed --out "$OUT/bench-tinyllama-composed.jsonl"

@@ -229,6 +229,8 @@ def run_one(args, trainer_kind: str, variant: str, device: str) -> dict:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
         print(text.getvalue())
+        if args.profile_out:
+            profiler.dump_stats(f"{args.profile_out}-{trainer_kind}-{variant}-{args.size}.prof")
     return record
 
 
@@ -248,6 +250,8 @@ def main() -> None:
     parser.add_argument("--sm3", action="store_true", help="SpIEL-MA with peft_sparse.SM3 instead of the Trainer's AdamW")
     parser.add_argument("--syncs", action="store_true", help="count host reads of tensors per step (TorchFunctionMode)")
     parser.add_argument("--profile", type=int, default=0, help="print cProfile's N most expensive functions per run")
+    parser.add_argument("--profile-out", default=None, metavar="PREFIX",
+                        help="--profile: also write each run's whole cProfile table to PREFIX-<trainer>-<variant>-<size>.prof")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--out", default=None, help="JSONL file each run's record is appended to")
     args = parser.parse_args()
