@@ -60,11 +60,13 @@ elif [ "$MODE" = t ]; then
   run 50 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 20 --variants spiel-ma --trainers trainer --profile 30
 elif [ "$MODE" = p ]; then
   for v in lora spiel-ma spiel-ma-block spiel-ag-block; do
-    run 70 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 20 --variants "$v" --trainers trainer \
+    run 60 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 20 --variants "$v" --trainers trainer \
       --profile 25 --profile-out "$OUT/prof" --out "$OUT/trainer-profiled.jsonl"
+    run 50 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 20 --variants "$v" --trainers trainer \
+      --sync-debug --out "$OUT/trainer-sync-sites.jsonl"
   done
-  for v in spiel-ag-block spiel-ma-block floor; do
-    run 60 python3 benchmarks/bench_step.py --size tinyllama --variant "$v" --host-profile 30 --profile-out "$OUT/prof-step-$v.prof" \
+  for v in spiel-ag-block spiel-ma-block; do
+    run 50 python3 benchmarks/bench_step.py --size tinyllama --variant "$v" --host-profile 30 --profile-out "$OUT/prof-step-$v.prof" \
       --out "$OUT/step-profiled.jsonl"
   done
 elif [ "$MODE" = k ]; then

@@ -136,6 +136,40 @@ def sync_counter():
     return Count()
 
 
+def sync_site_counter():
+    """CUDA's synchronisation warnings (``torch.cuda.set_sync_debug_mode``) between ``start()`` and ``stop()``,
+    counted by the last frames of the calling stack that lie in peft_sparse, transformers, trl or accelerate."""
+    import collections
+    import traceback
+    import warnings
+
+    import torch
+
+    class Sites:
+        def __init__(self):
+            self.sites: collections.Counter = collections.Counter()
+            self._show = None
+
+        def start(self):
+            self._show = warnings.showwarning
+            warnings.simplefilter("always")
+            warnings.showwarning = self.show
+            torch.cuda.set_sync_debug_mode("warn")
+
+        def stop(self):
+            torch.cuda.set_sync_debug_mode("default")
+            if self._show is not None:
+                warnings.showwarning = self._show
+
+        def show(self, message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" not in str(message):
+                return self._show(message, category, filename, lineno, file, line)
+            frames = [f for f in traceback.extract_stack()[:-1] if any(k in f.filename for k in ("peft_sparse", "transformers", "trl", "accelerate"))]
+            self.sites[" < ".join(f"{Path(f.filename).name}:{f.lineno}({f.name})" for f in reversed(frames[-3:]))] += 1
+
+    return Sites()
+
+
 def run_one(args, trainer_kind: str, variant: str, device: str) -> dict:
     import torch
     from transformers import Trainer, TrainingArguments
@@ -192,6 +226,9 @@ def run_one(args, trainer_kind: str, variant: str, device: str) -> dict:
 
             profiler = cProfile.Profile()
             trainer.add_callback(step_callback(lambda state: profiler.enable() if state.global_step == args.warmup else None))
+        sync_sites = sync_site_counter() if args.sync_debug and device == "cuda" else None
+        if sync_sites is not None:
+            trainer.add_callback(step_callback(lambda state: sync_sites.start() if state.global_step == args.warmup else None))
         sync_steps: list = []
         if counter is not None:
             trainer.add_callback(step_callback(lambda state: (sync_steps.append(dict(counter.counts)), counter.counts.clear())))
@@ -204,6 +241,8 @@ def run_one(args, trainer_kind: str, variant: str, device: str) -> dict:
         wall = time.perf_counter() - start
         if profiler is not None:
             profiler.disable()
+        if sync_sites is not None:
+            sync_sites.stop()
     first = max(args.warmup - 1, 0)
     steps = [b - a for a, b in zip(ends[first:], ends[first + 1 :])]
     cpu_steps = [b - a for a, b in zip(cpu_ends[first:], cpu_ends[first + 1 :])]
@@ -222,6 +261,10 @@ def run_one(args, trainer_kind: str, variant: str, device: str) -> dict:
         timed = sync_steps[args.warmup :]
         record["host_reads_per_step"] = {k: statistics.median(s.get(k, 0) for s in timed) for k in sorted(set().union(*timed))}
         record["host_reads_max_step"] = max((sum(s.values()) for s in timed), default=0)
+    if sync_sites is not None:
+        record["device_syncs_per_step"] = {site: n / args.steps for site, n in sync_sites.sites.most_common(20)}
+        for site, n in sync_sites.sites.most_common(20):
+            print(f"{n / args.steps:8.2f} syncs/step  {site}")
     if profiler is not None:
         import io
         import pstats
@@ -250,6 +293,8 @@ def main() -> None:
     parser.add_argument("--sm3", action="store_true", help="SpIEL-MA with peft_sparse.SM3 instead of the Trainer's AdamW")
     parser.add_argument("--syncs", action="store_true", help="count host reads of tensors per step (TorchFunctionMode)")
     parser.add_argument("--profile", type=int, default=0, help="print cProfile's N most expensive functions per run")
+    parser.add_argument("--sync-debug", action="store_true",
+                        help="on a GPU: count CUDA's synchronising operations per timed step by call site (set_sync_debug_mode)")
     parser.add_argument("--profile-out", default=None, metavar="PREFIX",
                         help="--profile: also write each run's whole cProfile table to PREFIX-<trainer>-<variant>-<size>.prof")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
