@@ -240,6 +240,58 @@ def test_ma_io_resumes_exactly(stop, tmp_path):
             SpIELScheduler(model, opt, total_steps=12).load(tmp_path / "sm3")
 
 
+def test_ma_io_beside_adamw_keeps_no_sm3_accumulators(tmp_path):
+    """With ma_signal='io' nothing reads SM3's row and column accumulators beside AdamW: the scheduler keeps none
+    (no per-step update), trains to the same bits as a run that keeps them, and resumes exactly from a state that
+    holds them (saved by a scheduler that kept them)."""
+    from peft_sparse.methods.spiel.statistics import RowColumnAccumulators
+
+    def run(keep: bool, steps=12, save_at=None):
+        torch.manual_seed(0)
+        model = _llama_ma((16, 16))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        scheduler = SpIELScheduler(model, opt, total_steps=12)
+        assert scheduler.ma_accumulators is None and scheduler._ma_hook is None
+        if keep:  # (what the scheduler kept before: the update at every optimizer step)
+            scheduler.ma_accumulators = RowColumnAccumulators(scheduler.layers, "default")
+            opt.register_step_pre_hook(scheduler.ma_accumulators.update)
+        model.train()
+        for step in range(steps):
+            x = inputs(seed=step, batch=2, length=9)
+            model(x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            scheduler.step()
+            if save_at == step + 1:
+                scheduler.save(tmp_path / "kept")
+                return model, opt, scheduler
+        return model, opt, scheduler
+
+    plain, _, _ = run(False)
+    kept, _, kept_scheduler = run(True)
+    assert any(bool((r > 0).any()) for r, _ in kept_scheduler.ma_accumulators.views.values())
+    expected = {k: v for k, v in plain.state_dict().items() if "sparse_" in k}
+    for key, value in kept.state_dict().items():
+        if "sparse_" in key:
+            assert torch.equal(value, expected[key]), key
+    model, opt, scheduler = run(True, save_at=7)
+    state = opt.state_dict()
+    scheduler.close()
+    opt2 = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    opt2.load_state_dict(state)
+    resumed = SpIELScheduler(model, opt2, total_steps=12)
+    resumed.load(tmp_path / "kept")
+    for step in range(7, 12):
+        x = inputs(seed=step, batch=2, length=9)
+        model(x, labels=x).loss.backward()
+        opt2.step()
+        opt2.zero_grad()
+        resumed.step()
+    for key, value in model.state_dict().items():
+        if "sparse_" in key:
+            assert torch.equal(value, expected[key]), key
+
+
 def test_ma_signal_is_checked():
     assert SpIELConfig(target_modules="all-linear", density=0.1, growth="ma", ma_signal="io").ma_signal == "io"
     assert SpIELConfig(target_modules="all-linear", density=0.1, growth="ma").ma_signal == "sm3"

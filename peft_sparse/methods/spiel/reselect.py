@@ -15,6 +15,7 @@ from ...core import edit, kernels
 from ...core.layer import SparseLayer
 from ...core.selection import BlockGrid
 from ...core.tuner import SparseTuner
+from ...optim.sm3 import SM3
 from ...optim.surgery import seed_optimizer_states
 from ...schedules.reselection import released_replacement_count, replacement_count
 from .adaptive import reselect_adaptive
@@ -228,7 +229,7 @@ class Reselections:
     _ma_seeds: Optional[str] = "neighbours"
 
     def _ma_seeds_on(self) -> bool:
-        return self._ma_seeds is not None and self.ma_accumulators is not None and self.config.reference is None
+        return self._ma_seeds is not None and not isinstance(self.optimizer, SM3) and self.config.reference is None
 
     def _seed_ma(self, t: int, group: list, result: AllReselections, values: list) -> None:
         """Adam's second moment ŝ of SpIEL-MA's grown slots (i, j), where Adam would start them from zero moments

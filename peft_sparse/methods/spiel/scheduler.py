@@ -61,10 +61,12 @@ class SpIELScheduler(SchedulerChecks, Reselections, SchedulerState):
         self._check_reference_optimizer()
         # SpIEL-MA ranks growth by SM3's row and column accumulators: SM3's own, or (any other optimizer) the
         # same accumulators kept here from the gradients each optimizer step sees (under ZeRO: the reduced
-        # gradients it holds when its step starts)
+        # gradients it holds when its step starts); with ma_signal='io' nothing reads them (the window's sums
+        # rank the growth), unless the grown weights' seeds are SM3's cover
         self.ma_accumulators: Optional[RowColumnAccumulators] = None
         self._ma_hook = None
-        if self.config.growth == "ma" and not isinstance(self.optimizer, SM3):
+        read = self.config.ma_signal == "sm3" or self._ma_seeds == "cover"
+        if self.config.growth == "ma" and not isinstance(self.optimizer, SM3) and read:
             self.ma_accumulators = RowColumnAccumulators(self.layers, self.adapter_name)
             if self._zero is not None:
                 self._ma_hook = self._zero.before_step(self._accumulate_under_zero)

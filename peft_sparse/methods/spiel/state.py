@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ...core.storage import reading
+from ...optim.sm3 import SM3
 from .statistics import InputOutputStatistics
 
 
@@ -111,7 +112,7 @@ class SchedulerState:
         saved_accumulators = state.get("ma_accumulators") or {}
         if self.ma_accumulators is not None:
             self.ma_accumulators.load(saved_accumulators)
-        elif saved_accumulators:
+        elif saved_accumulators and isinstance(self.optimizer, SM3):  # (beside another optimizer with ma_signal='io' they rank nothing)
             raise ValueError(
                 "scheduler state holds SpIEL-MA accumulators kept beside a non-SM3 optimizer, but this scheduler's "
                 "optimizer is SM3 (its own accumulators rank the growth): resume with the optimizer the run was saved with"
