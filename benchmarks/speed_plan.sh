@@ -59,6 +59,7 @@ elif [ "$MODE" = t ]; then
     --out "$OUT/trainer-tinyllama-rounds.jsonl"
   run 50 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 20 --variants spiel-ma --trainers trainer --profile 30
 elif [ "$MODE" = p ]; then
+  run 40 python3 benchmarks/ma_accumulators.py --out "$OUT/ma-accumulators.jsonl"
   for v in lora spiel-ma spiel-ma-block spiel-ag-block; do
     run 60 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 20 --variants "$v" --trainers trainer \
       --profile 25 --profile-out "$OUT/prof" --out "$OUT/trainer-profiled.jsonl"
