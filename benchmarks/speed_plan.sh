@@ -5,8 +5,9 @@
 #   bash benchmarks/speed_plan.sh b   # the Trainer/SFTTrainer table at TinyLlama and SmolLM2 shapes
 #   bash benchmarks/speed_plan.sh t   # the Trainer and SFTTrainer rows at TinyLlama shapes, 2 interleaved rounds each, then
 #                                     # one SpIEL-MA Trainer run under cProfile (host time by function)
-#   bash benchmarks/speed_plan.sh p   # host profiles (cProfile tables written under $OUT): LoRA, SpIEL-MA and block SpIEL-MA
-#                                     # in the Trainer at TinyLlama shapes, block SpIEL-AG/MA steps of bench_step.py
+#   bash benchmarks/speed_plan.sh p   # MA's accumulator update (ma_accumulators.py); host profiles (cProfile tables written
+#                                     # under $OUT) of LoRA and the SpIEL rows in the Trainer at TinyLlama shapes, CUDA's
+#                                     # synchronising calls of SpIEL-MA's, a block SpIEL-MA step of bench_step.py
 #   bash benchmarks/speed_plan.sh k   # TinyLlama with the fast paths' composed pass instead of the default pass
 #   bash benchmarks/speed_plan.sh c   # Llama-2-7B step table (block and unstructured, default and opt-in; VARIANTS=a,b,...
 #                                     # for some of them, TESTS=<pytest -k expression> runs those GPU tests first)
@@ -63,13 +64,13 @@ elif [ "$MODE" = p ]; then
   for v in lora spiel-ma spiel-ma-block spiel-ag-block; do
     run 60 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 20 --variants "$v" --trainers trainer \
       --profile 25 --profile-out "$OUT/prof" --out "$OUT/trainer-profiled.jsonl"
+  done
+  for v in spiel-ma spiel-ma-block; do
     run 50 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 20 --variants "$v" --trainers trainer \
       --sync-debug --out "$OUT/trainer-sync-sites.jsonl"
   done
-  for v in spiel-ag-block spiel-ma-block; do
-    run 50 python3 benchmarks/bench_step.py --size tinyllama --variant "$v" --host-profile 30 --profile-out "$OUT/prof-step-$v.prof" \
-      --out "$OUT/step-profiled.jsonl"
-  done
+  run 50 python3 benchmarks/bench_step.py --size tinyllama --variant spiel-ma-block --host-profile 30 \
+    --profile-out "$OUT/prof-step-spiel-ma-block.prof" --out "$OUT/step-profiled.jsonl"
 elif [ "$MODE" = k ]; then
   run 200 python3 benchmarks/bench_step.py --size tinyllama --no-transient-cuda \
     --variants floor,spiel-ag-block,spiel-ma-block,spiel-ag,spiel-ma --batch-id speed-k-tl-composed --out "$OUT/bench-tinyllama-composed.jsonl"
