@@ -19,25 +19,26 @@ import torch
 SHAPES = [(2048, 2048), (256, 2048), (256, 2048), (2048, 2048), (5632, 2048), (5632, 2048), (2048, 5632)]  # (out, in) per layer
 
 
-def positions(layers: int, blocks: bool, device: str, generator: torch.Generator):
+def positions(layers: int, blocks: bool, device: str):
     rows, cols, row_at, col_at = [], [], 0, 0
     for _ in range(layers):
         for out, inn in SHAPES:
             budget = 16 * (out + inn)
             if blocks:
                 nb = budget // 4096
-                picked = torch.randperm((out // 64) * (inn // 64), generator=generator)[:nb].sort().values
+                picked = torch.randperm((out // 64) * (inn // 64), device=device)[:nb].sort().values
                 br, bc = picked // (inn // 64), picked % (inn // 64)
-                r = (br[:, None, None] * 64 + torch.arange(64)[None, :, None]).expand(-1, 64, 64).reshape(-1)
-                c = (bc[:, None, None] * 64 + torch.arange(64)[None, None, :]).expand(-1, 64, 64).reshape(-1)
+                span = torch.arange(64, device=device)
+                r = (br[:, None, None] * 64 + span[None, :, None]).expand(-1, 64, 64).reshape(-1)
+                c = (bc[:, None, None] * 64 + span[None, None, :]).expand(-1, 64, 64).reshape(-1)
             else:
-                flat = torch.randperm(out * inn, generator=generator)[:budget].sort().values
+                flat = torch.randperm(out * inn, device=device)[:budget].sort().values
                 r, c = flat // inn, flat % inn
             rows.append(r + row_at)
             cols.append(c + col_at)
             row_at += out
             col_at += inn
-    return torch.cat(rows).to(device), torch.cat(cols).to(device), row_at, col_at
+    return torch.cat(rows), torch.cat(cols), row_at, col_at
 
 
 def update(row, col, rows, cols, grad, as_int: bool):
@@ -57,10 +58,10 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
     for blocks in (False, True):
-        rows, cols, n_rows, n_cols = positions(args.layers, blocks, device, g)
-        grads = [torch.randn(rows.numel(), device=device, generator=None) * 1e-3 for _ in range(args.iters)]
+        rows, cols, n_rows, n_cols = positions(args.layers, blocks, device)
+        grads = [torch.randn(rows.numel(), device=device) * 1e-3 for _ in range(args.iters)]
         results = {}
         finals = {}
         for as_int in (False, True, False, True):
