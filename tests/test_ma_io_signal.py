@@ -191,6 +191,26 @@ def test_io_statistics_of_an_embedding_are_the_marginals_of_its_dense_gradient()
     assert stats.seen == 2
 
 
+def train(model, opt, scheduler, steps, first=0):
+    model.train()
+    for step in range(first, first + steps):
+        x = inputs(seed=step, batch=2, length=9)
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+
+
+def resume(model, opt, path, total_steps=12) -> tuple:
+    """A new AdamW with ``opt``'s state and a new scheduler loaded from ``path`` (``opt``'s scheduler closed first)."""
+    state = opt.state_dict()
+    opt2 = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    opt2.load_state_dict(state)
+    scheduler = SpIELScheduler(model, opt2, total_steps=total_steps)
+    scheduler.load(path)
+    return opt2, scheduler
+
+
 @pytest.mark.parametrize("stop", [5, 7])  # (inside a window: reselections at 2, 6, 10; between windows)
 def test_ma_io_resumes_exactly(stop, tmp_path):
     def fresh():
@@ -199,15 +219,6 @@ def test_ma_io_resumes_exactly(stop, tmp_path):
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         return model, opt, SpIELScheduler(model, opt, total_steps=12)
 
-    def train(model, opt, scheduler, steps, first=0):
-        model.train()
-        for step in range(first, first + steps):
-            x = inputs(seed=step, batch=2, length=9)
-            model(x, labels=x).loss.backward()
-            opt.step()
-            opt.zero_grad()
-            scheduler.step()
-
     model, opt, scheduler = fresh()
     train(model, opt, scheduler, 12)
     expected = {k: v.clone() for k, v in model.state_dict().items() if "sparse_" in k}
@@ -215,12 +226,8 @@ def test_ma_io_resumes_exactly(stop, tmp_path):
     train(model, opt, scheduler, stop)
     assert bool(scheduler.statistics) == (stop == 5)
     scheduler.save(tmp_path / "sched")
-    state = opt.state_dict()
     scheduler.close()
-    opt2 = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    opt2.load_state_dict(state)
-    scheduler = SpIELScheduler(model, opt2, total_steps=12)
-    scheduler.load(tmp_path / "sched")
+    opt2, scheduler = resume(model, opt, tmp_path / "sched")
     train(model, opt2, scheduler, 12 - stop, first=stop)
     got = {k: v for k, v in model.state_dict().items() if "sparse_" in k}
     for key, value in expected.items():
@@ -246,7 +253,7 @@ def test_ma_io_beside_adamw_keeps_no_sm3_accumulators(tmp_path):
     holds them (saved by a scheduler that kept them)."""
     from peft_sparse.methods.spiel.statistics import RowColumnAccumulators
 
-    def run(keep: bool, steps=12, save_at=None):
+    def fresh(keep: bool):
         torch.manual_seed(0)
         model = _llama_ma((16, 16))
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -255,41 +262,25 @@ def test_ma_io_beside_adamw_keeps_no_sm3_accumulators(tmp_path):
         if keep:  # (what the scheduler kept before: the update at every optimizer step)
             scheduler.ma_accumulators = RowColumnAccumulators(scheduler.layers, "default")
             opt.register_step_pre_hook(scheduler.ma_accumulators.update)
-        model.train()
-        for step in range(steps):
-            x = inputs(seed=step, batch=2, length=9)
-            model(x, labels=x).loss.backward()
-            opt.step()
-            opt.zero_grad()
-            scheduler.step()
-            if save_at == step + 1:
-                scheduler.save(tmp_path / "kept")
-                return model, opt, scheduler
         return model, opt, scheduler
 
-    plain, _, _ = run(False)
-    kept, _, kept_scheduler = run(True)
-    assert any(bool((r > 0).any()) for r, _ in kept_scheduler.ma_accumulators.views.values())
-    expected = {k: v for k, v in plain.state_dict().items() if "sparse_" in k}
-    for key, value in kept.state_dict().items():
-        if "sparse_" in key:
-            assert torch.equal(value, expected[key]), key
-    model, opt, scheduler = run(True, save_at=7)
-    state = opt.state_dict()
+    def sparse(model):
+        return {k: v for k, v in model.state_dict().items() if "sparse_" in k}
+
+    plain = fresh(False)
+    train(*plain, 12)
+    kept = fresh(True)
+    train(*kept, 12)
+    assert any(bool((r > 0).any()) for r, _ in kept[2].ma_accumulators.views.values())
+    expected = sparse(plain[0])
+    assert all(torch.equal(value, expected[key]) for key, value in sparse(kept[0]).items())
+    model, opt, scheduler = fresh(True)
+    train(model, opt, scheduler, 7)
+    scheduler.save(tmp_path / "kept")
     scheduler.close()
-    opt2 = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    opt2.load_state_dict(state)
-    resumed = SpIELScheduler(model, opt2, total_steps=12)
-    resumed.load(tmp_path / "kept")
-    for step in range(7, 12):
-        x = inputs(seed=step, batch=2, length=9)
-        model(x, labels=x).loss.backward()
-        opt2.step()
-        opt2.zero_grad()
-        resumed.step()
-    for key, value in model.state_dict().items():
-        if "sparse_" in key:
-            assert torch.equal(value, expected[key]), key
+    opt2, resumed = resume(model, opt, tmp_path / "kept")
+    train(model, opt2, resumed, 5, first=7)
+    assert all(torch.equal(value, expected[key]) for key, value in sparse(model).items())
 
 
 def test_ma_signal_is_checked():
