@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/speed_plan.sh a   # GPU tests; TinyLlama step table (default pass, opt-in merge, LoRA)
 #   bash benchmarks/speed_plan.sh b   # the Trainer/SFTTrainer table at TinyLlama and SmolLM2 shapes
-#   bash benchmarks/speed_plan.sh t   # MA's accumulator update; the Trainer and SFTTrainer rows at TinyLlama shapes, 2 interleaved rounds each, then
+#   bash benchmarks/speed_plan.sh t   # the Trainer and SFTTrainer rows at TinyLlama shapes, 2 interleaved rounds each, then
 #                                     # one SpIEL-MA Trainer run under cProfile (host time by function)
 #   bash benchmarks/speed_plan.sh p   # MA's accumulator update (ma_accumulators.py); host profiles (cProfile tables written
 #                                     # under $OUT) of LoRA and the SpIEL rows in the Trainer at TinyLlama shapes, CUDA's
@@ -54,8 +54,7 @@ elif [ "$MODE" = b ]; then
   run 300 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 40 --out "$OUT/trainer-tinyllama.jsonl"
   run 270 python3 benchmarks/trainer_step.py --size smollm2-135m --bs 8 --seq 128 --steps 60 --out "$OUT/trainer-smollm2.jsonl"
 elif [ "$MODE" = t ]; then
-  run 30 python3 benchmarks/ma_accumulators.py --out "$OUT/ma-accumulators.jsonl"
-  run 270 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 40 --rounds 2 --trainers trainer \
+  run 280 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 40 --rounds 2 --trainers trainer \
     --out "$OUT/trainer-tinyllama-rounds.jsonl"
   run 240 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 40 --rounds 2 --trainers sft \
     --out "$OUT/trainer-tinyllama-rounds.jsonl"

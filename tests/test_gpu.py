@@ -782,27 +782,3 @@ def test_io_statistics_read_half_precision_factors_once_on_cuda(dtype):
     assert torch.allclose(stats.row_sum.cpu(), (g.float() ** 2).sum(0), rtol=1e-5, atol=0)
     assert torch.allclose(stats.col_sum.cpu(), (x.float() ** 2).sum(0), rtol=1e-5, atol=0)
     assert torch.equal(column_square_sums(g, torch.float32), (g.float() * g.float()).sum(0))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_sm3_accumulator_maxima_on_cuda_equal_the_float_maxima(dtype):
-    """On CUDA the accumulators' row and column maxima are taken over the floats' bits as integers (a native atomic):
-    the same bits as the float maxima, and as the CPU's, for values packed many to a row."""
-    from peft_sparse.optim.sm3 import accumulate_sparse, scatter_max_
-
-    torch.manual_seed(0)
-    out, inn = 300, 700
-    flat = torch.randperm(out * inn)[:60_000].sort().values
-    rows, cols = (flat // inn).cuda(), (flat % inn).cuda()
-    grads = [torch.randn(flat.numel(), dtype=dtype, device="cuda") * 10.0 ** torch.randint(-8, 3, (flat.numel(),), device="cuda") for _ in range(3)]
-    r, c = torch.zeros(out, dtype=dtype, device="cuda"), torch.zeros(inn, dtype=dtype, device="cuda")
-    rf, cf = r.clone(), c.clone()
-    rc, cc = r.cpu(), c.cpu()
-    for g in grads:
-        accumulate_sparse(r, c, rows, cols, g)  # (the CUDA route: integer maxima)
-        nu = torch.minimum(rf[rows], cf[cols]) + g * g
-        scatter_max_(rf, rows, nu, as_bits=False)
-        scatter_max_(cf, cols, nu, as_bits=False)
-        accumulate_sparse(rc, cc, rows.cpu(), cols.cpu(), g.cpu())
-    assert torch.equal(r, rf) and torch.equal(c, cf)
-    assert torch.equal(r.cpu(), rc) and torch.equal(c.cpu(), cc)

@@ -381,37 +381,6 @@ def test_kept_ma_accumulators_from_each_tensors_gradient_or_zeros(dtype):
             assert torch.equal(r, expected[m.module_name][0]) and torch.equal(c, expected[m.module_name][1]), (step, m.module_name)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("beta2", [None, 0.999])
-def test_accumulator_maxima_over_integer_bits_equal_the_float_maxima(dtype, beta2):
-    """SM3's accumulator update with the row and column maxima taken over the floats' bits as integers (the CUDA
-    route) equals the float maxima bit for bit: zeros, ties, many values per row next to each other, tiny and large
-    values, rows and columns no value reaches."""
-    from peft_sparse.optim import sm3
-
-    torch.manual_seed(0)
-    out, inn = 37, 53
-    flat = torch.randperm(out * inn)[:900].sort().values
-    flat = flat[flat >= 5 * inn]  # (rows 0-4 get no value)
-    rows, cols = flat // inn, flat % inn
-    by_float = (torch.zeros(out, dtype=dtype), torch.zeros(inn, dtype=dtype))
-    by_bits = (torch.zeros(out, dtype=dtype), torch.zeros(inn, dtype=dtype))
-    for step in range(4):
-        grad = torch.randn(flat.numel(), dtype=dtype) * torch.logspace(-20, 3, flat.numel(), dtype=dtype)[torch.randperm(flat.numel())]
-        grad[::7] = 0.0
-        grad[1::11] = grad[2::11][: grad[1::11].numel()]  # (ties)
-        for acc, as_bits in ((by_float, False), (by_bits, True)):
-            nu = torch.minimum(acc[0][rows], acc[1][cols]) + grad * grad if beta2 is None else None
-            if beta2 is not None:
-                nu = beta2 * torch.minimum(acc[0][rows], acc[1][cols]) + (1 - beta2) * grad * grad
-                acc[0].mul_(beta2)
-                acc[1].mul_(beta2)
-            sm3.scatter_max_(acc[0], rows, nu, as_bits=as_bits)
-            sm3.scatter_max_(acc[1], cols, nu, as_bits=as_bits)
-        assert torch.equal(by_float[0], by_bits[0]) and torch.equal(by_float[1], by_bits[1]), step
-    assert (by_float[0] > 0).any() and (by_float[0] == 0).any()  # (rows with values and rows without)
-
-
 def test_spiel_ma_beside_adamw_resumes_exactly(tmp_path):
     """The kept accumulators travel with the scheduler's state: save at step 5, close that scheduler (its hook
     goes), load the state into a new one, and the adapter after 12 steps equals the uninterrupted run's."""

@@ -86,25 +86,9 @@ def accumulate_sparse(
     if beta2 is not None:
         row_acc.mul_(beta2)
         col_acc.mul_(beta2)
-    scatter_max_(row_acc, rows, nu)
-    scatter_max_(col_acc, cols, nu)
+    row_acc.scatter_reduce_(0, rows, nu, reduce="amax", include_self=True)
+    col_acc.scatter_reduce_(0, cols, nu, reduce="amax", include_self=True)
     return nu
-
-
-_SAME_ORDER_BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
-
-
-def scatter_max_(acc: torch.Tensor, index: torch.Tensor, nu: torch.Tensor, as_bits: Optional[bool] = None) -> None:
-    """``acc[i] = max(acc[i], max_{j: index_j = i} nu_j)`` in place, for accumulators and ν that are never negative
-    (sums or averages of squares). ``as_bits`` (default: on CUDA) takes the maxima over the floats' bits read as
-    integers of their width: for non-negative floats the same order, so the same result bit for bit, where a GPU
-    has a native atomic maximum for integers and a compare-and-swap loop for floats (which many ν of one row, next
-    to each other, contend for)."""
-    bits = _SAME_ORDER_BITS.get(acc.dtype) if nu.dtype == acc.dtype else None
-    if bits is not None and (acc.is_cuda if as_bits is None else as_bits):
-        acc.view(bits).scatter_reduce_(0, index, nu.view(bits), reduce="amax", include_self=True)
-    else:
-        acc.scatter_reduce_(0, index, nu, reduce="amax", include_self=True)
 
 
 class SM3(torch.optim.Optimizer):
