@@ -3,8 +3,8 @@
 #
 #   bash benchmarks/speed_plan.sh a   # GPU tests; TinyLlama step table (default pass, opt-in merge, LoRA)
 #   bash benchmarks/speed_plan.sh b   # the Trainer/SFTTrainer table at TinyLlama and SmolLM2 shapes
-#   bash benchmarks/speed_plan.sh t   # the Trainer and SFTTrainer rows at TinyLlama shapes, 2 interleaved rounds each, then
-#                                     # one SpIEL-MA Trainer run under cProfile (host time by function)
+#   bash benchmarks/speed_plan.sh t   # the Trainer and SFTTrainer rows at TinyLlama and SmolLM2 shapes, 2 interleaved rounds
+#                                     # each (the second in reverse order; "paired" column: × that round's LoRA)
 #   bash benchmarks/speed_plan.sh p   # MA's accumulator update (ma_accumulators.py); host profiles (cProfile tables written
 #                                     # under $OUT) of LoRA and the SpIEL rows in the Trainer at TinyLlama shapes, CUDA's
 #                                     # synchronising calls of SpIEL-MA's, a block SpIEL-MA step of bench_step.py
@@ -54,12 +54,10 @@ elif [ "$MODE" = b ]; then
   run 300 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 40 --out "$OUT/trainer-tinyllama.jsonl"
   run 270 python3 benchmarks/trainer_step.py --size smollm2-135m --bs 8 --seq 128 --steps 60 --out "$OUT/trainer-smollm2.jsonl"
 elif [ "$MODE" = t ]; then
-  run 280 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 40 --rounds 2 --trainers trainer \
+  run 240 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 40 --rounds 2 \
     --out "$OUT/trainer-tinyllama-rounds.jsonl"
-  run 240 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 40 --rounds 2 --trainers sft \
-    --out "$OUT/trainer-tinyllama-rounds.jsonl"
-  run 50 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 20 --variants spiel-ma --trainers trainer --profile 30 \
-    --profile-out "$OUT/prof"
+  run 330 python3 benchmarks/trainer_step.py --size smollm2-135m --bs 8 --seq 128 --steps 60 --rounds 2 \
+    --out "$OUT/trainer-smollm2-rounds.jsonl"
 elif [ "$MODE" = p ]; then
   run 40 python3 benchmarks/ma_accumulators.py --out "$OUT/ma-accumulators.jsonl"
   for v in lora spiel-ma spiel-ma-block spiel-ag-block; do

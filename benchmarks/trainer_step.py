@@ -6,7 +6,8 @@ Produces BENCHMARKS.md, "Through the Trainer" (and the CPU host-time rows of doc
     python benchmarks/trainer_step.py --size tiny --steps 40 --threads 1 --syncs                        # CPU host time
     python benchmarks/trainer_step.py --size tiny --variants spiel-ag --trainers trainer --profile 25   # cProfile
 
-Each (trainer, variant) runs in this process, one after another, in ``--rounds`` interleaved rounds; a callback
+Each (trainer, variant) runs in this process, one after another, in ``--rounds`` interleaved rounds (every other round
+in reverse order, so that no variant always runs late in the process); a callback
 stamps every ``on_step_end`` (after a device synchronisation, so each step's time is its own) and the step time is
 the gap between consecutive stamps — data loading, forward, backward, clipping, the optimizer, the learning-rate
 schedule, the callbacks (SpIEL's reselections and windows) and logging, everything the Trainer does per step. The
@@ -315,8 +316,9 @@ def main() -> None:
         parser.error(f"unknown variants or trainers {bad}; variants: {VARIANTS}; trainers: trainer, sft")
     records = []
     for round_ in range(args.rounds):
-        for trainer_kind in trainers:
-            for variant in variants:
+        order = 1 if round_ % 2 == 0 else -1  # (every other round in reverse order: no variant always runs late in the process)
+        for trainer_kind in trainers[::order]:
+            for variant in variants[::order]:
                 record = run_one(args, trainer_kind, variant, device)
                 gc.collect()  # (the run's model and Trainer gone before the next is built)
                 if device == "cuda":
@@ -330,8 +332,9 @@ def main() -> None:
                 reads = f" host reads/step {record['host_reads_per_step']}" if "host_reads_per_step" in record else ""
                 print(f"{trainer_kind:<8}{variant:<16}median {record['step_s_median'] * 1e3:8.2f} ms  mean {record['step_s_mean'] * 1e3:8.2f} ms"
                       f"  CPU median {record['cpu_s_median'] * 1e3:8.2f} ms  trainable {record['trainable']:,}{reads}", flush=True)  # fmt: skip
-    print(f"\n{args.size}, {device}, {args.bs}×{args.seq} tokens per step; median over rounds of each run's median and mean")
-    print(f"{'trainer':<8}{'variant':<16}{'median ms':>10}{'× LoRA':>8}{'mean ms':>10}{'× LoRA':>8}{'CPU med ms':>11}{'× LoRA':>8}")
+    print(f"\n{args.size}, {device}, {args.bs}×{args.seq} tokens per step; median over rounds of each run's median and mean"
+          "; paired: the median over rounds of each run's median ÷ that round's LoRA median")
+    print(f"{'trainer':<8}{'variant':<16}{'median ms':>10}{'× LoRA':>8}{'mean ms':>10}{'× LoRA':>8}{'CPU med ms':>11}{'× LoRA':>8}{'paired':>8}")
     for trainer_kind in trainers:
         rows = {v: [r for r in records if r["trainer"] == trainer_kind and r["variant"] == v] for v in variants}
         stat = {key: {v: statistics.median(r[key] for r in rs) for v, rs in rows.items()} for key in ("step_s_median", "step_s_mean", "cpu_s_median")}
@@ -341,6 +344,9 @@ def main() -> None:
             for key in stat:
                 ratio = f"{stat[key][v] / stat[key]['lora']:.2f}" if "lora" in stat[key] else "-"
                 cells.append(f"{stat[key][v] * 1e3:>{11 if key == 'cpu_s_median' else 10}.2f}{ratio:>8}")
+            lora = {r["round"]: r["step_s_median"] for r in rows.get("lora", [])}
+            paired = [r["step_s_median"] / lora[r["round"]] for r in rows[v] if r["round"] in lora]
+            cells.append(f"{statistics.median(paired):>8.2f}" if paired else f"{'-':>8}")
             print(line.format(v=v) + "".join(cells))
 
 
