@@ -56,7 +56,7 @@ elif [ "$MODE" = b ]; then
 elif [ "$MODE" = t ]; then
   run 240 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 40 --rounds 2 \
     --out "$OUT/trainer-tinyllama-rounds.jsonl"
-  run 330 python3 benchmarks/trainer_step.py --size smollm2-135m --bs 8 --seq 128 --steps 60 --rounds 2 \
+  run 330 python3 benchmarks/trainer_step.py --size smollm2-135m --bs 8 --seq 128 --steps 50 --rounds 2 \
     --out "$OUT/trainer-smollm2-rounds.jsonl"
 elif [ "$MODE" = p ]; then
   run 40 python3 benchmarks/ma_accumulators.py --out "$OUT/ma-accumulators.jsonl"
