@@ -11,7 +11,9 @@ in reverse order, so that no variant always runs late in the process); a callbac
 stamps every ``on_step_end`` (after a device synchronisation, so each step's time is its own) and the step time is
 the gap between consecutive stamps — data loading, forward, backward, clipping, the optimizer, the learning-rate
 schedule, the callbacks (SpIEL's reselections and windows) and logging, everything the Trainer does per step. The
-median and the mean over the timed steps (after ``--warmup``) are reported; the mean holds the reselections.
+median and the mean over the timed steps (after ``--warmup``) are reported; the mean holds the reselections. The time
+Python's garbage collector took in each step is recorded beside it (``gc_s_all``): on a host-bound step its pauses
+are part of the step.
 
 Model: ``--size smollm2-135m`` loads the real SmolLM2-135M from the folder in ``PEFT_SPARSE_SMOLLM2_DIR`` when it is
 set, else random weights at its configuration; ``tinyllama`` is random at TinyLlama-1.1B's shapes; ``tiny`` a
@@ -187,12 +189,21 @@ def run_one(args, trainer_kind: str, variant: str, device: str) -> dict:
     ids = torch.randint(3, vocab, ((args.warmup + args.steps) * args.bs, args.seq), generator=g)
     ends: list = []
     cpu_ends: list = []  # (this process's CPU time: on a shared host less disturbed by the others than the wall clock)
+    gc_ends: list = []  # (the time Python's garbage collector has taken so far, at each stamp)
+    gc_clock = {"total": 0.0}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_clock["start"] = time.perf_counter()
+        else:
+            gc_clock["total"] += time.perf_counter() - gc_clock.pop("start", time.perf_counter())
 
     def stamp(state):
         if device == "cuda":
             torch.cuda.synchronize()
         ends.append(time.perf_counter())
         cpu_ends.append(time.process_time())
+        gc_ends.append(gc_clock["total"])
 
     callbacks = [step_callback(stamp)] + ([peft_sparse.SpIELCallback()] if variant != "lora" else [])
     total = args.warmup + args.steps
@@ -234,11 +245,15 @@ def run_one(args, trainer_kind: str, variant: str, device: str) -> dict:
         if counter is not None:
             trainer.add_callback(step_callback(lambda state: (sync_steps.append(dict(counter.counts)), counter.counts.clear())))
         start = time.perf_counter()
-        if counter is not None:
-            with counter:
+        gc.callbacks.append(on_gc)
+        try:
+            if counter is not None:
+                with counter:
+                    trainer.train()
+            else:
                 trainer.train()
-        else:
-            trainer.train()
+        finally:
+            gc.callbacks.remove(on_gc)
         wall = time.perf_counter() - start
         if profiler is not None:
             profiler.disable()
@@ -247,11 +262,13 @@ def run_one(args, trainer_kind: str, variant: str, device: str) -> dict:
     first = max(args.warmup - 1, 0)
     steps = [b - a for a, b in zip(ends[first:], ends[first + 1 :])]
     cpu_steps = [b - a for a, b in zip(cpu_ends[first:], cpu_ends[first + 1 :])]
+    gc_steps = [b - a for a, b in zip(gc_ends[first:], gc_ends[first + 1 :])]
     record = {
         "trainer": trainer_kind, "variant": variant, "size": args.size, "weights": weights, "device": device,
         "gpu": torch.cuda.get_device_name() if device == "cuda" else None, "threads": torch.get_num_threads(),
         "step_s_median": statistics.median(steps), "step_s_mean": statistics.fmean(steps), "step_s_all": [round(s, 5) for s in steps],
         "cpu_s_median": statistics.median(cpu_steps), "cpu_s_mean": statistics.fmean(cpu_steps),
+        "gc_s_mean": statistics.fmean(gc_steps), "gc_s_max": max(gc_steps), "gc_s_all": [round(s, 5) for s in gc_steps],
         "train_wall_s": wall, "trainable": trainable, "budget": budget, "bs": args.bs, "seq": args.seq, "warmup": args.warmup,
         "steps": args.steps, "logging_steps": args.logging_steps, "block": args.block if variant.endswith("-block") else None,
         "optimizer": type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer).__name__,
@@ -331,7 +348,8 @@ def main() -> None:
                         f.write(json.dumps(record) + "\n")
                 reads = f" host reads/step {record['host_reads_per_step']}" if "host_reads_per_step" in record else ""
                 print(f"{trainer_kind:<8}{variant:<16}median {record['step_s_median'] * 1e3:8.2f} ms  mean {record['step_s_mean'] * 1e3:8.2f} ms"
-                      f"  CPU median {record['cpu_s_median'] * 1e3:8.2f} ms  trainable {record['trainable']:,}{reads}", flush=True)  # fmt: skip
+                      f"  CPU median {record['cpu_s_median'] * 1e3:8.2f} ms  gc {record['gc_s_mean'] * 1e3:6.2f} ms/step  trainable {record['trainable']:,}{reads}",
+                      flush=True)  # fmt: skip
     print(f"\n{args.size}, {device}, {args.bs}×{args.seq} tokens per step; median over rounds of each run's median and mean"
           "; paired: the median over rounds of each run's median ÷ that round's LoRA median")
     print(f"{'trainer':<8}{'variant':<16}{'median ms':>10}{'× LoRA':>8}{'mean ms':>10}{'× LoRA':>8}{'CPU med ms':>11}{'× LoRA':>8}{'paired':>8}")
