@@ -2,7 +2,6 @@
 # The GPU speed tables of BENCHMARKS.md, each mode at most ten minutes, all on one machine:
 #
 #   bash benchmarks/speed_plan.sh a   # GPU tests; TinyLlama step table (default pass, opt-in merge, LoRA)
-#   bash benchmarks/speed_plan.sh b   # the Trainer/SFTTrainer table at TinyLlama and SmolLM2 shapes
 #   bash benchmarks/speed_plan.sh t   # the Trainer and SFTTrainer rows at TinyLlama and SmolLM2 shapes, 2 interleaved rounds
 #                                     # each (the second in reverse order; "paired" column: × that round's LoRA)
 #   bash benchmarks/speed_plan.sh p   # MA's accumulator update (ma_accumulators.py); host profiles (cProfile tables written
@@ -50,9 +49,6 @@ elif [ "$MODE" = g ]; then
   run 560 python3 benchmarks/bench_step.py --size tinyllama --rounds 2 --settle 60 \
     --variants floor,spiel-ag-block,spiel-ag-block-merge,spiel-ma-block,spiel-ma-block-merge,spiel-ag,spiel-ag-merge,lora \
     --batch-id speed-g-tl --out "$OUT/bench-tinyllama-rounds.jsonl"
-elif [ "$MODE" = b ]; then
-  run 300 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 40 --out "$OUT/trainer-tinyllama.jsonl"
-  run 270 python3 benchmarks/trainer_step.py --size smollm2-135m --bs 8 --seq 128 --steps 60 --out "$OUT/trainer-smollm2.jsonl"
 elif [ "$MODE" = t ]; then
   run 240 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 40 --rounds 2 \
     --out "$OUT/trainer-tinyllama-rounds.jsonl"
@@ -115,6 +111,6 @@ elif [ "$MODE" = m ]; then
   run 150 python3 benchmarks/moe_step.py --out "$OUT/moe.jsonl"
   [ -f "$OUT/moe.jsonl" ] && python3 benchmarks/moe_step.py --table "$OUT/moe.jsonl"
 else
-  echo "unknown mode '$MODE': choose a, b, c, g, k, m or r"; exit 2
+  echo "unknown mode '$MODE': choose a, c, g, k, m, p, r or t"; exit 2
 fi
 echo "done after $(( $(date +%s) - START )) s"
