@@ -11,6 +11,8 @@
 #   bash benchmarks/speed_plan.sh c   # Llama-2-7B step table (block and unstructured, default and opt-in; VARIANTS=a,b,...
 #                                     # for some of them, TESTS=<pytest -k expression> runs those GPU tests first)
 #   bash benchmarks/speed_plan.sh m   # MoE shapes
+#   bash benchmarks/speed_plan.sh s   # SpIEL-AG's candidate choice (column-normalized, unstructured): the radix kernels' tests
+#                                     # on the GPU, then candidate_selection.py at TinyLlama and 7B shapes (torch against kernel)
 #   bash benchmarks/speed_plan.sh g   # the default-settings goals only, no tests: TinyLlama floor, block AG/MA and AG
 #                                     # default and opt-in, LoRA, in 2 interleaved rounds after 60 s of settling
 #   OLD=<tree> bash benchmarks/speed_plan.sh r
@@ -107,10 +109,14 @@ elif [ "$MODE" = c ]; then  # the default-settings goals at Llama-2-7B shapes: b
   run 570 python3 benchmarks/bench_step.py --size llama2-7b \
     --variants "${VARIANTS:-floor,spiel-ag-block,spiel-ag-block-merge,spiel-ma-block,spiel-ma-block-merge,spiel-ag,spiel-ag-merge}" \
     --batch-id speed-c-7b --out "$OUT/bench-7b.jsonl"
+elif [ "$MODE" = s ]; then
+  run 150 python3 -m pytest tests/test_triton_kernels.py -q -p no:cacheprovider -k "top_ or radix"
+  run 120 python3 benchmarks/candidate_selection.py --size tinyllama --out "$OUT/candidate-selection.jsonl"
+  run 240 python3 benchmarks/candidate_selection.py --size llama2-7b --out "$OUT/candidate-selection.jsonl"
 elif [ "$MODE" = m ]; then
   run 150 python3 benchmarks/moe_step.py --out "$OUT/moe.jsonl"
   [ -f "$OUT/moe.jsonl" ] && python3 benchmarks/moe_step.py --table "$OUT/moe.jsonl"
 else
-  echo "unknown mode '$MODE': choose a, c, g, k, m, p, r or t"; exit 2
+  echo "unknown mode '$MODE': choose a, c, g, k, m, p, r, s or t"; exit 2
 fi
 echo "done after $(( $(date +%s) - START )) s"

@@ -1044,3 +1044,95 @@ def test_swap_in_and_scatter_copy_write_and_restore_bit_for_bit(tk, out_dtype):
         assert torch.equal(flat2.cpu(), want2)
     tk.scatter_copy(flat2, idx.to(dev), saved2)
     assert torch.equal(flat2.cpu().view(bits), w2.view(bits))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape, k", [((96, 130), 37), ((96, 130), 6240), ((41, 100), 1), ((64, 64), 4095)])
+def test_top_scaled_magnitudes_radix_selection_matches_the_reference(tk, dtype, shape, k):
+    """The k largest |x / s_column| in four radix levels, across chunk boundaries: the reference's ascending
+    indices (int32 and int64) and float32 entries of x, bit for bit — with quotients tied within a column and
+    between two equal columns, a zero column (its scale clamped to the tiny float), ±0.0, NaN and ±inf."""
+    g = torch.Generator().manual_seed(shape[0] + k)
+    dense = (torch.randn(*shape, generator=g) * 0.01).to(dtype)
+    dense[:, 3] = dense[0, 3]  # one quotient shared by a column
+    dense[:, 6] = dense[:, 5]  # two columns with the same scale: quotients tied across them
+    dense[::5, 7] = -dense[1, 7]
+    dense[:, 9] = 0.0
+    dense[2, 2], dense[2, 4] = -0.0, 0.0
+
+    def scale_of(d):
+        return d.float().pow(2).mean(0).sqrt().clamp_min(torch.finfo(torch.float32).tiny)
+
+    for index_dtype in (torch.int32, torch.int64):
+        scale = scale_of(dense)
+        want_idx, want_vals = kernels.top_scaled_magnitudes_reference(dense, scale, k, index_dtype)
+        got_idx, got_vals = tk.top_scaled_magnitudes(dense.to(_device()), scale.to(_device()), k, index_dtype)
+        assert got_idx.dtype == index_dtype and torch.equal(got_idx.cpu(), want_idx)
+        assert got_vals.dtype == torch.float32 and torch.equal(got_vals.cpu(), want_vals)
+    special = dense.clone()
+    special[[1, 8, 20], [0, 11, 12]] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+    scale = scale_of(special)  # (the NaN's and the infinities' columns: every quotient NaN there)
+    want_idx2, want_vals2 = kernels.top_scaled_magnitudes_reference(special, scale, k, torch.int64)
+    got_idx2, got_vals2 = tk.top_scaled_magnitudes(special.to(_device()), scale.to(_device()), k, torch.int64)
+    assert torch.equal(got_idx2.cpu(), want_idx2)
+    torch.testing.assert_close(got_vals2.cpu(), want_vals2, rtol=0, atol=0, equal_nan=True)
+    quotients = (dense.float() / scale_of(dense)).abs().reshape(-1)
+    chosen = torch.zeros(quotients.numel(), dtype=torch.bool)
+    chosen[want_idx.long()] = True
+    assert quotients[chosen].min() >= quotients[~chosen].max()  # really the k largest quotients
+    assert want_idx.numel() == k and bool((want_idx[1:] > want_idx[:-1]).all())
+
+
+def test_top_scaled_magnitudes_dispatch_serves_the_reference_where_no_kernel_applies():
+    """float32 entries, a float64 scale, k = 0 or every entry: the reference, the same answer as the kernel's contract."""
+    g = torch.Generator().manual_seed(0)
+    dense = torch.randn(12, 10, generator=g)
+    scale = dense.pow(2).mean(0).sqrt()
+    for d, s, k in [(dense, scale, 7), (dense.double(), scale.double(), 7), (dense, scale, 120), (dense.bfloat16(), scale, 0)]:
+        idx, vals = kernels.top_scaled_magnitudes(d, s, k, torch.int64)
+        want_idx, want_vals = kernels.top_scaled_magnitudes_reference(d, s, k, torch.int64)
+        assert torch.equal(idx, want_idx) and torch.equal(vals, want_vals) and vals.dtype == s.dtype
+    quotients = (dense / scale).abs().reshape(-1)
+    idx, _ = kernels.top_scaled_magnitudes(dense, scale, 7, torch.int64)
+    assert torch.equal(idx, quotients.topk(7).indices.sort().values)
+
+
+_COMPILE_RADIX_KERNELS = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from peft_sparse.accel import triton_kernels as tk
+
+base = {"X": "*bf16", "S": "*fp32", "in_features": "i32", "n": "i32", "HIST": "*i64", "k": "i32"}
+flags = dict.fromkeys(("LEVELS", "SCALED", "BINS", "BLOCK"), "constexpr")
+target = GPUTarget("cuda", 90, 32)
+found = {}
+for scaled, levels in ((True, 4), (False, 2)):
+    const = {"LEVELS": levels, "SCALED": scaled, "BINS": 256, "BLOCK": 4096}
+    for level in range(levels):
+        triton.compile(ASTSource(tk._radix_histogram_kernel, dict(base, LEVEL="constexpr", **flags), constexprs=dict(const, LEVEL=level)), target=target)
+    triton.compile(ASTSource(tk._radix_counts_kernel, dict(base, COUNTS="*i64", n_chunks="i32", **flags), constexprs=const), target=target)
+    signature = dict(base, PREFIX="*i64", n_chunks="i32", IDX="*i32", OUT="*fp32", **flags)
+    ptx = triton.compile(ASTSource(tk._radix_select_kernel, signature, constexprs=const), target=target).asm["ptx"]
+    found[str(scaled)] = sorted(op for op in ("div.rn.f32", "div.full.f32", "div.approx.f32") if op in ptx)
+print("DIVISIONS" + json.dumps(found))
+"""
+
+
+def test_scaled_radix_kernels_compile_for_hopper_with_the_division_torch_rounds():
+    """The radix selection's kernels compile for an H100 (sm_90) without a GPU (a process without Triton's
+    interpreter), and the scaled keys' quotient is PTX's correctly rounded division (``div.rn``), the one torch's
+    float32 ``/`` makes — not the approximate ``div.full`` of Triton's plain ``/`` — so the kernel ranks the
+    quotients the reference ranks."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE_RADIX_KERNELS], env=env, capture_output=True, text=True, timeout=600)
+    if run.returncode != 0 and ("ptxas" in run.stderr or "No module named 'triton.backends" in run.stderr):
+        pytest.skip(f"no CUDA toolchain in this Triton: {run.stderr[-300:]}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(line for line in run.stdout.splitlines() if line.startswith("DIVISIONS"))
+    assert json.loads(line[len("DIVISIONS") :]) == {"True": ["div.rn.f32"], "False": []}

@@ -29,6 +29,7 @@ def _register_triton_kernels() -> None:
         (devices.BLOCK_SCORE_KEYS_KERNELS, triton_kernels.block_score_keys),
         (devices.GATHER_BLOCKS_KERNELS, triton_kernels.gather_blocks),
         (devices.TOP_MAGNITUDES_KERNELS, triton_kernels.top_magnitudes),
+        (devices.TOP_SCALED_MAGNITUDES_KERNELS, triton_kernels.top_scaled_magnitudes),
         (devices.TOP_BLOCKS_KERNELS, triton_kernels.top_blocks),
     ]
     for registry, kernel in registries:

@@ -785,14 +785,25 @@ def top_blocks(keys: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
-# top_magnitudes: |x| of a 16-bit float as a 15-bit integer key (sign bit cleared: non-negative floats
-# order like their bit patterns), selected in two radix levels of 8 and 7 bits
-_HIGH_BINS, _LOW_BINS, _SELECT_BLOCK = 256, 128, 4096
+# top_magnitudes, top_scaled_magnitudes: the k largest of non-negative integer keys by radix selection, 8 bits a
+# level from the top and 7 in the last. |x| of a 16-bit float is a 15-bit key (its bits with the sign cleared:
+# non-negative floats order like their bit patterns), selected in two levels; |x / s_j| of a 16-bit x over its
+# column's float32 scale a 31-bit key (the float32 quotient's bits, sign cleared), in four
+_RADIX_BINS, _SELECT_BLOCK = 256, 4096
 
 
 @triton.jit
-def _magnitude_keys(x):
-    return x.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
+def _radix_keys(X, S, offs, m, in_features, SCALED: tl.constexpr):
+    """(key, x as float32) of the entries at ``offs``: with SCALED the quotient x / S[column] rounded to nearest (the
+    division torch does), else x itself."""
+    x = tl.load(X + offs, mask=m, other=0.0)
+    xf = x.to(tl.float32)
+    if SCALED:
+        s = tl.load(S + offs % in_features, mask=m, other=1.0)
+        key = tl.math.div_rn(xf, s).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    else:
+        key = x.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
+    return key, xf
 
 
 @triton.jit
@@ -806,52 +817,71 @@ def _radix_bin(HIST, k, NBINS: tl.constexpr):
 
 
 @triton.jit
-def _threshold(HIST, k, HIGH: tl.constexpr, LOW: tl.constexpr):
-    """(key, count of keys above it) of the k-th largest key, from both levels' histograms."""
-    high, above_high = _radix_bin(HIST, k, HIGH)
-    low, above_low = _radix_bin(HIST + HIGH, k - above_high, LOW)
-    return high * LOW + low, above_high + above_low
+def _radix_prefix(HIST, k, UPTO: tl.constexpr, LEVELS: tl.constexpr, BINS: tl.constexpr):
+    """(prefix, count of keys above it): the bits of the k-th largest key that levels 0 … UPTO − 1 fix, from
+    their histograms (level l's at HIST + l·BINS; the last level has BINS / 2 bins); UPTO = LEVELS: the key."""
+    prefix = tl.full((), 0, tl.int64)
+    above = tl.full((), 0, tl.int64)
+    for level in tl.static_range(UPTO):
+        if level == LEVELS - 1:
+            b, a = _radix_bin(HIST + level * BINS, k - above, BINS // 2)
+            prefix = prefix * (BINS // 2) + b
+        else:
+            b, a = _radix_bin(HIST + level * BINS, k - above, BINS)
+            prefix = prefix * BINS + b
+        above += a
+    return prefix, above
 
 
 @triton.jit
-def _magnitude_histogram_kernel(X, n, HIST, k, LEVEL: tl.constexpr, HIGH: tl.constexpr, LOW: tl.constexpr, BLOCK: tl.constexpr):
-    # LEVEL 0: histogram of the keys' high 8 bits; LEVEL 1: of the low 7 bits of the keys whose high bits
-    # are those of the k-th largest key (each program finds that bin from the first histogram)
+def _radix_histogram_kernel(
+    X, S, in_features, n, HIST, k, LEVEL: tl.constexpr, LEVELS: tl.constexpr, SCALED: tl.constexpr, BINS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    # level LEVEL's histogram of the keys whose higher levels' bits are the k-th largest key's (level 0: of all
+    # keys); each program finds those bits from the earlier levels' histograms
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    key = _magnitude_keys(tl.load(X + offs, mask=m, other=0.0))
+    key, _ = _radix_keys(X, S, offs, m, in_features, SCALED)
     if LEVEL == 0:
-        tl.atomic_add(HIST + tl.arange(0, HIGH), tl.histogram(key // LOW, HIGH, mask=m).to(tl.int64))
+        sel = m
     else:
-        high, _ = _radix_bin(HIST, k, HIGH)
-        sel = m & (key // LOW == high)
-        tl.atomic_add(HIST + HIGH + tl.arange(0, LOW), tl.histogram(key % LOW, LOW, mask=sel).to(tl.int64))
+        prefix, _ = _radix_prefix(HIST, k, LEVEL, LEVELS, BINS)
+        sel = m & ((key >> (8 * (LEVELS - LEVEL) - 1)) == prefix)
+    if LEVEL == LEVELS - 1:
+        tl.atomic_add(HIST + LEVEL * BINS + tl.arange(0, BINS // 2), tl.histogram(key & (BINS // 2 - 1), BINS // 2, mask=sel).to(tl.int64))
+    else:
+        digit = (key >> (8 * (LEVELS - 1 - LEVEL) - 1)) & (BINS - 1)
+        tl.atomic_add(HIST + LEVEL * BINS + tl.arange(0, BINS), tl.histogram(digit, BINS, mask=sel).to(tl.int64))
 
 
 @triton.jit
-def _magnitude_counts_kernel(X, n, HIST, k, COUNTS, n_chunks, HIGH: tl.constexpr, LOW: tl.constexpr, BLOCK: tl.constexpr):
+def _radix_counts_kernel(
+    X, S, in_features, n, HIST, k, COUNTS, n_chunks, LEVELS: tl.constexpr, SCALED: tl.constexpr, BINS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
     # per chunk: how many keys lie above the k-th largest key, and how many equal it
     c = tl.program_id(0)
     offs = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    key = _magnitude_keys(tl.load(X + offs, mask=m, other=0.0))
-    kth, _ = _threshold(HIST, k, HIGH, LOW)
+    key, _ = _radix_keys(X, S, offs, m, in_features, SCALED)
+    kth, _ = _radix_prefix(HIST, k, LEVELS, LEVELS, BINS)
     tl.store(COUNTS + c, tl.sum((m & (key > kth)).to(tl.int64), axis=0))
     tl.store(COUNTS + n_chunks + c, tl.sum((m & (key == kth)).to(tl.int64), axis=0))
 
 
 @triton.jit
-def _magnitude_select_kernel(
-    X, n, HIST, k, PREFIX, n_chunks, IDX, OUT, HIGH: tl.constexpr, LOW: tl.constexpr, BLOCK: tl.constexpr,
+def _radix_select_kernel(
+    X, S, in_features, n, HIST, k, PREFIX, n_chunks, IDX, OUT, LEVELS: tl.constexpr, SCALED: tl.constexpr,
+    BINS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # chunk c writes its chosen entries — all keys above the k-th largest, and the tied ones while fewer
     # than the k − (count above) ties before them were taken — at their ranks among all chosen entries
     c = tl.program_id(0)
     offs = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    x = tl.load(X + offs, mask=m, other=0.0)
-    key = _magnitude_keys(x)
-    kth, above_total = _threshold(HIST, k, HIGH, LOW)
+    key, x = _radix_keys(X, S, offs, m, in_features, SCALED)
+    kth, above_total = _radix_prefix(HIST, k, LEVELS, LEVELS, BINS)
     need = k - above_total  # ties to take, lowest positions first
     above = (m & (key > kth)).to(tl.int64)
     tied = (m & (key == kth)).to(tl.int64)
@@ -861,28 +891,42 @@ def _magnitude_select_kernel(
     chosen = (above + tied * (tied_rank < need).to(tl.int64)) > 0
     pos = above_before + tl.minimum(tied_before, need) + tl.cumsum(chosen.to(tl.int64), 0) - chosen.to(tl.int64)
     tl.store(IDX + pos, offs.to(IDX.dtype.element_ty), mask=chosen)
-    tl.store(OUT + pos, x.to(tl.float32), mask=chosen)
+    tl.store(OUT + pos, x, mask=chosen)
 
 
-def top_magnitudes(dense: torch.Tensor, k: int, index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~peft_sparse.core.kernels.top_magnitudes_reference` for a contiguous 16-bit ``dense`` and
-    0 < k < its size: two radix histograms of |x| find the k-th largest magnitude, per-chunk counts and
-    one prefix sum place every chosen entry — five launches besides the zeroing and the prefix sum."""
-    n = dense.numel()
-    dev = dense.device
-    flat = dense.view(-1)
-    hist = torch.zeros(_HIGH_BINS + _LOW_BINS, dtype=torch.int64, device=dev)  # (a bin may hold 2³¹ entries or more)
+def _radix_top(flat: torch.Tensor, scale: Optional[torch.Tensor], k: int, index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ascending positions of the k largest keys of ``flat`` (16-bit; with ``scale``, a contiguous (out, in) matrix's
+    entries over their column's scale) and the entries there in float32: the levels' histograms, per-chunk counts
+    and one prefix sum place every chosen entry, no sort and no key array."""
+    n = flat.numel()
+    dev = flat.device
+    levels = 2 if scale is None else 4
+    hist = torch.zeros(levels * _RADIX_BINS, dtype=torch.int64, device=dev)  # (a bin may hold 2³¹ entries or more)
     chunks = _cdiv(n, _SELECT_BLOCK)
-    consts = dict(HIGH=_HIGH_BINS, LOW=_LOW_BINS, BLOCK=_SELECT_BLOCK)
-    for level in (0, 1):
-        launch(_magnitude_histogram_kernel, (chunks,), flat, n, hist, k, LEVEL=level, **consts)
+    scales, in_features = (flat, 1) if scale is None else (scale, scale.numel())  # (not read without a scale)
+    consts = dict(LEVELS=levels, SCALED=scale is not None, BINS=_RADIX_BINS, BLOCK=_SELECT_BLOCK)
+    for level in range(levels):
+        launch(_radix_histogram_kernel, (chunks,), flat, scales, in_features, n, hist, k, LEVEL=level, **consts)
     counts = torch.empty(2, chunks, dtype=torch.int64, device=dev)
-    launch(_magnitude_counts_kernel, (chunks,), flat, n, hist, k, counts, chunks, **consts)
+    launch(_radix_counts_kernel, (chunks,), flat, scales, in_features, n, hist, k, counts, chunks, **consts)
     prefix = counts.cumsum(1) - counts  # exclusive, per row
     idx = torch.empty(k, dtype=index_dtype, device=dev)
     out = torch.empty(k, dtype=torch.float32, device=dev)
-    launch(_magnitude_select_kernel, (chunks,), flat, n, hist, k, prefix, chunks, idx, out, **consts)
+    launch(_radix_select_kernel, (chunks,), flat, scales, in_features, n, hist, k, prefix, chunks, idx, out, **consts)
     return idx, out
+
+
+def top_magnitudes(dense: torch.Tensor, k: int, index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~peft_sparse.core.kernels.top_magnitudes_reference` for a contiguous 16-bit ``dense`` and 0 < k < its
+    size: two radix levels of |x| (:func:`_radix_top`)."""
+    return _radix_top(dense.view(-1), None, k, index_dtype)
+
+
+def top_scaled_magnitudes(dense: torch.Tensor, scale: torch.Tensor, k: int, index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~peft_sparse.core.kernels.top_scaled_magnitudes_reference` for a contiguous 16-bit (out, in) ``dense``,
+    a contiguous float32 ``scale`` of its columns and 0 < k < its size: four radix levels of |x / scale|, the
+    quotient formed in registers (:func:`_radix_top`)."""
+    return _radix_top(dense.view(-1), scale, k, index_dtype)
 
 
 @triton.jit

@@ -31,6 +31,7 @@ GATHER_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}  # (flat, indices, d
 SCALED_PRODUCT_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}  # (scale, full, per_row, dtype)
 NF4_COMPOSE_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}  # (packed, code, absmax, nested, blocksize, shape, dtype, indices, values)
 TOP_MAGNITUDES_KERNELS: dict[str, Callable[..., tuple]] = {}  # (dense, k, index_dtype) → (indices, values)
+TOP_SCALED_MAGNITUDES_KERNELS: dict[str, Callable[..., tuple]] = {}  # (dense, scale, k, index_dtype) → (indices, values)
 TOP_BLOCKS_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}  # (keys, k) → ascending block numbers
 BLOCK_SCORE_KEYS_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}  # (dense, block_shape) → keys
 GATHER_BLOCKS_KERNELS: dict[str, Callable[..., tuple]] = {}  # (dense, units, block_shape, index_dtype) → (layout, indices, values)

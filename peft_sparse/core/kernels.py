@@ -55,6 +55,7 @@ from .devices import (  # noqa: F401 (re-exported)
     SDDMM_KERNELS,
     TOP_BLOCKS_KERNELS,
     TOP_MAGNITUDES_KERNELS,
+    TOP_SCALED_MAGNITUDES_KERNELS,
     TRITON,
     accumulation_dtype,
     device_type,
@@ -345,6 +346,25 @@ def top_magnitudes(dense: torch.Tensor, k: int, index_dtype: torch.dtype) -> tup
         with on_device(dense):
             return kernel(dense.contiguous(), k, index_dtype)
     return top_magnitudes_reference(dense, k, index_dtype)
+
+
+def top_scaled_magnitudes_reference(dense: torch.Tensor, scale: torch.Tensor, k: int, index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k entries of the (out, in) ``dense`` with the largest |entry / scale[column]|, the quotient formed in
+    ``scale``'s dtype (ties → lowest flat index; NaN ranks first, as in :func:`top_magnitudes_reference`): their
+    ascending flat indices (``index_dtype``) and the entries of ``dense`` there, in ``scale``'s dtype."""
+    scores = dense.to(scale.dtype) / scale  # (out, in)
+    idx, _ = top_magnitudes_reference(scores, k, index_dtype)
+    return idx, dense.reshape(-1).index_select(0, idx).to(scale.dtype)
+
+
+def top_scaled_magnitudes(dense: torch.Tensor, scale: torch.Tensor, k: int, index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_scaled_magnitudes_reference`; on CUDA for 16-bit ``dense`` and a float32 ``scale`` a radix
+    selection over the quotients formed in registers (no float32 copy of ``dense``, no key array, no sort)."""
+    kernel = kernel_for(TOP_SCALED_MAGNITUDES_KERNELS, dense)
+    if kernel is not None and dense.dtype in (torch.float16, torch.bfloat16) and scale.dtype == torch.float32 and 0 < k < dense.numel():
+        with on_device(dense):
+            return kernel(dense.contiguous(), scale.contiguous(), k, index_dtype)
+    return top_scaled_magnitudes_reference(dense, scale, k, index_dtype)
 
 
 

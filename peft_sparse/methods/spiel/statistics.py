@@ -60,10 +60,11 @@ class _WindowStatistics:
                 dist.all_reduce(flat)  # identical candidates on every rank
             g = self.grid
             if g.unstructured and self.normalize == "column":  # by |∂L/∂W_ij| / RMS_i(∂L/∂W_ij): spread over columns
-                matrix = flat.view(g.out_features, g.in_features).to(self.dtype)
-                self.col_scale = matrix.pow(2).mean(0).sqrt().clamp_min(torch.finfo(self.dtype).tiny)
-                self.candidates, _ = kernels.top_magnitudes((matrix / self.col_scale).reshape(-1), self.num_candidate_units, index_dtype(flat.numel()))
-                first = None if distributed() else flat.index_select(0, self.candidates).to(self.dtype)
+                matrix = flat.view(g.out_features, g.in_features)
+                self.col_scale = matrix.to(self.dtype).pow(2).mean(0).sqrt().clamp_min(torch.finfo(self.dtype).tiny)
+                self.candidates, first = kernels.top_scaled_magnitudes(matrix, self.col_scale, self.num_candidate_units, index_dtype(flat.numel()))
+                if distributed():
+                    first = None  # the selection's gradients are all ranks' sum: this rank's are gathered below
             elif g.unstructured:  # units are the weights (one narrow copy of their indices), by |∂L/∂W|
                 self.candidates, first = kernels.top_magnitudes(flat, self.num_candidate_units, index_dtype(flat.numel()))
                 if distributed():
