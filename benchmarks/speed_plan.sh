@@ -15,6 +15,8 @@
 #                                     # on the GPU, then candidate_selection.py at TinyLlama and 7B shapes (torch against kernel)
 #   bash benchmarks/speed_plan.sh g   # the default-settings goals only, no tests: TinyLlama floor, block AG/MA and AG
 #                                     # default and opt-in, LoRA, in 2 interleaved rounds after 60 s of settling
+#   bash benchmarks/speed_plan.sh h   # the block goals at TinyLlama shapes only: the floor and block AG/MA, default and
+#                                     # opt-in, in 3 interleaved rounds after 60 s of settling (a round the host slowed does not decide)
 #   OLD=<tree> bash benchmarks/speed_plan.sh r
 #                                     # before/after: the SpIEL and block rows of an older checkout's library and
 #                                     # bench_step.py (OLD, e.g. a `git worktree` of the commit before a change) against
@@ -51,6 +53,10 @@ elif [ "$MODE" = g ]; then
   run 560 python3 benchmarks/bench_step.py --size tinyllama --rounds 2 --settle 60 \
     --variants floor,spiel-ag-block,spiel-ag-block-merge,spiel-ma-block,spiel-ma-block-merge,spiel-ag,spiel-ag-merge,lora \
     --batch-id speed-g-tl --out "$OUT/bench-tinyllama-rounds.jsonl"
+elif [ "$MODE" = h ]; then
+  run 560 python3 benchmarks/bench_step.py --size tinyllama --rounds 3 --settle 60 \
+    --variants floor,spiel-ag-block,spiel-ag-block-merge,spiel-ma-block,spiel-ma-block-merge \
+    --batch-id speed-h-tl --out "$OUT/bench-tinyllama-block-rounds.jsonl"
 elif [ "$MODE" = t ]; then
   run 240 python3 benchmarks/trainer_step.py --size tinyllama --bs 8 --seq 512 --steps 40 --rounds 2 \
     --out "$OUT/trainer-tinyllama-rounds.jsonl"
@@ -117,6 +123,6 @@ elif [ "$MODE" = m ]; then
   run 150 python3 benchmarks/moe_step.py --out "$OUT/moe.jsonl"
   [ -f "$OUT/moe.jsonl" ] && python3 benchmarks/moe_step.py --table "$OUT/moe.jsonl"
 else
-  echo "unknown mode '$MODE': choose a, c, g, k, m, p, r, s or t"; exit 2
+  echo "unknown mode '$MODE': choose a, c, g, h, k, m, p, r, s or t"; exit 2
 fi
 echo "done after $(( $(date +%s) - START )) s"
