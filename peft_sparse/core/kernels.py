@@ -361,7 +361,8 @@ def top_scaled_magnitudes(dense: torch.Tensor, scale: torch.Tensor, k: int, inde
     """:func:`top_scaled_magnitudes_reference`; on CUDA for 16-bit ``dense`` and a float32 ``scale`` a radix
     selection over the quotients formed in registers (no float32 copy of ``dense``, no key array, no sort)."""
     kernel = kernel_for(TOP_SCALED_MAGNITUDES_KERNELS, dense)
-    if kernel is not None and dense.dtype in (torch.float16, torch.bfloat16) and scale.dtype == torch.float32 and 0 < k < dense.numel():
+    applies = dense.dim() == 2 and scale.shape == dense.shape[1:] and scale.dtype == torch.float32 and 0 < k < dense.numel()
+    if kernel is not None and applies and dense.dtype in (torch.float16, torch.bfloat16):  # (else the reference: broadcasts or raises)
         with on_device(dense):
             return kernel(dense.contiguous(), scale.contiguous(), k, index_dtype)
     return top_scaled_magnitudes_reference(dense, scale, k, index_dtype)
