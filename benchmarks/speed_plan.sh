@@ -9,7 +9,8 @@
 #                                     # synchronising calls of SpIEL-MA's, a block SpIEL-MA step of bench_step.py
 #   bash benchmarks/speed_plan.sh k   # TinyLlama with the fast paths' composed pass instead of the default pass
 #   bash benchmarks/speed_plan.sh c   # Llama-2-7B step table (block and unstructured, default and opt-in; VARIANTS=a,b,...
-#                                     # for some of them, TESTS=<pytest -k expression> runs those GPU tests first)
+#                                     # for some of them, TESTS=<pytest -k expression> runs those tests of test_gpu.py and
+#                                     # test_triton_kernels.py first)
 #   bash benchmarks/speed_plan.sh m   # MoE shapes
 #   bash benchmarks/speed_plan.sh s   # SpIEL-AG's candidate choice (column-normalized, unstructured): the radix kernels' tests
 #                                     # on the GPU, then candidate_selection.py at TinyLlama and 7B shapes (torch against kernel)
@@ -111,7 +112,7 @@ for v in ("spiel-ag", "spiel-ag-block", "spiel-ma-block"):
     print(f"{v:<16}" + "   ".join(cells))
 PY
 elif [ "$MODE" = c ]; then  # the default-settings goals at Llama-2-7B shapes: block rows, default and opt-in
-  [ -n "${TESTS:-}" ] && run 60 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "$TESTS"
+  [ -n "${TESTS:-}" ] && run 120 python3 -m pytest tests/test_gpu.py tests/test_triton_kernels.py -q -p no:cacheprovider -k "$TESTS"
   run 570 python3 benchmarks/bench_step.py --size llama2-7b \
     --variants "${VARIANTS:-floor,spiel-ag-block,spiel-ag-block-merge,spiel-ma-block,spiel-ma-block-merge,spiel-ag,spiel-ag-merge}" \
     --batch-id speed-c-7b --out "$OUT/bench-7b.jsonl"
