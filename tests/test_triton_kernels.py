@@ -1107,16 +1107,20 @@ from peft_sparse.accel import triton_kernels as tk
 base = {"X": "*bf16", "S": "*fp32", "in_features": "i32", "n": "i32", "HIST": "*i64", "k": "i32"}
 flags = dict.fromkeys(("LEVELS", "SCALED", "BINS", "BLOCK"), "constexpr")
 target = GPUTarget("cuda", 90, 32)
-found = {}
+found, remainders = {}, {}
 for scaled, levels in ((True, 4), (False, 2)):
     const = {"LEVELS": levels, "SCALED": scaled, "BINS": 256, "BLOCK": 4096}
+    ptxs = []
     for level in range(levels):
-        triton.compile(ASTSource(tk._radix_histogram_kernel, dict(base, LEVEL="constexpr", **flags), constexprs=dict(const, LEVEL=level)), target=target)
-    triton.compile(ASTSource(tk._radix_counts_kernel, dict(base, COUNTS="*i64", n_chunks="i32", **flags), constexprs=const), target=target)
+        ptxs.append(triton.compile(ASTSource(tk._radix_histogram_kernel, dict(base, LEVEL="constexpr", **flags), constexprs=dict(const, LEVEL=level)), target=target).asm["ptx"])
+    ptxs.append(triton.compile(ASTSource(tk._radix_counts_kernel, dict(base, COUNTS="*i64", n_chunks="i32", **flags), constexprs=const), target=target).asm["ptx"])
     signature = dict(base, PREFIX="*i64", n_chunks="i32", IDX="*i32", OUT="*fp32", **flags)
     ptx = triton.compile(ASTSource(tk._radix_select_kernel, signature, constexprs=const), target=target).asm["ptx"]
     found[str(scaled)] = sorted(op for op in ("div.rn.f32", "div.full.f32", "div.approx.f32") if op in ptx)
+    # 64-bit remainders in each kernel's code (a remainder per entry would appear once per entry a thread holds)
+    remainders[str(scaled)] = [p.count("rem.s64") + p.count("rem.u64") for p in ptxs + [ptx]]
 print("DIVISIONS" + json.dumps(found))
+print("REMAINDERS" + json.dumps(remainders))
 """
 
 
@@ -1136,3 +1140,6 @@ def test_scaled_radix_kernels_compile_for_hopper_with_the_division_torch_rounds(
     assert run.returncode == 0, run.stderr[-3000:]
     line = next(line for line in run.stdout.splitlines() if line.startswith("DIVISIONS"))
     assert json.loads(line[len("DIVISIONS") :]) == {"True": ["div.rn.f32"], "False": []}
+    # the entries' columns (scaled keys) cost each chunk one 64-bit remainder, not one per entry
+    line = next(line for line in run.stdout.splitlines() if line.startswith("REMAINDERS"))
+    assert json.loads(line[len("REMAINDERS") :]) == {"True": [1] * 6, "False": [0] * 4}

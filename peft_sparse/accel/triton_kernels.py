@@ -793,13 +793,28 @@ _RADIX_BINS, _SELECT_BLOCK = 256, 4096
 
 
 @triton.jit
-def _radix_keys(X, S, offs, m, in_features, SCALED: tl.constexpr):
+def _radix_chunk(c, n, in_features, SCALED: tl.constexpr, BLOCK: tl.constexpr):
+    """(positions, mask, columns) of chunk ``c``: its BLOCK flat positions, which lie below n, and with SCALED their
+    columns in an (·, in_features) matrix — one 64-bit remainder for the chunk, 32-bit ones per entry (the chunk's
+    first column plus an offset below BLOCK stays under 2³¹), where a 64-bit remainder per entry would cost a long
+    instruction sequence in every pass."""
+    start = c.to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    if SCALED:
+        cols = ((start % in_features).to(tl.int32) + tl.arange(0, BLOCK)) % in_features
+    else:
+        cols = tl.arange(0, BLOCK)  # (not read)
+    return offs, offs < n, cols
+
+
+@triton.jit
+def _radix_keys(X, S, offs, m, cols, SCALED: tl.constexpr):
     """(key, x as float32) of the entries at ``offs``: with SCALED the quotient x / S[column] rounded to nearest (the
     division torch does), else x itself."""
     x = tl.load(X + offs, mask=m, other=0.0)
     xf = x.to(tl.float32)
     if SCALED:
-        s = tl.load(S + offs % in_features, mask=m, other=1.0)
+        s = tl.load(S + cols, mask=m, other=1.0)
         key = tl.math.div_rn(xf, s).to(tl.int32, bitcast=True) & 0x7FFFFFFF
     else:
         key = x.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
@@ -840,19 +855,22 @@ def _radix_histogram_kernel(
 ):  # fmt: skip
     # level LEVEL's histogram of the keys whose higher levels' bits are the k-th largest key's (level 0: of all
     # keys); each program finds those bits from the earlier levels' histograms
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    key, _ = _radix_keys(X, S, offs, m, in_features, SCALED)
+    offs, m, cols = _radix_chunk(tl.program_id(0), n, in_features, SCALED, BLOCK)
+    key, _ = _radix_keys(X, S, offs, m, cols, SCALED)
     if LEVEL == 0:
         sel = m
     else:
         prefix, _ = _radix_prefix(HIST, k, LEVEL, LEVELS, BINS)
         sel = m & ((key >> (8 * (LEVELS - LEVEL) - 1)) == prefix)
+    # (only the chunk's bins that hold keys are added: after level 0 most chunks hold none, and at level 0 the
+    # keys' exponents fill few of the bins)
     if LEVEL == LEVELS - 1:
-        tl.atomic_add(HIST + LEVEL * BINS + tl.arange(0, BINS // 2), tl.histogram(key & (BINS // 2 - 1), BINS // 2, mask=sel).to(tl.int64))
+        counts = tl.histogram(key & (BINS // 2 - 1), BINS // 2, mask=sel)
+        tl.atomic_add(HIST + LEVEL * BINS + tl.arange(0, BINS // 2), counts.to(tl.int64), mask=counts > 0)
     else:
         digit = (key >> (8 * (LEVELS - 1 - LEVEL) - 1)) & (BINS - 1)
-        tl.atomic_add(HIST + LEVEL * BINS + tl.arange(0, BINS), tl.histogram(digit, BINS, mask=sel).to(tl.int64))
+        counts = tl.histogram(digit, BINS, mask=sel)
+        tl.atomic_add(HIST + LEVEL * BINS + tl.arange(0, BINS), counts.to(tl.int64), mask=counts > 0)
 
 
 @triton.jit
@@ -862,9 +880,8 @@ def _radix_counts_kernel(
 ):  # fmt: skip
     # per chunk: how many keys lie above the k-th largest key, and how many equal it
     c = tl.program_id(0)
-    offs = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    key, _ = _radix_keys(X, S, offs, m, in_features, SCALED)
+    offs, m, cols = _radix_chunk(c, n, in_features, SCALED, BLOCK)
+    key, _ = _radix_keys(X, S, offs, m, cols, SCALED)
     kth, _ = _radix_prefix(HIST, k, LEVELS, LEVELS, BINS)
     tl.store(COUNTS + c, tl.sum((m & (key > kth)).to(tl.int64), axis=0))
     tl.store(COUNTS + n_chunks + c, tl.sum((m & (key == kth)).to(tl.int64), axis=0))
@@ -878,9 +895,8 @@ def _radix_select_kernel(
     # chunk c writes its chosen entries — all keys above the k-th largest, and the tied ones while fewer
     # than the k − (count above) ties before them were taken — at their ranks among all chosen entries
     c = tl.program_id(0)
-    offs = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    key, x = _radix_keys(X, S, offs, m, in_features, SCALED)
+    offs, m, cols = _radix_chunk(c, n, in_features, SCALED, BLOCK)
+    key, x = _radix_keys(X, S, offs, m, cols, SCALED)
     kth, above_total = _radix_prefix(HIST, k, LEVELS, LEVELS, BINS)
     need = k - above_total  # ties to take, lowest positions first
     above = (m & (key > kth)).to(tl.int64)
