@@ -1083,6 +1083,19 @@ def test_top_scaled_magnitudes_radix_selection_matches_the_reference(tk, dtype, 
     assert want_idx.numel() == k and bool((want_idx[1:] > want_idx[:-1]).all())
 
 
+def test_top_scaled_magnitudes_with_columns_past_32_bit_chunk_offsets(tk, monkeypatch):
+    """Matrices with more than 2³¹ − BLOCK columns take each entry's column as a 64-bit remainder (a chunk's
+    32-bit offsets would wrap there): with that bound lowered, the selection is still the reference's."""
+    monkeypatch.setattr(tk, "_NARROW_COLUMNS", 0)
+    g = torch.Generator().manual_seed(3)
+    dense = (torch.randn(7, 1300, generator=g) * 0.01).to(torch.bfloat16)
+    scale = dense.float().pow(2).mean(0).sqrt().clamp_min(torch.finfo(torch.float32).tiny)
+    for k in (1, 2500, dense.numel() - 1):
+        want_idx, want_vals = kernels.top_scaled_magnitudes_reference(dense, scale, k, torch.int64)
+        got_idx, got_vals = tk.top_scaled_magnitudes(dense.to(_device()), scale.to(_device()), k, torch.int64)
+        assert torch.equal(got_idx.cpu(), want_idx) and torch.equal(got_vals.cpu(), want_vals)
+
+
 def test_top_scaled_magnitudes_dispatch_serves_the_reference_where_no_kernel_applies():
     """float32 entries, a float64 scale, k = 0 or every entry: the reference, the same answer as the kernel's contract."""
     g = torch.Generator().manual_seed(0)
@@ -1105,11 +1118,11 @@ from triton.compiler import ASTSource
 from peft_sparse.accel import triton_kernels as tk
 
 base = {"X": "*bf16", "S": "*fp32", "in_features": "i32", "n": "i32", "HIST": "*i64", "k": "i32"}
-flags = dict.fromkeys(("LEVELS", "SCALED", "BINS", "BLOCK"), "constexpr")
+flags = dict.fromkeys(("LEVELS", "SCALED", "WIDE", "BINS", "BLOCK"), "constexpr")
 target = GPUTarget("cuda", 90, 32)
 found, remainders = {}, {}
 for scaled, levels in ((True, 4), (False, 2)):
-    const = {"LEVELS": levels, "SCALED": scaled, "BINS": 256, "BLOCK": 4096}
+    const = {"LEVELS": levels, "SCALED": scaled, "WIDE": False, "BINS": 256, "BLOCK": 4096}
     ptxs = []
     for level in range(levels):
         ptxs.append(triton.compile(ASTSource(tk._radix_histogram_kernel, dict(base, LEVEL="constexpr", **flags), constexprs=dict(const, LEVEL=level)), target=target).asm["ptx"])
@@ -1119,6 +1132,9 @@ for scaled, levels in ((True, 4), (False, 2)):
     found[str(scaled)] = sorted(op for op in ("div.rn.f32", "div.full.f32", "div.approx.f32") if op in ptx)
     # 64-bit remainders in each kernel's code (a remainder per entry would appear once per entry a thread holds)
     remainders[str(scaled)] = [p.count("rem.s64") + p.count("rem.u64") for p in ptxs + [ptx]]
+wide = dict(const, LEVELS=4, SCALED=True, WIDE=True)  # (more than 2**31 - BLOCK columns: 64-bit remainders)
+ptx = triton.compile(ASTSource(tk._radix_select_kernel, signature, constexprs=wide), target=target).asm["ptx"]
+remainders["wide"] = int(ptx.count("rem.s64") + ptx.count("rem.u64") > 1)
 print("DIVISIONS" + json.dumps(found))
 print("REMAINDERS" + json.dumps(remainders))
 """
@@ -1142,4 +1158,4 @@ def test_scaled_radix_kernels_compile_for_hopper_with_the_division_torch_rounds(
     assert json.loads(line[len("DIVISIONS") :]) == {"True": ["div.rn.f32"], "False": []}
     # the entries' columns (scaled keys) cost each chunk one 64-bit remainder, not one per entry
     line = next(line for line in run.stdout.splitlines() if line.startswith("REMAINDERS"))
-    assert json.loads(line[len("REMAINDERS") :]) == {"True": [1] * 6, "False": [0] * 4}
+    assert json.loads(line[len("REMAINDERS") :]) == {"True": [1] * 6, "False": [0] * 4, "wide": 1}

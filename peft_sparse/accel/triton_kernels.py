@@ -790,17 +790,20 @@ def top_blocks(keys: torch.Tensor, k: int) -> torch.Tensor:
 # non-negative floats order like their bit patterns), selected in two levels; |x / s_j| of a 16-bit x over its
 # column's float32 scale a 31-bit key (the float32 quotient's bits, sign cleared), in four
 _RADIX_BINS, _SELECT_BLOCK = 256, 4096
+_NARROW_COLUMNS = 2**31 - _SELECT_BLOCK  # the most columns whose chunk offsets stay 32-bit (_radix_chunk)
 
 
 @triton.jit
-def _radix_chunk(c, n, in_features, SCALED: tl.constexpr, BLOCK: tl.constexpr):
+def _radix_chunk(c, n, in_features, SCALED: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
     """(positions, mask, columns) of chunk ``c``: its BLOCK flat positions, which lie below n, and with SCALED their
     columns in an (·, in_features) matrix — one 64-bit remainder for the chunk, 32-bit ones per entry (the chunk's
-    first column plus an offset below BLOCK stays under 2³¹), where a 64-bit remainder per entry would cost a long
-    instruction sequence in every pass."""
+    first column plus an offset below BLOCK stays under 2³¹ unless WIDE: in_features > 2³¹ − BLOCK, then 64-bit
+    ones), where a 64-bit remainder per entry would cost a long instruction sequence in every pass."""
     start = c.to(tl.int64) * BLOCK
     offs = start + tl.arange(0, BLOCK)
-    if SCALED:
+    if SCALED and WIDE:
+        cols = offs % in_features
+    elif SCALED:
         cols = ((start % in_features).to(tl.int32) + tl.arange(0, BLOCK)) % in_features
     else:
         cols = tl.arange(0, BLOCK)  # (not read)
@@ -850,12 +853,12 @@ def _radix_prefix(HIST, k, UPTO: tl.constexpr, LEVELS: tl.constexpr, BINS: tl.co
 
 @triton.jit
 def _radix_histogram_kernel(
-    X, S, in_features, n, HIST, k, LEVEL: tl.constexpr, LEVELS: tl.constexpr, SCALED: tl.constexpr, BINS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    X, S, in_features, n, HIST, k, LEVEL: tl.constexpr, LEVELS: tl.constexpr, SCALED: tl.constexpr, WIDE: tl.constexpr,
+    BINS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # level LEVEL's histogram of the keys whose higher levels' bits are the k-th largest key's (level 0: of all
     # keys); each program finds those bits from the earlier levels' histograms
-    offs, m, cols = _radix_chunk(tl.program_id(0), n, in_features, SCALED, BLOCK)
+    offs, m, cols = _radix_chunk(tl.program_id(0), n, in_features, SCALED, WIDE, BLOCK)
     key, _ = _radix_keys(X, S, offs, m, cols, SCALED)
     if LEVEL == 0:
         sel = m
@@ -875,12 +878,12 @@ def _radix_histogram_kernel(
 
 @triton.jit
 def _radix_counts_kernel(
-    X, S, in_features, n, HIST, k, COUNTS, n_chunks, LEVELS: tl.constexpr, SCALED: tl.constexpr, BINS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    X, S, in_features, n, HIST, k, COUNTS, n_chunks, LEVELS: tl.constexpr, SCALED: tl.constexpr, WIDE: tl.constexpr,
+    BINS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # per chunk: how many keys lie above the k-th largest key, and how many equal it
     c = tl.program_id(0)
-    offs, m, cols = _radix_chunk(c, n, in_features, SCALED, BLOCK)
+    offs, m, cols = _radix_chunk(c, n, in_features, SCALED, WIDE, BLOCK)
     key, _ = _radix_keys(X, S, offs, m, cols, SCALED)
     kth, _ = _radix_prefix(HIST, k, LEVELS, LEVELS, BINS)
     tl.store(COUNTS + c, tl.sum((m & (key > kth)).to(tl.int64), axis=0))
@@ -890,12 +893,12 @@ def _radix_counts_kernel(
 @triton.jit
 def _radix_select_kernel(
     X, S, in_features, n, HIST, k, PREFIX, n_chunks, IDX, OUT, LEVELS: tl.constexpr, SCALED: tl.constexpr,
-    BINS: tl.constexpr, BLOCK: tl.constexpr,
+    WIDE: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # chunk c writes its chosen entries — all keys above the k-th largest, and the tied ones while fewer
     # than the k − (count above) ties before them were taken — at their ranks among all chosen entries
     c = tl.program_id(0)
-    offs, m, cols = _radix_chunk(c, n, in_features, SCALED, BLOCK)
+    offs, m, cols = _radix_chunk(c, n, in_features, SCALED, WIDE, BLOCK)
     key, x = _radix_keys(X, S, offs, m, cols, SCALED)
     kth, above_total = _radix_prefix(HIST, k, LEVELS, LEVELS, BINS)
     need = k - above_total  # ties to take, lowest positions first
@@ -920,7 +923,8 @@ def _radix_top(flat: torch.Tensor, scale: Optional[torch.Tensor], k: int, index_
     hist = torch.zeros(levels * _RADIX_BINS, dtype=torch.int64, device=dev)  # (a bin may hold 2³¹ entries or more)
     chunks = _cdiv(n, _SELECT_BLOCK)
     scales, in_features = (flat, 1) if scale is None else (scale, scale.numel())  # (not read without a scale)
-    consts = dict(LEVELS=levels, SCALED=scale is not None, BINS=_RADIX_BINS, BLOCK=_SELECT_BLOCK)
+    wide = in_features > _NARROW_COLUMNS  # (columns then as 64-bit remainders: _radix_chunk)
+    consts = dict(LEVELS=levels, SCALED=scale is not None, WIDE=wide, BINS=_RADIX_BINS, BLOCK=_SELECT_BLOCK)
     for level in range(levels):
         launch(_radix_histogram_kernel, (chunks,), flat, scales, in_features, n, hist, k, LEVEL=level, **consts)
     counts = torch.empty(2, chunks, dtype=torch.int64, device=dev)
