@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from peft_sparse.core import kernels  # noqa: E402
 from peft_sparse.core.base import index_dtype  # noqa: E402
+from peft_sparse.methods.spiel.statistics import column_scale  # noqa: E402
 
 SIZES = {  # (hidden, intermediate, layers, key-value width)
     "tinyllama": (2048, 5632, 22, 256),  # (4 key-value heads of 64)
@@ -46,7 +47,7 @@ def choose(grads: list, ks: list, reference: bool) -> list:
     """The window's first-step choice of every tensor, as ``_WindowStatistics.__call__`` makes it."""
     out = []
     for grad, k in zip(grads, ks):
-        scale = grad.to(torch.float32).pow(2).mean(0).sqrt().clamp_min(torch.finfo(torch.float32).tiny)
+        scale = column_scale(grad, torch.float32)
         pick = kernels.top_scaled_magnitudes_reference if reference else kernels.top_scaled_magnitudes
         out.append(pick(grad, scale, k, index_dtype(grad.numel())))
     return out

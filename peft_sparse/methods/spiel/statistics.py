@@ -61,7 +61,7 @@ class _WindowStatistics:
             g = self.grid
             if g.unstructured and self.normalize == "column":  # by |∂L/∂W_ij| / RMS_i(∂L/∂W_ij): spread over columns
                 matrix = flat.view(g.out_features, g.in_features)
-                self.col_scale = matrix.to(self.dtype).pow(2).mean(0).sqrt().clamp_min(torch.finfo(self.dtype).tiny)
+                self.col_scale = column_scale(matrix, self.dtype)
                 self.candidates, first = kernels.top_scaled_magnitudes(matrix, self.col_scale, self.num_candidate_units, index_dtype(flat.numel()))
                 if distributed():
                     first = None  # the selection's gradients are all ranks' sum: this rank's are gathered below
@@ -178,6 +178,12 @@ def _end_steps(statistics: list) -> None:
                 m.grad_sq_sum += m.step_sq
                 m.step_sq.zero_()
         torch._foreach_zero_(step)
+
+
+def column_scale(matrix: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each column's RMS gradient in ``dtype`` (clamped to its smallest normal): the divisor of
+    ``score_normalization="column"``'s candidate scores."""
+    return matrix.to(dtype).pow(2).mean(0).sqrt().clamp_min(torch.finfo(dtype).tiny)
 
 
 def column_square_sums(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
