@@ -7,6 +7,9 @@ Produces BENCHMARKS.md, "NVIDIA H200 (141 GB)": the TinyLlama and Llama-2-7B ste
     python benchmarks/bench_step.py --variants floor,spiel-ma-block --block 32  # 32×32 blocks (default 64×64)
     python benchmarks/bench_step.py --variants floor,spiel-ag,spiel-ag-merge --rounds 3  # default and opt-in merge
 
+Rounds run the floor first, then the other variants, in reverse order in every second round (a process's
+place in a round can move its host's speed; each record's ``host_probe_us`` times a fixed loop of plain
+Python at the start and the end of its timed steps, so runs can be compared by the host they had).
 With ``--rounds 3`` or more, it also prints each variant's full-cycle mean taken over each step position's
 median over the rounds: host stalls that hit one round at one step (they hit the floor's runs too) are out,
 while the SpIEL cycle's windows and reselections, at the same positions in every round, stay in.
@@ -205,6 +208,29 @@ def phase_ends(issued: list, events: list) -> tuple[list, list]:
     return list(itertools.accumulate(issued)), [events[0].elapsed_time(e) / 1e3 for e in events[1:]]
 
 
+def host_probe_us() -> float:
+    """The host's speed as this process sees it: µs per iteration of a fixed loop of plain Python (dict
+    lookups, attribute reads, calls, no tensor), the median of 5 repeats. Two variants' processes on the same
+    host compare by it: a run whose probe is slower waited on a slower host, not on more work of its own."""
+
+    class Probe:
+        def __init__(self):
+            self.value = 1
+
+        def read(self, key):
+            return self.value + key
+
+    table, item = {i: i for i in range(64)}, Probe()
+    repeats = []
+    for _ in range(5):
+        start = time.perf_counter()
+        total = 0
+        for i in range(20_000):
+            total += item.read(table.get(i & 63, 0))
+        repeats.append((time.perf_counter() - start) / 20_000 * 1e6)
+    return statistics.median(repeats)
+
+
 def host_description() -> dict:
     """The host's CPU model, logical CPU count and the median current clock of its CPUs (Linux), to tell
     machines apart when their host times differ."""
@@ -301,12 +327,14 @@ def run_one(args) -> dict:
 
     gc.callbacks.append(on_gc)
     load = []  # the host's 1-minute load average at the start and the end of the timed steps
+    probe = []  # host_probe_us() at the start and the end of the timed steps
     profiler = None
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             load.append(os.getloadavg()[0])
+            probe.append(host_probe_us())
             if args.gc_freeze:
                 gc.freeze()
             if args.host_profile:  # (its own cost slows every Python call: the step times of such a run are not comparable)
@@ -331,6 +359,7 @@ def run_one(args) -> dict:
     load.append(os.getloadavg()[0])
     if profiler is not None:
         profiler.disable()
+    probe.append(host_probe_us())
     if profiler is not None and args.profile_out:
         profiler.dump_stats(args.profile_out)
     return {
@@ -350,6 +379,7 @@ def run_one(args) -> dict:
         if "spiel" in args.variant else None,
         "host": host_description(),
         "loadavg_1min": load,
+        "host_probe_us": probe,
         "gc_freeze": args.gc_freeze,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
         "gpu": torch.cuda.get_device_name(),
@@ -470,7 +500,7 @@ def main():
     for round_ in range(args.rounds):
         if args.rounds > 1:
             print(f"round {round_ + 1} of {args.rounds}", flush=True)
-        records += run_batch(args, variants, batch_id)
+        records += run_batch(args, round_order(variants, round_), batch_id)
     if not records:
         return
     if args.rounds == 1:
@@ -547,6 +577,17 @@ def settle(args) -> None:
                   f"{record['phase_ends_ms_median']['forward'][0]:.1f} ms", flush=True)  # fmt: skip
 
 
+def round_order(variants: list, round_: int) -> list:
+    """The order of round ``round_`` (from 0): the given one, the variants after the floors reversed in every
+    second round. A variant's place in a round can move its host time (a process started right after another
+    may run on a slower host: docs/perf-log.md, 2026-12-07 (seventh)); alternating the order spreads that over
+    the variants instead of charging it to the same ones in every round. The floors stay first: each round's
+    ratios are taken to its own floor."""
+    floors = [v for v in variants if v in ("floor", "qfloor")]
+    rest = [v for v in variants if v not in floors]
+    return floors + (rest[::-1] if round_ % 2 else rest)
+
+
 def run_batch(args, variants: list, batch_id: str) -> list:
     """Each variant once, in a fresh process; their records."""
     records = []
@@ -556,7 +597,9 @@ def run_batch(args, variants: list, batch_id: str) -> list:
             print(f"{v}: FAILED\n{stderr[-3000:]}", flush=True)
             continue
         records.append(record)
-        print(f"{v}: {record['step_s_median']:.3f} s, {record['peak_mem_gib']:.1f} GiB", flush=True)
+        probe = record.get("host_probe_us") or []
+        probe_text = f", host probe {' / '.join(f'{x:.3f}' for x in probe)} µs" if probe else ""
+        print(f"{v}: {record['step_s_median']:.3f} s, {record['peak_mem_gib']:.1f} GiB{probe_text}", flush=True)
     return records
 
 

@@ -15,9 +15,11 @@
 #   bash benchmarks/speed_plan.sh s   # SpIEL-AG's candidate choice (column-normalized, unstructured): the radix kernels' tests
 #                                     # on the GPU, then candidate_selection.py at TinyLlama and 7B shapes (torch against kernel)
 #   bash benchmarks/speed_plan.sh g   # the default-settings goals only, no tests: TinyLlama floor, block AG/MA and AG
-#                                     # default and opt-in, LoRA, in 2 interleaved rounds after 60 s of settling
+#                                     # default and opt-in, LoRA, in 2 interleaved rounds after 60 s of settling (the
+#                                     # second in reverse order after the floor)
 #   bash benchmarks/speed_plan.sh h   # the block goals at TinyLlama shapes only: the floor and block AG/MA, default and
-#                                     # opt-in, in 3 interleaved rounds after 60 s of settling (a round the host slowed does not decide)
+#                                     # opt-in, in 3 interleaved rounds after 60 s of settling (a round the host slowed does not decide;
+#                                     # every second round in reverse order after the floor)
 #   OLD=<tree> bash benchmarks/speed_plan.sh r
 #                                     # before/after: the SpIEL and block rows of an older checkout's library and
 #                                     # bench_step.py (OLD, e.g. a `git worktree` of the commit before a change) against
