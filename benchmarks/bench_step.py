@@ -53,6 +53,11 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
+try:  # (imported from the benchmarks package by other benchmarks; run as a script otherwise)
+    from .host_probe import host_probe_us
+except ImportError:
+    from host_probe import host_probe_us
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
@@ -206,29 +211,6 @@ def phase_ends(issued: list, events: list) -> tuple[list, list]:
     followed by its ``phase_events`` (read after a synchronisation). A GPU finishing a phase right after
     the host issued it waited for the host."""
     return list(itertools.accumulate(issued)), [events[0].elapsed_time(e) / 1e3 for e in events[1:]]
-
-
-def host_probe_us() -> float:
-    """The host's speed as this process sees it: µs per iteration of a fixed loop of plain Python (dict
-    lookups, attribute reads, calls, no tensor), the median of 5 repeats. Two variants' processes on the same
-    host compare by it: a run whose probe is slower waited on a slower host, not on more work of its own."""
-
-    class Probe:
-        def __init__(self):
-            self.value = 1
-
-        def read(self, key):
-            return self.value + key
-
-    table, item = {i: i for i in range(64)}, Probe()
-    repeats = []
-    for _ in range(5):
-        start = time.perf_counter()
-        total = 0
-        for i in range(20_000):
-            total += item.read(table.get(i & 63, 0))
-        repeats.append((time.perf_counter() - start) / 20_000 * 1e6)
-    return statistics.median(repeats)
 
 
 def host_description() -> dict:

@@ -41,6 +41,11 @@ import tempfile
 import time
 from pathlib import Path
 
+try:  # (imported from the benchmarks package by other benchmarks; run as a script otherwise)
+    from .host_probe import host_probe_us
+except ImportError:
+    from host_probe import host_probe_us
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
@@ -244,6 +249,7 @@ def run_one(args, trainer_kind: str, variant: str, device: str) -> dict:
         sync_steps: list = []
         if counter is not None:
             trainer.add_callback(step_callback(lambda state: (sync_steps.append(dict(counter.counts)), counter.counts.clear())))
+        probe = [host_probe_us()]  # (the host's speed for this run, at its start and its end)
         start = time.perf_counter()
         gc.callbacks.append(on_gc)
         try:
@@ -255,6 +261,7 @@ def run_one(args, trainer_kind: str, variant: str, device: str) -> dict:
         finally:
             gc.callbacks.remove(on_gc)
         wall = time.perf_counter() - start
+        probe.append(host_probe_us())
         if profiler is not None:
             profiler.disable()
         if sync_sites is not None:
@@ -273,7 +280,7 @@ def run_one(args, trainer_kind: str, variant: str, device: str) -> dict:
         "steps": args.steps, "logging_steps": args.logging_steps, "block": args.block if variant.endswith("-block") else None,
         "optimizer": type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer).__name__,
         "fast_paths": peft_sparse.accel.enabled(),
-        "loadavg_1min": os.getloadavg()[0], "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+        "loadavg_1min": os.getloadavg()[0], "host_probe_us": probe, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
     }  # fmt: skip
     if sync_steps:
         timed = sync_steps[args.warmup :]
