@@ -75,7 +75,7 @@ SIZES = {
 }  # fmt: skip
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 VARIANTS = [
-    "floor", "qfloor", "lora", "lora-ckpt", "qlora", "shira", "supertuning", "full",
+    "floor", "floor-dw", "qfloor", "lora", "lora-ckpt", "qlora", "shira", "supertuning", "full",
     "spiel-ag", "spiel-ma", "spiel-ag-block", "spiel-ma-block", "qspiel-ag", "qspiel-ma",
     "spiel-ag-merge", "spiel-ma-merge", "spiel-ag-block-merge", "spiel-ma-block-merge",
 ]  # fmt: skip
@@ -132,6 +132,13 @@ def prepare(variant: str, size: str, total_steps: int, block: int = BLOCK, train
     if variant in ("floor", "qfloor"):
         model.enable_input_require_grads()
         return model, None, None, None, 0
+    if variant == "floor-dw":  # the floor plus each targeted weight's dense gradient (dropped after the step): the
+        # dense-dW bound an unstructured SpIEL step is compared with (its value gradient gathered from that dW)
+        model.enable_input_require_grads()
+        targeted = [m.weight for n, m in model.named_modules() if n.split(".")[-1] in TARGETS]
+        for w in targeted:
+            w.requires_grad_(True)
+        return model, None, lambda: model.zero_grad(set_to_none=True), None, sum(w.numel() for w in targeted)
     if variant == "full":
         for p in model.parameters():
             p.requires_grad_(True)

@@ -8,7 +8,7 @@
 #                                     # under $OUT) of LoRA and the SpIEL rows in the Trainer at TinyLlama shapes, CUDA's
 #                                     # synchronising calls of SpIEL-MA's, a block SpIEL-MA step of bench_step.py
 #   bash benchmarks/speed_plan.sh k   # TinyLlama with the fast paths' composed pass instead of the default pass
-#   bash benchmarks/speed_plan.sh c   # Llama-2-7B step table (block and unstructured, default and opt-in; VARIANTS=a,b,...
+#   bash benchmarks/speed_plan.sh c   # Llama-2-7B step table (floor, floor + dense dW, block and unstructured, default and opt-in; VARIANTS=a,b,...
 #                                     # for some of them, TESTS=<pytest -k expression> runs those tests of test_gpu.py and
 #                                     # test_triton_kernels.py first)
 #   bash benchmarks/speed_plan.sh m   # MoE shapes
@@ -116,7 +116,7 @@ PY
 elif [ "$MODE" = c ]; then  # the default-settings goals at Llama-2-7B shapes: block rows, default and opt-in
   [ -n "${TESTS:-}" ] && run 120 python3 -m pytest tests/test_gpu.py tests/test_triton_kernels.py -q -p no:cacheprovider -k "$TESTS"
   run 570 python3 benchmarks/bench_step.py --size llama2-7b \
-    --variants "${VARIANTS:-floor,spiel-ag-block,spiel-ag-block-merge,spiel-ma-block,spiel-ma-block-merge,spiel-ag,spiel-ag-merge}" \
+    --variants "${VARIANTS:-floor,floor-dw,spiel-ag-block,spiel-ag-block-merge,spiel-ma-block,spiel-ma-block-merge,spiel-ag,spiel-ag-merge}" \
     --batch-id speed-c-7b --out "$OUT/bench-7b.jsonl"
 elif [ "$MODE" = s ]; then
   run 150 python3 -m pytest tests/test_triton_kernels.py -q -p no:cacheprovider -k "top_ or radix"
