@@ -346,6 +346,7 @@ def run_one(args) -> dict:
             gpu_done.append(gpu)
             slow_steps.append(dict(slow))
     gc.callbacks.remove(on_gc)
+    kernel_rows = kernel_profile(model, optimizer, hook, batches, args.kernel_profile) if args.kernel_profile else None
     load.append(os.getloadavg()[0])
     if profiler is not None:
         profiler.disable()
@@ -389,7 +390,68 @@ def run_one(args) -> dict:
         "date": datetime.date.today().isoformat(),
         "batch_id": args.batch_id,
         "host_profile": host_profile_rows(profiler, args.host_profile, args.steps) if profiler is not None else None,
+        "kernel_profile": kernel_rows,
     }
+
+
+def kernel_profile(model, optimizer, hook, batches, steps: int) -> dict:
+    """``steps`` more steps (after the timed ones, not timed) under torch.profiler's CUDA activity: per step and
+    phase, the GPU's busy time (the union of its kernels' intervals) and idle time between the phase's first and
+    last kernel, and per kernel name its launches and GPU time per step (the 40 largest), to tell the GPU time
+    a variant adds from the host time it waits for."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for step in range(steps):
+            ids = batches[step % len(batches)]
+            torch.cuda.synchronize()
+            with record_function("phase:forward"):
+                loss = model(input_ids=ids, labels=ids).loss
+            with record_function("phase:backward"):
+                loss.backward()
+            with record_function("phase:optimizer"):
+                if optimizer is not None:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                if hook is not None:
+                    hook()
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:  # (the trace links each kernel to the host call that launched it)
+        trace = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    launches = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}  # fmt: skip
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    phases = [e for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith("phase:")]
+    table, busy = {}, {}
+    for k in kernels:
+        row = table.setdefault(k["name"][:90], [0, 0.0])
+        row[0] += 1
+        row[1] += k["dur"]
+    for name in ("forward", "backward", "optimizer"):
+        own = []
+        for p in (p for p in phases if p["name"] == "phase:" + name):
+            # kernels the host launched while the phase's range ran (their GPU time may run past it)
+            ks = sorted((k["ts"], k["ts"] + k["dur"]) for k in kernels
+                        if p["ts"] <= launches.get(k.get("args", {}).get("correlation"), -1) <= p["ts"] + p["dur"])  # fmt: skip
+            if not ks:
+                continue
+            union, end = 0.0, None
+            for start, stop in ks:
+                if end is None or start > end:
+                    union, end = union + stop - start, stop
+                elif stop > end:
+                    union, end = union + stop - end, stop
+            own.append((union, ks[-1][1] - ks[0][0], len(ks), p["dur"]))
+        if own:
+            busy[name] = {"gpu_busy_ms": round(statistics.median(o[0] for o in own) / 1e3, 3),
+                          "gpu_span_ms": round(statistics.median(o[1] for o in own) / 1e3, 3),
+                          "host_ms": round(statistics.median(o[3] for o in own) / 1e3, 3),
+                          "kernels": statistics.median(o[2] for o in own)}  # fmt: skip
+    top = sorted(table.items(), key=lambda kv: -kv[1][1])[:40]
+    return {"steps": steps, "phases": busy, "kernels": [[n, c / steps, round(t / steps / 1e3, 3)] for n, (c, t) in top]}
 
 
 def host_profile_rows(profiler, rows: int, steps: int) -> list:
@@ -452,6 +514,9 @@ def main():
                              "printed and recorded (host_profile); the profiler slows the host, so the step times are not comparable")
     parser.add_argument("--profile-out", default=None, metavar="FILE",
                         help="--host-profile: also write cProfile's whole table to FILE (pstats' format)")
+    parser.add_argument("--kernel-profile", type=int, default=0, metavar="N",
+                        help="--variant: N more steps after the timed ones under torch.profiler, recorded as kernel_profile "
+                             "(per phase the GPU's busy time and span; per kernel its launches and GPU ms per step)")
     parser.add_argument("--out", default=None, help="JSONL file (default benchmarks/results/<date>-<gpu>.jsonl)")
     parser.add_argument("--rounds", type=int, default=1, help="run the batch this many times, interleaved (one record per run)")
     parser.add_argument("--full-record", action="store_true", help=argparse.SUPPRESS)  # (a batch's child: step times included)
@@ -472,7 +537,11 @@ def main():
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        print(json.dumps(record if args.full_record else {k: v for k, v in record.items() if k not in ("step_s_all", "host_profile")}))
+        print(json.dumps(record if args.full_record else {k: v for k, v in record.items() if k not in ("step_s_all", "host_profile", "kernel_profile")}))
+        if record["kernel_profile"]:
+            print(json.dumps(record["kernel_profile"]["phases"]))
+            for name, calls, ms in record["kernel_profile"]["kernels"]:
+                print(f"{ms:>9.3f} ms {calls:>7.1f}  {name}")
         if record["host_profile"]:
             print(f"{'own ms/step':>12}{'cum ms/step':>12}{'calls/step':>11}  function")
             for where, calls, own, cumulative in record["host_profile"]:
