@@ -7,8 +7,9 @@ variant's host time per pass times 154 exceeds its GPU time per step, the step i
     python benchmarks/layer_host.py [--iters 2000] [--out F.jsonl]
 
 Rows: the frozen layer alone (``floor``: Y = X·Wᵀ with ∂L/∂X), LoRA r64, SpIEL-AG and block SpIEL-AG (64×64) with the
-default pass and with the opt-in training merge, at LoRA r64's budget for this layer; then the primitives of the
-default pass (write θ₀[η] + φ at η, write θ₀[η] back) by each available way. Median over 5 repeats of the mean
+default pass and with the opt-in training merge, at LoRA r64's budget for this layer, each called through the
+PeftModel and on the projection itself (``layer_``: what a step pays per layer); block SpIEL-AG's default write and
+write-back as its forward calls them (``write_restore_us``); then the primitives of the default pass (write θ₀[η] + φ at η, write θ₀[η] back) by each available way. Median over 5 repeats of the mean
 host time per iteration (µs), each repeat ``--iters`` iterations after a warm-up, one synchronisation per repeat.
 """
 
@@ -72,14 +73,34 @@ def layer_rows(iters: int, tokens: int) -> dict:
     for kind in ("floor", "lora", "spiel-ag", "spiel-ag-merge", "spiel-ag-block", "spiel-ag-block-merge"):
         model = build(kind)
 
+        layer = model.proj if kind == "floor" else model.base_model.model.proj  # (the projection itself: no PeftModel call)
+
         def forward():
             model(x)
 
         def forward_backward():
             model(x).backward(grad)
 
-        rows[kind] = {"forward_us": per_iteration_us(forward, iters), "forward_backward_us": per_iteration_us(forward_backward, iters)}
-        del model
+        def layer_forward():
+            layer(x)
+
+        def layer_forward_backward():
+            layer(x).backward(grad)
+
+        rows[kind] = {"forward_us": per_iteration_us(forward, iters), "forward_backward_us": per_iteration_us(forward_backward, iters),
+                      "layer_forward_us": per_iteration_us(layer_forward, iters),
+                      "layer_forward_backward_us": per_iteration_us(layer_forward_backward, iters)}  # fmt: skip
+        if kind == "spiel-ag-block":  # the default pass's write and write-back as its forward calls them
+            from peft_sparse.accel import transient_merge
+
+            flat = layer.get_base_layer().weight.data.view(-1)
+            indices, values = [layer.sparse_indices["default"]], [layer.sparse_values["default"]]
+
+            def write_restore():
+                transient_merge.restore(layer, flat, indices, transient_merge.write(layer, flat, indices, values))
+
+            rows[kind]["write_restore_us"] = per_iteration_us(write_restore, iters)
+        del model, layer
     return rows
 
 
@@ -146,9 +167,12 @@ def main() -> None:
               "layers": layer_rows(args.iters, args.tokens), "primitives": primitive_rows(args.iters)}  # fmt: skip
     floor = record["layers"]["floor"]
     print(f"{record['gpu']}: host µs per pass of one {IN}→{OUT} bf16 projection, {args.tokens} tokens")
-    print(f"{'variant':<24}{'forward':>10}{'fwd+bwd':>10}{'fwd+bwd − floor':>18}")
+    print(f"{'variant':<24}{'forward':>10}{'fwd+bwd':>10}{'fwd+bwd − floor':>18}{'layer fwd':>11}{'layer fwd+bwd':>15}")
     for name, row in record["layers"].items():
-        print(f"{name:<24}{row['forward_us']:>10.1f}{row['forward_backward_us']:>10.1f}{row['forward_backward_us'] - floor['forward_backward_us']:>18.1f}")
+        print(f"{name:<24}{row['forward_us']:>10.1f}{row['forward_backward_us']:>10.1f}{row['forward_backward_us'] - floor['forward_backward_us']:>18.1f}"
+              f"{row['layer_forward_us']:>11.1f}{row['layer_forward_backward_us']:>15.1f}")  # fmt: skip
+    if "write_restore_us" in record["layers"].get("spiel-ag-block", {}):
+        print(f"  block SpIEL-AG, the default pass's write + restore: {record['layers']['spiel-ag-block']['write_restore_us']:.1f} µs")
     for name, value in record["primitives"].items():
         print(f"  {name}: {value:.1f} µs" if isinstance(value, float) else f"  {name}: {value}")
     if args.out:
