@@ -425,6 +425,7 @@ def kernel_profile(model, optimizer, hook, batches, steps: int) -> dict:
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}  # fmt: skip
     kernels = [e for e in events if e.get("cat") == "kernel"]
     phases = [e for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith("phase:")]
+    calls = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
     table, busy = {}, {}
     for k in kernels:
         row = table.setdefault(k["name"][:90], [0, 0.0])
@@ -444,12 +445,21 @@ def kernel_profile(model, optimizer, hook, batches, steps: int) -> dict:
                     union, end = union + stop - start, stop
                 elif stop > end:
                     union, end = union + stop - end, stop
-            own.append((union, ks[-1][1] - ks[0][0], len(ks), p["dur"]))
+            # the host's CUDA calls in the phase (a long launch or a synchronising call: the host waited for the GPU)
+            runtime = {}
+            for c in calls:
+                if p["ts"] <= c["ts"] <= p["ts"] + p["dur"]:
+                    row = runtime.setdefault(c["name"], [0, 0.0, 0.0])
+                    row[0], row[1], row[2] = row[0] + 1, row[1] + c["dur"], max(row[2], c["dur"])
+            own.append((union, ks[-1][1] - ks[0][0], len(ks), p["dur"], runtime))
         if own:
             busy[name] = {"gpu_busy_ms": round(statistics.median(o[0] for o in own) / 1e3, 3),
                           "gpu_span_ms": round(statistics.median(o[1] for o in own) / 1e3, 3),
                           "host_ms": round(statistics.median(o[3] for o in own) / 1e3, 3),
-                          "kernels": statistics.median(o[2] for o in own)}  # fmt: skip
+                          "kernels": statistics.median(o[2] for o in own),
+                          # per CUDA call of the host: [calls, total ms, longest µs] in the phase's last profiled step
+                          "host_cuda_calls": {n: [c, round(t / 1e3, 3), round(m, 1)] for n, (c, t, m) in
+                                              sorted(own[-1][4].items(), key=lambda kv: -kv[1][1])[:8]}}  # fmt: skip
     top = sorted(table.items(), key=lambda kv: -kv[1][1])[:40]
     return {"steps": steps, "phases": busy, "kernels": [[n, c / steps, round(t / steps / 1e3, 3)] for n, (c, t) in top]}
 
