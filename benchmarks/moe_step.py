@@ -150,7 +150,8 @@ def run(shape: str, variant: str, args, device: str, dtype) -> dict:
 
 
 def table(rows: list) -> str:
-    out = ["| shape | variant | trainable | step (ms, median) | × floor | peak GiB | × floor mem |", "|---|---|---:|---:|---:|---:|---:|"]
+    out = ["| shape | variant | trainable | step (ms, median) | × floor | mean × floor | peak GiB | × floor mem |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for shape in dict.fromkeys(r["shape"] for r in rows):
         mine = {r["variant"]: r for r in rows if r["shape"] == shape}
         floor = mine.get("floor")
@@ -159,9 +160,10 @@ def table(rows: list) -> str:
             if r is None:
                 continue
             speed = f"{r['step_s_median'] / floor['step_s_median']:.2f}" if floor else "–"
+            mean = f"{r['step_s_mean'] / floor['step_s_mean']:.2f}" if floor else "–"
             peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "–"
             mem = f"{r['peak_gib'] / floor['peak_gib']:.2f}" if floor and r["peak_gib"] and floor["peak_gib"] else "–"
-            out.append(f"| {shape} | {variant} | {r['trainable']:,} | {1e3 * r['step_s_median']:.1f} | {speed} | {peak} | {mem} |")
+            out.append(f"| {shape} | {variant} | {r['trainable']:,} | {1e3 * r['step_s_median']:.1f} | {speed} | {mean} | {peak} | {mem} |")
     return "\n".join(out)
 
 
