@@ -290,10 +290,6 @@ def run_one(args) -> dict:
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = True
-    if args.no_write_lane:  # (the default pass's write and write-back through swap_in / scatter_copy at every pass)
-        from peft_sparse.accel import transient_merge
-
-        transient_merge.WRITE_LANE = False
     if args.no_transient_cuda:  # (the fast paths' composed pass instead of W + δ written for each product)
         from peft_sparse.accel import transient_merge
 
@@ -381,7 +377,6 @@ def run_one(args) -> dict:
         "size": args.size,
         "training_merge": args.training_merge or args.variant.endswith("-merge"),
         "transient_cuda": not args.no_transient_cuda,
-        "write_lane": not args.no_write_lane,
         "ma_signal": model.peft_config["default"].ma_signal if "spiel-ma" in args.variant else None,
         "sm3_ema": os.environ.get("BENCH_SM3_EMA") == "1",
         "seq": args.seq,
@@ -517,9 +512,6 @@ def main():
     parser.add_argument("--no-transient-cuda", action="store_true",
                         help="SpIEL variants without the training merge: the fast paths' composed pass on CUDA instead of "
                              "the default transient merge (W + δ written into the base weight for each product)")
-    parser.add_argument("--no-write-lane", action="store_true",
-                        help="SpIEL variants, default pass: each write and write-back through swap_in / scatter_copy and their "
-                             "kept-launch lookups instead of the layer's write lane")
     parser.add_argument("--ma-signal", choices=("sm3", "io"), default=None,
                         help="SpIEL-MA variants: growth ranked by SM3's accumulators or the windows' input/output sums "
                              "(default: the config's, 'io' for blocks and 'sm3' otherwise)")  # fmt: skip
@@ -631,8 +623,6 @@ def run_child(args, variant: str, batch_id: str, out: Optional[str]):
         cmd.append("--training-merge")
     if args.no_transient_cuda:
         cmd.append("--no-transient-cuda")
-    if args.no_write_lane:
-        cmd.append("--no-write-lane")
     if args.ma_signal:
         cmd += ["--ma-signal", args.ma_signal]
     if out:

@@ -177,21 +177,11 @@ def test_default_training_pass_on_cuda_is_bit_identical(growth, block_shape, mon
     same losses and values as with that pass unregistered (the reference's copy, the other fast paths on), θ₀ intact."""
     from peft_sparse.accel import transient_merge
 
-    from peft_sparse.accel import triton_kernels
-
     entry = dispatch._KINDS["linear"]
-    runs, applied, lane_writes = [], [], []
+    runs, applied = [], []
     monkeypatch.setattr(transient_merge, "ON_CUDA", True)  # (the default; a benchmark switch turns it off)
     apply = transient_merge.transient_apply
     monkeypatch.setattr(transient_merge, "transient_apply", lambda *args: applied.append(1) or apply(*args))
-    lane_write = triton_kernels.WriteLane.write
-
-    def counted(lane, *args):
-        kept = lane_write(lane, *args)
-        lane_writes.append(kept is not None)
-        return kept
-
-    monkeypatch.setattr(triton_kernels.WriteLane, "write", counted)
     for registered in (True, False):
         if not registered:
             monkeypatch.setattr(entry, "memos", [f for f in entry.memos if f is not transient_merge.steady_transient_forward])
@@ -204,49 +194,14 @@ def test_default_training_pass_on_cuda_is_bit_identical(growth, block_shape, mon
         opt = SM3(params, lr=1e-2) if growth == "ma" else torch.optim.AdamW(params, lr=1e-2)
         x = torch.randint(0, 97, (2, 9), device="cuda")
         applied.clear()
-        lane_writes.clear()
         losses = train_on(model, opt, SpIELScheduler(model, opt, total_steps=8), x, 8)
         assert bool(applied) == registered
-        assert any(lane_writes) == registered  # (steady passes write through the layer's lane)
         for layer, w in zip(sparse_layers(model), theta0):
             assert torch.equal(layer.get_base_layer().weight, w)
         runs.append((losses, [layer.sparse_values["default"].detach().clone() for layer in sparse_layers(model)]))
     assert runs[0][0] == runs[1][0]
     for a, b in zip(runs[0][1], runs[1][1]):
         assert torch.equal(a, b)
-
-
-def test_the_write_lane_repeats_the_kept_launches_and_steps_aside_when_a_tensor_changes(monkeypatch):
-    """bf16 on CUDA: a layer's write lane (``triton_kernels.WriteLane``) writes and restores the bits of ``swap_in`` and
-    ``scatter_copy``; values at another address, of another size at the same address or of another type, or a
-    launch that would run hooks, make it step aside without launching."""
-    from peft_sparse.accel import triton_kernels
-
-    torch.manual_seed(0)
-    weight = torch.randn(64 * 96, device="cuda", dtype=torch.bfloat16)
-    indices = torch.randperm(weight.numel(), device="cuda")[:500].sort().values.to(torch.int32)
-    values = torch.randn(500, device="cuda") * 1e-2
-    theta0 = weight.clone()
-    assert triton_kernels.write_lane(weight, indices, values, weight[:500]) is None  # (no plans kept yet for these sizes)
-    for _ in range(2):  # (the second launches repeat the plans kept by the first)
-        saved = triton_kernels.swap_in(weight, indices, values)
-        written = weight.clone()
-        triton_kernels.scatter_copy(weight, indices, saved)
-    assert torch.equal(weight, theta0) and not torch.equal(written, theta0)
-    lane = triton_kernels.write_lane(weight, indices, values, saved)
-    assert lane is not None
-    for _ in range(2):
-        kept = lane.write(weight, indices, values)
-        assert torch.equal(kept, saved) and torch.equal(weight, written)
-        lane.restore(kept)
-        assert torch.equal(weight, theta0)
-    assert lane.write(weight, indices, values.clone()) is None
-    assert lane.write(weight, indices[:400], values[:400]) is None
-    assert lane.write(weight, indices, values.view(torch.int32)) is None
-    monkeypatch.setattr(triton_kernels, "_plain_launch", lambda kernel: False)
-    assert lane.write(weight, indices, values) is None
-    torch.cuda.synchronize()
-    assert torch.equal(weight, theta0)
 
 
 def test_layer_inputs_rebuilt_on_cuda_are_bit_identical(monkeypatch):

@@ -89,7 +89,6 @@ class _FastPathState(dispatch.Listener):
 
     def forget(self, layer, adapter) -> None:
         layer._weight_alias = None
-        layer._write_lane = None
         layer._by_indices = []
         if adapter is None:
             layer._delta_csr.clear()
@@ -126,7 +125,6 @@ for _name, _initial, _copied in (
     ("_by_indices", list, False),  # [(indices, key, version, address, a tensor derived from them)] (by_indices.py)
     ("_writing_thread", lambda: None, False),  # the thread inside the layer's product with W' written (transient_merge.py)
     ("_transient_steady", lambda: None, False),  # the last default training pass's decisions (transient_merge.py)
-    ("_write_lane", lambda: None, False),  # the default pass's write and write-back launches to repeat (transient_merge.py)
 ):
     dispatch.register_layer_state(_name, _initial, _copied)
 

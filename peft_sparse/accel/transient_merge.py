@@ -7,8 +7,7 @@ and backward instead
 
 1. read θ₀ at η (d_φ entries, kept by the pass),
 2. write θ₀[η] + φ at η in the base weight's storage — the copy's rounding, so W' holds the copy's bits
-   (on CUDA steps 1 and 2 are one Triton launch, and so is step 4; a single adapter's two launches repeat through
-   the layer's lane, ``triton_kernels.WriteLane``, once their plans are kept),
+   (on CUDA steps 1 and 2 are one Triton launch, and so is step 4),
 3. multiply: Y = X·W'ᵀ + b in forward, ∂L/∂X = G·W' in backward,
 4. write the saved θ₀[η] back at η (a copy of the entries read: the same bits, not a subtraction),
 
@@ -51,10 +50,6 @@ from . import by_indices, internals
 _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 _transforms_active = internals.functorch_transforms_active
 
-
-# Off: a single adapter's write and write-back always go through swap_in / scatter_copy, never the layer's lane
-# (benchmarks/bench_step.py --no-write-lane, for a comparison in one lease).
-WRITE_LANE = True
 
 # Off: the pass is not taken on CUDA (benchmarks/bench_step.py --no-transient-cuda, for a comparison in one lease
 # with the fast paths' composed pass; the transient pass was host-bound for block adapters on an H200, BENCHMARKS.md).
@@ -103,16 +98,6 @@ def write(layer, flat: torch.Tensor, indices, values) -> list:
     # thread asks the listeners before it reads the weight, and is refused)
     state = layer.__dict__
     state["_writing_thread"], state["_base_weight_held"] = threading.get_ident(), True
-    lane = state.get("_write_lane")
-    if lane is not None and len(indices) == 1 and dispatch.ON and WRITE_LANE:  # the layer's last write again (triton_kernels.WriteLane)
-        try:
-            kept = lane.write(flat, indices[0], values[0])
-        except BaseException:
-            state["_writing_thread"], state["_base_weight_held"] = None, False
-            raise
-        if kept is not None:
-            return _LaneSaved(lane, kept)
-        state["_write_lane"] = None  # (its tensors changed: the usual launches, and a lane for the new ones)
     saved: list = []
     try:
         triton = _kernels_for(flat, values)
@@ -120,8 +105,6 @@ def write(layer, flat: torch.Tensor, indices, values) -> list:
             if triton is not None:  # one launch: θ₀[η] kept, θ₀[η] + φ written
                 with kernels.on_device(flat):
                     saved.append(triton.swap_in(flat, idx, val))
-                if len(indices) == 1 and WRITE_LANE:
-                    state["_write_lane"] = triton.write_lane(flat, idx, val, saved[0])
                 continue
             if flat.device.type == "cpu" and torch.get_num_threads() > 1:
                 # take / put_ spread over the threads where index_select / index_add_ do not (int64 positions, kept)
@@ -146,9 +129,6 @@ def restore(layer, flat: torch.Tensor, indices, saved: list) -> None:
     """Step 4 of the module docstring: what :func:`write` found at each adapter's indices written back, the last
     adapter's first (a copy of the entries read: the same bits, not a subtraction); the layer's mark cleared."""
     try:
-        if type(saved) is _LaneSaved:
-            saved.lane.restore(saved[0])
-            return
         triton = _kernels_for(flat, ())
         for idx, base in zip(reversed(indices[: len(saved)]), reversed(saved)):
             if triton is not None:
@@ -165,16 +145,6 @@ def restore(layer, flat: torch.Tensor, indices, saved: list) -> None:
     finally:
         state = layer.__dict__
         state["_writing_thread"], state["_base_weight_held"] = None, False
-
-
-class _LaneSaved(list):
-    """What :func:`write` found at the indices when it wrote through the layer's lane, with that lane (for :func:`restore`)."""
-
-    __slots__ = ("lane",)
-
-    def __init__(self, lane, kept: torch.Tensor):
-        super().__init__((kept,))
-        self.lane = lane
 
 
 def check_not_writing(layer) -> None:

@@ -186,13 +186,6 @@ class LaunchPlan:
             self.run = launcher
             self.prefix = (compiled.packed_metadata, None, None, None)
 
-    def accepts(self, *tensors: torch.Tensor) -> bool:
-        """Whether :meth:`__call__` would launch with these tensors (one per slot, in order) on the current device."""
-        return len(tensors) == len(self.at) and all(
-            (t.data_ptr() % 16 == 0) is aligned and t.dtype is dtype and t.numel() == numel and t.is_contiguous() and t.get_device() == self.device
-            for t, aligned, dtype, numel in zip(tensors, self.aligned, self.dtypes, self.numels)
-        )  # fmt: skip
-
     def __call__(self, *tensors: torch.Tensor) -> bool:
         if len(tensors) != len(self.at) or not _plain_launch(self.kernel):
             return False
@@ -1126,74 +1119,6 @@ def scatter_copy(out: torch.Tensor, indices: torch.Tensor, source: torch.Tensor)
         key = (nnz, out.numel(), out.dtype, indices.dtype, source.dtype)
         launch_kept(_scatter_copy_kernel, (_cdiv(nnz, _SWAP_BLOCK),), key, ("OUT", "IDX", "SRC"), (out, indices, source),
                     out, indices, source, nnz, BLOCK=_SWAP_BLOCK)  # fmt: skip
-
-
-class WriteLane:
-    """One layer's write (:func:`swap_in`) and write-back (:func:`scatter_copy`) of a single adapter, repeated from
-    their kept plans without :func:`launch_kept`'s lookups and the plans' checks of every tensor: the default pass
-    makes these two launches in forward and again in backward for every layer, and at small shapes the host time
-    of the training step bounds it. Made by :func:`write_lane` for the tensors the plans accepted; :meth:`write`
-    applies while the storage written, the indices and the values are those tensors (address, size, type,
-    contiguity), on the current device, and Triton's launch would only launch (no hooks): otherwise it returns
-    None and the caller launches as usual. Same kernels, grids and arguments as those functions: the same bits."""
-
-    __slots__ = ("swap", "copy", "out_ptr", "idx_ptr", "val_ptr", "out_numel", "nnz", "out_dtype", "idx_dtype", "val_dtype",
-                 "swap_args", "swap_saved_at", "copy_args", "copy_src_at")  # fmt: skip
-
-    def __init__(self, swap: LaunchPlan, copy: LaunchPlan, out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor):
-        self.swap, self.copy = swap, copy
-        self.out_ptr, self.idx_ptr, self.val_ptr = out.data_ptr(), indices.data_ptr(), values.data_ptr()
-        self.out_numel, self.nnz = out.numel(), indices.numel()
-        self.out_dtype, self.idx_dtype, self.val_dtype = out.dtype, indices.dtype, values.dtype
-        # the launchers' arguments with the fixed tensors' addresses in place; the kept θ₀ entries' slot left to fill
-        self.swap_args = swap.values.copy()
-        out_at, idx_at, self.swap_saved_at, val_at = swap.at
-        self.swap_args[out_at], self.swap_args[idx_at], self.swap_args[val_at] = self.out_ptr, self.idx_ptr, self.val_ptr
-        self.copy_args = copy.values.copy()
-        out_at, idx_at, self.copy_src_at = copy.at
-        self.copy_args[out_at], self.copy_args[idx_at] = self.out_ptr, self.idx_ptr
-
-    def write(self, out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> Optional[torch.Tensor]:
-        """:func:`swap_in` ``(out, indices, values)``: the θ₀ entries it keeps, or None (not launched) where the lane does
-        not apply."""
-        if not (
-            out.data_ptr() == self.out_ptr and indices.data_ptr() == self.idx_ptr and values.data_ptr() == self.val_ptr
-            and out.numel() == self.out_numel and indices.numel() == self.nnz and values.numel() == self.nnz
-            and out.dtype is self.out_dtype and indices.dtype is self.idx_dtype and values.dtype is self.val_dtype
-            and indices.is_contiguous() and values.is_contiguous()
-            and _current_cuda_device() == self.swap.device and _plain_launch(_swap_in_kernel) and _plain_launch(_scatter_copy_kernel)
-        ):  # fmt: skip
-            return None
-        saved = torch.empty(self.nnz, dtype=self.out_dtype, device=out.device)
-        ptr = saved.data_ptr()
-        if ptr % 16:  # (another specialization than the plans': never from torch's caching allocator)
-            return None
-        args = self.swap_args.copy()
-        args[self.swap_saved_at] = ptr
-        plan = self.swap
-        plan.run(*plan.grid, internals.cuda_raw_stream(plan.device), plan.function, *plan.prefix, *args)
-        return saved
-
-    def restore(self, saved: torch.Tensor) -> None:
-        """:func:`scatter_copy` of what :meth:`write` returned, into the tensor it wrote (right after that write's
-        product, on the same device and thread)."""
-        args = self.copy_args.copy()
-        args[self.copy_src_at] = saved.data_ptr()
-        plan = self.copy
-        plan.run(*plan.grid, internals.cuda_raw_stream(plan.device), plan.function, *plan.prefix, *args)
-
-
-def write_lane(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, saved: torch.Tensor) -> Optional[WriteLane]:
-    """A :class:`WriteLane` for these tensors, once :func:`swap_in` and :func:`scatter_copy` have kept their plans for
-    them (``saved``: what :func:`swap_in` returned) and those plans accept them; else None."""
-    nnz = indices.numel()
-    if not nnz or saved.dtype is not out.dtype:
-        return None
-    swap = _KEPT_LAUNCHES.get((_swap_in_kernel, out.device, (nnz, out.numel(), out.dtype, indices.dtype, values.dtype)))
-    copy = _KEPT_LAUNCHES.get((_scatter_copy_kernel, out.device, (nnz, out.numel(), out.dtype, indices.dtype, out.dtype)))
-    if swap is None or copy is None or not swap.accepts(out, indices, saved, values) or not copy.accepts(out, indices, saved):
-        return None
-    return WriteLane(swap, copy, out, indices, values)
 
 
 @triton.jit
