@@ -421,6 +421,11 @@ def kernel_profile(model, optimizer, hook, batches, steps: int) -> dict:
         trace = Path(folder) / "trace.json"
         prof.export_chrome_trace(str(trace))
         events = json.loads(trace.read_text())["traceEvents"]
+    return summarize_trace(events, steps)
+
+
+def summarize_trace(events: list, steps: int) -> dict:
+    """:func:`kernel_profile`'s record from a Chrome trace's events (``phase:<name>`` ranges of ``steps`` steps)."""
     launches = {e["args"]["correlation"]: e["ts"] for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}  # fmt: skip
     kernels = [e for e in events if e.get("cat") == "kernel"]
