@@ -7,6 +7,7 @@ Produces BENCHMARKS.md, "NVIDIA H200 (141 GB)": the TinyLlama and Llama-2-7B ste
     python benchmarks/bench_step.py --variants floor,spiel-ma-block --block 32  # 32×32 blocks (default 64×64)
     python benchmarks/bench_step.py --variants floor,spiel-ag,spiel-ag-merge --rounds 3  # default and opt-in merge
     python benchmarks/bench_step.py --size llama2-7b --variants floor,floor-dw,spiel-ag  # against the dense-dW bound
+    python benchmarks/bench_step.py --variant spiel-ag-block --kernel-profile 3  # GPU busy time and host CUDA calls per phase
 
 Rounds run the floor first, then the other variants, in reverse order in every second round (a process's
 place in a round can move its host's speed; each record's ``host_probe_us`` times a fixed loop of plain
