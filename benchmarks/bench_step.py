@@ -397,9 +397,9 @@ def run_one(args) -> dict:
 
 def kernel_profile(model, optimizer, hook, batches, steps: int) -> dict:
     """``steps`` more steps (after the timed ones, not timed) under torch.profiler's CUDA activity: per step and
-    phase, the GPU's busy time (the union of its kernels' intervals) and idle time between the phase's first and
-    last kernel, and per kernel name its launches and GPU time per step (the 40 largest), to tell the GPU time
-    a variant adds from the host time it waits for."""
+    phase, the GPU's busy time (the union of its kernels' intervals), the span from its first to its last kernel,
+    the host's time and the host's CUDA calls, and per kernel name its launches and GPU time per step (the 40
+    largest), to tell the GPU time a variant adds from the host time it waits for."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
