@@ -10,7 +10,8 @@ Rows: the frozen layer alone (``floor``: Y = X·Wᵀ with ∂L/∂X), LoRA r64, 
 default pass and with the opt-in training merge, at LoRA r64's budget for this layer, each called through the
 PeftModel and on the projection itself (``layer_``: what a step pays per layer); block SpIEL-AG's default write and
 write-back as its forward calls them (``write_restore_us``); then the primitives of the default pass (write
-θ₀[η] + φ at η, write θ₀[η] back) by each available way. Median over 5 repeats of the mean host time per iteration (µs), each repeat ``--iters`` iterations after a warm-up, one synchronisation per repeat.
+θ₀[η] + φ at η, write θ₀[η] back) by each available way. Median over 5 repeats of the mean host time per
+iteration (µs), each repeat ``--iters`` iterations after a warm-up, one synchronisation per repeat.
 """
 
 from __future__ import annotations
