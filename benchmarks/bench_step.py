@@ -295,6 +295,10 @@ def run_one(args) -> dict:
         from peft_sparse.accel import transient_merge
 
         transient_merge.ON_CUDA = False
+    if args.no_write_lane:  # (each single-adapter write and write-back through the generic calls)
+        from peft_sparse.accel import transient_merge
+
+        transient_merge.WRITE_LANE = False
     model, optimizer, hook, block_shape, trainable = prepare(args.variant, args.size, args.warmup + args.steps, args.block, args.training_merge, args.ma_signal)
     model.train()
     slow: dict = {}  # label → calls in the current step
@@ -378,6 +382,7 @@ def run_one(args) -> dict:
         "size": args.size,
         "training_merge": args.training_merge or args.variant.endswith("-merge"),
         "transient_cuda": not args.no_transient_cuda,
+        "write_lane": not args.no_write_lane,
         "ma_signal": model.peft_config["default"].ma_signal if "spiel-ma" in args.variant else None,
         "sm3_ema": os.environ.get("BENCH_SM3_EMA") == "1",
         "seq": args.seq,
@@ -518,6 +523,9 @@ def main():
     parser.add_argument("--no-transient-cuda", action="store_true",
                         help="SpIEL variants without the training merge: the fast paths' composed pass on CUDA instead of "
                              "the default transient merge (W + δ written into the base weight for each product)")
+    parser.add_argument("--no-write-lane", action="store_true",
+                        help="the default pass's single-adapter writes and write-backs through the generic calls, not "
+                             "the layer's kept lane (for a comparison in one lease)")
     parser.add_argument("--ma-signal", choices=("sm3", "io"), default=None,
                         help="SpIEL-MA variants: growth ranked by SM3's accumulators or the windows' input/output sums "
                              "(default: the config's, 'io' for blocks and 'sm3' otherwise)")  # fmt: skip
@@ -629,6 +637,8 @@ def run_child(args, variant: str, batch_id: str, out: Optional[str]):
         cmd.append("--training-merge")
     if args.no_transient_cuda:
         cmd.append("--no-transient-cuda")
+    if args.no_write_lane:
+        cmd.append("--no-write-lane")
     if args.ma_signal:
         cmd += ["--ma-signal", args.ma_signal]
     if out:

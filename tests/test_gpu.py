@@ -204,6 +204,95 @@ def test_default_training_pass_on_cuda_is_bit_identical(growth, block_shape, mon
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("block_shape", [(1, 1), (16, 16)])
+def test_write_lane_repeats_the_default_write_bit_for_bit(block_shape, monkeypatch):
+    """The layers' kept write lanes (one per layer, made at its first single-adapter write) serve every later write
+    and write-back of the default pass, in forward and in backward, through reselections: the same losses and values
+    as the generic calls (lane off), θ₀ intact after every step."""
+    from peft_sparse.accel import transient_merge, triton_kernels
+
+    served, made, writes = [], [], []
+    write, swap_in, init = transient_merge.write, triton_kernels.WriteLane.swap_in, triton_kernels.WriteLane.__init__
+    monkeypatch.setattr(transient_merge, "write", lambda *a: writes.append(1) or write(*a))
+    monkeypatch.setattr(triton_kernels.WriteLane, "swap_in", lambda self: served.append(id(self)) or swap_in(self))
+    monkeypatch.setattr(triton_kernels.WriteLane, "__init__", lambda self, *a: made.append(1) or init(self, *a))
+    runs = []
+    for lane_on in (True, False):
+        monkeypatch.setattr(transient_merge, "WRITE_LANE", lane_on)
+        served.clear(), made.clear(), writes.clear()
+        config = SpIELConfig(target_modules=["q_proj", "gate_proj", "down_proj"], density=0.2, reselection_steps=3,
+                             gradient_estimation_steps=2, block_shape=block_shape)  # fmt: skip
+        model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128, dtype=torch.bfloat16), config).cuda()
+        layers = sparse_layers(model)
+        theta0 = [layer.get_base_layer().weight.detach().clone() for layer in layers]
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-2)
+        x = torch.randint(0, 97, (2, 9), device="cuda")
+        losses = train_on(model, opt, SpIELScheduler(model, opt, total_steps=8), x, 8)
+        for layer, w in zip(layers, theta0):
+            assert torch.equal(layer.get_base_layer().weight, w)
+        if lane_on:
+            # every write of the default pass (forward and backward) served by a lane; lanes made at each layer's
+            # first write, and again only where the values or indices became other tensors (at most at the reselections)
+            assert len(served) == len(writes) >= 8 * len(layers)
+            assert len(made) <= 3 * len(layers)
+            lanes = [layer._write_lane for layer in layers]
+            assert all(lane is not None and lane.swap is not None and lane.copy is not None for lane in lanes)
+            assert all(lane.pending is None for lane in lanes)  # every write written back
+        else:
+            assert not served and all(layer._write_lane is None for layer in layers)
+        runs.append((losses, [layer.sparse_values["default"].detach().clone() for layer in layers]))
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(a, b)
+
+
+def test_write_lane_follows_its_tensors_streams_and_threads():
+    """A lane writes θ₀[η] + φ and writes θ₀[η] back with the bits of swap_in / scatter_copy; it serves only its own
+    tensors at their addresses; what a write keeps lives in a buffer of the thread and stream that wrote it."""
+    import threading
+
+    from peft_sparse.accel import triton_kernels as tk
+
+    torch.manual_seed(0)
+    weight = torch.randn(64 * 96, device="cuda", dtype=torch.bfloat16)
+    indices = torch.randperm(weight.numel(), device="cuda")[:700].sort().values.to(torch.int32)
+    values = torch.randn(700, device="cuda", dtype=torch.float32) * 1e-2
+    reference = weight.clone()
+    tk.swap_in(reference, indices, values)
+    lane = tk.WriteLane(weight, indices, values)
+    original = weight.clone()
+    for _ in range(3):  # (the first call plans the launches, the next ones repeat them)
+        pending = lane.swap_in()
+        assert torch.equal(weight, reference)
+        assert lane.restore(pending)
+        assert torch.equal(weight, original)
+    assert lane.swap is not None and lane.copy is not None
+    assert not lane.restore([pending[0]])  # (only the list its own write returned)
+    assert lane.serves(weight, indices, values)
+    assert not lane.serves(weight, indices.clone(), values)
+    assert not lane.serves(weight, indices, values.detach().clone())
+    values.data = values.data.clone()  # (the same object, new memory)
+    assert not lane.serves(weight, indices, values)
+
+    lane = tk.WriteLane(weight, indices, values)
+    here = lane.swap_in()[0]
+    lane.restore(lane.pending)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        on_side = lane.swap_in()[0]
+        assert torch.equal(weight, reference)
+        lane.restore(lane.pending)
+    torch.cuda.synchronize()
+    assert torch.equal(weight, original)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(tk.scratch(weight, 700)))
+    thread.start()
+    thread.join()
+    assert tk.scratch(weight, 700) is here  # (the same buffer for this thread and stream)
+    assert on_side.data_ptr() != here.data_ptr() and seen[0].data_ptr() != here.data_ptr()
+
+
 def test_layer_inputs_rebuilt_on_cuda_are_bit_identical(monkeypatch):
     """The rebuilt inputs (the RMSNorm outputs by the fused Triton pass) give the value gradients of kept inputs."""
     from .test_functional import _inputs_kept_case

@@ -97,6 +97,7 @@ class _FastPathState(dispatch.Listener):
         layer._inference_memo = None
         layer._steady = None
         layer._transient_steady = None
+        layer._write_lane = None
 
     def reindex(self, layers: list, change):
         for layer in layers:  # what is kept of indices about to change (kept by version too, but a foreach
@@ -125,6 +126,7 @@ for _name, _initial, _copied in (
     ("_by_indices", list, False),  # [(indices, key, version, address, a tensor derived from them)] (by_indices.py)
     ("_writing_thread", lambda: None, False),  # the thread inside the layer's product with W' written (transient_merge.py)
     ("_transient_steady", lambda: None, False),  # the last default training pass's decisions (transient_merge.py)
+    ("_write_lane", lambda: None, False),  # the last single-adapter write on CUDA, to repeat (transient_merge.py)
 ):
     dispatch.register_layer_state(_name, _initial, _copied)
 

@@ -7,7 +7,8 @@ and backward instead
 
 1. read θ₀ at η (d_φ entries, kept by the pass),
 2. write θ₀[η] + φ at η in the base weight's storage — the copy's rounding, so W' holds the copy's bits
-   (on CUDA steps 1 and 2 are one Triton launch, and so is step 4),
+   (on CUDA steps 1 and 2 are one Triton launch, and so is step 4; a layer with one adapter repeats both from
+   launches kept for its tensors, :class:`~.triton_kernels.WriteLane`),
 3. multiply: Y = X·W'ᵀ + b in forward, ∂L/∂X = G·W' in backward,
 4. write the saved θ₀[η] back at η (a copy of the entries read: the same bits, not a subtraction),
 
@@ -50,6 +51,10 @@ from . import by_indices, internals
 _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 _transforms_active = internals.functorch_transforms_active
 
+
+# Off: single-adapter writes on CUDA go through the generic calls, not a layer's kept lane (triton_kernels.WriteLane;
+# benchmarks/bench_step.py --no-write-lane, for a comparison in one lease).
+WRITE_LANE = True
 
 # Off: the pass is not taken on CUDA (benchmarks/bench_step.py --no-transient-cuda, for a comparison in one lease
 # with the fast paths' composed pass; the transient pass was host-bound for block adapters on an H200, BENCHMARKS.md).
@@ -98,9 +103,20 @@ def write(layer, flat: torch.Tensor, indices, values) -> list:
     # thread asks the listeners before it reads the weight, and is refused)
     state = layer.__dict__
     state["_writing_thread"], state["_base_weight_held"] = threading.get_ident(), True
+    lane = state.get("_write_lane")
+    if lane is not None and len(indices) == 1 and WRITE_LANE and dispatch.ON and lane.serves(flat, indices[0], values[0]):
+        try:  # this layer's last single-adapter write again (checked when the lane was made: CUDA, the kernels' types)
+            return lane.swap_in()
+        except BaseException:
+            restore(layer, flat, indices, [])
+            raise
     saved: list = []
     try:
         triton = _kernels_for(flat, values)
+        if triton is not None and len(indices) == 1 and WRITE_LANE:  # a lane for this write, kept for the next ones
+            state["_write_lane"] = lane = triton.WriteLane(flat, indices[0], values[0])
+            with kernels.on_device(flat):
+                return lane.swap_in()
         for idx, val in zip(indices, values):
             if triton is not None:  # one launch: θ₀[η] kept, θ₀[η] + φ written
                 with kernels.on_device(flat):
@@ -129,6 +145,9 @@ def restore(layer, flat: torch.Tensor, indices, saved: list) -> None:
     """Step 4 of the module docstring: what :func:`write` found at each adapter's indices written back, the last
     adapter's first (a copy of the entries read: the same bits, not a subtraction); the layer's mark cleared."""
     try:
+        lane = layer.__dict__.get("_write_lane")
+        if lane is not None and lane.restore(saved):  # (what the lane's write kept)
+            return
         triton = _kernels_for(flat, ())
         for idx, base in zip(reversed(indices[: len(saved)]), reversed(saved)):
             if triton is not None:

@@ -24,6 +24,7 @@ Shipped as Python source (compiled by Triton at first use); the torch references
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Optional
 
@@ -1119,6 +1120,81 @@ def scatter_copy(out: torch.Tensor, indices: torch.Tensor, source: torch.Tensor)
         key = (nnz, out.numel(), out.dtype, indices.dtype, source.dtype)
         launch_kept(_scatter_copy_kernel, (_cdiv(nnz, _SWAP_BLOCK),), key, ("OUT", "IDX", "SRC"), (out, indices, source),
                     out, indices, source, nnz, BLOCK=_SWAP_BLOCK)  # fmt: skip
+
+
+class WriteLane:
+    """One layer's write and write-back of the default pass (:func:`swap_in`, then :func:`scatter_copy` of what it
+    kept) for one flat weight, indices and values, repeated from launches kept with those three tensors bound: a
+    training step repeats them in forward and in backward of every layer, and the generic calls (key, lookup,
+    a check per tensor, a fresh ``saved``) cost the host more than the launch itself. What the write keeps goes
+    to a buffer of this thread and stream (:func:`scratch`), read back by the write-back that follows it.
+
+    :meth:`serves` says whether the lane is for these tensors (the same objects at the same addresses: the lane
+    holds them, so no other tensor can take their memory); the caller makes a new lane otherwise."""
+
+    __slots__ = ("out", "indices", "values", "pointers", "grid", "swap", "copy", "pending")
+
+    def __init__(self, out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor):
+        self.out, self.indices, self.values = out, indices, values  # (flat weight, (d_φ,), (d_φ,))
+        self.pointers = (out.data_ptr(), indices.data_ptr(), values.data_ptr())
+        self.grid = (_cdiv(indices.numel(), _SWAP_BLOCK),)
+        self.swap = self.copy = self.pending = None
+
+    def serves(self, out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> bool:
+        return (
+            out is self.out and indices is self.indices and values is self.values
+            and (out.data_ptr(), indices.data_ptr(), values.data_ptr()) == self.pointers
+        )  # fmt: skip
+
+    def swap_in(self) -> list:
+        """:func:`swap_in` of the lane's tensors; returns ``[saved]`` (a :func:`scratch` buffer: valid until this
+        thread's next write on this stream), which :meth:`restore` takes."""
+        out, indices, values = self.out, self.indices, self.values
+        nnz = indices.numel()
+        saved = scratch(out, nnz)
+        if nnz and not (self.swap is not None and self.swap(saved)):
+            with torch.cuda.device(out.device):  # (made: the next calls launch it on its device)
+                self.swap = launch_plan(_swap_in_kernel, self.grid, "SAVED", out, indices, saved, values, nnz, BLOCK=_SWAP_BLOCK)
+        pending = self.pending = [saved]
+        return pending
+
+    def restore(self, pending: list) -> bool:
+        """:func:`scatter_copy` of what :meth:`swap_in` kept (``pending``, the list it returned) back into the
+        weight; False (nothing done) for any other list."""
+        if pending is not self.pending:
+            return False
+        self.pending = None
+        saved, nnz = pending[0], self.indices.numel()
+        if nnz and not (self.copy is not None and self.copy(saved)):
+            with torch.cuda.device(self.out.device):
+                self.copy = launch_plan(_scatter_copy_kernel, self.grid, "SRC", self.out, self.indices, saved, nnz, BLOCK=_SWAP_BLOCK)
+        return True
+
+
+_SCRATCH = threading.local()  # .tables: (device, stream, dtype) → (buffer, {n: its first n entries})
+_SCRATCH_TABLES_MAX = 16
+
+
+def scratch(like: torch.Tensor, n: int) -> torch.Tensor:
+    """n entries of ``like``'s dtype on its CUDA device, from a buffer of this thread for the device's current
+    stream (grown to the largest n asked; the same tensor for the same n): what one write keeps until its
+    write-back, which runs before this thread's next write on the stream (the launches follow in the stream's
+    order, so one buffer serves every layer)."""
+    device = like.get_device()
+    key = (device, internals.cuda_raw_stream(device), like.dtype)
+    tables = getattr(_SCRATCH, "tables", None)
+    if tables is None:
+        tables = _SCRATCH.tables = {}
+    entry = tables.get(key)
+    if entry is None or entry[0].numel() < n:
+        if entry is None and len(tables) >= _SCRATCH_TABLES_MAX:
+            tables.clear()  # (streams made and dropped one after another)
+        entry = tables[key] = (torch.empty(max(n, 1), dtype=like.dtype, device=like.device), {})
+    views = entry[1]
+    view = views.get(n)
+    if view is None:
+        view = views[n] = entry[0][:n]
+    return view
 
 
 @triton.jit
