@@ -204,11 +204,12 @@ def test_default_training_pass_on_cuda_is_bit_identical(growth, block_shape, mon
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("block_shape", [(1, 1), (16, 16)])
-def test_write_lane_repeats_the_default_write_bit_for_bit(block_shape, monkeypatch):
+@pytest.mark.parametrize("block_shape, checkpointing", [((1, 1), False), ((16, 16), False), ((16, 16), True)])
+def test_write_lane_repeats_the_default_write_bit_for_bit(block_shape, checkpointing, monkeypatch):
     """The layers' kept write lanes (one per layer, made at its first single-adapter write) serve every later write
-    and write-back of the default pass, in forward and in backward, through reselections: the same losses and values
-    as the generic calls (lane off), θ₀ intact after every step."""
+    and write-back of the default pass, in forward and in backward, through reselections, and under gradient
+    checkpointing (whose backward hands over other tensors over the same memory): the same losses and values as
+    the generic calls (lane off), θ₀ intact after every step."""
     from peft_sparse.accel import transient_merge, triton_kernels
 
     served, made, writes = [], [], []
@@ -223,6 +224,8 @@ def test_write_lane_repeats_the_default_write_bit_for_bit(block_shape, monkeypat
         config = SpIELConfig(target_modules=["q_proj", "gate_proj", "down_proj"], density=0.2, reselection_steps=3,
                              gradient_estimation_steps=2, block_shape=block_shape)  # fmt: skip
         model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128, dtype=torch.bfloat16), config).cuda()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         layers = sparse_layers(model)
         theta0 = [layer.get_base_layer().weight.detach().clone() for layer in layers]
         params = [p for p in model.parameters() if p.requires_grad]
@@ -270,8 +273,12 @@ def test_write_lane_follows_its_tensors_streams_and_threads():
     assert lane.swap is not None and lane.copy is not None
     assert not lane.restore([pending[0]])  # (only the list its own write returned)
     assert lane.serves(weight, indices, values)
+    assert lane.serves(weight, indices.view(-1), values.detach())  # (other tensors over the same memory)
     assert not lane.serves(weight, indices.clone(), values)
     assert not lane.serves(weight, indices, values.detach().clone())
+    assert not lane.serves(weight, indices, values.view(torch.int32))  # (the same memory as another type)
+    assert not lane.serves(weight, indices[:500], values[:500])
+    assert not lane.serves(weight.clone(), indices, values)
     values.data = values.data.clone()  # (the same object, new memory)
     assert not lane.serves(weight, indices, values)
 
@@ -279,6 +286,7 @@ def test_write_lane_follows_its_tensors_streams_and_threads():
     here = lane.swap_in()[0]
     lane.restore(lane.pending)
     side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         on_side = lane.swap_in()[0]
         assert torch.equal(weight, reference)

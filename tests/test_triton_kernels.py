@@ -1046,6 +1046,50 @@ def test_swap_in_and_scatter_copy_write_and_restore_bit_for_bit(tk, out_dtype):
     assert torch.equal(flat2.cpu().view(bits), w2.view(bits))
 
 
+def test_write_lane_writes_and_restores_as_swap_in_and_scatter_copy(tk):
+    """A write lane's write and write-back have swap_in's and scatter_copy's bits, call after call; it serves its
+    own tensors and other tensors over their memory, of their types and sizes, and nothing else; a write-back takes
+    only what the lane's last write returned; what a write keeps lives in a buffer of the writing thread."""
+    import threading
+
+    g = torch.Generator().manual_seed(3)
+    dev = _device()
+    n, nnz = 4000, 900
+    w = torch.randn(n, generator=g).to(dev)
+    idx = random_indices(n, nnz, g).to(torch.int32).to(dev)
+    vals = torch.nn.Parameter(torch.randn(nnz, generator=g).to(dev) * 0.01)
+    want = w.clone()
+    want_saved = tk.swap_in(want, idx, vals.detach())
+    flat, original = w.clone(), w.clone()
+    lane = tk.WriteLane(flat, idx, vals)
+    for _ in range(3):  # (on CUDA: the first call plans the launches, the next ones repeat them)
+        pending = lane.swap_in()
+        assert torch.equal(pending[0], want_saved) and torch.equal(flat, want)
+        assert not lane.restore([pending[0]])  # (another list: not this write's)
+        assert torch.equal(flat, want)
+        assert lane.restore(pending)
+        assert torch.equal(flat, original)
+        assert not lane.restore(pending)  # (written back once)
+    assert lane.serves(flat, idx, vals)
+    assert lane.serves(flat, idx.view(-1), vals.detach())  # (other tensors over the same memory)
+    assert not lane.serves(flat, idx.clone(), vals)
+    assert not lane.serves(flat, idx, vals.detach().clone())
+    assert not lane.serves(flat, idx, vals.detach().view(torch.int32))  # (the same memory as another type)
+    assert not lane.serves(flat, idx[:500], vals[:500])
+    assert not lane.serves(flat.clone(), idx, vals)
+    assert not lane.serves(flat, idx, torch.stack([vals.detach(), vals.detach()], 1)[:, 0])  # (not contiguous)
+    vals.data = vals.data.clone()  # (the same object, new memory)
+    assert not lane.serves(flat, idx, vals)
+
+    mine = tk.scratch(flat, nnz)
+    assert tk.scratch(flat, nnz) is mine and tk.scratch(flat, nnz // 2).data_ptr() == mine.data_ptr()
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(tk.scratch(flat, nnz)))
+    thread.start()
+    thread.join()
+    assert seen[0].data_ptr() != mine.data_ptr()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape, k", [((96, 130), 37), ((96, 130), 6240), ((41, 100), 1), ((64, 64), 4095)])
 def test_top_scaled_magnitudes_radix_selection_matches_the_reference(tk, dtype, shape, k):

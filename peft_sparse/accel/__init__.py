@@ -84,6 +84,8 @@ class _FastPathState(dispatch.Listener):
                 layer._steady = None
             if layer._transient_steady is not None:
                 layer._transient_steady = None
+            if layer._write_lane is not None:
+                layer._write_lane = None
             if layer._nf4_rebuild is not None:
                 layer._nf4_rebuild = None
 

@@ -103,17 +103,14 @@ def write(layer, flat: torch.Tensor, indices, values) -> list:
     # thread asks the listeners before it reads the weight, and is refused)
     state = layer.__dict__
     state["_writing_thread"], state["_base_weight_held"] = threading.get_ident(), True
-    lane = state.get("_write_lane")
-    if lane is not None and len(indices) == 1 and WRITE_LANE and dispatch.ON and lane.serves(flat, indices[0], values[0]):
-        try:  # this layer's last single-adapter write again (checked when the lane was made: CUDA, the kernels' types)
-            return lane.swap_in()
-        except BaseException:
-            restore(layer, flat, indices, [])
-            raise
     saved: list = []
     try:
+        lane = state.get("_write_lane")
+        if lane is not None and len(indices) == 1 and WRITE_LANE and dispatch.ON and lane.serves(flat, indices[0], values[0]):
+            return lane.swap_in()  # this layer's last single-adapter write again (CUDA, the kernels' types: checked when made)
         triton = _kernels_for(flat, values)
-        if triton is not None and len(indices) == 1 and WRITE_LANE:  # a lane for this write, kept for the next ones
+        if triton is not None and len(indices) == 1 and WRITE_LANE and isinstance(values[0], torch.nn.Parameter):
+            # a lane for the layer's own values (not a copy a saved-tensor hook made: a new one at every pass), kept
             state["_write_lane"] = lane = triton.WriteLane(flat, indices[0], values[0])
             with kernels.on_device(flat):
                 return lane.swap_in()

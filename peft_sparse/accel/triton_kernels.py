@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ..core.block_kernels import BlockLayout
-from ..core.devices import current_cuda_device as _current_cuda_device, table, to_device_async
+from ..core.devices import current_cuda_device as _current_cuda_device, on_device, table, to_device_async
 from . import internals
 
 # (kernel, device, specialization, options) → the kernel Triton compiled for them (see launch)
@@ -1124,37 +1124,42 @@ def scatter_copy(out: torch.Tensor, indices: torch.Tensor, source: torch.Tensor)
 
 class WriteLane:
     """One layer's write and write-back of the default pass (:func:`swap_in`, then :func:`scatter_copy` of what it
-    kept) for one flat weight, indices and values, repeated from launches kept with those three tensors bound: a
+    kept) for one flat weight, indices and values, repeated from launches kept with their addresses bound: a
     training step repeats them in forward and in backward of every layer, and the generic calls (key, lookup,
     a check per tensor, a fresh ``saved``) cost the host more than the launch itself. What the write keeps goes
     to a buffer of this thread and stream (:func:`scratch`), read back by the write-back that follows it.
 
-    :meth:`serves` says whether the lane is for these tensors (the same objects at the same addresses: the lane
-    holds them, so no other tensor can take their memory); the caller makes a new lane otherwise."""
+    :meth:`serves` says whether a write's tensors are the ones the launches were made for: the same flat weight,
+    and indices and values at the same addresses, of the same types and sizes, contiguous (the tensors the lane
+    was made with, or other tensors over their memory: what a checkpointed region's recomputation hands over)."""
 
-    __slots__ = ("out", "indices", "values", "pointers", "grid", "swap", "copy", "pending")
+    __slots__ = ("out", "indices", "values", "pointers", "kinds", "size", "grid", "swap", "copy", "pending")
 
     def __init__(self, out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor):
         self.out, self.indices, self.values = out, indices, values  # (flat weight, (d_φ,), (d_φ,))
         self.pointers = (out.data_ptr(), indices.data_ptr(), values.data_ptr())
-        self.grid = (_cdiv(indices.numel(), _SWAP_BLOCK),)
+        self.kinds, self.size = (indices.dtype, values.dtype), indices.numel()
+        self.grid = (_cdiv(self.size, _SWAP_BLOCK),)
         self.swap = self.copy = self.pending = None
 
     def serves(self, out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> bool:
+        pointers, (index_type, value_type), size = self.pointers, self.kinds, self.size
         return (
-            out is self.out and indices is self.indices and values is self.values
-            and (out.data_ptr(), indices.data_ptr(), values.data_ptr()) == self.pointers
+            out is self.out and out.data_ptr() == pointers[0]
+            and indices.data_ptr() == pointers[1] and values.data_ptr() == pointers[2]
+            and indices.dtype is index_type and values.dtype is value_type
+            and indices.numel() == size and values.numel() == size
+            and indices.is_contiguous() and values.is_contiguous()
         )  # fmt: skip
 
     def swap_in(self) -> list:
         """:func:`swap_in` of the lane's tensors; returns ``[saved]`` (a :func:`scratch` buffer: valid until this
         thread's next write on this stream), which :meth:`restore` takes."""
-        out, indices, values = self.out, self.indices, self.values
-        nnz = indices.numel()
+        out, nnz = self.out, self.size
         saved = scratch(out, nnz)
         if nnz and not (self.swap is not None and self.swap(saved)):
-            with torch.cuda.device(out.device):  # (made: the next calls launch it on its device)
-                self.swap = launch_plan(_swap_in_kernel, self.grid, "SAVED", out, indices, saved, values, nnz, BLOCK=_SWAP_BLOCK)
+            with on_device(out):  # (made: the next calls launch it on its device)
+                self.swap = launch_plan(_swap_in_kernel, self.grid, "SAVED", out, self.indices, saved, self.values, nnz, BLOCK=_SWAP_BLOCK)
         pending = self.pending = [saved]
         return pending
 
@@ -1164,9 +1169,9 @@ class WriteLane:
         if pending is not self.pending:
             return False
         self.pending = None
-        saved, nnz = pending[0], self.indices.numel()
+        saved, nnz = pending[0], self.size
         if nnz and not (self.copy is not None and self.copy(saved)):
-            with torch.cuda.device(self.out.device):
+            with on_device(self.out):
                 self.copy = launch_plan(_scatter_copy_kernel, self.grid, "SRC", self.out, self.indices, saved, nnz, BLOCK=_SWAP_BLOCK)
         return True
 
@@ -1176,12 +1181,18 @@ _SCRATCH_TABLES_MAX = 16
 
 
 def scratch(like: torch.Tensor, n: int) -> torch.Tensor:
-    """n entries of ``like``'s dtype on its CUDA device, from a buffer of this thread for the device's current
-    stream (grown to the largest n asked; the same tensor for the same n): what one write keeps until its
-    write-back, which runs before this thread's next write on the stream (the launches follow in the stream's
-    order, so one buffer serves every layer)."""
-    device = like.get_device()
-    key = (device, internals.cuda_raw_stream(device), like.dtype)
+    """n entries of ``like``'s dtype on its device, from a buffer of this thread for the device's current stream
+    (grown to the largest n asked, the largest layer's d_φ; the same tensor for the same n): what one write keeps
+    until its write-back, which runs before this thread's next write on the stream (the launches follow in the
+    stream's order, so one buffer serves every layer). While the stream is captured into a CUDA graph: a new
+    tensor (from the graph's own memory pool, as the graph's replays need)."""
+    if like.is_cuda:
+        device = like.get_device()
+        if torch.cuda.is_current_stream_capturing():
+            return torch.empty(n, dtype=like.dtype, device=like.device)
+        key = (device, internals.cuda_raw_stream(device), like.dtype)
+    else:  # (Triton's interpreter)
+        key = (like.device, None, like.dtype)
     tables = getattr(_SCRATCH, "tables", None)
     if tables is None:
         tables = _SCRATCH.tables = {}
