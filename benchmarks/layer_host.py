@@ -9,7 +9,8 @@ variant's host time per pass times 154 exceeds its GPU time per step, the step i
 Rows: the frozen layer alone (``floor``: Y = X·Wᵀ with ∂L/∂X), LoRA r64, SpIEL-AG and block SpIEL-AG (64×64) with the
 default pass and with the opt-in training merge, at LoRA r64's budget for this layer, each called through the
 PeftModel and on the projection itself (``layer_``: what a step pays per layer); block SpIEL-AG's default write and
-write-back as its forward calls them (``write_restore_us``); then the primitives of the default pass (write
+write-back as its forward calls them, from the layer's kept lane (``write_restore_us``) and through the generic
+calls (``write_restore_generic_us``); then the primitives of the default pass (write
 θ₀[η] + φ at η, write θ₀[η] back) by each available way. Median over 5 repeats of the mean host time per
 iteration (µs), each repeat ``--iters`` iterations after a warm-up, one synchronisation per repeat.
 """
@@ -94,13 +95,16 @@ def layer_rows(iters: int, tokens: int) -> dict:
         if kind == "spiel-ag-block":  # the default pass's write and write-back as its forward calls them
             from peft_sparse.accel import transient_merge
 
-            flat = layer.get_base_layer().weight.data.view(-1)
+            flat = transient_merge._alias(layer, layer.get_base_layer().weight)  # (the flat view the pass writes)
             indices, values = [layer.sparse_indices["default"]], [layer.sparse_values["default"]]
 
             def write_restore():
                 transient_merge.restore(layer, flat, indices, transient_merge.write(layer, flat, indices, values))
 
-            rows[kind]["write_restore_us"] = per_iteration_us(write_restore, iters)
+            for lane, row in ((True, "write_restore_us"), (False, "write_restore_generic_us")):
+                transient_merge.WRITE_LANE, layer._write_lane = lane, None  # (the layer's kept lane, or none)
+                rows[kind][row] = per_iteration_us(write_restore, iters)
+            transient_merge.WRITE_LANE = True
         del model, layer
     return rows
 
@@ -172,8 +176,10 @@ def main() -> None:
     for name, row in record["layers"].items():
         print(f"{name:<24}{row['forward_us']:>10.1f}{row['forward_backward_us']:>10.1f}{row['forward_backward_us'] - floor['forward_backward_us']:>18.1f}"
               f"{row['layer_forward_us']:>11.1f}{row['layer_forward_backward_us']:>15.1f}")  # fmt: skip
-    if "write_restore_us" in record["layers"].get("spiel-ag-block", {}):
-        print(f"  block SpIEL-AG, the default pass's write + restore: {record['layers']['spiel-ag-block']['write_restore_us']:.1f} µs")
+    block = record["layers"].get("spiel-ag-block", {})
+    if "write_restore_us" in block:
+        print(f"  block SpIEL-AG, the default pass's write + restore: {block['write_restore_us']:.1f} µs "
+              f"(generic calls, no lane: {block['write_restore_generic_us']:.1f} µs)")
     for name, value in record["primitives"].items():
         print(f"  {name}: {value:.1f} µs" if isinstance(value, float) else f"  {name}: {value}")
     if args.out:
