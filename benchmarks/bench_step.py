@@ -291,14 +291,11 @@ def run_one(args) -> dict:
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = True
-    if args.no_transient_cuda:  # (the fast paths' composed pass instead of W + δ written for each product)
-        from peft_sparse.accel import transient_merge
+    from peft_sparse.accel import transient_merge
 
-        transient_merge.ON_CUDA = False
-    if args.no_write_lane:  # (each single-adapter write and write-back through the generic calls)
-        from peft_sparse.accel import transient_merge
-
-        transient_merge.WRITE_LANE = False
+    # (--no-transient-cuda: the fast paths' composed pass instead of W + δ written for each product;
+    # --no-write-lane: each single-adapter write and write-back through the generic calls)
+    transient_merge.ON_CUDA, transient_merge.WRITE_LANE = not args.no_transient_cuda, not args.no_write_lane
     model, optimizer, hook, block_shape, trainable = prepare(args.variant, args.size, args.warmup + args.steps, args.block, args.training_merge, args.ma_signal)
     model.train()
     slow: dict = {}  # label → calls in the current step

@@ -250,11 +250,10 @@ def test_write_lane_repeats_the_default_write_bit_for_bit(block_shape, checkpoin
         assert torch.equal(a, b)
 
 
-def test_write_lane_follows_its_tensors_streams_and_threads():
-    """A lane writes θ₀[η] + φ and writes θ₀[η] back with the bits of swap_in / scatter_copy; it serves only its own
-    tensors at their addresses; what a write keeps lives in a buffer of the thread and stream that wrote it."""
-    import threading
-
+def test_write_lane_repeats_kept_launches_on_each_stream():
+    """On CUDA a lane plans its two launches at its first write and repeats them (bf16: swap_in's bits); what a
+    write keeps lives in a buffer of the stream that wrote it. (Which tensors a lane serves, and its buffer per
+    thread: test_triton_kernels.py, on this device too.)"""
     from peft_sparse.accel import triton_kernels as tk
 
     torch.manual_seed(0)
@@ -266,25 +265,11 @@ def test_write_lane_follows_its_tensors_streams_and_threads():
     lane = tk.WriteLane(weight, indices, values)
     original = weight.clone()
     for _ in range(3):  # (the first call plans the launches, the next ones repeat them)
-        pending = lane.swap_in()
+        here = lane.swap_in()[0]
         assert torch.equal(weight, reference)
-        assert lane.restore(pending)
+        assert lane.restore(lane.pending)
         assert torch.equal(weight, original)
     assert lane.swap is not None and lane.copy is not None
-    assert not lane.restore([pending[0]])  # (only the list its own write returned)
-    assert lane.serves(weight, indices, values)
-    assert lane.serves(weight, indices.view(-1), values.detach())  # (other tensors over the same memory)
-    assert not lane.serves(weight, indices.clone(), values)
-    assert not lane.serves(weight, indices, values.detach().clone())
-    assert not lane.serves(weight, indices, values.view(torch.int32))  # (the same memory as another type)
-    assert not lane.serves(weight, indices[:500], values[:500])
-    assert not lane.serves(weight.clone(), indices, values)
-    values.data = values.data.clone()  # (the same object, new memory)
-    assert not lane.serves(weight, indices, values)
-
-    lane = tk.WriteLane(weight, indices, values)
-    here = lane.swap_in()[0]
-    lane.restore(lane.pending)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -293,12 +278,7 @@ def test_write_lane_follows_its_tensors_streams_and_threads():
         lane.restore(lane.pending)
     torch.cuda.synchronize()
     assert torch.equal(weight, original)
-    seen = []
-    thread = threading.Thread(target=lambda: seen.append(tk.scratch(weight, 700)))
-    thread.start()
-    thread.join()
-    assert tk.scratch(weight, 700) is here  # (the same buffer for this thread and stream)
-    assert on_side.data_ptr() != here.data_ptr() and seen[0].data_ptr() != here.data_ptr()
+    assert tk.scratch(weight, 700) is here and on_side.data_ptr() != here.data_ptr()
 
 
 def test_layer_inputs_rebuilt_on_cuda_are_bit_identical(monkeypatch):
