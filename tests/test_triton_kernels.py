@@ -1203,3 +1203,65 @@ def test_scaled_radix_kernels_compile_for_hopper_with_the_division_torch_rounds(
     # the entries' columns (scaled keys) cost each chunk one 64-bit remainder, not one per entry
     line = next(line for line in run.stdout.splitlines() if line.startswith("REMAINDERS"))
     assert json.loads(line[len("REMAINDERS") :]) == {"True": [1] * 6, "False": [0] * 4, "wide": 1}
+
+
+@pytest.mark.parametrize("block_shape, checkpointing, copying_hook", [((1, 1), False, False), ((16, 16), True, False), ((1, 1), False, True)])
+def test_write_lane_serves_every_default_write_in_training(tk, block_shape, checkpointing, copying_hook, monkeypatch):
+    """The default pass with the layers' lanes (the Triton kernels in the interpreter on CPU, as on CUDA): a lane made
+    at each layer's first write serves every later write and write-back, in forward, in backward and, under gradient
+    checkpointing, in the recomputed forward (which hands over tensors over the same memory); a new lane only where
+    the values or indices became other tensors, not for the copies a saved-tensor hook hands to backward (those
+    take the generic calls). Losses and values are those of the generic calls (lane off) and of the CPU's own
+    writes, bit for bit; θ₀ intact after every step."""
+    import contextlib
+
+    from peft import get_peft_model
+
+    from peft_sparse import SpIELConfig, SpIELScheduler
+    from peft_sparse.accel import transient_merge
+
+    from .models import sparse_layers, tiny_llama, train_on
+
+    served, made, writes = [], [], []
+    write, swap_in, init = transient_merge.write, tk.WriteLane.swap_in, tk.WriteLane.__init__
+    monkeypatch.setattr(transient_merge, "write", lambda *a: writes.append(1) or write(*a))
+    monkeypatch.setattr(tk.WriteLane, "swap_in", lambda self: served.append(1) or swap_in(self))
+    monkeypatch.setattr(tk.WriteLane, "__init__", lambda self, *a: made.append(1) or init(self, *a))
+    kernels_for = transient_merge._kernels_for
+    runs = []
+    for way in ("lane", "generic", "cpu"):
+        monkeypatch.setattr(transient_merge, "WRITE_LANE", way == "lane")
+        monkeypatch.setattr(transient_merge, "_kernels_for", kernels_for if way == "cpu" else (lambda flat, values: tk))
+        served.clear(), made.clear(), writes.clear()
+        config = SpIELConfig(target_modules=["q_proj", "gate_proj", "down_proj"], density=0.2, reselection_steps=3,
+                             gradient_estimation_steps=2, block_shape=block_shape)  # fmt: skip
+        model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128), config)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        layers = sparse_layers(model)
+        theta0 = [layer.get_base_layer().weight.detach().clone() for layer in layers]
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        x = torch.randint(0, 97, (2, 9))
+
+        def intact(step):
+            for layer, w in zip(layers, theta0):
+                assert torch.equal(layer.get_base_layer().weight, w), (way, step, layer.module_name)
+
+        hook = torch.autograd.graph.saved_tensors_hooks(torch.clone, lambda t: t) if copying_hook else contextlib.nullcontext()
+        with hook:  # (a copy of every tensor saved for backward, as activation offloading makes)
+            losses = train_on(model, opt, SpIELScheduler(model, opt, total_steps=8), x, 8, after_step=intact)
+        if way == "lane" and copying_hook:  # forward's writes served by the lanes; backward's through the generic calls
+            assert len(served) >= 4 * len(layers) and len(writes) >= len(served) + 4 * len(layers)
+            assert len(layers) <= len(made) <= 3 * len(layers)
+        elif way == "lane":
+            # forward, backward (and the recomputed forward): every write served by a lane, each written back
+            assert len(served) == len(writes) >= (12 if checkpointing else 8) * len(layers)
+            assert len(layers) <= len(made) <= 3 * len(layers)  # (again at most at the two reselections)
+            assert all(layer._write_lane is not None and layer._write_lane.pending is None for layer in layers)
+        else:
+            assert not served and all(layer._write_lane is None for layer in layers)
+        runs.append((losses, [layer.sparse_values["default"].detach().clone() for layer in layers]))
+    for losses, values in runs[1:]:
+        assert losses == runs[0][0]
+        for a, b in zip(values, runs[0][1]):
+            assert torch.equal(a, b)
