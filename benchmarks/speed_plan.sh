@@ -20,6 +20,9 @@
 #   bash benchmarks/speed_plan.sh h   # the block goals at TinyLlama shapes only: the floor and block AG/MA, default and
 #                                     # opt-in, in 3 interleaved rounds after 60 s of settling (a round the host slowed does not decide;
 #                                     # every second round in reverse order after the floor)
+#   bash benchmarks/speed_plan.sh w   # the default pass's write lane: its GPU tests, then TinyLlama's floor and block AG/MA with and
+#                                     # without the lane (--no-write-lane) and the opt-in rows, interleaved in rounds until the call's
+#                                     # time is spent (every second round reversed after the floor); ratios to each round's floor
 #   OLD=<tree> bash benchmarks/speed_plan.sh r
 #                                     # before/after: the SpIEL and block rows of an older checkout's library and
 #                                     # bench_step.py (OLD, e.g. a `git worktree` of the commit before a change) against
@@ -113,6 +116,31 @@ for v in ("spiel-ag", "spiel-ag-block", "spiel-ma-block"):
         cells.append(f"{tree} {statistics.median(ratios):.3f} [{' '.join(f'{x:.3f}' for x in ratios)}]" if ratios else f"{tree} -")
     print(f"{v:<16}" + "   ".join(cells))
 PY
+elif [ "$MODE" = w ]; then
+  run 150 python3 -m pytest tests/test_gpu.py tests/test_triton_kernels.py -q -p no:cacheprovider -k "write_lane or default_training_pass"
+  round=0
+  while (( $(left) > 200 )); do  # (a round: 7 runs of ~30 s)
+    round=$((round + 1))
+    runs="spiel-ag-block spiel-ag-block:no-lane spiel-ma-block spiel-ma-block:no-lane spiel-ag-block-merge spiel-ma-block-merge"
+    (( round % 2 == 0 )) && runs=$(echo $runs | tr ' ' '\n' | tac | tr '\n' ' ')
+    for v in floor $runs; do
+      name=${v%%:*}; extra=(); [ "$v" != "$name" ] && extra=(--no-write-lane)
+      run 60 python3 benchmarks/bench_step.py --size tinyllama --variant "$name" "${extra[@]}" --batch-id "w$round" --out "$OUT/write-lane-rounds.jsonl"
+    done
+  done
+  python3 - "$OUT/write-lane-rounds.jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+floor = {r["batch_id"]: r["step_s_median"] for r in rows if r["variant"] == "floor"}
+by = {}
+for r in rows:
+    if r["variant"] != "floor" and r["batch_id"] in floor:
+        name = r["variant"] + ("" if r.get("write_lane", True) else ", no lane")
+        by.setdefault(name, []).append(r["step_s_median"] / floor[r["batch_id"]])
+print("median step × that round's floor (median over rounds; each round in brackets)")
+for name, ratios in by.items():
+    print(f"{name:<28}{statistics.median(ratios):.3f} [{' '.join(f'{x:.3f}' for x in ratios)}]")
+PY
 elif [ "$MODE" = c ]; then  # the default-settings goals at Llama-2-7B shapes: block rows, default and opt-in
   [ -n "${TESTS:-}" ] && run 120 python3 -m pytest tests/test_gpu.py tests/test_triton_kernels.py -q -p no:cacheprovider -k "$TESTS"
   run 570 python3 benchmarks/bench_step.py --size llama2-7b \
@@ -126,6 +154,6 @@ elif [ "$MODE" = m ]; then
   run 150 python3 benchmarks/moe_step.py --out "$OUT/moe.jsonl"
   [ -f "$OUT/moe.jsonl" ] && python3 benchmarks/moe_step.py --table "$OUT/moe.jsonl"
 else
-  echo "unknown mode '$MODE': choose a, c, g, h, k, m, p, r, s or t"; exit 2
+  echo "unknown mode '$MODE': choose a, c, g, h, k, m, p, r, s, t or w"; exit 2
 fi
 echo "done after $(( $(date +%s) - START )) s"
