@@ -281,6 +281,47 @@ def test_write_lane_repeats_kept_launches_on_each_stream():
     assert tk.scratch(weight, 700) is here and on_side.data_ptr() != here.data_ptr()
 
 
+@pytest.mark.parametrize("block_shape", [(1, 1), (16, 16)])
+def test_write_lane_under_cuda_graph_capture(block_shape, monkeypatch):
+    """A layer's default pass captured into CUDA graphs (``torch.cuda.make_graphed_callables``: forward and backward,
+    the lane's launches with a new buffer from the graph's pool while it captures) and replayed on new inputs and
+    new values: the outputs and gradients of an eager copy of the layer through the generic calls, bit for bit, and
+    θ₀ intact after each replay."""
+    import copy
+
+    from peft_sparse.accel import transient_merge
+
+    config = SpIELConfig(target_modules=["proj"], density=0.2, block_shape=block_shape)
+    torch.manual_seed(0)
+    base = torch.nn.Sequential()
+    base.add_module("proj", torch.nn.Linear(128, 96, bias=False))
+    model = get_peft_model(base.to("cuda", torch.bfloat16), config)
+    eager = copy.deepcopy(model).base_model.model.proj  # (make_graphed_callables replaces the graphed layer's forward)
+    layer = model.base_model.model.proj
+    theta0 = layer.get_base_layer().weight.detach().clone()
+    x = torch.randn(24, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed = torch.cuda.make_graphed_callables(layer, (x,))
+    assert layer._write_lane is not None  # (made in the warm-up, served while capturing)
+    monkeypatch.setattr(transient_merge, "WRITE_LANE", False)  # (the eager copy: the generic calls)
+    for step in range(3):
+        values = torch.randn_like(layer.sparse_values["default"]) * 1e-2
+        inputs = torch.randn(24, 128, device="cuda", dtype=torch.bfloat16)
+        grad = torch.randn(24, 96, device="cuda", dtype=torch.bfloat16)
+        results = []
+        for module in (graphed, eager):
+            with torch.no_grad():
+                module.sparse_values["default"].copy_(values)
+            module.sparse_values["default"].grad = None
+            given = inputs.clone().requires_grad_()
+            y = module(given)
+            y.backward(grad)
+            torch.cuda.synchronize()
+            results.append((y.detach(), given.grad, module.sparse_values["default"].grad))
+            assert torch.equal(module.get_base_layer().weight, theta0), (step, module is eager)
+        for a, b in zip(*results):
+            assert torch.equal(a, b), step
+
+
 def test_layer_inputs_rebuilt_on_cuda_are_bit_identical(monkeypatch):
     """The rebuilt inputs (the RMSNorm outputs by the fused Triton pass) give the value gradients of kept inputs."""
     from .test_functional import _inputs_kept_case
