@@ -1211,8 +1211,8 @@ def test_write_lane_serves_every_default_write_in_training(tk, block_shape, chec
     at each layer's first write serves every later write and write-back, in forward, in backward and, under gradient
     checkpointing, in the recomputed forward (which hands over tensors over the same memory); a new lane only where
     the values or indices became other tensors, not for the copies a saved-tensor hook hands to backward (those
-    take the generic calls). Losses and values are those of the generic calls (lane off) and of the CPU's own
-    writes, bit for bit; θ₀ intact after every step."""
+    take the generic calls). Losses and values are those of the generic calls (lane off) and of the device's own
+    writes (the CPU's index ops), bit for bit; θ₀ intact after every step."""
     import contextlib
 
     from peft import get_peft_model
@@ -1227,21 +1227,21 @@ def test_write_lane_serves_every_default_write_in_training(tk, block_shape, chec
     monkeypatch.setattr(transient_merge, "write", lambda *a: writes.append(1) or write(*a))
     monkeypatch.setattr(tk.WriteLane, "swap_in", lambda self: served.append(1) or swap_in(self))
     monkeypatch.setattr(tk.WriteLane, "__init__", lambda self, *a: made.append(1) or init(self, *a))
-    kernels_for = transient_merge._kernels_for
+    kernels_for, dev = transient_merge._kernels_for, _device()
     runs = []
-    for way in ("lane", "generic", "cpu"):
+    for way in ("lane", "generic", "own"):  # ("own": the device's own writes; on CUDA the generic Triton calls again)
         monkeypatch.setattr(transient_merge, "WRITE_LANE", way == "lane")
-        monkeypatch.setattr(transient_merge, "_kernels_for", kernels_for if way == "cpu" else (lambda flat, values: tk))
+        monkeypatch.setattr(transient_merge, "_kernels_for", kernels_for if way == "own" else (lambda flat, values: tk))
         served.clear(), made.clear(), writes.clear()
         config = SpIELConfig(target_modules=["q_proj", "gate_proj", "down_proj"], density=0.2, reselection_steps=3,
                              gradient_estimation_steps=2, block_shape=block_shape)  # fmt: skip
-        model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128), config)
+        model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128), config).to(dev)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         layers = sparse_layers(model)
         theta0 = [layer.get_base_layer().weight.detach().clone() for layer in layers]
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        x = torch.randint(0, 97, (2, 9))
+        x = torch.randint(0, 97, (2, 9), device=dev)
 
         def intact(step):
             for layer, w in zip(layers, theta0):
