@@ -284,12 +284,12 @@ def test_write_lane_repeats_kept_launches_on_each_stream():
 @pytest.mark.parametrize("block_shape", [(1, 1), (16, 16)])
 def test_write_lane_under_cuda_graph_capture(block_shape, monkeypatch):
     """A layer's default pass captured into CUDA graphs (``torch.cuda.make_graphed_callables``: forward and backward,
-    the lane's launches with a new buffer from the graph's pool while it captures) and replayed on new inputs and
-    new values: the outputs and gradients of an eager copy of the layer through the generic calls, bit for bit, and
-    θ₀ intact after each replay."""
+    the lane's launches with buffers of the graph's own while it captures, never the thread's kept one) and replayed
+    (no Python of the layer runs) on new inputs and new values: the outputs and gradients of an eager copy of the
+    layer through the generic calls, bit for bit, and θ₀ intact after each replay."""
     import copy
 
-    from peft_sparse.accel import transient_merge
+    from peft_sparse.accel import transient_merge, triton_kernels
 
     config = SpIELConfig(target_modules=["proj"], density=0.2, block_shape=block_shape)
     torch.manual_seed(0)
@@ -300,8 +300,21 @@ def test_write_lane_under_cuda_graph_capture(block_shape, monkeypatch):
     layer = model.base_model.model.proj
     theta0 = layer.get_base_layer().weight.detach().clone()
     x = torch.randn(24, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kept, scratch = [], triton_kernels.scratch  # (capturing?, address) of each buffer a lane's write took
+
+    def recorded(like, n):
+        buffer = scratch(like, n)
+        kept.append((torch.cuda.is_current_stream_capturing(), buffer.data_ptr()))
+        return buffer
+
+    monkeypatch.setattr(triton_kernels, "scratch", recorded)
     graphed = torch.cuda.make_graphed_callables(layer, (x,))
     assert layer._write_lane is not None  # (made in the warm-up, served while capturing)
+    captured = {address for capturing, address in kept if capturing}
+    assert len([1 for capturing, _ in kept if capturing]) >= 2  # (forward's write and backward's)
+    assert not captured & {address for capturing, address in kept if not capturing}  # (the graph's own buffers)
+    writes, write = [], transient_merge.write
+    monkeypatch.setattr(transient_merge, "write", lambda *a: writes.append(a[0]) or write(*a))
     monkeypatch.setattr(transient_merge, "WRITE_LANE", False)  # (the eager copy: the generic calls)
     for step in range(3):
         values = torch.randn_like(layer.sparse_values["default"]) * 1e-2
@@ -320,6 +333,8 @@ def test_write_lane_under_cuda_graph_capture(block_shape, monkeypatch):
             assert torch.equal(module.get_base_layer().weight, theta0), (step, module is eager)
         for a, b in zip(*results):
             assert torch.equal(a, b), step
+        assert writes and all(written is eager for written in writes)  # (the graphed layer ran no Python: replays)
+        writes.clear()
 
 
 def test_layer_inputs_rebuilt_on_cuda_are_bit_identical(monkeypatch):
