@@ -204,56 +204,10 @@ def test_default_training_pass_on_cuda_is_bit_identical(growth, block_shape, mon
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("block_shape, checkpointing", [((1, 1), False), ((16, 16), False), ((16, 16), True)])
-def test_write_lane_repeats_the_default_write_bit_for_bit(block_shape, checkpointing, monkeypatch):
-    """The layers' kept write lanes (one per layer, made at its first single-adapter write) serve every later write
-    and write-back of the default pass, in forward and in backward, through reselections, and under gradient
-    checkpointing (whose backward hands over other tensors over the same memory): the same losses and values as
-    the generic calls (lane off), θ₀ intact after every step."""
-    from peft_sparse.accel import transient_merge, triton_kernels
-
-    served, made, writes = [], [], []
-    write, swap_in, init = transient_merge.write, triton_kernels.WriteLane.swap_in, triton_kernels.WriteLane.__init__
-    monkeypatch.setattr(transient_merge, "write", lambda *a: writes.append(1) or write(*a))
-    monkeypatch.setattr(triton_kernels.WriteLane, "swap_in", lambda self: served.append(id(self)) or swap_in(self))
-    monkeypatch.setattr(triton_kernels.WriteLane, "__init__", lambda self, *a: made.append(1) or init(self, *a))
-    runs = []
-    for lane_on in (True, False):
-        monkeypatch.setattr(transient_merge, "WRITE_LANE", lane_on)
-        served.clear(), made.clear(), writes.clear()
-        config = SpIELConfig(target_modules=["q_proj", "gate_proj", "down_proj"], density=0.2, reselection_steps=3,
-                             gradient_estimation_steps=2, block_shape=block_shape)  # fmt: skip
-        model = get_peft_model(tiny_llama(hidden_size=64, intermediate_size=128, dtype=torch.bfloat16), config).cuda()
-        if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        layers = sparse_layers(model)
-        theta0 = [layer.get_base_layer().weight.detach().clone() for layer in layers]
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-2)
-        x = torch.randint(0, 97, (2, 9), device="cuda")
-        losses = train_on(model, opt, SpIELScheduler(model, opt, total_steps=8), x, 8)
-        for layer, w in zip(layers, theta0):
-            assert torch.equal(layer.get_base_layer().weight, w)
-        if lane_on:
-            # every write of the default pass (forward and backward) served by a lane; lanes made at each layer's
-            # first write, and again only where the values or indices became other tensors (at most at the reselections)
-            assert len(served) == len(writes) >= 8 * len(layers)
-            assert len(made) <= 3 * len(layers)
-            lanes = [layer._write_lane for layer in layers]
-            assert all(lane is not None and lane.swap is not None and lane.copy is not None for lane in lanes)
-            assert all(lane.pending is None for lane in lanes)  # every write written back
-        else:
-            assert not served and all(layer._write_lane is None for layer in layers)
-        runs.append((losses, [layer.sparse_values["default"].detach().clone() for layer in layers]))
-    assert runs[0][0] == runs[1][0]
-    for a, b in zip(runs[0][1], runs[1][1]):
-        assert torch.equal(a, b)
-
-
 def test_write_lane_repeats_kept_launches_on_each_stream():
     """On CUDA a lane plans its two launches at its first write and repeats them (bf16: swap_in's bits); what a
-    write keeps lives in a buffer of the stream that wrote it. (Which tensors a lane serves, and its buffer per
-    thread: test_triton_kernels.py, on this device too.)"""
+    write keeps lives in a buffer of the stream that wrote it. (Which tensors a lane serves, its buffer per thread
+    and the lanes inside training: test_triton_kernels.py, compiled on this device too.)"""
     from peft_sparse.accel import triton_kernels as tk
 
     torch.manual_seed(0)
